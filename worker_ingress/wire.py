@@ -1,0 +1,240 @@
+"""The wire protocol of record between frontends and workers.
+
+Both planes speak plain msgpack over binary websocket messages. Every message is a msgpack map
+with a ``"type"`` field naming it (msgspec tagged structs), so any msgpack library can read and
+write them; docs/protocol.md describes each field.
+
+Rules:
+
+1. The worker speaks first on both paths: a :class:`Hello` with :data:`PROTOCOL_VERSION` and its
+   :class:`RuntimeConfig`. A peer that does not know the version closes the connection.
+2. Event plane (``/v1/events``): after the hello, every websocket message is one
+   :class:`EventBatch`. A batch holds the :class:`LoadEvent` items that piled up since the last
+   send; a :class:`Heartbeat` is sent at a fixed interval and repeats the latest load of every
+   rank, so a subscriber that missed anything is whole again after one heartbeat, and a
+   subscriber that hears nothing for a few intervals knows the worker is gone or wedged.
+3. Request plane (``/v1/requests``): the client sends :class:`Generate` and :class:`Cancel`; the
+   worker answers each request id with exactly one of :class:`Rejected` (before the request
+   started) or :class:`Started` followed by any number of :class:`Chunk` and then one
+   :class:`End` or :class:`Failed`. Many requests share one connection.
+4. Fields are only ever added, never renamed or repurposed; decoders ignore unknown fields, so
+   an older peer reads a newer one's messages. A breaking change bumps :data:`PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+__all__ = [
+    "CANCEL_REASON_CLIENT",
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
+    "REASON_DRAINING",
+    "REASON_OVERLOADED",
+    "REASON_QUEUE_TIMEOUT",
+    "Cancel",
+    "Chunk",
+    "ClientMessage",
+    "End",
+    "Endpoint",
+    "EventBatch",
+    "Failed",
+    "FailureKind",
+    "Generate",
+    "Heartbeat",
+    "Hello",
+    "LoadEvent",
+    "RankLoad",
+    "Rejected",
+    "RuntimeConfig",
+    "Started",
+    "WorkerEvent",
+    "WorkerMessage",
+    "decode_client_message",
+    "decode_event_message",
+    "decode_worker_message",
+    "encode",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+#: Largest websocket message either side accepts (bytes). A request body travels in one message.
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
+
+#: Reason texts of a rejection. Frontends classify by the prefix before the colon:
+#: ``Server overloaded:`` means "this worker is full, try another one";
+#: ``Server unavailable:`` means "this worker is going away".
+REASON_OVERLOADED: Final = "Server overloaded: worker at capacity"
+REASON_QUEUE_TIMEOUT: Final = "Server overloaded: queue timeout"
+REASON_DRAINING: Final = "Server unavailable: draining"
+
+CANCEL_REASON_CLIENT: Final = "client cancelled"
+
+Endpoint = Literal["chat_completions", "completions", "embeddings"]
+FailureKind = Literal["bad_request", "engine", "cancelled", "unavailable"]
+
+
+class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker announces about itself in its hello."""
+
+    worker_id: str
+    model: str
+    kv_total_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    data_parallel_size: int
+    #: N as configured; ``None`` when unset (the gate then has 10000 slots).
+    engine_request_limit: int | None
+    #: Q in force (16 by default when N is set, 40000 when N is unset).
+    request_queue_limit: int
+    #: Seconds between heartbeats on the event plane.
+    heartbeat_interval: float
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="type"):
+    protocol_version: int
+    config: RuntimeConfig
+
+
+# ----------------------------------------------------------------------------- event plane
+
+
+class RankLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """The load of one data-parallel rank, as the engine sees it."""
+
+    dp_rank: int
+    active_decode_blocks: int
+    active_prefill_tokens: int
+    #: KV blocks in use on this rank (what the decode threshold compares with the total).
+    kv_used_blocks: int
+
+
+class LoadEvent(msgspec.Struct, frozen=True, kw_only=True, tag="load", tag_field="type"):
+    """One rank's load changed. ``seq`` increases by one per event or heartbeat of a worker."""
+
+    seq: int
+    #: Wall-clock seconds since the epoch when the worker produced the event.
+    ts: float
+    load: RankLoad
+    #: Ingress gauges of the whole worker at that moment.
+    engine_requests: int
+    queued_requests: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="type"):
+    """Sent every ``heartbeat_interval`` seconds; repeats the latest load of every rank."""
+
+    seq: int
+    ts: float
+    loads: list[RankLoad]
+    engine_requests: int
+    queued_requests: int
+    #: ``ready`` or ``draining``.
+    status: str = "ready"
+
+
+WorkerEvent = LoadEvent | Heartbeat
+
+
+class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_field="type"):
+    """Everything that piled up since the last websocket message, oldest first."""
+
+    events: list[WorkerEvent]
+
+
+# ----------------------------------------------------------------------------- request plane
+
+
+class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_field="type"):
+    """Run one request. ``body`` is the OpenAI request body as the client sent it."""
+
+    request_id: int
+    endpoint: Endpoint
+    body: dict[str, Any]
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
+    """Either side gives up on a request; the worker frees its slot or queue place at once."""
+
+    request_id: int
+    reason: str = CANCEL_REASON_CLIENT
+
+
+class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected", tag_field="type"):
+    """The request never started; ``reason`` is one of the ``REASON_*`` texts."""
+
+    request_id: int
+    reason: str
+
+
+class Started(msgspec.Struct, frozen=True, kw_only=True, tag="started", tag_field="type"):
+    """The request holds an engine slot now; the frontend may send its HTTP status line."""
+
+    request_id: int
+    prompt_tokens: int
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="type"):
+    """A piece of output: generated text (and its token count) or an embedding."""
+
+    request_id: int
+    text: str = ""
+    tokens: int = 0
+    #: For ``chat_completions``/``completions``: ``None`` until the last chunk.
+    finish_reason: str | None = None
+    embedding: list[float] | None = None
+    #: For embeddings with several inputs: which input this vector belongs to.
+    index: int = 0
+
+
+class End(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field="type"):
+    """The request completed normally."""
+
+    request_id: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field="type"):
+    """The request ended in error, before or after it started."""
+
+    request_id: int
+    kind: FailureKind
+    message: str
+
+
+ClientMessage = Generate | Cancel
+WorkerMessage = Hello | Rejected | Started | Chunk | End | Failed | Cancel
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_event_decoder = msgspec.msgpack.Decoder(Hello | EventBatch)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """Encode any message of this module as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode_client_message(data: bytes) -> ClientMessage:
+    """Decode what a frontend sends on the request plane.
+
+    Raises:
+        msgspec.DecodeError: the bytes are not msgpack or not a known message (a
+            ``msgspec.ValidationError`` for a known type with a bad field).
+    """
+    return _client_decoder.decode(data)
+
+
+def decode_worker_message(data: bytes) -> WorkerMessage:
+    """Decode what a worker sends on the request plane (raises like the above)."""
+    return _worker_decoder.decode(data)
+
+
+def decode_event_message(data: bytes) -> Hello | EventBatch:
+    """Decode what a worker sends on the event plane (raises like the above)."""
+    return _event_decoder.decode(data)
