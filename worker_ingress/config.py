@@ -1,0 +1,76 @@
+"""Validated worker settings: what the CLI produces and every other module consumes.
+
+The CLI (:mod:`worker_ingress.cli`) parses flags and ``DYN_*`` variables into these structs; the
+rules that depend on several values (N unset means 10000 slots and 40000 queued) live here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+__all__ = [
+    "DEFAULT_QUEUE_LIMIT",
+    "UNLIMITED_ENGINE_SLOTS",
+    "UNLIMITED_QUEUE_LIMIT",
+    "MockerSettings",
+    "WorkerSettings",
+]
+
+#: Q when ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT`` is unset and N is set.
+DEFAULT_QUEUE_LIMIT: Final = 16
+#: The gate's size when N is unset: large enough never to reject in practice.
+UNLIMITED_ENGINE_SLOTS: Final = 10_000
+UNLIMITED_QUEUE_LIMIT: Final = 40_000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MockerSettings:
+    """Shape of the simulated engine (flags ``--num-gpu-blocks`` ... ``--speedup-ratio``)."""
+
+    num_gpu_blocks: int = 16384
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    data_parallel_size: int = 1
+    speedup_ratio: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """Everything a worker process needs to start."""
+
+    host: str = "127.0.0.1"
+    port: int = 9100
+    system_port: int = 9101
+    model: str = "mock-model"
+    worker_id: str
+    #: ``mocker``, ``openai`` or ``package.module:factory``.
+    engine: str = "mocker"
+    #: Base URL of the OpenAI-compatible server the ``openai`` engine forwards to.
+    upstream_url: str | None = None
+    #: N as given; ``None`` when unset.
+    engine_request_limit: int | None = None
+    #: Q as given (``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``); used only when N is set.
+    request_queue_limit: int = DEFAULT_QUEUE_LIMIT
+    #: Seconds a request may wait in the queue; ``None``: no limit.
+    queue_timeout: float | None = None
+    #: Seconds running and queued requests get to finish after SIGTERM/SIGINT.
+    drain_grace: float = 30.0
+    #: Seconds between event-plane heartbeats.
+    heartbeat_interval: float = 1.0
+    mocker: MockerSettings = dataclasses.field(default_factory=MockerSettings)
+
+    @property
+    def engine_slots(self) -> int:
+        """Slots of the gate in force: N, or 10000 when N is unset."""
+        if self.engine_request_limit is None:
+            return UNLIMITED_ENGINE_SLOTS
+        return self.engine_request_limit
+
+    @property
+    def queue_limit(self) -> int:
+        """Q in force: as configured when N is set, else 40000."""
+        if self.engine_request_limit is None:
+            return UNLIMITED_QUEUE_LIMIT
+        return self.request_queue_limit
