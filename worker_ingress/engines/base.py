@@ -10,7 +10,7 @@ Life of a request inside a worker:
    engine then frees everything the request held (KV blocks, batch places) at once.
 
 Load reporting: the engine keeps :meth:`Engine.load` current for each data-parallel rank and bumps
-:attr:`Engine.load_changed` whenever a value there changes, so the event plane can publish on change.
+:attr:`Engine.load_changed` whenever a value there changes, so the event plane publishes on change.
 """
 
 from __future__ import annotations

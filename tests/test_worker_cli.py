@@ -1,0 +1,179 @@
+"""The ``worker-ingress`` command line: precedence, validation, help."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from worker_ingress.cli import CliError, parse_args
+from worker_ingress.config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
+
+ALL_VARIABLES = [
+    "DYN_WORKER_HOST",
+    "DYN_WORKER_PORT",
+    "DYN_SYSTEM_PORT",
+    "DYN_MODEL_NAME",
+    "DYN_WORKER_ID",
+    "DYN_ENGINE",
+    "DYN_UPSTREAM_URL",
+    "DYN_ENGINE_REQUEST_LIMIT",
+    "DYN_DYNAMO_REQUEST_QUEUE_LIMIT",
+    "DYN_REQUEST_QUEUE_TIMEOUT",
+    "DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
+    "DYN_HEARTBEAT_INTERVAL",
+    "DYN_MOCKER_NUM_GPU_BLOCKS",
+    "DYN_MOCKER_BLOCK_SIZE",
+    "DYN_MOCKER_MAX_NUM_SEQS",
+    "DYN_MOCKER_MAX_NUM_BATCHED_TOKENS",
+    "DYN_MOCKER_DATA_PARALLEL_SIZE",
+    "DYN_MOCKER_SPEEDUP_RATIO",
+    "DYN_LOG",
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ALL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults() -> None:
+    settings, log_level = parse_args([])
+    assert settings.host == "127.0.0.1"
+    assert (settings.port, settings.system_port) == (9100, 9101)
+    assert settings.model == "mock-model"
+    assert settings.engine == "mocker"
+    assert settings.engine_request_limit is None
+    assert (settings.engine_slots, settings.queue_limit) == (
+        UNLIMITED_ENGINE_SLOTS,
+        UNLIMITED_QUEUE_LIMIT,
+    )
+    assert settings.queue_timeout is None
+    assert settings.drain_grace == 30.0
+    assert settings.mocker.num_gpu_blocks == 16384
+    assert settings.mocker.block_size == 16
+    assert settings.mocker.max_num_seqs == 256
+    assert settings.mocker.max_num_batched_tokens == 8192
+    assert settings.mocker.data_parallel_size == 1
+    assert settings.mocker.speedup_ratio == 1.0
+    assert log_level == "info"
+
+
+def test_worker_id_is_random_but_given_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    first, _ = parse_args([])
+    second, _ = parse_args([])
+    assert first.worker_id != second.worker_id
+    monkeypatch.setenv("DYN_WORKER_ID", "w-7")
+    assert parse_args([])[0].worker_id == "w-7"
+
+
+def test_command_line_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_ENGINE_REQUEST_LIMIT", "16")
+    assert parse_args([])[0].engine_request_limit == 16
+    settings, _ = parse_args(["--engine-request-limit", "4"])
+    # The value given on the command line is the one the gate uses.
+    assert settings.engine_request_limit == 4
+    assert settings.engine_slots == 4
+    assert settings.queue_limit == 16
+
+
+def test_queue_limit_is_read_from_the_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_DYNAMO_REQUEST_QUEUE_LIMIT", "5")
+    settings, _ = parse_args(["--engine-request-limit", "2"])
+    assert (settings.engine_slots, settings.queue_limit) == (2, 5)
+    # Without N the queue limit is not used: the gate is effectively unlimited.
+    settings, _ = parse_args([])
+    assert settings.queue_limit == UNLIMITED_QUEUE_LIMIT
+    with pytest.raises(CliError, match="Unknown option"):
+        parse_args(["--dynamo-request-queue-limit", "5"])
+
+
+def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_MOCKER_NUM_GPU_BLOCKS", "64")
+    monkeypatch.setenv("DYN_MOCKER_SPEEDUP_RATIO", "10")
+    settings, _ = parse_args(["--block-size", "4", "--data-parallel-size", "2"])
+    assert settings.mocker.num_gpu_blocks == 64
+    assert settings.mocker.speedup_ratio == 10.0
+    assert settings.mocker.block_size == 4
+    assert settings.mocker.data_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "named"),
+    [
+        (["--engine-request-limit", "0"], {}, "--engine-request-limit"),
+        (["--engine-request-limit", "-3"], {}, "--engine-request-limit"),
+        (["--engine-request-limit", "two"], {}, "--engine-request-limit"),
+        ([], {"DYN_ENGINE_REQUEST_LIMIT": "abc"}, "DYN_ENGINE_REQUEST_LIMIT"),
+        ([], {"DYN_ENGINE_REQUEST_LIMIT": ""}, "DYN_ENGINE_REQUEST_LIMIT"),
+        ([], {"DYN_ENGINE_REQUEST_LIMIT": "0"}, "DYN_ENGINE_REQUEST_LIMIT"),
+        ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "1"}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
+        ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "0"}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
+        ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "many"}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
+        ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": ""}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
+        (["--port", "70000"], {}, "--port"),
+        ([], {"DYN_SYSTEM_PORT": "-1"}, "DYN_SYSTEM_PORT"),
+        (["--queue-timeout", "0"], {}, "--queue-timeout"),
+        (["--queue-timeout", "nan"], {}, "--queue-timeout"),
+        (["--graceful-shutdown-timeout", "-1"], {}, "--graceful-shutdown-timeout"),
+        (["--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
+        (["--num-gpu-blocks", "0"], {}, "--num-gpu-blocks"),
+        ([], {"DYN_MOCKER_BLOCK_SIZE": "0"}, "DYN_MOCKER_BLOCK_SIZE"),
+        (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
+        (["--max-num-batched-tokens", "0"], {}, "--max-num-batched-tokens"),
+        (["--data-parallel-size", "0"], {}, "--data-parallel-size"),
+        (["--speedup-ratio", "0"], {}, "--speedup-ratio"),
+        (["--speedup-ratio", "inf"], {}, "--speedup-ratio"),
+        (["--engine", "nonsense"], {}, "--engine"),
+        (["--engine", "openai"], {}, "--upstream-url"),
+        (["--log-level", "loud"], {}, "--log-level"),
+    ],
+)
+def test_invalid_values_name_the_flag_or_variable(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], environment: dict[str, str], named: str
+) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(CliError) as caught:
+        parse_args(argv)
+    message = str(caught.value)
+    assert named in message
+    assert "\n" not in message
+
+
+def _run_command(argv: list[str], environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    return subprocess.run(
+        [sys.executable, "-m", "worker_ingress", *argv],
+        env={**clean, "COLUMNS": "200", **environment},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_invalid_value_exits_2_with_one_line() -> None:
+    result = _run_command([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "1"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "DYN_DYNAMO_REQUEST_QUEUE_LIMIT" in lines[0]
+    assert '"1"' in lines[0]
+    assert result.stdout == ""
+
+
+def test_unknown_engine_module_exits_2() -> None:
+    result = _run_command(["--engine", "no_such_module_here:create"], {})
+    assert result.returncode == 2
+    assert "no_such_module_here" in result.stderr
+
+
+def test_help_names_every_variable() -> None:
+    result = _run_command(["--help"], {})
+    assert result.returncode == 0
+    for name in ALL_VARIABLES:
+        assert name in result.stdout, name

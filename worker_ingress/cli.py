@@ -1,0 +1,265 @@
+"""The ``worker-ingress`` command: flags and ``DYN_*`` variables in, a running worker out.
+
+Every flag also reads the environment variable named in its help; the command line wins over the
+environment, which wins over the default. Any invalid value stops the process before it binds a
+port, with exit code 2 and one line on stderr that names the flag or variable and the value given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Literal, NoReturn
+
+import cyclopts
+from cyclopts import App, Parameter, validators
+
+from worker_ingress import __version__
+from worker_ingress.config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
+
+__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
+
+#: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
+QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class CliError(Exception):
+    """An invalid flag or variable; the message is the one line printed before exit 2."""
+
+
+def _finite(type_: type, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("Must be a finite number.")
+
+
+def _port() -> validators.Number:
+    return validators.Number(gte=0, lte=65535)
+
+
+def _positive() -> validators.Number:
+    return validators.Number(gte=1)
+
+
+app = App(
+    name="worker-ingress",
+    help_formatter="plain",
+    version=__version__,
+    help_on_error=False,
+)
+
+
+@app.default
+def _worker(
+    *,
+    host: Annotated[str, Parameter(env_var="DYN_WORKER_HOST")] = "127.0.0.1",
+    port: Annotated[int, Parameter(env_var="DYN_WORKER_PORT", validator=_port())] = 9100,
+    system_port: Annotated[int, Parameter(env_var="DYN_SYSTEM_PORT", validator=_port())] = 9101,
+    model: Annotated[str, Parameter(env_var="DYN_MODEL_NAME")] = "mock-model",
+    worker_id: Annotated[str | None, Parameter(env_var="DYN_WORKER_ID")] = None,
+    engine: Annotated[str, Parameter(env_var="DYN_ENGINE")] = "mocker",
+    upstream_url: Annotated[str | None, Parameter(env_var="DYN_UPSTREAM_URL")] = None,
+    engine_request_limit: Annotated[
+        int | None, Parameter(env_var="DYN_ENGINE_REQUEST_LIMIT", validator=_positive())
+    ] = None,
+    queue_timeout: Annotated[
+        float | None,
+        Parameter(
+            env_var="DYN_REQUEST_QUEUE_TIMEOUT",
+            validator=(validators.Number(gt=0), _finite),
+        ),
+    ] = None,
+    graceful_shutdown_timeout: Annotated[
+        float,
+        Parameter(
+            env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
+            validator=(validators.Number(gte=0), _finite),
+        ),
+    ] = 30.0,
+    heartbeat_interval: Annotated[
+        float,
+        Parameter(
+            env_var="DYN_HEARTBEAT_INTERVAL",
+            validator=(validators.Number(gt=0, lte=60), _finite),
+        ),
+    ] = 1.0,
+    num_gpu_blocks: Annotated[
+        int, Parameter(env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=_positive())
+    ] = 16384,
+    block_size: Annotated[
+        int, Parameter(env_var="DYN_MOCKER_BLOCK_SIZE", validator=_positive())
+    ] = 16,
+    max_num_seqs: Annotated[
+        int, Parameter(env_var="DYN_MOCKER_MAX_NUM_SEQS", validator=_positive())
+    ] = 256,
+    max_num_batched_tokens: Annotated[
+        int, Parameter(env_var="DYN_MOCKER_MAX_NUM_BATCHED_TOKENS", validator=_positive())
+    ] = 8192,
+    data_parallel_size: Annotated[
+        int, Parameter(env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=_positive())
+    ] = 1,
+    speedup_ratio: Annotated[
+        float,
+        Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), _finite)),
+    ] = 1.0,
+    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
+) -> tuple[WorkerSettings, LogLevel]:
+    """Serve one engine behind an admission gate: N engine slots plus Q queue places.
+
+    Requests beyond N running and Q waiting are rejected at once with
+    "Server overloaded: worker at capacity". The environment variable
+    DYN_DYNAMO_REQUEST_QUEUE_LIMIT sets Q (an integer >= 2, default 16, used only when
+    --engine-request-limit is set); it has no flag.
+
+    Parameters
+    ----------
+    host
+        Address of the websocket listener (request plane /v1/requests, event plane /v1/events).
+    port
+        Port of the websocket listener; 0 picks a free one.
+    system_port
+        HTTP port for /metrics, /health and /live; 0 picks a free one.
+    model
+        Model name the worker serves and announces.
+    worker_id
+        Id announced to frontends (default: random, stable for the process).
+    engine
+        "mocker" (built-in simulator), "openai" (an OpenAI-compatible upstream server, see
+        --upstream-url) or "package.module:factory" for an in-process engine.
+    upstream_url
+        Base URL of the upstream server for --engine openai, e.g. http://127.0.0.1:8001.
+    engine_request_limit
+        N: at most N requests run in the engine at once; setting it enables rejection. Unset: 10000
+        slots and 40000 queue places.
+    queue_timeout
+        Seconds a request may wait in the queue before it is rejected with
+        "Server overloaded: queue timeout" (default: no limit).
+    graceful_shutdown_timeout
+        Seconds running and queued requests get to finish after SIGTERM or SIGINT.
+    heartbeat_interval
+        Seconds between event-plane heartbeats (frontends treat a silent worker as stale).
+    num_gpu_blocks
+        Mocker: KV cache blocks per data-parallel rank.
+    block_size
+        Mocker: tokens per KV cache block.
+    max_num_seqs
+        Mocker: sequences in the running batch at most, per rank.
+    max_num_batched_tokens
+        Mocker: token budget of one engine step (decode and chunked prefill), per rank.
+    data_parallel_size
+        Mocker: data-parallel ranks.
+    speedup_ratio
+        Mocker: simulated step times are divided by this.
+    log_level
+        Log level of the messages written to stderr.
+    """
+    settings = WorkerSettings(
+        host=host,
+        port=port,
+        system_port=system_port,
+        model=model,
+        worker_id=worker_id if worker_id else secrets.token_hex(8),
+        engine=engine,
+        upstream_url=upstream_url,
+        engine_request_limit=engine_request_limit,
+        request_queue_limit=_queue_limit_from_env(),
+        queue_timeout=queue_timeout,
+        drain_grace=graceful_shutdown_timeout,
+        heartbeat_interval=heartbeat_interval,
+        mocker=MockerSettings(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            data_parallel_size=data_parallel_size,
+            speedup_ratio=speedup_ratio,
+        ),
+    )
+    _check_engine(settings)
+    return settings, log_level
+
+
+def _queue_limit_from_env() -> int:
+    raw = os.environ.get(QUEUE_LIMIT_ENV)
+    if raw is None:
+        return DEFAULT_QUEUE_LIMIT
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise CliError(
+            f'Invalid value for {QUEUE_LIMIT_ENV} from env: "{raw}" is not an integer.'
+        ) from None
+    if value < 2:
+        raise CliError(
+            f'Invalid value "{raw}" for {QUEUE_LIMIT_ENV} provided by env. Must be >= 2 '
+            "(the dispatcher holds one request, so the overflow channel has Q-1 places)."
+        )
+    return value
+
+
+def _check_engine(settings: WorkerSettings) -> None:
+    if settings.engine == "openai":
+        if not settings.upstream_url:
+            raise CliError("--engine openai needs --upstream-url (DYN_UPSTREAM_URL).")
+        return
+    if settings.engine == "mocker":
+        return
+    module, sep, factory = settings.engine.partition(":")
+    if not sep or not module or not factory.isidentifier():
+        raise CliError(
+            f'Invalid value "{settings.engine}" for --engine. '
+            'Choose "mocker", "openai" or "package.module:factory".'
+        )
+
+
+def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogLevel]:
+    """Parse flags and environment into settings.
+
+    Raises:
+        CliError: an invalid flag, variable or combination (message fit for one line).
+    """
+    try:
+        result = app(
+            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
+        )
+    except cyclopts.CycloptsError as exc:
+        raise CliError(str(exc).strip().replace("\n", " ")) from None
+    if not isinstance(result, tuple):  # --help or --version ran and printed
+        raise SystemExit(0)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``worker-ingress`` console script."""
+    try:
+        settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
+    except CliError as exc:
+        _exit_invalid(str(exc))
+    logging.basicConfig(
+        level=log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Imported late so that --help and argument errors never pay for (or trip over) the engine.
+    import trio
+
+    from worker_ingress.engines.loader import EngineLoadError, load_engine
+
+    try:
+        engine = load_engine(settings)
+    except EngineLoadError as exc:
+        _exit_invalid(str(exc))
+
+    from worker_ingress.server import run_worker
+
+    trio.run(run_worker, settings, engine)
+
+
+def _exit_invalid(message: str) -> NoReturn:
+    print(f"worker-ingress: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
