@@ -1,0 +1,185 @@
+"""A zero-work engine: answers at once, for tests and for measuring the ingress itself.
+
+``--engine worker_ingress.engines.instant:create`` selects it. A completion streams exactly
+``max_tokens`` chunks (16 when absent) of one token each with no delay; an embedding request
+answers one small vector per input. Prompt tokens are counted like the mocker counts them: one per
+whitespace-separated word of the prompt (all message contents, for chat). The engine holds no KV
+cache, so its load is always zero and :attr:`InstantEngine.load_changed` never moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import trio
+
+from worker_ingress.config import WorkerSettings
+from worker_ingress.engines.base import (
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+    PreparedRequest,
+)
+from worker_ingress.watch import ChangeSignal
+from worker_ingress.wire import Endpoint, RankLoad
+
+__all__ = ["DEFAULT_MAX_TOKENS", "EMBEDDING_SIZE", "InstantEngine", "create"]
+
+DEFAULT_MAX_TOKENS: Final = 16
+EMBEDDING_SIZE: Final = 8
+
+
+def _count_words(value: object, field: str) -> int:
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sum(len(item.split()) for item in value)
+    raise EngineInputError(f"'{field}' must be a string or a list of strings")
+
+
+def _chat_prompt_tokens(messages: object) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise EngineInputError("'messages' must be a non-empty list")
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise EngineInputError("each message must be an object")
+        content = message.get("content", "")
+        if content is None:
+            continue
+        if isinstance(content, list):
+            # OpenAI content parts: count the text parts only.
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += len(part["text"].split())
+            continue
+        total += _count_words(content, "content")
+    return total
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EngineInputError(f"'max_tokens' must be a non-negative integer, got {value!r}")
+    return value
+
+
+class InstantEngine:
+    """An :class:`~worker_ingress.engines.base.Engine` that does no work.
+
+    Args:
+        config: The limits it announces (nothing enforces them).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._load_changed = ChangeSignal()
+        self._loads = [
+            RankLoad(
+                dp_rank=rank, active_decode_blocks=0, active_prefill_tokens=0, kv_used_blocks=0
+            )
+            for rank in range(config.data_parallel_size)
+        ]
+
+    @property
+    def config(self) -> EngineConfig:
+        """The limits announced in the worker's hello."""
+        return self._config
+
+    @property
+    def load_changed(self) -> ChangeSignal:
+        """Never bumped: the load is always zero."""
+        return self._load_changed
+
+    def load(self) -> list[RankLoad]:
+        """Zero load on every rank."""
+        return list(self._loads)
+
+    def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
+        """Validate a body and count its prompt tokens.
+
+        Args:
+            endpoint: Which OpenAI endpoint the body is for.
+            body: The OpenAI request body.
+
+        Returns:
+            The prepared request.
+
+        Raises:
+            EngineInputError: The body lacks its prompt or has a bad ``max_tokens``.
+        """
+        if endpoint == "chat_completions":
+            return PreparedRequest(
+                endpoint=endpoint,
+                prompt_tokens=_chat_prompt_tokens(body.get("messages")),
+                max_tokens=_max_tokens(body),
+            )
+        if endpoint == "completions":
+            if "prompt" not in body:
+                raise EngineInputError("'prompt' is required")
+            return PreparedRequest(
+                endpoint=endpoint,
+                prompt_tokens=_count_words(body["prompt"], "prompt"),
+                max_tokens=_max_tokens(body),
+            )
+        if "input" not in body:
+            raise EngineInputError("'input' is required")
+        inputs = body["input"]
+        count = 1 if isinstance(inputs, str) else len(inputs) if isinstance(inputs, list) else 0
+        return PreparedRequest(
+            endpoint=endpoint,
+            prompt_tokens=_count_words(inputs, "input"),
+            max_tokens=0,
+            payload=count,
+        )
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the answer with no delay (one checkpoint per chunk, so it stays cancellable).
+
+        Args:
+            request: What :meth:`prepare` returned.
+
+        Yields:
+            ``max_tokens`` one-token chunks, the last with ``finish_reason="length"``; or one
+            vector per input for embeddings.
+        """
+        if request.endpoint == "embeddings":
+            for index in range(int(request.payload)):
+                await trio.lowlevel.checkpoint()
+                yield EngineOutput(embedding=[0.0] * EMBEDDING_SIZE, index=index)
+            return
+        for produced in range(1, request.max_tokens + 1):
+            await trio.lowlevel.checkpoint()
+            last = produced == request.max_tokens
+            yield EngineOutput(text=" tok", tokens=1, finish_reason="length" if last else None)
+        if request.max_tokens == 0:
+            yield EngineOutput(finish_reason="length")
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Nothing runs in the background; ready at once, then sleeps until cancelled."""
+        task_status.started()
+        await trio.sleep_forever()
+
+
+def create(settings: WorkerSettings) -> InstantEngine:
+    """Build the engine from worker settings (the ``package.module:factory`` entry point).
+
+    Args:
+        settings: The worker's settings; the mocker's shape supplies the announced limits.
+
+    Returns:
+        A new engine.
+    """
+    shape = settings.mocker
+    return InstantEngine(
+        EngineConfig(
+            kv_total_blocks=shape.num_gpu_blocks,
+            block_size=shape.block_size,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_num_seqs=shape.max_num_seqs,
+            data_parallel_size=shape.data_parallel_size,
+        )
+    )

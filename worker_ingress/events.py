@@ -1,0 +1,335 @@
+"""The event plane's publisher: load events on change, heartbeats, latest-wins per subscriber.
+
+Rules:
+
+1. One :class:`LoadTracker` per worker owns the sequence counter. Every :class:`~wire.LoadEvent`
+   and every :class:`~wire.Heartbeat` takes the next ``seq``; ``ts`` is wall-clock seconds.
+2. A load event is produced for a rank when its load or the ingress gauges (running, queued)
+   differ from what was last published; the gauges belong to the whole worker, so a gauge change
+   produces one event per rank. Publishing the same state twice produces nothing.
+3. A heartbeat is produced every ``heartbeat_interval`` seconds whatever happens, and at once
+   when the worker's status changes (``ready`` -> ``draining``). It repeats the latest load of
+   every rank.
+4. Each subscriber has a :class:`Mailbox` that holds at most one pending load event per rank and
+   at most one pending heartbeat. A newer event replaces an older one of the same rank; a pending
+   heartbeat makes every older pending load event redundant (it repeats them all), so they are
+   dropped. A slow subscriber therefore sees gaps in ``seq`` but always the latest state, and its
+   memory is bounded by ``data_parallel_size + 1`` events.
+5. Whatever sits in a mailbox when its subscriber's sender is ready is sent as one
+   :class:`~wire.EventBatch`, oldest first: that is the coalescing.
+6. Publishing never blocks: producers write into mailboxes synchronously, so a slow subscriber
+   slows neither the engine nor the other subscribers.
+
+The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that watches the engine's
+:class:`~worker_ingress.watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Final, Literal
+
+import trio
+
+from worker_ingress.watch import ChangeSignal
+from worker_ingress.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+
+__all__ = [
+    "DEFAULT_COALESCE_INTERVAL",
+    "open_event_publisher",
+    "EventPublisher",
+    "LoadTracker",
+    "Mailbox",
+    "Subscription",
+    "WorkerStatus",
+]
+
+WorkerStatus = Literal["ready", "draining"]
+
+#: After publishing a change the publisher waits this long before looking again, so a burst of
+#: changes (every admission moves a gauge) becomes one event per rank instead of hundreds.
+DEFAULT_COALESCE_INTERVAL: Final = 0.001
+
+
+class LoadTracker:
+    """Turns load snapshots into load events and heartbeats (sans-IO).
+
+    Args:
+        wall_clock: Returns the timestamp stamped on each event (seconds since the epoch).
+    """
+
+    def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self._wall_clock = wall_clock
+        self._seq = 0
+        self._loads: list[RankLoad] = []
+        self._engine_requests = 0
+        self._queued_requests = 0
+        # What was last published per rank, loads and gauges together.
+        self._published: dict[int, tuple[RankLoad, int, int]] = {}
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last event or heartbeat produced (0: none yet)."""
+        return self._seq
+
+    def observe(
+        self, loads: list[RankLoad], engine_requests: int, queued_requests: int
+    ) -> list[LoadEvent]:
+        """Record the current state and return a load event for every rank that changed.
+
+        Args:
+            loads: The load of every data-parallel rank.
+            engine_requests: Requests running in the engine now.
+            queued_requests: Requests waiting in the ingress now.
+
+        Returns:
+            The new events, in rank order; empty when nothing changed.
+        """
+        self._loads = list(loads)
+        self._engine_requests = engine_requests
+        self._queued_requests = queued_requests
+        events: list[LoadEvent] = []
+        now = self._wall_clock()
+        for load in loads:
+            state = (load, engine_requests, queued_requests)
+            if self._published.get(load.dp_rank) == state:
+                continue
+            self._published[load.dp_rank] = state
+            self._seq += 1
+            events.append(
+                LoadEvent(
+                    seq=self._seq,
+                    ts=now,
+                    load=load,
+                    engine_requests=engine_requests,
+                    queued_requests=queued_requests,
+                )
+            )
+        return events
+
+    def heartbeat(self, status: WorkerStatus) -> Heartbeat:
+        """Return a heartbeat repeating the latest observed state.
+
+        Args:
+            status: What the worker is doing: ``ready`` or ``draining``.
+
+        Returns:
+            A heartbeat with the next sequence number.
+        """
+        self._seq += 1
+        return Heartbeat(
+            seq=self._seq,
+            ts=self._wall_clock(),
+            loads=list(self._loads),
+            engine_requests=self._engine_requests,
+            queued_requests=self._queued_requests,
+            status=status,
+        )
+
+
+class Mailbox:
+    """One subscriber's pending events: latest per rank, at most one heartbeat (sans-IO)."""
+
+    __slots__ = ("_heartbeat", "_loads")
+
+    def __init__(self) -> None:
+        self._loads: dict[int, LoadEvent] = {}
+        self._heartbeat: Heartbeat | None = None
+
+    def __len__(self) -> int:
+        return len(self._loads) + (self._heartbeat is not None)
+
+    def put(self, event: WorkerEvent) -> None:
+        """Add an event, replacing what it supersedes (rules 4 of the module docstring).
+
+        Args:
+            event: A load event or a heartbeat, in increasing ``seq`` order.
+        """
+        if isinstance(event, Heartbeat):
+            self._heartbeat = event
+            self._loads.clear()
+        else:
+            self._loads[event.load.dp_rank] = event
+
+    def take(self) -> list[WorkerEvent]:
+        """Remove and return everything pending, oldest first.
+
+        Returns:
+            The pending events ordered by ``seq``; empty when nothing is pending.
+        """
+        events: list[WorkerEvent] = list(self._loads.values())
+        if self._heartbeat is not None:
+            events.append(self._heartbeat)
+        self._loads.clear()
+        self._heartbeat = None
+        events.sort(key=_seq_of)
+        return events
+
+
+def _seq_of(event: WorkerEvent) -> int:
+    return event.seq
+
+
+class Subscription:
+    """A subscriber's handle: wait for the next batch of events."""
+
+    def __init__(self) -> None:
+        self._mailbox = Mailbox()
+        self._signal = ChangeSignal()
+        self._seen = 0
+
+    def deliver(self, event: WorkerEvent) -> None:
+        """Put an event in the mailbox and wake the subscriber (synchronous, never blocks)."""
+        self._mailbox.put(event)
+        self._signal.bump()
+
+    @property
+    def pending(self) -> int:
+        """Events waiting to be taken (at most ``data_parallel_size + 1``)."""
+        return len(self._mailbox)
+
+    async def next_batch(self) -> list[WorkerEvent]:
+        """Wait until something is pending and take all of it.
+
+        Returns:
+            A non-empty list of events, oldest first.
+        """
+        while True:
+            events = self._mailbox.take()
+            if events:
+                return events
+            self._seen = await self._signal.wait_past(self._seen)
+
+
+class EventPublisher:
+    """Publishes the worker's load to any number of subscribers (the Trio shell).
+
+    Args:
+        load: Returns the current load of every rank (the engine's ``load``).
+        load_changed: Bumped by the engine when ``load()`` changes.
+        gauges: Returns ``(engine_requests, queued_requests)`` of the ingress now.
+        heartbeat_interval: Seconds between heartbeats.
+        coalesce_interval: Seconds to wait after publishing before looking for the next change.
+        wall_clock: Timestamps of the events.
+    """
+
+    def __init__(
+        self,
+        *,
+        load: Callable[[], list[RankLoad]],
+        load_changed: ChangeSignal,
+        gauges: Callable[[], tuple[int, int]],
+        heartbeat_interval: float,
+        coalesce_interval: float = DEFAULT_COALESCE_INTERVAL,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
+        self._load = load
+        self._engine_changed = load_changed
+        self._gauges = gauges
+        self._heartbeat_interval = heartbeat_interval
+        self._coalesce_interval = coalesce_interval
+        self._tracker = LoadTracker(wall_clock=wall_clock)
+        self._changed = ChangeSignal()
+        self._status: WorkerStatus = "ready"
+        self._status_changed = trio.Event()
+        self._subscribers: set[Subscription] = set()
+
+    @property
+    def status(self) -> WorkerStatus:
+        """What heartbeats say the worker is doing."""
+        return self._status
+
+    @property
+    def subscriber_count(self) -> int:
+        """Subscribers connected now."""
+        return len(self._subscribers)
+
+    def notify(self) -> None:
+        """Tell the publisher that the ingress gauges changed (synchronous; O(1))."""
+        self._changed.bump()
+
+    def set_status(self, status: WorkerStatus) -> None:
+        """Change the status heartbeats carry; a heartbeat goes out at once."""
+        if status != self._status:
+            self._status = status
+            self._status_changed.set()
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Iterator[Subscription]:
+        """Register a subscriber for as long as the ``with`` block runs.
+
+        The subscription starts with a heartbeat holding the current state, so a new subscriber
+        is whole at once.
+
+        Yields:
+            The subscription to take batches from.
+        """
+        subscription = Subscription()
+        subscription.deliver(self._tracker.heartbeat(self._status))
+        self._subscribers.add(subscription)
+        try:
+            yield subscription
+        finally:
+            self._subscribers.discard(subscription)
+
+    def _publish(self, event: WorkerEvent) -> None:
+        for subscription in self._subscribers:
+            subscription.deliver(event)
+
+    def _observe(self) -> None:
+        engine_requests, queued_requests = self._gauges()
+        for event in self._tracker.observe(self._load(), engine_requests, queued_requests):
+            self._publish(event)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish changes and heartbeats until cancelled.
+
+        Args:
+            task_status: Started once the initial state has been observed.
+        """
+        self._observe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._forward_engine_changes)
+            nursery.start_soon(self._heartbeats)
+            task_status.started()
+            seen = self._changed.version
+            while True:
+                seen = await self._changed.wait_past(seen)
+                self._observe()
+                await trio.sleep(self._coalesce_interval)
+
+    async def _forward_engine_changes(self) -> None:
+        # The engine and the gate signal separately; one signal is simpler to wait on.
+        seen = self._engine_changed.version
+        while True:
+            seen = await self._engine_changed.wait_past(seen)
+            self._changed.bump()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            with trio.move_on_after(self._heartbeat_interval):
+                await self._status_changed.wait()
+                self._status_changed = trio.Event()
+            # Observe first, so the heartbeat never repeats a state older than the last event.
+            self._observe()
+            self._publish(self._tracker.heartbeat(self._status))
+
+
+@contextlib.asynccontextmanager
+async def open_event_publisher(publisher: EventPublisher) -> AsyncIterator[EventPublisher]:
+    """Run ``publisher`` in a nursery for the duration of the block.
+
+    Args:
+        publisher: The publisher to run.
+
+    Yields:
+        The same publisher, started.
+    """
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        yield publisher
+        nursery.cancel_scope.cancel()
