@@ -1,0 +1,162 @@
+"""The worker's Prometheus metrics, read from the admission gate and the engine at scrape time.
+
+Requests pay nothing for metrics: the gate keeps plain integer counters (it must anyway), and a
+custom collector turns them into samples only when ``/metrics`` is scraped. The connection-error
+count is a plain integer too (no lock, no ``_created`` series: everything runs on the Trio thread).
+
+Names of the contract (never change them; only add new ones):
+
+- ``dynamo_rejection_request_total`` (counter): overload rejections plus queue timeouts.
+- ``dynamo_engine_request`` (gauge): requests running in the engine.
+- ``dynamo_request_queue`` (gauge): requests waiting, the dispatcher's hand included (peaks at Q).
+- ``dynamo_engine_request_limit``, ``dynamo_request_queue_limit`` (gauges): N and Q in force
+  (10000 and 40000 when N is unset).
+- ``dynamo_component_total_blocks``, ``dynamo_component_kv_used_blocks`` (gauges): the KV cache.
+
+Added here:
+
+- ``dynamo_worker_queue_timeout_total``: of the rejections, the queue timeouts.
+- ``dynamo_worker_draining_rejection_total``: arrivals turned away while draining (kept out of
+  ``dynamo_rejection_request_total``: shutting down is not overload).
+- ``dynamo_worker_started_request_total``: requests that entered the engine.
+- ``dynamo_worker_connection_errors_total``: connections a peer broke (counted by the servers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker_ingress.admission import AdmissionGate
+
+__all__ = ["KvBlocks", "WorkerMetrics"]
+
+#: Returns ``(total_blocks, used_blocks)`` of the engine's KV cache, summed over its ranks.
+KvBlocks = Callable[[], tuple[int, int]]
+
+
+def _no_kv_blocks() -> tuple[int, int]:
+    return (0, 0)
+
+
+class _GateCollector(Collector):
+    """Samples of the gate and the KV cache, computed when the registry is collected."""
+
+    def __init__(self, gate: AdmissionGate, kv_blocks: KvBlocks) -> None:
+        self._gate = gate
+        self._kv_blocks = kv_blocks
+        #: Bumped by :meth:`WorkerMetrics.count_connection_error`.
+        self.connection_errors = 0
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only: lets the registry check for duplicates without calling kv_blocks() early.
+        return self._families(running=0, queued=0, total_blocks=0, used_blocks=0)
+
+    def collect(self) -> Iterable[Metric]:
+        gate = self._gate
+        total_blocks, used_blocks = self._kv_blocks()
+        return self._families(
+            running=gate.running,
+            queued=gate.queued,
+            total_blocks=total_blocks,
+            used_blocks=used_blocks,
+        )
+
+    def _families(
+        self, *, running: int, queued: int, total_blocks: int, used_blocks: int
+    ) -> list[Metric]:
+        state = self._gate.state
+        return [
+            CounterMetricFamily(
+                "dynamo_rejection_request",
+                "Requests rejected because engine and queue were full, queue timeouts included.",
+                value=state.rejected_total,
+            ),
+            GaugeMetricFamily(
+                "dynamo_engine_request", "Requests running in the engine now.", value=running
+            ),
+            GaugeMetricFamily(
+                "dynamo_request_queue",
+                "Requests waiting in the ingress now, the one held by the dispatcher included.",
+                value=queued,
+            ),
+            GaugeMetricFamily(
+                "dynamo_engine_request_limit",
+                "Requests that may run in the engine at once (N in force).",
+                value=state.engine_slots,
+            ),
+            GaugeMetricFamily(
+                "dynamo_request_queue_limit",
+                "Requests that may wait in the ingress (Q in force).",
+                value=state.queue_limit,
+            ),
+            GaugeMetricFamily(
+                "dynamo_component_total_blocks",
+                "KV cache blocks of the engine.",
+                value=total_blocks,
+            ),
+            GaugeMetricFamily(
+                "dynamo_component_kv_used_blocks",
+                "KV cache blocks in use.",
+                value=used_blocks,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_queue_timeout",
+                "Requests rejected because they waited in the queue longer than the timeout.",
+                value=state.timed_out_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_draining_rejection",
+                "Requests turned away because the worker is draining.",
+                value=state.draining_rejected_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_started_request",
+                "Requests that entered the engine.",
+                value=state.started_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_connection_errors",
+                "Connections a peer broke (protocol error, reset, bad message).",
+                value=self.connection_errors,
+            ),
+        ]
+
+
+class WorkerMetrics:
+    """The metrics of one worker, in a registry of its own.
+
+    Args:
+        gate: The worker's admission gate (running, queued, limits, rejections).
+        kv_blocks: Returns ``(total_blocks, used_blocks)`` of the engine's KV cache; called at
+            each scrape. ``None``: both read 0.
+
+    Attributes:
+        registry: The registry to expose on ``/metrics``.
+    """
+
+    def __init__(self, gate: AdmissionGate, kv_blocks: KvBlocks | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._collector = _GateCollector(gate, kv_blocks or _no_kv_blocks)
+        self.registry.register(self._collector)
+
+    def count_connection_error(self) -> None:
+        """Count one connection that a peer broke."""
+        self._collector.connection_errors += 1
+
+    def render(self, accept_header: str | None) -> tuple[bytes, str]:
+        """Encode every metric for a scrape, in the format the scraper asked for.
+
+        Args:
+            accept_header: The request's ``Accept`` header, or ``None`` when absent.
+
+        Returns:
+            The body and its ``Content-Type`` (Prometheus text 0.0.4 unless OpenMetrics is
+            accepted; the type always matches the encoder that produced the body).
+        """
+        encoder, content_type = choose_encoder(accept_header or "")
+        return encoder(self.registry), content_type
