@@ -15,7 +15,7 @@ Load reporting: the engine keeps :meth:`Engine.load` current for each data-paral
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import msgspec
@@ -95,7 +95,7 @@ class Engine(Protocol):
         """
         ...
 
-    def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Run a prepared request and stream its output.
 
         Raises:

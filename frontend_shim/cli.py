@@ -1,0 +1,319 @@
+"""The ``frontend-shim`` command: flags and ``DYN_*`` variables in, a running frontend out.
+
+Precedence is command line, then environment, then default; an invalid value stops the process
+with exit code 2 and one line naming the flag or variable. Worker flags given to the frontend
+(``--engine-request-limit``, the mocker's shape, ...) are not used by the frontend itself: they are
+checked with the worker's own parser and passed on verbatim to ``--local-workers`` children, which
+also inherit the ``DYN_*`` environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Literal, NoReturn
+
+import cyclopts
+from cyclopts import App, Parameter, validators
+
+from frontend_shim import __version__
+from frontend_shim.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    FrontendSettings,
+    RouterMode,
+    admin_api_disabled,
+    overload_status_from_env,
+)
+
+__all__ = ["CliError", "main", "parse_args"]
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+ADMISSION_CONTROL_FLAG_WARNING = (
+    "--admission-control is no longer supported and is ignored; configure "
+    "--active-decode-blocks-threshold, --active-prefill-tokens-threshold, and "
+    "--active-prefill-tokens-threshold-frac directly"
+)
+ADMISSION_CONTROL_ENV_WARNING = (
+    "DYN_ADMISSION_CONTROL is no longer supported and is ignored; configure "
+    "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD, DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD, and "
+    "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC directly"
+)
+
+_log = logging.getLogger("frontend_shim")
+
+
+class CliError(Exception):
+    """An invalid flag or variable; the message is the one line printed before exit 2."""
+
+
+def _finite(type_: type, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("Must be a finite number.")
+
+
+app = App(
+    name="frontend-shim",
+    help_formatter="plain",
+    version=__version__,
+    help_on_error=False,
+)
+
+WORKERS = Parameter(group="Workers")
+PASS = Parameter(group="Worker flags passed to --local-workers")
+
+
+@app.default
+def _frontend(
+    *,
+    http_host: Annotated[str, Parameter(env_var="DYN_HTTP_HOST")] = "127.0.0.1",
+    http_port: Annotated[
+        int, Parameter(env_var="DYN_HTTP_PORT", validator=validators.Number(gte=0, lte=65535))
+    ] = 8000,
+    worker: Annotated[
+        tuple[str, ...], Parameter(env_var="DYN_WORKERS", negative=(), consume_multiple=False)
+    ] = (),
+    local_workers: Annotated[
+        int,
+        Parameter(env_var="DYN_LOCAL_WORKERS", validator=validators.Number(gte=0, lte=256)),
+    ] = 0,
+    router_mode: Annotated[RouterMode, Parameter(env_var="DYN_ROUTER_MODE")] = "round-robin",
+    active_decode_blocks_threshold: Annotated[
+        float | None,
+        Parameter(
+            env_var="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+            validator=(validators.Number(gte=0, lte=1), _finite),
+        ),
+    ] = None,
+    active_prefill_tokens_threshold: Annotated[
+        int | None,
+        Parameter(
+            env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD", validator=validators.Number(gte=0)
+        ),
+    ] = None,
+    active_prefill_tokens_threshold_frac: Annotated[
+        float | None,
+        Parameter(
+            env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
+            validator=(validators.Number(gte=0), _finite),
+        ),
+    ] = None,
+    router_track_output_blocks: Annotated[
+        bool, Parameter(env_var="DYN_ROUTER_TRACK_OUTPUT_BLOCKS", negative=())
+    ] = False,
+    router_queue_threshold: Annotated[
+        float | None,
+        Parameter(
+            env_var="DYN_ROUTER_QUEUE_THRESHOLD", validator=(validators.Number(gt=0), _finite)
+        ),
+    ] = None,
+    router_queue_capacity: Annotated[
+        int,
+        Parameter(env_var="DYN_ROUTER_QUEUE_CAPACITY", validator=validators.Number(gte=1)),
+    ] = 1024,
+    migration_limit: Annotated[
+        int, Parameter(env_var="DYN_MIGRATION_LIMIT", validator=validators.Number(gte=0))
+    ] = 0,
+    max_body_bytes: Annotated[
+        int, Parameter(env_var="DYN_HTTP_MAX_BODY_BYTES", validator=validators.Number(gte=1))
+    ] = DEFAULT_MAX_BODY_BYTES,
+    admission_control: Annotated[
+        str | None, Parameter(env_var="DYN_ADMISSION_CONTROL", show=False)
+    ] = None,
+    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
+    model: Annotated[str | None, PASS] = None,
+    engine: Annotated[str | None, PASS] = None,
+    upstream_url: Annotated[str | None, PASS] = None,
+    engine_request_limit: Annotated[int | None, PASS] = None,
+    queue_timeout: Annotated[float | None, PASS] = None,
+    graceful_shutdown_timeout: Annotated[float | None, PASS] = None,
+    heartbeat_interval: Annotated[float | None, PASS] = None,
+    num_gpu_blocks: Annotated[int | None, PASS] = None,
+    block_size: Annotated[int | None, PASS] = None,
+    max_num_seqs: Annotated[int | None, PASS] = None,
+    max_num_batched_tokens: Annotated[int | None, PASS] = None,
+    data_parallel_size: Annotated[int | None, PASS] = None,
+    speedup_ratio: Annotated[float | None, PASS] = None,
+) -> tuple[FrontendSettings, LogLevel]:
+    """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.
+
+    Other environment: DYN_HTTP_OVERLOAD_STATUS_CODE (status of an overload answer, default 529;
+    any integer 200-599), DYN_DISABLE_FRONTEND_ADMIN_API (truthy: /busy_threshold answers 404).
+    --admission-control and DYN_ADMISSION_CONTROL are accepted and ignored.
+
+    Parameters
+    ----------
+    http_host
+        HTTP listen address.
+    http_port
+        HTTP port; 0 picks a free one.
+    worker
+        A worker's websocket URL, ws://host:port (repeatable; the variable is comma-separated). A
+        host name that resolves to several addresses is several workers, re-resolved periodically.
+    local_workers
+        Start this many mocker workers as child processes and use them.
+    router_mode
+        round-robin, random, or kv (load-aware: fewest active blocks and prefill tokens).
+    active_decode_blocks_threshold
+        A rank is busy when its KV blocks in use over its total exceed this (0 to 1).
+    active_prefill_tokens_threshold
+        A rank is busy when its active prefill tokens exceed this.
+    active_prefill_tokens_threshold_frac
+        A rank is busy when its active prefill tokens exceed this times its max-num-batched-tokens.
+    router_track_output_blocks
+        Count generated tokens in this router's own block count of each worker.
+    router_queue_threshold
+        When every worker's prefill tokens exceed this fraction of its max-num-batched-tokens,
+        requests wait in a bounded frontend queue instead of being routed.
+    router_queue_capacity
+        Requests the frontend queue holds at most; beyond it a request is rejected.
+    migration_limit
+        Times a request that a worker rejected before it started is retried on another worker.
+    max_body_bytes
+        Largest request body accepted (413 beyond).
+    admission_control
+        Ignored (kept so old launch commands still start).
+    log_level
+        Log level of the messages written to stderr.
+    model
+        Passed to local workers: the model they serve.
+    engine
+        Passed to local workers: their engine.
+    upstream_url
+        Passed to local workers: upstream URL of the openai engine.
+    engine_request_limit
+        Passed to local workers: N, their engine request limit.
+    queue_timeout
+        Passed to local workers: their queue timeout in seconds.
+    graceful_shutdown_timeout
+        Passed to local workers: their drain grace period in seconds.
+    heartbeat_interval
+        Passed to local workers: seconds between their heartbeats.
+    num_gpu_blocks
+        Passed to local workers (mocker).
+    block_size
+        Passed to local workers (mocker).
+    max_num_seqs
+        Passed to local workers (mocker).
+    max_num_batched_tokens
+        Passed to local workers (mocker).
+    data_parallel_size
+        Passed to local workers (mocker).
+    speedup_ratio
+        Passed to local workers (mocker).
+    """
+    del admission_control  # accepted so that old launch commands start; warned about by parse_args
+    passed = {
+        "--model": model,
+        "--engine": engine,
+        "--upstream-url": upstream_url,
+        "--engine-request-limit": engine_request_limit,
+        "--queue-timeout": queue_timeout,
+        "--graceful-shutdown-timeout": graceful_shutdown_timeout,
+        "--heartbeat-interval": heartbeat_interval,
+        "--num-gpu-blocks": num_gpu_blocks,
+        "--block-size": block_size,
+        "--max-num-seqs": max_num_seqs,
+        "--max-num-batched-tokens": max_num_batched_tokens,
+        "--data-parallel-size": data_parallel_size,
+        "--speedup-ratio": speedup_ratio,
+    }
+    worker_args = tuple(
+        part for flag, value in passed.items() if value is not None for part in (flag, str(value))
+    )
+    settings = FrontendSettings(
+        http_host=http_host,
+        http_port=http_port,
+        workers=_split_workers(worker),
+        local_workers=local_workers,
+        local_worker_args=worker_args,
+        router_mode=router_mode,
+        active_decode_blocks_threshold=active_decode_blocks_threshold,
+        active_prefill_tokens_threshold=active_prefill_tokens_threshold,
+        active_prefill_tokens_threshold_frac=active_prefill_tokens_threshold_frac,
+        router_track_output_blocks=router_track_output_blocks,
+        router_queue_threshold=router_queue_threshold,
+        router_queue_capacity=router_queue_capacity,
+        migration_limit=migration_limit,
+        max_body_bytes=max_body_bytes,
+        overload_status=overload_status_from_env(),
+        admin_api_disabled=admin_api_disabled(),
+    )
+    if local_workers:
+        _check_worker_args(worker_args)
+    return settings, log_level
+
+
+def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
+    urls: list[str] = []
+    for item in given:
+        for url in item.split(","):
+            url = url.strip()
+            if not url:
+                continue
+            if not url.startswith(("ws://", "wss://")):
+                raise CliError(f'Invalid value "{url}" for --worker. Expected ws://host:port.')
+            urls.append(url)
+    return tuple(urls)
+
+
+def _check_worker_args(worker_args: Sequence[str]) -> None:
+    from worker_ingress.cli import CliError as WorkerCliError
+    from worker_ingress.cli import parse_args as parse_worker_args
+
+    try:
+        parse_worker_args(list(worker_args))
+    except WorkerCliError as exc:
+        raise CliError(f"worker flag for --local-workers: {exc}") from None
+
+
+def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
+    """Parse flags and environment into settings.
+
+    Raises:
+        CliError: an invalid flag, variable or combination (message fit for one line).
+    """
+    try:
+        result = app(
+            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
+        )
+    except cyclopts.CycloptsError as exc:
+        raise CliError(str(exc).strip().replace("\n", " ")) from None
+    if not isinstance(result, tuple):  # --help or --version ran and printed
+        raise SystemExit(0)
+    # Which spelling was used decides which names the warning gives (the anchor's two texts).
+    if any(arg.split("=")[0] == "--admission-control" for arg in argv):
+        _log.warning(ADMISSION_CONTROL_FLAG_WARNING)
+    elif "DYN_ADMISSION_CONTROL" in os.environ:
+        _log.warning(ADMISSION_CONTROL_ENV_WARNING)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``frontend-shim`` console script."""
+    logging.basicConfig(
+        level=os.environ.get("DYN_LOG", "info").upper()
+        if os.environ.get("DYN_LOG", "info").lower() in {"debug", "info", "warning", "error"}
+        else "INFO",
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
+    except CliError as exc:
+        _exit_invalid(str(exc))
+    logging.getLogger().setLevel(log_level.upper())
+
+    import trio
+
+    from frontend_shim.app import run_frontend
+
+    trio.run(run_frontend, settings)
+
+
+def _exit_invalid(message: str) -> NoReturn:
+    print(f"frontend-shim: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

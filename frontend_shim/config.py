@@ -1,0 +1,88 @@
+"""Validated frontend settings: what the CLI produces and the frontend runs on."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Final, Literal
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_OVERLOAD_STATUS",
+    "FrontendSettings",
+    "RouterMode",
+    "admin_api_disabled",
+    "overload_status_from_env",
+]
+
+RouterMode = Literal["round-robin", "random", "kv"]
+
+DEFAULT_MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+DEFAULT_OVERLOAD_STATUS: Final = 529
+OVERLOAD_STATUS_ENV: Final = "DYN_HTTP_OVERLOAD_STATUS_CODE"
+ADMIN_API_ENV: Final = "DYN_DISABLE_FRONTEND_ADMIN_API"
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FrontendSettings:
+    """Everything the frontend process needs to start."""
+
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    #: Worker websocket URLs as given (``ws://host:port``); a host name may stand for several.
+    workers: tuple[str, ...] = ()
+    #: Mocker workers to start as child processes.
+    local_workers: int = 0
+    #: Worker flags given to the frontend, passed on to local workers verbatim.
+    local_worker_args: tuple[str, ...] = ()
+    router_mode: RouterMode = "round-robin"
+    active_decode_blocks_threshold: float | None = None
+    active_prefill_tokens_threshold: int | None = None
+    active_prefill_tokens_threshold_frac: float | None = None
+    router_track_output_blocks: bool = False
+    router_queue_threshold: float | None = None
+    #: Requests the frontend queue holds at most (with --router-queue-threshold).
+    router_queue_capacity: int = 1024
+    migration_limit: int = 0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: Status code of an overload answer (``DYN_HTTP_OVERLOAD_STATUS_CODE``).
+    overload_status: int = DEFAULT_OVERLOAD_STATUS
+    #: ``/busy_threshold`` answers 404 when true (``DYN_DISABLE_FRONTEND_ADMIN_API``).
+    admin_api_disabled: bool = False
+    #: Seconds between DNS look-ups of worker host names.
+    resolve_interval: float = 10.0
+    #: Load older than this many heartbeat intervals is stale.
+    stale_after_heartbeats: float = 3.0
+
+
+def overload_status_from_env(environ: Mapping[str, str] | None = None) -> int:
+    """Read ``DYN_HTTP_OVERLOAD_STATUS_CODE``: any integer 200-599 is used, anything else is 529.
+
+    An unparseable or out-of-range value is not fatal (as the anchor behaves) but is logged.
+    """
+    raw = (os.environ if environ is None else environ).get(OVERLOAD_STATUS_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_OVERLOAD_STATUS
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if 200 <= value <= 599:
+        return value
+    _log.warning(
+        '%s="%s" is not an HTTP status code from 200 to 599; using %d',
+        OVERLOAD_STATUS_ENV,
+        raw,
+        DEFAULT_OVERLOAD_STATUS,
+    )
+    return DEFAULT_OVERLOAD_STATUS
+
+
+def admin_api_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``DYN_DISABLE_FRONTEND_ADMIN_API`` is truthy (1, true, yes, on)."""
+    raw = (os.environ if environ is None else environ).get(ADMIN_API_ENV, "")
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
