@@ -1,0 +1,825 @@
+"""The mocker: a simulated continuous-batching engine (vLLM-like) with a paged KV cache.
+
+It does no inference. It reproduces what the admission layer and the router care about: how long
+requests take, how many KV blocks they hold, and how many prompt tokens wait for prefill, with
+step times of a real GPU (see docs/mocker.md for the performance model and where it comes from).
+
+Shape: one :class:`RankScheduler` per data-parallel rank (the sans-IO core: plain objects, no
+clock, no I/O) and :class:`MockerEngine`, the thin Trio shell that runs one step loop per rank,
+sleeps for the simulated step time and wakes the request generators.
+
+Rules of a sequence (one request) inside a rank:
+
+1. Tokens. A sequence has ``num_tokens`` = prompt tokens + tokens generated so far, and
+   ``num_computed`` of them have their KV computed. A step computes ``num_tokens - num_computed``
+   tokens for it, at most what the step's token budget allows (chunked prefill); a decoding
+   sequence computes exactly one (the token it generated last). When a step brings
+   ``num_computed`` up to ``num_tokens``, the sequence emits its next token, as vLLM does: the
+   step that finishes a prefill also produces the first output token.
+2. States. WAITING (in the FIFO waiting queue, no blocks) -> RUNNING (in the batch, holds
+   blocks) -> FINISHED (all ``max_tokens`` emitted; blocks freed at once). ABORTED (the caller
+   closed the generator) can happen from any live state and frees the blocks at once. RUNNING ->
+   WAITING is a preemption.
+3. Prefill vs decode. A sequence is "prefilling" from admission (or re-admission after a
+   preemption) until the step that brings ``num_computed`` to ``num_tokens``; afterwards it is
+   "decoding". ``active_prefill_tokens`` sums ``num_tokens - num_computed`` over all prefilling
+   sequences, waiting ones included.
+4. KV blocks. A sequence holds ``ceil(tokens with KV / block_size)`` blocks; blocks are taken
+   when a step is scheduled for the tokens it will compute, so a step never runs without its
+   KV. At most ``prompt + max_tokens - 1`` tokens ever have KV (the last generated token is never
+   fed back), and a request needing more blocks than the rank has is refused before admission.
+5. One step of a rank. The token budget is ``max_num_batched_tokens``. First every decoding
+   running sequence gets its one token (oldest first, while budget lasts), then the partially
+   prefilled running sequences get chunks, then waiting sequences are admitted in FIFO order
+   while the batch has fewer than ``max_num_seqs`` sequences and budget is left.
+6. Out of blocks. A RUNNING sequence that needs a block that is not free preempts the newest
+   running sequence (LIFO, vLLM's default recompute preemption): its blocks are freed and it goes
+   to the head of the waiting queue, to be prefilled again (prompt and generated tokens) later.
+   This repeats until the block is free or the sequence preempted itself. A WAITING sequence
+   never preempts: when its first chunk does not fit, it and everyone behind it wait (FIFO, no
+   overtaking), and no waiting sequence is admitted in a step that preempted. The oldest running
+   sequence can therefore always progress, so the rank never deadlocks.
+7. Load. ``active_decode_blocks`` and ``kv_used_blocks`` are both the blocks held by running
+   sequences: the mocker has no prefix cache, so no block is in use without a running owner.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from worker_ingress.config import MockerSettings, WorkerSettings
+from worker_ingress.engines.base import (
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+    PreparedRequest,
+)
+from worker_ingress.watch import ChangeSignal
+from worker_ingress.wire import Endpoint, RankLoad
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "EMBEDDING_DIMENSIONS",
+    "GpuStepModel",
+    "MockSequence",
+    "MockerEngine",
+    "MockerPayload",
+    "RankScheduler",
+    "ScheduledStep",
+    "SequenceState",
+    "create",
+    "count_words",
+    "embedding_for",
+    "output_word",
+]
+
+#: Generated tokens when the body has no ``max_tokens``.
+DEFAULT_MAX_TOKENS: Final = 16
+#: Length of the pseudo embedding vectors.
+EMBEDDING_DIMENSIONS: Final = 16
+#: Waiting entries of cancelled sequences are dropped lazily; the queue is rebuilt once this many
+#: (and at least as many as live ones) pile up, so a cancel costs O(1) amortised.
+_COMPACT_DEAD_WAITING: Final = 64
+
+_OUTPUT_WORDS: Final = (
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliett",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+)
+
+
+def output_word(index: int) -> str:
+    """The text of generated token ``index`` (0-based): deterministic, one word per token.
+
+    Every token but the first starts with a space, so the concatenated stream reads as words.
+    """
+    word = _OUTPUT_WORDS[index % len(_OUTPUT_WORDS)]
+    return word if index == 0 else " " + word
+
+
+def count_words(text: str) -> int:
+    """Prompt tokens of a text as the mocker counts them: one per whitespace-separated word."""
+    return len(text.split())
+
+
+def embedding_for(text: str) -> list[float]:
+    """A deterministic unit vector of :data:`EMBEDDING_DIMENSIONS` floats derived from ``text``."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=2 * EMBEDDING_DIMENSIONS).digest()
+    raw = [
+        int.from_bytes(digest[i : i + 2], "big") / 32767.5 - 1.0 for i in range(0, len(digest), 2)
+    ]
+    norm = math.sqrt(sum(v * v for v in raw)) or 1.0
+    return [v / norm for v in raw]
+
+
+# ----------------------------------------------------------------------------- performance model
+
+
+class GpuStepModel(msgspec.Struct, frozen=True, kw_only=True):
+    """Wall time of one engine step on a real GPU, before the speedup ratio.
+
+    The defaults are the polynomial timing model of NVIDIA Dynamo's mocker (docs/mocker.md):
+    prefill milliseconds are a quadratic in the prompt tokens the step computes, decode
+    milliseconds a quadratic in the fraction of the KV cache in use, and a step that does both
+    costs the sum, as Dynamo's vLLM-style scheduler charges it.
+    """
+
+    prefill_ms_per_token_squared: float = 4.209989e-07
+    prefill_ms_per_token: float = 1.518344e-02
+    prefill_ms_base: float = 1.650142e01
+    decode_ms_per_kv_fraction_squared: float = -25.74
+    decode_ms_per_kv_fraction: float = 54.01
+    decode_ms_base: float = 5.74
+    #: No step is shorter than this, so a step always advances the clock.
+    min_step_ms: float = 1.0
+
+    def prefill_ms(self, prefill_tokens: int) -> float:
+        """Milliseconds to compute ``prefill_tokens`` prompt tokens in one step (0 for none)."""
+        if prefill_tokens <= 0:
+            return 0.0
+        t = float(prefill_tokens)
+        return (
+            self.prefill_ms_per_token_squared * t * t
+            + self.prefill_ms_per_token * t
+            + self.prefill_ms_base
+        )
+
+    def decode_ms(self, kv_fraction: float) -> float:
+        """Milliseconds of the token-emitting part of a step at a KV-cache use in [0, 1]."""
+        f = min(max(kv_fraction, 0.0), 1.0)
+        ms = (
+            self.decode_ms_per_kv_fraction_squared * f * f
+            + self.decode_ms_per_kv_fraction * f
+            + self.decode_ms_base
+        )
+        return max(ms, self.min_step_ms)
+
+    def step_seconds(self, *, prefill_tokens: int, emitting: int, kv_fraction: float) -> float:
+        """Seconds of one step that computes ``prefill_tokens`` and emits ``emitting`` tokens."""
+        ms = self.prefill_ms(prefill_tokens)
+        if emitting > 0:
+            ms += self.decode_ms(kv_fraction)
+        return max(ms, self.min_step_ms) / 1000.0
+
+
+# ----------------------------------------------------------------------------- sans-IO core
+
+
+class SequenceState(enum.Enum):
+    """Where a sequence is in its life (rule 2 of the module docstring)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class MockSequence:
+    """One request inside a rank: token counters, blocks held, and a wake-up for its reader."""
+
+    __slots__ = (
+        "_wakeup",
+        "blocks",
+        "generated",
+        "max_tokens",
+        "num_computed",
+        "num_tokens",
+        "preemptions",
+        "prefill_done",
+        "prompt_tokens",
+        "state",
+    )
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.num_tokens = prompt_tokens
+        self.num_computed = 0
+        self.generated = 0
+        self.blocks = 0
+        self.prefill_done = False
+        self.preemptions = 0
+        self.state = SequenceState.WAITING
+        self._wakeup: trio.Event | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the sequence has left the rank (finished or aborted)."""
+        return self.state is SequenceState.FINISHED or self.state is SequenceState.ABORTED
+
+    @property
+    def pending_prefill(self) -> int:
+        """Its share of ``active_prefill_tokens`` (rule 3)."""
+        if self.prefill_done or self.done:
+            return 0
+        return self.num_tokens - self.num_computed
+
+    def notify(self) -> None:
+        """Wake the task waiting in :meth:`wait_for_progress`, if any."""
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    async def wait_for_progress(self) -> None:
+        """Sleep until the step loop reports progress (a token, the end) for this sequence."""
+        if self._wakeup is None:
+            self._wakeup = trio.Event()
+        await self._wakeup.wait()
+
+
+class ScheduledStep:
+    """What one step computes: ``(sequence, tokens)`` pairs and the step's simulated duration."""
+
+    __slots__ = ("decode_sequences", "duration", "emitting", "entries", "prefill_tokens")
+
+    def __init__(
+        self,
+        entries: list[tuple[MockSequence, int]],
+        *,
+        prefill_tokens: int,
+        decode_sequences: int,
+        emitting: int,
+        duration: float,
+    ) -> None:
+        self.entries = entries
+        #: Tokens computed for prefilling sequences (the chunked-prefill part of the budget).
+        self.prefill_tokens = prefill_tokens
+        #: Decoding sequences that get their one token.
+        self.decode_sequences = decode_sequences
+        #: Sequences that emit a token (or finish) when the step completes.
+        self.emitting = emitting
+        #: Simulated seconds on the modelled GPU, before the speedup ratio.
+        self.duration = duration
+
+
+def _blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class RankScheduler:
+    """The scheduler and KV-block pool of one data-parallel rank (sans-IO; see module rules).
+
+    Drive it with :meth:`add` / :meth:`abort` as requests come and go, and with
+    :meth:`schedule` then :meth:`complete` for each step, sleeping for the step's duration in
+    between. Counters are kept incrementally so a step costs O(sequences it touches).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        model: GpuStepModel | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model = model if model is not None else GpuStepModel()
+        self.used_blocks = 0
+        self.prefill_tokens = 0
+        self.preemptions = 0
+        self.live_sequences = 0
+        self._running: list[MockSequence] = []
+        self._waiting: deque[MockSequence] = deque()
+        self._dead_waiting = 0
+
+    # --- inspection --------------------------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no sequence holds."""
+        return self.num_blocks - self.used_blocks
+
+    @property
+    def running(self) -> Sequence[MockSequence]:
+        """The batch, oldest admission first."""
+        return self._running
+
+    @property
+    def waiting_count(self) -> int:
+        """Live sequences in the waiting queue."""
+        return len(self._waiting) - self._dead_waiting
+
+    def load(self, dp_rank: int) -> RankLoad:
+        """This rank's load as the event plane publishes it."""
+        return RankLoad(
+            dp_rank=dp_rank,
+            active_decode_blocks=self.used_blocks,
+            active_prefill_tokens=self.prefill_tokens,
+            kv_used_blocks=self.used_blocks,
+        )
+
+    def recount(self) -> tuple[int, int]:
+        """Blocks in use and prefill tokens counted from scratch (to check the counters)."""
+        live = [s for s in self._waiting if not s.done] + self._running
+        return sum(s.blocks for s in live), sum(s.pending_prefill for s in live)
+
+    def max_kv_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Most tokens a request ever has KV for (rule 4)."""
+        return prompt_tokens + max(max_tokens - 1, 0)
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request can ever run on this rank (its peak KV fits the whole cache)."""
+        peak = self.max_kv_tokens(prompt_tokens, max_tokens)
+        return _blocks_for(peak, self.block_size) <= self.num_blocks
+
+    # --- requests coming and going -----------------------------------------------------------
+
+    def add(self, seq: MockSequence) -> None:
+        """Queue a new sequence at the tail of the waiting queue."""
+        seq.state = SequenceState.WAITING
+        self._waiting.append(seq)
+        self.prefill_tokens += seq.num_tokens
+        self.live_sequences += 1
+
+    def abort(self, seq: MockSequence) -> None:
+        """Drop a sequence at once, freeing its blocks; a no-op once it has left."""
+        if seq.done:
+            return
+        self.prefill_tokens -= seq.pending_prefill
+        if seq.state is SequenceState.RUNNING:
+            self._running.remove(seq)
+            self._free(seq)
+        else:
+            # Left in the deque and skipped later: removing from the middle would cost O(queue).
+            self._dead_waiting += 1
+            self._maybe_compact_waiting()
+        seq.state = SequenceState.ABORTED
+        self.live_sequences -= 1
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep | None:
+        """Choose the work of the next step and take its blocks; ``None`` when idle."""
+        budget = self.max_num_batched_tokens
+        scheduled: dict[MockSequence, int] = {}
+        preempted_any = False
+
+        # Pass 1: one token for every decoding sequence, oldest first (rule 5).
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            index += 1
+            if not seq.prefill_done:
+                continue
+            granted, preempted_now, budget = self._grow(seq, 1, scheduled, budget)
+            preempted_any |= preempted_now
+            if granted:
+                scheduled[seq] = 1
+                budget -= 1
+
+        # Pass 2: chunks for the partially prefilled running sequences, in batch order.
+        index = 0
+        while index < len(self._running):
+            seq = self._running[index]
+            index += 1
+            if seq.prefill_done or seq in scheduled:
+                continue
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if chunk <= 0 and seq.num_tokens > seq.num_computed:
+                break
+            granted, preempted_now, budget = self._grow(seq, chunk, scheduled, budget)
+            preempted_any |= preempted_now
+            if granted:
+                scheduled[seq] = chunk
+                budget -= chunk
+
+        # Pass 3: admit waiting sequences in FIFO order, unless this step preempted (rule 6).
+        if not preempted_any:
+            self._admit_waiting(scheduled, budget)
+
+        if not scheduled:
+            return None
+        prefill_tokens = 0
+        decode_sequences = 0
+        emitting = 0
+        for seq, tokens in scheduled.items():
+            if seq.prefill_done:
+                decode_sequences += 1
+            else:
+                prefill_tokens += tokens
+            if seq.num_computed + tokens == seq.num_tokens:
+                emitting += 1
+        duration = self.model.step_seconds(
+            prefill_tokens=prefill_tokens,
+            emitting=emitting,
+            kv_fraction=self.used_blocks / self.num_blocks,
+        )
+        return ScheduledStep(
+            list(scheduled.items()),
+            prefill_tokens=prefill_tokens,
+            decode_sequences=decode_sequences,
+            emitting=emitting,
+            duration=duration,
+        )
+
+    def complete(self, step: ScheduledStep) -> list[MockSequence]:
+        """Apply a step whose time has passed; return the sequences that emitted or finished.
+
+        Sequences aborted while the step ran are skipped: their blocks are already free.
+        """
+        progressed: list[MockSequence] = []
+        finished_any = False
+        for seq, tokens in step.entries:
+            if seq.state is not SequenceState.RUNNING:
+                continue
+            seq.num_computed += tokens
+            if not seq.prefill_done:
+                self.prefill_tokens -= tokens
+            if seq.num_computed < seq.num_tokens:
+                continue
+            seq.prefill_done = True
+            if seq.generated < seq.max_tokens:
+                seq.generated += 1
+                seq.num_tokens += 1
+            if seq.generated >= seq.max_tokens:
+                seq.state = SequenceState.FINISHED
+                self._free(seq)
+                self.live_sequences -= 1
+                finished_any = True
+            progressed.append(seq)
+        if finished_any:
+            self._running = [s for s in self._running if s.state is SequenceState.RUNNING]
+        return progressed
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _grow(
+        self,
+        seq: MockSequence,
+        tokens: int,
+        scheduled: dict[MockSequence, int],
+        budget: int,
+    ) -> tuple[bool, bool, int]:
+        """Take the blocks ``seq`` needs to compute ``tokens`` more, preempting if needed.
+
+        Returns whether ``seq`` got them (it may have preempted itself), whether anyone was
+        preempted, and the budget after returning the tokens of preempted, already-scheduled
+        sequences.
+        """
+        need = _blocks_for(seq.num_computed + tokens, self.block_size) - seq.blocks
+        preempted = False
+        while need > self.free_blocks:
+            victim = self._running.pop()
+            returned = scheduled.pop(victim, 0)
+            budget += returned
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return False, True, budget
+        if need > 0:
+            seq.blocks += need
+            self.used_blocks += need
+        return True, preempted, budget
+
+    def _admit_waiting(self, scheduled: dict[MockSequence, int], budget: int) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if seq.done:
+                self._waiting.popleft()
+                self._dead_waiting -= 1
+                continue
+            remaining = seq.num_tokens - seq.num_computed
+            chunk = min(remaining, budget)
+            if chunk <= 0 and remaining > 0:
+                return
+            need = _blocks_for(seq.num_computed + chunk, self.block_size) - seq.blocks
+            if need > self.free_blocks:
+                return
+            self._waiting.popleft()
+            seq.state = SequenceState.RUNNING
+            self._running.append(seq)
+            seq.blocks += need
+            self.used_blocks += need
+            scheduled[seq] = chunk
+            budget -= chunk
+
+    def _preempt(self, seq: MockSequence) -> None:
+        # Recompute preemption: everything computed is thrown away and prefilled again.
+        self.prefill_tokens += seq.num_tokens - seq.pending_prefill
+        self._free(seq)
+        seq.num_computed = 0
+        seq.prefill_done = False
+        seq.preemptions += 1
+        seq.state = SequenceState.WAITING
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _free(self, seq: MockSequence) -> None:
+        self.used_blocks -= seq.blocks
+        seq.blocks = 0
+
+    def _maybe_compact_waiting(self) -> None:
+        if self._dead_waiting >= _COMPACT_DEAD_WAITING and self._dead_waiting * 2 >= len(
+            self._waiting
+        ):
+            self._waiting = deque(s for s in self._waiting if not s.done)
+            self._dead_waiting = 0
+
+
+# ----------------------------------------------------------------------------- request parsing
+
+
+class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
+    """What :meth:`MockerEngine.prepare` keeps of a body: the embedding inputs, if any."""
+
+    embedding_inputs: list[str] | None = None
+
+
+def _texts_of_content(content: object, where: str) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise EngineInputError(f"{where}.content[{part_index}] must be an object")
+            text = part.get("text")
+            if part.get("type", "text") == "text":
+                if not isinstance(text, str):
+                    raise EngineInputError(f"{where}.content[{part_index}].text must be a string")
+                texts.append(text)
+        return texts
+    raise EngineInputError(f"{where}.content must be a string, a list of parts or null")
+
+
+def _chat_texts(body: dict[str, Any]) -> list[str]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise EngineInputError("'messages' must be a non-empty list of message objects")
+    texts: list[str] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise EngineInputError(f"messages[{index}] must be an object")
+        if "content" not in message and "tool_calls" not in message:
+            raise EngineInputError(f"messages[{index}] has no 'content'")
+        texts.extend(_texts_of_content(message.get("content"), f"messages[{index}]"))
+    return texts
+
+
+def _string_or_strings(body: dict[str, Any], field: str) -> list[str]:
+    value = body.get(field)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    if value is None:
+        raise EngineInputError(f"'{field}' is required: a string or a list of strings")
+    raise EngineInputError(f"'{field}' must be a string or a non-empty list of strings")
+
+
+def _max_tokens(body: dict[str, Any], endpoint: Endpoint) -> int:
+    field = "max_tokens"
+    value = body.get(field)
+    if value is None and endpoint == "chat_completions":
+        field = "max_completion_tokens"
+        value = body.get(field)
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise EngineInputError(f"'{field}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- Trio shell
+
+
+class MockerEngine:
+    """The simulated engine: the :class:`~worker_ingress.engines.base.Engine` protocol over
+    one :class:`RankScheduler` per data-parallel rank.
+
+    Args:
+        settings: the shape of the simulated engine (blocks, batch limits, ranks, speedup).
+        model: the GPU step-time model; Dynamo's polynomial model when omitted.
+
+    Raises:
+        ValueError: a setting out of range (the CLI validates first; this guards other callers).
+    """
+
+    def __init__(self, settings: MockerSettings, *, model: GpuStepModel | None = None) -> None:
+        for name in (
+            "num_gpu_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "data_parallel_size",
+        ):
+            if getattr(settings, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(settings, name)!r}")
+        if not settings.speedup_ratio > 0 or math.isinf(settings.speedup_ratio):
+            raise ValueError(f"speedup_ratio must be > 0, got {settings.speedup_ratio!r}")
+        self._settings = settings
+        self._config = EngineConfig(
+            kv_total_blocks=settings.num_gpu_blocks,
+            block_size=settings.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            data_parallel_size=settings.data_parallel_size,
+        )
+        step_model = model if model is not None else GpuStepModel()
+        self._ranks = tuple(
+            RankScheduler(
+                num_blocks=settings.num_gpu_blocks,
+                block_size=settings.block_size,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                model=step_model,
+            )
+            for _ in range(settings.data_parallel_size)
+        )
+        self._work_arrived: list[trio.Event | None] = [None] * len(self._ranks)
+        self._load_changed = ChangeSignal()
+        self._loads = [rank.load(i) for i, rank in enumerate(self._ranks)]
+        #: Steps run and wall seconds spent computing them (not sleeping), for benchmarks.
+        self.steps = 0
+        self.step_cpu_seconds = 0.0
+
+    # --- Engine protocol ---------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """KV-cache and batching limits (``kv_total_blocks`` is per rank)."""
+        return self._config
+
+    @property
+    def load_changed(self) -> ChangeSignal:
+        """Bumped whenever any rank's :class:`RankLoad` changes."""
+        return self._load_changed
+
+    @property
+    def ranks(self) -> Sequence[RankScheduler]:
+        """The per-rank schedulers (for inspection and tests)."""
+        return self._ranks
+
+    def load(self) -> list[RankLoad]:
+        """The current load of every rank, rank 0 first."""
+        return list(self._loads)
+
+    def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
+        """Validate a body and count its prompt tokens (one per whitespace-separated word).
+
+        Raises:
+            EngineInputError: a missing or ill-typed prompt/messages/input or max_tokens, or a
+                request whose KV would not fit the whole cache of a rank.
+        """
+        if not isinstance(body, dict):
+            raise EngineInputError("the request body must be a JSON object")
+        payload = MockerPayload()
+        if endpoint == "chat_completions":
+            texts = _chat_texts(body)
+            max_tokens = _max_tokens(body, endpoint)
+        elif endpoint == "completions":
+            texts = _string_or_strings(body, "prompt")
+            max_tokens = _max_tokens(body, endpoint)
+        elif endpoint == "embeddings":
+            texts = _string_or_strings(body, "input")
+            max_tokens = 0
+            payload = MockerPayload(embedding_inputs=texts)
+        else:
+            raise EngineInputError(f"unsupported endpoint {endpoint!r}")
+        prompt_tokens = sum(count_words(text) for text in texts)
+        if not self._ranks[0].fits(prompt_tokens, max_tokens):
+            capacity = self._settings.num_gpu_blocks * self._settings.block_size
+            raise EngineInputError(
+                f"request needs KV for {prompt_tokens} prompt + {max_tokens} generated tokens, "
+                f"more than the KV cache holds ({capacity} tokens)"
+            )
+        return PreparedRequest(
+            endpoint=endpoint,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            payload=payload,
+        )
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+        """Run a prepared request on the least-loaded rank and stream its output.
+
+        Text requests yield one output per generated token, the last with
+        ``finish_reason="length"`` (a single empty one when ``max_tokens`` is 0); embeddings
+        yield one vector per input once the prefill is done. Closing the generator early frees
+        the request's blocks at once.
+        """
+        rank_index = self._least_loaded_rank()
+        rank = self._ranks[rank_index]
+        seq = MockSequence(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens)
+        rank.add(seq)
+        self._loads_may_have_changed()
+        self._wake_rank(rank_index)
+        try:
+            payload = request.payload
+            inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
+            if request.endpoint == "embeddings":
+                while not seq.done:
+                    await seq.wait_for_progress()
+                for index, text in enumerate(inputs or []):
+                    yield EngineOutput(embedding=embedding_for(text), index=index)
+                return
+            sent = 0
+            while True:
+                while sent < seq.generated:
+                    last = sent + 1 == seq.max_tokens
+                    yield EngineOutput(
+                        text=output_word(sent), tokens=1, finish_reason="length" if last else None
+                    )
+                    sent += 1
+                if seq.done:
+                    break
+                await seq.wait_for_progress()
+            if seq.max_tokens == 0:
+                yield EngineOutput(finish_reason="length")
+        finally:
+            # Runs on completion, error and aclose() alike; synchronous, so nothing can
+            # interrupt it between the abort and the load update.
+            if not seq.done:
+                rank.abort(seq)
+                self._loads_may_have_changed()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run one step loop per rank until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for rank_index in range(len(self._ranks)):
+                nursery.start_soon(self._step_loop, rank_index)
+            task_status.started()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    async def _step_loop(self, rank_index: int) -> None:
+        rank = self._ranks[rank_index]
+        speedup = self._settings.speedup_ratio
+        while True:
+            started = time.perf_counter()
+            step = rank.schedule()
+            if step is None:
+                # Park until generate() adds work; no await between the check and the wait.
+                arrived = trio.Event()
+                self._work_arrived[rank_index] = arrived
+                await arrived.wait()
+                continue
+            self._loads_may_have_changed()
+            computed = time.perf_counter() - started
+            await trio.sleep(step.duration / speedup)
+            started = time.perf_counter()
+            for seq in rank.complete(step):
+                seq.notify()
+            self._loads_may_have_changed()
+            self.steps += 1
+            self.step_cpu_seconds += computed + time.perf_counter() - started
+
+    def _wake_rank(self, rank_index: int) -> None:
+        arrived = self._work_arrived[rank_index]
+        if arrived is not None:
+            self._work_arrived[rank_index] = None
+            arrived.set()
+
+    def _least_loaded_rank(self) -> int:
+        # Fewest live requests, then fewest blocks in use, then the lowest rank.
+        return min(
+            range(len(self._ranks)),
+            key=lambda i: (self._ranks[i].live_sequences, self._ranks[i].used_blocks),
+        )
+
+    def _loads_may_have_changed(self) -> None:
+        changed = False
+        for index, rank in enumerate(self._ranks):
+            current = self._loads[index]
+            if (
+                current.active_decode_blocks != rank.used_blocks
+                or current.active_prefill_tokens != rank.prefill_tokens
+                or current.kv_used_blocks != rank.used_blocks
+            ):
+                self._loads[index] = rank.load(index)
+                changed = True
+        if changed:
+            self._load_changed.bump()
+
+
+def create(settings: WorkerSettings) -> MockerEngine:
+    """The factory the worker CLI calls for ``--engine mocker``."""
+    return MockerEngine(settings.mocker)
