@@ -1,0 +1,161 @@
+"""The frontend's Prometheus metrics, in a registry of its own.
+
+Request counters are updated on the request path, so their labelled children are cached: a 529
+costs one dict lookup and one increment. Per-worker load gauges are not updated per event at all;
+a collector reads the router's load state when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+__all__ = ["FrontendMetrics", "RankLoadSample", "UNKNOWN_MODEL_LABEL"]
+
+#: The ``model`` label of requests for a model no worker has announced: client input must not
+#: create series without bound.
+UNKNOWN_MODEL_LABEL = "unknown"
+
+# Latency buckets in seconds: an LLM request spans milliseconds (a shed) to minutes (long outputs).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RankLoadSample(NamedTuple):
+    """The load of one worker rank as the router sees it, read at scrape time."""
+
+    worker_id: str
+    dp_rank: int
+    active_decode_blocks: int
+    active_prefill_tokens: int
+    kv_total_blocks: int
+
+
+class _WorkerLoadCollector(Collector):
+    def __init__(self, samples: Callable[[], Iterable[RankLoadSample]]) -> None:
+        self._samples = samples
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker_id", "dp_rank"]
+        decode = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_decode_blocks",
+            "Latest active decode blocks per worker and DP rank",
+            labels=labels,
+        )
+        prefill = GaugeMetricFamily(
+            "dynamo_frontend_worker_active_prefill_tokens",
+            "Latest active prefill tokens per worker and DP rank",
+            labels=labels,
+        )
+        total = GaugeMetricFamily(
+            "dynamo_frontend_worker_kv_total_blocks",
+            "KV cache blocks per worker and DP rank",
+            labels=labels,
+        )
+        for sample in self._samples():
+            key = [sample.worker_id, str(sample.dp_rank)]
+            decode.add_metric(key, sample.active_decode_blocks)
+            prefill.add_metric(key, sample.active_prefill_tokens)
+            total.add_metric(key, sample.kv_total_blocks)
+        yield decode
+        yield prefill
+        yield total
+
+
+class FrontendMetrics:
+    """All metrics of one frontend.
+
+    Args:
+        worker_loads: called at scrape time; yields the load of every worker rank.
+    """
+
+    def __init__(self, worker_loads: Callable[[], Iterable[RankLoadSample]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._rejections = Counter(
+            "dynamo_frontend_model_rejection",
+            "Total number of requests rejected due to resource exhaustion",
+            ["model", "endpoint"],
+            registry=self.registry,
+        )
+        self._requests = Counter(
+            "dynamo_frontend_requests",
+            "HTTP requests answered, by status code",
+            ["model", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self._inflight = Gauge(
+            "dynamo_frontend_inflight_requests",
+            "Requests being served now",
+            ["model"],
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "dynamo_frontend_time_to_first_token_seconds",
+            "Seconds from request arrival to the first generated token",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._duration = Histogram(
+            "dynamo_frontend_request_duration_seconds",
+            "Seconds from request arrival to the end of the response",
+            ["model"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._connection_errors = Counter(
+            "dynamo_frontend_http_connection_errors",
+            "HTTP connections that ended in an unexpected error",
+            registry=self.registry,
+        )
+        self.registry.register(_WorkerLoadCollector(worker_loads))
+        self._rejection_children: dict[tuple[str, str], Counter] = {}
+        self._request_children: dict[tuple[str, str, int], Counter] = {}
+        self._inflight_children: dict[str, Gauge] = {}
+
+    def count_rejection(self, model: str, endpoint: str) -> None:
+        """One request answered with the overload status (all workers busy or rejecting)."""
+        key = (model, endpoint)
+        child = self._rejection_children.get(key)
+        if child is None:
+            child = self._rejection_children[key] = self._rejections.labels(model, endpoint)
+        child.inc()
+
+    def count_request(self, model: str, endpoint: str, status: int) -> None:
+        """One request answered (any status)."""
+        key = (model, endpoint, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self._requests.labels(
+                model, endpoint, str(status)
+            )
+        child.inc()
+
+    def inflight(self, model: str) -> Gauge:
+        """The in-flight gauge of one model (``inc()`` on start, ``dec()`` at the end)."""
+        child = self._inflight_children.get(model)
+        if child is None:
+            child = self._inflight_children[model] = self._inflight.labels(model)
+        return child
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        """Time to the first token of a generating request."""
+        self._ttft.labels(model).observe(seconds)
+
+    def observe_duration(self, model: str, seconds: float) -> None:
+        """Time from arrival to the end of the response."""
+        self._duration.labels(model).observe(seconds)
+
+    def count_connection_error(self) -> None:
+        """An HTTP connection ended in an unexpected error (the server itself goes on)."""
+        self._connection_errors.inc()
+
+    def render(self, accept_header: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, as the scraper asked for it."""
+        encoder, content_type = choose_encoder(accept_header or "")
+        return encoder(self.registry), content_type
