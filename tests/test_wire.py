@@ -1,0 +1,226 @@
+"""The wire protocol: every message round-trips, and the bytes are plain msgpack both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker_ingress import wire
+from worker_ingress.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Chunk,
+    End,
+    EventBatch,
+    Failed,
+    Generate,
+    Heartbeat,
+    Hello,
+    LoadEvent,
+    RankLoad,
+    Rejected,
+    RuntimeConfig,
+    Started,
+)
+
+CONFIG = RuntimeConfig(
+    worker_id="w-1",
+    model="mock-model",
+    kv_total_blocks=16384,
+    block_size=16,
+    max_num_batched_tokens=8192,
+    max_num_seqs=256,
+    data_parallel_size=2,
+    engine_request_limit=4,
+    request_queue_limit=16,
+    heartbeat_interval=1.0,
+)
+LOAD = RankLoad(dp_rank=1, active_decode_blocks=7, active_prefill_tokens=300, kv_used_blocks=9)
+
+WORKER_MESSAGES: list[wire.WorkerMessage] = [
+    Hello(protocol_version=PROTOCOL_VERSION, config=CONFIG),
+    Hello(
+        protocol_version=PROTOCOL_VERSION,
+        config=msgspec.structs.replace(CONFIG, engine_request_limit=None),
+    ),
+    Rejected(request_id=1, reason=wire.REASON_OVERLOADED),
+    Rejected(request_id=2, reason=wire.REASON_DRAINING),
+    Started(request_id=3, prompt_tokens=12),
+    Chunk(request_id=3, text=" hello", tokens=1),
+    Chunk(request_id=3, text="", tokens=1, finish_reason="length"),
+    Chunk(request_id=4, embedding=[0.5, -1.25], index=2),
+    End(request_id=3, prompt_tokens=12, completion_tokens=2),
+    Failed(request_id=5, kind="engine", message="boom"),
+    Failed(request_id=6, kind="bad_request", message="'prompt' is required"),
+    Cancel(request_id=7, reason="worker going away"),
+]
+CLIENT_MESSAGES: list[wire.ClientMessage] = [
+    Generate(request_id=1, endpoint="completions", body={"prompt": "a b c", "max_tokens": 3}),
+    Generate(
+        request_id=2**40,
+        endpoint="chat_completions",
+        body={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    ),
+    Generate(request_id=3, endpoint="embeddings", body={"input": ["x", "y"]}),
+    Cancel(request_id=1),
+]
+EVENT_MESSAGES: list[Hello | EventBatch] = [
+    Hello(protocol_version=PROTOCOL_VERSION, config=CONFIG),
+    EventBatch(events=[]),
+    EventBatch(
+        events=[
+            LoadEvent(seq=1, ts=1.5, load=LOAD, engine_requests=3, queued_requests=1),
+            Heartbeat(
+                seq=2, ts=2.5, loads=[LOAD], engine_requests=3, queued_requests=1, status="draining"
+            ),
+        ]
+    ),
+]
+
+
+@pytest.mark.parametrize("message", WORKER_MESSAGES, ids=repr)
+def test_worker_messages_round_trip(message: wire.WorkerMessage) -> None:
+    assert wire.decode_worker_message(wire.encode(message)) == message
+
+
+@pytest.mark.parametrize("message", CLIENT_MESSAGES, ids=repr)
+def test_client_messages_round_trip(message: wire.ClientMessage) -> None:
+    assert wire.decode_client_message(wire.encode(message)) == message
+
+
+@pytest.mark.parametrize("message", EVENT_MESSAGES, ids=repr)
+def test_event_messages_round_trip(message: Hello | EventBatch) -> None:
+    assert wire.decode_event_message(wire.encode(message)) == message
+
+
+ALL_MESSAGES: list[msgspec.Struct] = [*WORKER_MESSAGES, *CLIENT_MESSAGES, *EVENT_MESSAGES]
+
+
+@pytest.mark.parametrize("message", ALL_MESSAGES, ids=repr)
+def test_our_bytes_are_plain_msgpack_maps(message: msgspec.Struct) -> None:
+    decoded = msgpack.unpackb(wire.encode(message))
+    assert isinstance(decoded, dict)
+    assert decoded == msgspec.to_builtins(message)
+    assert isinstance(decoded["type"], str)
+
+
+def test_plain_msgpack_generate_decodes() -> None:
+    data = msgpack.packb(
+        {"type": "generate", "request_id": 9, "endpoint": "completions", "body": {"prompt": "x"}}
+    )
+    assert wire.decode_client_message(data) == Generate(
+        request_id=9, endpoint="completions", body={"prompt": "x"}
+    )
+
+
+def test_plain_msgpack_cancel_takes_the_default_reason() -> None:
+    data = msgpack.packb({"type": "cancel", "request_id": 4})
+    assert wire.decode_client_message(data) == Cancel(
+        request_id=4, reason=wire.CANCEL_REASON_CLIENT
+    )
+
+
+def test_plain_msgpack_event_batch_decodes() -> None:
+    load = {
+        "dp_rank": 0,
+        "active_decode_blocks": 1,
+        "active_prefill_tokens": 2,
+        "kv_used_blocks": 3,
+    }
+    data = msgpack.packb(
+        {
+            "type": "events",
+            "events": [
+                {
+                    "type": "load",
+                    "seq": 1,
+                    "ts": 0.5,
+                    "load": load,
+                    "engine_requests": 1,
+                    "queued_requests": 0,
+                },
+                {
+                    "type": "heartbeat",
+                    "seq": 2,
+                    "ts": 1.0,
+                    "loads": [load],
+                    "engine_requests": 1,
+                    "queued_requests": 0,
+                },
+            ],
+        }
+    )
+    batch = wire.decode_event_message(data)
+    assert isinstance(batch, EventBatch)
+    assert [event.seq for event in batch.events] == [1, 2]
+    heartbeat = batch.events[1]
+    assert isinstance(heartbeat, Heartbeat)
+    assert heartbeat.status == "ready"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    data = msgpack.packb({"type": "started", "request_id": 1, "prompt_tokens": 5, "future": [1]})
+    assert wire.decode_worker_message(data) == Started(request_id=1, prompt_tokens=5)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # never used in msgpack
+        b"not msgpack at all",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"type": "nonsense", "request_id": 1}),
+        msgpack.packb({"type": "generate", "request_id": "one", "endpoint": "x", "body": {}}),
+        msgpack.packb({"type": "generate", "request_id": 1, "endpoint": "images", "body": {}}),
+        msgpack.packb({"type": "started", "request_id": 1, "prompt_tokens": 1}),
+    ],
+)
+def test_client_decoder_rejects_what_is_not_a_client_message(data: bytes) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_client_message(data)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(
+    request_id=st.integers(0, 2**64 - 1),
+    endpoint=st.sampled_from(["chat_completions", "completions", "embeddings"]),
+    body=st.dictionaries(st.text(max_size=10), json_values, max_size=5),
+)
+def test_generate_round_trips_through_plain_msgpack(
+    request_id: int, endpoint: wire.Endpoint, body: dict[str, Any]
+) -> None:
+    message = Generate(request_id=request_id, endpoint=endpoint, body=body)
+    reference = msgpack.packb(msgspec.to_builtins(message))
+    assert wire.decode_client_message(reference) == message
+    assert msgpack.unpackb(wire.encode(message)) == msgspec.to_builtins(message)
+
+
+@given(
+    seq=st.integers(0, 2**63 - 1),
+    ts=st.floats(allow_nan=False, allow_infinity=False),
+    counts=st.lists(st.integers(0, 2**31), min_size=4, max_size=4),
+)
+def test_load_events_round_trip(seq: int, ts: float, counts: list[int]) -> None:
+    load = RankLoad(
+        dp_rank=counts[0],
+        active_decode_blocks=counts[1],
+        active_prefill_tokens=counts[2],
+        kv_used_blocks=counts[3],
+    )
+    batch = EventBatch(
+        events=[LoadEvent(seq=seq, ts=ts, load=load, engine_requests=1, queued_requests=2)]
+    )
+    assert wire.decode_event_message(msgpack.packb(msgspec.to_builtins(batch))) == batch
