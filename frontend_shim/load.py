@@ -60,6 +60,7 @@ __all__ = [
     "DEFAULT_MARK_LEASE",
     "DEFAULT_STALE_AFTER_INTERVALS",
     "UNKNOWN_MAX_BATCHED_TOKENS",
+    "FreeSet",
     "Fleet",
     "InFlight",
     "RankGauge",
@@ -367,8 +368,11 @@ def _max_batched(config: wire.RuntimeConfig) -> int:
     return UNKNOWN_MAX_BATCHED_TOKENS
 
 
-class _IndexedSet(Generic[_T]):
-    """A set with O(1) add, discard and indexing (swap-remove), for picking by position."""
+class FreeSet(Generic[_T]):
+    """A set with O(1) add, discard and indexing (swap-remove), for picking by position.
+
+    The order is arbitrary and changes when an item is removed; read it, never keep it.
+    """
 
     __slots__ = ("_items", "_positions")
 
@@ -412,7 +416,7 @@ class _ModelPool:
         self.name = name
         self.thresholds = thresholds
         self.workers: dict[str, WorkerLoad] = {}
-        self.free: _IndexedSet[WorkerLoad] = _IndexedSet()
+        self.free: FreeSet[WorkerLoad] = FreeSet()
         #: Workers registered, fresh and not draining.
         self.available = 0
         #: Free workers under the frontend-queue threshold.
@@ -828,7 +832,7 @@ class Fleet:
 
     # ------------------------------------------------------------------ queries
 
-    def free_workers(self, model: str, now: float) -> _IndexedSet[WorkerLoad] | None:
+    def free_workers(self, model: str, now: float) -> FreeSet[WorkerLoad] | None:
         """The free workers of a model (a live view: do not keep it), ``None`` if unknown."""
         self.expire(now)
         pool = self._pools.get(model)

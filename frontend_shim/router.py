@@ -1,0 +1,530 @@
+"""Routing decisions over a :class:`~frontend_shim.load.Fleet` (pure: no I/O, time passed in).
+
+What the I/O side does for one request, and which piece here answers each question::
+
+    if fleet.all_models_busy(now): 529 before reading the body      (Fleet, O(1))
+    if queue.should_park(fleet, model, now):                        (FrontendQueue)
+        queue.park(model, waiter) or 529 (queue full); wait until queue.release(fleet, now)
+        hands the waiter back (called after applying events and on completions)
+    attempt = router.new_attempt()
+    loop:
+        outcome = router.pick(model, now, exclude=attempt.rejected_by)
+        Routed -> send; on Rejected(reason): if attempt.on_rejected(router, id, reason, now):
+                  pick again; else 529
+        AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
+
+Rules:
+
+1. Only *free* workers are picked: registered for the model, fresh, not draining, not busy, not
+   marked (see :mod:`frontend_shim.load`), and not in ``exclude``.
+2. Outcomes, checked in this order: no worker connected at all -> :class:`NoWorkers` (503; the
+   frontend cannot tell an unknown model from one whose workers are down); a model no worker
+   ever announced -> :class:`UnknownModel` (404); no available worker for the model ->
+   :class:`NoWorkers` (503); available workers but none free (busy, marked, or excluded) ->
+   :class:`AllBusy` (529); else :class:`Routed`.
+3. Modes: ``round-robin`` cycles a cursor over the free set (O(1); the set is an array with
+   swap-remove, so the cycle order changes as workers come and go, but no free worker is
+   skipped for long); ``random`` draws uniformly from the free set (O(1)); ``kv`` scans the free
+   set for the lowest :attr:`~frontend_shim.load.WorkerLoad.load_cost` (mean over ranks of
+   ``blocks/kv_total_blocks + prefill_tokens/max_num_batched_tokens``, the router's own count
+   included), starting the scan at the cursor so that ties rotate. ``kv`` is O(free workers)
+   per pick: about 1,024 attribute reads for a 1,024-worker model (see bench/bench_router.py).
+4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event);
+   ``Server unavailable: ...`` takes it out until it reports ``ready``. Either way the request
+   never started, so it may go to another free worker while ``migration_limit`` allows, never
+   to one that already rejected it.
+5. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
+   the model has free workers but all of them are saturated (every reported rank has more
+   prefill tokens than ``int(f * max_num_batched_tokens)``), or when requests of that model
+   already wait (first come, first served). The queue is bounded; full means 529. A release
+   hands back at most one waiter per unsaturated free worker (each routed request adds to the
+   router's own prefill count, so the next release sees it), or every waiter of a model that
+   has no free worker left (they then get their 529/503 at once instead of waiting).
+6. Retry-After: ``ceil(in_flight / completions_per_second)``, the time the fleet needs to turn
+   over what it holds now, clamped to [1, 30] s; 1 s before any completion was seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import random
+from collections.abc import Collection, Hashable
+from typing import Final, Generic, TypeVar
+
+from worker_ingress import wire
+
+from .load import Fleet, FreeSet, WorkerLoad
+
+__all__ = [
+    "DEFAULT_RETRY_AFTER_CAP",
+    "AllBusy",
+    "Attempt",
+    "CompletionRate",
+    "FrontendQueue",
+    "NoWorkers",
+    "Outcome",
+    "RejectionKind",
+    "Routed",
+    "Router",
+    "RouterMode",
+    "UnknownModel",
+    "classify_rejection",
+    "retry_after_seconds",
+]
+
+#: Largest Retry-After (seconds) sent with a 529.
+DEFAULT_RETRY_AFTER_CAP: Final = 30
+
+
+class RouterMode(enum.StrEnum):
+    """``--router-mode``."""
+
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    KV = "kv"
+
+
+# ----------------------------------------------------------------------------- outcomes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Routed:
+    """Send the request to this worker."""
+
+    worker_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllBusy:
+    """Workers are available for the model but none is free: answer the overload status (529)."""
+
+    http_status: int = 529
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoWorkers:
+    """No worker available for the model (or none connected at all): answer 503."""
+
+    http_status: int = 503
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnknownModel:
+    """No worker ever announced this model (while some worker is connected): answer 404."""
+
+    http_status: int = 404
+
+
+Outcome = Routed | AllBusy | NoWorkers | UnknownModel
+
+_ALL_BUSY: Final = AllBusy()
+_NO_WORKERS: Final = NoWorkers()
+_UNKNOWN_MODEL: Final = UnknownModel()
+
+
+class RejectionKind(enum.Enum):
+    """What a worker's rejection reason means for routing."""
+
+    #: ``Server overloaded:``: the worker is full; mark it and try another.
+    OVERLOADED = "overloaded"
+    #: ``Server unavailable:``: the worker is going away; stop routing to it.
+    UNAVAILABLE = "unavailable"
+    #: Anything else: not a capacity problem; not retried elsewhere.
+    OTHER = "other"
+
+
+_OVERLOADED_PREFIX: Final = wire.REASON_OVERLOADED.split(":", 1)[0] + ":"
+_UNAVAILABLE_PREFIX: Final = wire.REASON_DRAINING.split(":", 1)[0] + ":"
+
+
+def classify_rejection(reason: str) -> RejectionKind:
+    """Classify a :class:`~worker_ingress.wire.Rejected` reason by its prefix.
+
+    Args:
+        reason: the reason text.
+
+    Returns:
+        The kind of rejection.
+    """
+    if reason.startswith(_OVERLOADED_PREFIX):
+        return RejectionKind.OVERLOADED
+    if reason.startswith(_UNAVAILABLE_PREFIX):
+        return RejectionKind.UNAVAILABLE
+    return RejectionKind.OTHER
+
+
+# ----------------------------------------------------------------------------- router
+
+
+class Router:
+    """Chooses a free worker for a request.
+
+    Args:
+        fleet: the load state the choices are made from (shared with the I/O side).
+        mode: the selection policy.
+        migration_limit: times a rejected request may be retried on another worker (>= 0).
+        rng: random source for ``random`` mode (seed it in tests).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        mode: RouterMode = RouterMode.ROUND_ROBIN,
+        *,
+        migration_limit: int = 0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
+        self.fleet = fleet
+        self.mode = RouterMode(mode)
+        self.migration_limit = migration_limit
+        self._rng = rng or random.Random()
+        self._cursor = 0
+
+    def pick(self, model: str, now: float, exclude: Collection[str] = ()) -> Outcome:
+        """Choose a free worker for a request of ``model`` (rules 1-3 of the module docstring).
+
+        Args:
+            model: the requested model.
+            now: current time (expires marks and stale workers first).
+            exclude: ids of workers not to choose (those that already rejected this request).
+
+        Returns:
+            :class:`Routed` with the worker, or why there is none.
+        """
+        fleet = self.fleet
+        free = fleet.free_workers(model, now)
+        if fleet.connected_count == 0:
+            return _NO_WORKERS
+        if free is None:
+            return _UNKNOWN_MODEL
+        if fleet.available_count(model, now) == 0:
+            return _NO_WORKERS
+        count = len(free)
+        if count == 0:
+            return _ALL_BUSY
+        chosen: WorkerLoad | None
+        if self.mode is RouterMode.KV:
+            chosen = self._least_loaded(free, count, exclude)
+        elif self.mode is RouterMode.RANDOM:
+            chosen = self._random(free, count, exclude)
+        else:
+            chosen = self._round_robin(free, count, exclude)
+        return _ALL_BUSY if chosen is None else Routed(chosen.config.worker_id)
+
+    def _round_robin(
+        self, free: FreeSet[WorkerLoad], count: int, exclude: Collection[str]
+    ) -> WorkerLoad | None:
+        # At most len(exclude) + 1 steps: only excluded workers are stepped over.
+        for _ in range(min(count, len(exclude) + 1)):
+            worker = free[self._cursor % count]
+            self._cursor += 1
+            if worker.config.worker_id not in exclude:
+                return worker
+        return self._first_not_excluded(free, exclude)
+
+    def _random(
+        self, free: FreeSet[WorkerLoad], count: int, exclude: Collection[str]
+    ) -> WorkerLoad | None:
+        worker = free[self._rng.randrange(count)]
+        if worker.config.worker_id not in exclude:
+            return worker
+        candidates = [w for w in free if w.config.worker_id not in exclude]
+        return self._rng.choice(candidates) if candidates else None
+
+    def _least_loaded(
+        self, free: FreeSet[WorkerLoad], count: int, exclude: Collection[str]
+    ) -> WorkerLoad | None:
+        start = self._cursor % count
+        self._cursor += 1
+        best: WorkerLoad | None = None
+        best_cost = math.inf
+        for offset in range(count):
+            worker = free[(start + offset) % count]
+            cost = worker.load_cost
+            if cost < best_cost and worker.config.worker_id not in exclude:
+                best, best_cost = worker, cost
+        return best
+
+    @staticmethod
+    def _first_not_excluded(
+        free: FreeSet[WorkerLoad], exclude: Collection[str]
+    ) -> WorkerLoad | None:
+        for worker in free:
+            if worker.config.worker_id not in exclude:
+                return worker
+        return None
+
+    # ------------------------------------------------------------------ rejections, migration
+
+    def on_rejected(self, worker_id: str, reason: str, now: float) -> RejectionKind:
+        """Take note that a worker rejected a request (rule 4).
+
+        Args:
+            worker_id: the worker that rejected.
+            reason: the :class:`~worker_ingress.wire.Rejected` reason.
+            now: current time.
+
+        Returns:
+            The kind of rejection.
+        """
+        kind = classify_rejection(reason)
+        if kind is RejectionKind.OVERLOADED:
+            self.fleet.mark_overloaded(worker_id, now)
+        elif kind is RejectionKind.UNAVAILABLE:
+            self.fleet.mark_draining(worker_id)
+        return kind
+
+    def new_attempt(self) -> Attempt:
+        """Migration bookkeeping for one request, with this router's ``migration_limit``."""
+        return Attempt(self.migration_limit)
+
+
+class Attempt:
+    """Migration bookkeeping of one request: who rejected it and whether it may try again.
+
+    Args:
+        migration_limit: times the request may be retried on another worker.
+    """
+
+    __slots__ = ("migration_limit", "rejected_by")
+
+    def __init__(self, migration_limit: int) -> None:
+        self.migration_limit = migration_limit
+        #: Workers that rejected this request: pass as ``exclude`` to :meth:`Router.pick`.
+        self.rejected_by: set[str] = set()
+
+    @property
+    def migrations(self) -> int:
+        """Retries used so far (one per rejection)."""
+        return len(self.rejected_by)
+
+    def on_rejected(self, router: Router, worker_id: str, reason: str, now: float) -> bool:
+        """Record a rejection (marking the worker through ``router``); say whether to retry.
+
+        Args:
+            router: the router (its fleet gets the mark).
+            worker_id: the worker that rejected.
+            reason: the rejection reason.
+            now: current time.
+
+        Returns:
+            ``True`` when the request may be tried on another worker: the rejection was a
+            capacity or availability one and the migration limit is not used up.
+        """
+        kind = router.on_rejected(worker_id, reason, now)
+        self.rejected_by.add(worker_id)
+        return kind is not RejectionKind.OTHER and self.migrations <= self.migration_limit
+
+
+_W = TypeVar("_W", bound=Hashable)
+
+
+class FrontendQueue(Generic[_W]):
+    """The bounded frontend queue: per-model FIFOs of opaque waiters, one bound for all.
+
+    Use it only with a fleet that has a ``queue_threshold`` (without one, no worker is ever
+    saturated and :meth:`should_park` is ``False`` unless requests already wait).
+
+    A waiter is anything hashable the I/O side uses to wake a parked request (a ``trio.Event``,
+    a request id...). Each waiter may be parked once at a time.
+
+    Args:
+        capacity: the most waiters parked at once, all models together (>= 1).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._size = 0
+        # dicts as ordered sets: O(1) append, O(1) cancel, oldest first.
+        self._by_model: dict[str, dict[_W, None]] = {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def waiting(self, model: str) -> int:
+        """Waiters parked for ``model``."""
+        waiters = self._by_model.get(model)
+        return len(waiters) if waiters else 0
+
+    def models_waiting(self) -> list[str]:
+        """Models that have waiters."""
+        return list(self._by_model)
+
+    def park(self, model: str, waiter: _W) -> bool:
+        """Park a waiter at the back of its model's line.
+
+        Args:
+            model: the requested model.
+            waiter: the waiter.
+
+        Returns:
+            ``False`` when the queue is full (the request is rejected with 529).
+
+        Raises:
+            ValueError: the waiter is already parked.
+        """
+        if self._size >= self.capacity:
+            return False
+        waiters = self._by_model.setdefault(model, {})
+        if waiter in waiters:
+            raise ValueError("waiter already parked")
+        waiters[waiter] = None
+        self._size += 1
+        return True
+
+    def cancel(self, model: str, waiter: _W) -> bool:
+        """Take a waiter out (its client went away or its wait timed out).
+
+        Returns:
+            Whether it was parked.
+        """
+        waiters = self._by_model.get(model)
+        if waiters is None or waiter not in waiters:
+            return False
+        del waiters[waiter]
+        self._size -= 1
+        if not waiters:
+            del self._by_model[model]
+        return True
+
+    def should_park(self, fleet: Fleet, model: str, now: float) -> bool:
+        """Whether a new request of ``model`` must wait here (rule 5 of the module docstring).
+
+        When it is ``True`` the caller parks the request with :meth:`park` (which answers
+        ``False`` when the queue is full: reject with 529).
+
+        Args:
+            fleet: the load state (its ``queue_threshold`` defines saturation).
+            model: the requested model.
+            now: current time.
+        """
+        if self.waiting(model) > 0:
+            return True
+        free = fleet.free_workers(model, now)
+        return bool(free) and fleet.unsaturated_free_count(model, now) == 0
+
+    def release(self, fleet: Fleet, now: float) -> list[_W]:
+        """Waiters that may go on now (rule 5), oldest first per model.
+
+        The I/O side calls this after applying a batch of events and after a request ends,
+        wakes each returned waiter, and each then calls :meth:`Router.pick`.
+
+        Args:
+            fleet: the load state.
+            now: current time.
+
+        Returns:
+            The released waiters, no longer parked.
+        """
+        released: list[_W] = []
+        for model in self.models_waiting():
+            if fleet.free_workers(model, now):
+                allowed = fleet.unsaturated_free_count(model, now)
+            else:
+                allowed = self.waiting(model)
+            released.extend(self.pop(model, allowed))
+        return released
+
+    def pop(self, model: str, count: int) -> list[_W]:
+        """Take up to ``count`` waiters of ``model``, oldest first.
+
+        Args:
+            model: the model.
+            count: the most to take.
+
+        Returns:
+            The waiters taken.
+        """
+        waiters = self._by_model.get(model)
+        if not waiters or count <= 0:
+            return []
+        taken: list[_W] = []
+        for waiter in waiters:
+            if len(taken) >= count:
+                break
+            taken.append(waiter)
+        for waiter in taken:
+            del waiters[waiter]
+        self._size -= len(taken)
+        if not waiters:
+            del self._by_model[model]
+        return taken
+
+
+# ----------------------------------------------------------------------------- Retry-After
+
+
+class CompletionRate:
+    """An exponentially weighted rate of request completions (per second) of the whole fleet.
+
+    ``rate = sum(exp(-(now - t_i) / tau)) / tau`` over completion times ``t_i``, divided by
+    ``1 - exp(-(now - start) / tau)`` so the first seconds are not underestimated. Feed it
+    every completed request (failed and cancelled ones too: they free capacity as well).
+
+    Args:
+        time_constant: ``tau``, seconds (larger: smoother, slower to follow).
+    """
+
+    def __init__(self, time_constant: float = 5.0) -> None:
+        if not time_constant > 0:
+            raise ValueError(f"time_constant must be > 0, got {time_constant}")
+        self.time_constant = time_constant
+        self._weighted = 0.0
+        self._last: float | None = None
+        self._start: float | None = None
+
+    def record(self, now: float, count: int = 1) -> None:
+        """Count ``count`` completions at time ``now``."""
+        if self._last is None:
+            self._start = self._last = now
+        self._weighted = self._decayed(now) + count
+        self._last = max(self._last, now)
+
+    def _decayed(self, now: float) -> float:
+        if self._last is None:
+            return 0.0
+        return self._weighted * math.exp(-max(0.0, now - self._last) / self.time_constant)
+
+    def rate(self, now: float) -> float | None:
+        """Completions per second around ``now``; ``None`` before the first completion."""
+        if self._start is None:
+            return None
+        elapsed = max(0.0, now - self._start)
+        # Bias correction; at least the first completion's own window so t=start is finite.
+        coverage = max(1.0 - math.exp(-elapsed / self.time_constant), 1.0 / self.time_constant)
+        return self._decayed(now) / self.time_constant / coverage
+
+
+def retry_after_seconds(
+    in_flight: int,
+    completions_per_second: float | None,
+    *,
+    cap: int = DEFAULT_RETRY_AFTER_CAP,
+) -> int:
+    """Retry-After for a 529: the time the fleet needs to turn over what it holds now.
+
+    Args:
+        in_flight: requests in flight in the fleet (or of the model).
+        completions_per_second: from :meth:`CompletionRate.rate`; ``None`` when unknown.
+        cap: the largest value returned (>= 1).
+
+    Returns:
+        Whole seconds in ``[1, cap]``: ``ceil(in_flight / rate)`` clamped; 1 when the rate is
+        unknown or nothing is in flight; ``cap`` when requests are in flight and nothing
+        completes.
+    """
+    cap = max(1, cap)
+    if completions_per_second is None or in_flight <= 0:
+        return 1
+    if not completions_per_second > 0:
+        return cap
+    seconds = in_flight / completions_per_second
+    if not math.isfinite(seconds):
+        return cap
+    return max(1, min(cap, math.ceil(seconds)))
