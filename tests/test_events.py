@@ -1,0 +1,266 @@
+"""The event publisher: change detection, heartbeats, coalescing, latest-wins per subscriber."""
+
+from __future__ import annotations
+
+import itertools
+
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker_ingress.events import EventPublisher, LoadTracker, Mailbox, open_event_publisher
+from worker_ingress.watch import ChangeSignal
+from worker_ingress.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+
+
+def rank(dp_rank: int, blocks: int = 0, prefill: int = 0) -> RankLoad:
+    return RankLoad(
+        dp_rank=dp_rank,
+        active_decode_blocks=blocks,
+        active_prefill_tokens=prefill,
+        kv_used_blocks=blocks,
+    )
+
+
+def fixed_clock() -> float:
+    return 1000.0
+
+
+# ----------------------------------------------------------------------------- LoadTracker
+
+
+def test_tracker_emits_once_per_changed_rank() -> None:
+    tracker = LoadTracker(wall_clock=fixed_clock)
+    first = tracker.observe([rank(0), rank(1)], 0, 0)
+    assert [(event.seq, event.load.dp_rank) for event in first] == [(1, 0), (2, 1)]
+    assert tracker.observe([rank(0), rank(1)], 0, 0) == []
+    changed = tracker.observe([rank(0), rank(1, blocks=3)], 0, 0)
+    assert [(event.seq, event.load) for event in changed] == [(3, rank(1, blocks=3))]
+    assert changed[0].ts == 1000.0
+
+
+def test_tracker_gauge_change_emits_for_every_rank() -> None:
+    tracker = LoadTracker(wall_clock=fixed_clock)
+    tracker.observe([rank(0), rank(1)], 0, 0)
+    events = tracker.observe([rank(0), rank(1)], 2, 1)
+    assert [(e.load.dp_rank, e.engine_requests, e.queued_requests) for e in events] == [
+        (0, 2, 1),
+        (1, 2, 1),
+    ]
+
+
+def test_heartbeat_repeats_latest_state_and_takes_a_sequence_number() -> None:
+    tracker = LoadTracker(wall_clock=fixed_clock)
+    tracker.observe([rank(0, blocks=4)], 1, 0)
+    heartbeat = tracker.heartbeat("draining")
+    assert heartbeat == Heartbeat(
+        seq=2,
+        ts=1000.0,
+        loads=[rank(0, blocks=4)],
+        engine_requests=1,
+        queued_requests=0,
+        status="draining",
+    )
+    assert tracker.seq == 2
+
+
+# ----------------------------------------------------------------------------- Mailbox
+
+
+def load_event(seq: int, dp_rank: int, blocks: int = 0) -> LoadEvent:
+    return LoadEvent(
+        seq=seq, ts=0.0, load=rank(dp_rank, blocks), engine_requests=0, queued_requests=0
+    )
+
+
+def heartbeat(seq: int) -> Heartbeat:
+    return Heartbeat(seq=seq, ts=0.0, loads=[], engine_requests=0, queued_requests=0)
+
+
+def test_mailbox_keeps_latest_per_rank_in_seq_order() -> None:
+    mailbox = Mailbox()
+    mailbox.put(load_event(1, dp_rank=0, blocks=1))
+    mailbox.put(load_event(2, dp_rank=1, blocks=1))
+    mailbox.put(load_event(3, dp_rank=0, blocks=2))
+    assert len(mailbox) == 2
+    assert [event.seq for event in mailbox.take()] == [2, 3]
+    assert mailbox.take() == []
+
+
+def test_heartbeat_supersedes_older_load_events() -> None:
+    mailbox = Mailbox()
+    mailbox.put(load_event(1, dp_rank=0))
+    mailbox.put(heartbeat(2))
+    mailbox.put(load_event(3, dp_rank=0))
+    assert [event.seq for event in mailbox.take()] == [2, 3]
+
+
+events_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("load"), st.integers(0, 3)),
+        st.tuples(st.just("heartbeat"), st.just(0)),
+        st.tuples(st.just("take"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@given(operations=events_strategy)
+def test_mailbox_is_bounded_and_never_loses_the_latest_state(
+    operations: list[tuple[str, int]],
+) -> None:
+    """Model: what a subscriber took, replayed in order, ends in the latest state."""
+    mailbox = Mailbox()
+    seq = itertools.count(1)
+    latest: dict[int, int] = {}  # rank -> seq of the latest event for it (heartbeat: all ranks)
+    seen: dict[int, int] = {}
+    last_taken = 0
+    for kind, dp_rank in [*operations, ("take", 0)]:
+        if kind == "load":
+            event: WorkerEvent = load_event(next(seq), dp_rank)
+            latest[dp_rank] = event.seq
+            mailbox.put(event)
+        elif kind == "heartbeat":
+            event = heartbeat(next(seq))
+            for known in latest:
+                latest[known] = event.seq
+            mailbox.put(event)
+        else:
+            taken = mailbox.take()
+            assert [e.seq for e in taken] == sorted(e.seq for e in taken)
+            assert all(e.seq > last_taken for e in taken)
+            for e in taken:
+                last_taken = e.seq
+                if isinstance(e, Heartbeat):
+                    for known in latest:
+                        seen[known] = e.seq
+                else:
+                    seen[e.load.dp_rank] = e.seq
+        assert len(mailbox) <= 4 + 1
+    assert seen == latest
+
+
+# ----------------------------------------------------------------------------- EventPublisher
+
+
+class FakeLoad:
+    """An engine's load: two ranks and a change signal, plus the ingress gauges."""
+
+    def __init__(self) -> None:
+        self.loads = [rank(0), rank(1)]
+        self.changed = ChangeSignal()
+        self.running = 0
+        self.queued = 0
+
+    def load(self) -> list[RankLoad]:
+        return list(self.loads)
+
+    def gauges(self) -> tuple[int, int]:
+        return self.running, self.queued
+
+    def publisher(self, heartbeat_interval: float = 1.0) -> EventPublisher:
+        return EventPublisher(
+            load=self.load,
+            load_changed=self.changed,
+            gauges=self.gauges,
+            heartbeat_interval=heartbeat_interval,
+        )
+
+
+async def test_new_subscriber_starts_with_a_heartbeat(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher()) as publisher:
+        with publisher.subscribe() as subscription:
+            (first,) = await subscription.next_batch()
+    assert isinstance(first, Heartbeat)
+    assert first.loads == [rank(0), rank(1)]
+
+
+async def test_engine_change_is_published_and_heartbeats_tick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher(heartbeat_interval=2.0)) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            start = trio.current_time()
+            source.loads = [rank(0), rank(1, blocks=5)]
+            source.changed.bump()
+            (event,) = await subscription.next_batch()
+            assert isinstance(event, LoadEvent)
+            assert event.load == rank(1, blocks=5)
+            assert trio.current_time() - start < 0.5
+            beats: list[float] = []
+            for _ in range(3):
+                (beat,) = await subscription.next_batch()
+                assert isinstance(beat, Heartbeat)
+                assert beat.seq > event.seq
+                beats.append(trio.current_time())
+    gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+    assert all(1.5 < gap < 2.5 for gap in gaps), gaps
+
+
+async def test_gauge_change_through_notify(autojump_clock: trio.testing.MockClock) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher()) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            source.running, source.queued = 3, 2
+            publisher.notify()
+            events = await subscription.next_batch()
+    assert {(e.engine_requests, e.queued_requests) for e in events} == {(3, 2)}
+    assert sorted(e.load.dp_rank for e in events if isinstance(e, LoadEvent)) == [0, 1]
+
+
+async def test_status_change_sends_a_heartbeat_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher(heartbeat_interval=30.0)) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            start = trio.current_time()
+            publisher.set_status("draining")
+            (beat,) = await subscription.next_batch()
+    assert isinstance(beat, Heartbeat)
+    assert beat.status == "draining"
+    assert trio.current_time() - start < 1.0
+
+
+async def test_slow_subscriber_gets_latest_state_not_a_backlog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher(heartbeat_interval=100.0)) as publisher:
+        with publisher.subscribe() as slow, publisher.subscribe() as fast:
+            await slow.next_batch()
+            await fast.next_batch()
+            fast_events: list[WorkerEvent] = []
+            for blocks in range(1, 201):
+                source.loads = [rank(0, blocks=blocks), rank(1, blocks=blocks)]
+                source.changed.bump()
+                fast_events.extend(await fast.next_batch())
+                assert slow.pending <= 3
+            batch = await slow.next_batch()
+    # The fast subscriber saw every step; the slow one only the last state of each rank.
+    assert fast_events[-1].seq == batch[-1].seq
+    assert len(fast_events) >= 200
+    assert [e.load for e in batch if isinstance(e, LoadEvent)] == [
+        rank(0, blocks=200),
+        rank(1, blocks=200),
+    ]
+
+
+async def test_unsubscribed_subscriber_receives_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(source.publisher()) as publisher:
+        with publisher.subscribe() as subscription:
+            assert publisher.subscriber_count == 1
+        assert publisher.subscriber_count == 0
+        await trio.sleep(5)
+        assert subscription.pending == 1  # only the initial heartbeat, never taken
