@@ -27,6 +27,7 @@ from frontend_shim.config import (
     admin_api_disabled,
     overload_status_from_env,
 )
+from worker_ingress.cli import strict_int
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -64,6 +65,7 @@ app = App(
 
 WORKERS = Parameter(group="Workers")
 PASS = Parameter(group="Worker flags passed to --local-workers")
+PASS_INT = Parameter(group="Worker flags passed to --local-workers", converter=strict_int)
 
 
 @app.default
@@ -71,14 +73,23 @@ def _frontend(
     *,
     http_host: Annotated[str, Parameter(env_var="DYN_HTTP_HOST")] = "127.0.0.1",
     http_port: Annotated[
-        int, Parameter(env_var="DYN_HTTP_PORT", validator=validators.Number(gte=0, lte=65535))
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_HTTP_PORT",
+            validator=validators.Number(gte=0, lte=65535),
+        ),
     ] = 8000,
     worker: Annotated[
         tuple[str, ...], Parameter(env_var="DYN_WORKERS", negative=(), consume_multiple=False)
     ] = (),
     local_workers: Annotated[
         int,
-        Parameter(env_var="DYN_LOCAL_WORKERS", validator=validators.Number(gte=0, lte=256)),
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_LOCAL_WORKERS",
+            validator=validators.Number(gte=0, lte=256),
+        ),
     ] = 0,
     router_mode: Annotated[RouterMode, Parameter(env_var="DYN_ROUTER_MODE")] = "round-robin",
     active_decode_blocks_threshold: Annotated[
@@ -91,7 +102,9 @@ def _frontend(
     active_prefill_tokens_threshold: Annotated[
         int | None,
         Parameter(
-            env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD", validator=validators.Number(gte=0)
+            converter=strict_int,
+            env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
+            validator=validators.Number(gte=0),
         ),
     ] = None,
     active_prefill_tokens_threshold_frac: Annotated[
@@ -112,13 +125,25 @@ def _frontend(
     ] = None,
     router_queue_capacity: Annotated[
         int,
-        Parameter(env_var="DYN_ROUTER_QUEUE_CAPACITY", validator=validators.Number(gte=1)),
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_ROUTER_QUEUE_CAPACITY",
+            validator=validators.Number(gte=1),
+        ),
     ] = 1024,
     migration_limit: Annotated[
-        int, Parameter(env_var="DYN_MIGRATION_LIMIT", validator=validators.Number(gte=0))
+        int,
+        Parameter(
+            converter=strict_int, env_var="DYN_MIGRATION_LIMIT", validator=validators.Number(gte=0)
+        ),
     ] = 0,
     max_body_bytes: Annotated[
-        int, Parameter(env_var="DYN_HTTP_MAX_BODY_BYTES", validator=validators.Number(gte=1))
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_HTTP_MAX_BODY_BYTES",
+            validator=validators.Number(gte=1),
+        ),
     ] = DEFAULT_MAX_BODY_BYTES,
     admission_control: Annotated[
         str | None, Parameter(env_var="DYN_ADMISSION_CONTROL", show=False)
@@ -127,15 +152,15 @@ def _frontend(
     model: Annotated[str | None, PASS] = None,
     engine: Annotated[str | None, PASS] = None,
     upstream_url: Annotated[str | None, PASS] = None,
-    engine_request_limit: Annotated[int | None, PASS] = None,
+    engine_request_limit: Annotated[int | None, PASS_INT] = None,
     queue_timeout: Annotated[float | None, PASS] = None,
     graceful_shutdown_timeout: Annotated[float | None, PASS] = None,
     heartbeat_interval: Annotated[float | None, PASS] = None,
-    num_gpu_blocks: Annotated[int | None, PASS] = None,
-    block_size: Annotated[int | None, PASS] = None,
-    max_num_seqs: Annotated[int | None, PASS] = None,
-    max_num_batched_tokens: Annotated[int | None, PASS] = None,
-    data_parallel_size: Annotated[int | None, PASS] = None,
+    num_gpu_blocks: Annotated[int | None, PASS_INT] = None,
+    block_size: Annotated[int | None, PASS_INT] = None,
+    max_num_seqs: Annotated[int | None, PASS_INT] = None,
+    max_num_batched_tokens: Annotated[int | None, PASS_INT] = None,
+    data_parallel_size: Annotated[int | None, PASS_INT] = None,
     speedup_ratio: Annotated[float | None, PASS] = None,
 ) -> tuple[FrontendSettings, LogLevel]:
     """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.

@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from typing import Annotated, Literal, NoReturn
 
 import cyclopts
-from cyclopts import App, Parameter, validators
+from cyclopts import App, Parameter, Token, validators
 
 from worker_ingress import __version__
 from worker_ingress.config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 
-__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
+__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args", "strict_int"]
 
 #: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
@@ -36,6 +36,15 @@ class CliError(Exception):
 def _finite(type_: type, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise ValueError("Must be a finite number.")
+
+
+def strict_int(type_: object, tokens: Sequence[Token]) -> int:
+    """A cyclopts converter for whole numbers that refuses "1.5" instead of rounding it."""
+    raw = tokens[0].value
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f'"{raw}" is not a whole number') from None
 
 
 def _port() -> validators.Number:
@@ -58,14 +67,19 @@ app = App(
 def _worker(
     *,
     host: Annotated[str, Parameter(env_var="DYN_WORKER_HOST")] = "127.0.0.1",
-    port: Annotated[int, Parameter(env_var="DYN_WORKER_PORT", validator=_port())] = 9100,
-    system_port: Annotated[int, Parameter(env_var="DYN_SYSTEM_PORT", validator=_port())] = 9101,
+    port: Annotated[
+        int, Parameter(converter=strict_int, env_var="DYN_WORKER_PORT", validator=_port())
+    ] = 9100,
+    system_port: Annotated[
+        int, Parameter(converter=strict_int, env_var="DYN_SYSTEM_PORT", validator=_port())
+    ] = 9101,
     model: Annotated[str, Parameter(env_var="DYN_MODEL_NAME")] = "mock-model",
     worker_id: Annotated[str | None, Parameter(env_var="DYN_WORKER_ID")] = None,
     engine: Annotated[str, Parameter(env_var="DYN_ENGINE")] = "mocker",
     upstream_url: Annotated[str | None, Parameter(env_var="DYN_UPSTREAM_URL")] = None,
     engine_request_limit: Annotated[
-        int | None, Parameter(env_var="DYN_ENGINE_REQUEST_LIMIT", validator=_positive())
+        int | None,
+        Parameter(converter=strict_int, env_var="DYN_ENGINE_REQUEST_LIMIT", validator=_positive()),
     ] = None,
     queue_timeout: Annotated[
         float | None,
@@ -89,19 +103,27 @@ def _worker(
         ),
     ] = 1.0,
     num_gpu_blocks: Annotated[
-        int, Parameter(env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=_positive())
+        int,
+        Parameter(converter=strict_int, env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=_positive()),
     ] = 16384,
     block_size: Annotated[
-        int, Parameter(env_var="DYN_MOCKER_BLOCK_SIZE", validator=_positive())
+        int, Parameter(converter=strict_int, env_var="DYN_MOCKER_BLOCK_SIZE", validator=_positive())
     ] = 16,
     max_num_seqs: Annotated[
-        int, Parameter(env_var="DYN_MOCKER_MAX_NUM_SEQS", validator=_positive())
+        int,
+        Parameter(converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_SEQS", validator=_positive()),
     ] = 256,
     max_num_batched_tokens: Annotated[
-        int, Parameter(env_var="DYN_MOCKER_MAX_NUM_BATCHED_TOKENS", validator=_positive())
+        int,
+        Parameter(
+            converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_BATCHED_TOKENS", validator=_positive()
+        ),
     ] = 8192,
     data_parallel_size: Annotated[
-        int, Parameter(env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=_positive())
+        int,
+        Parameter(
+            converter=strict_int, env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=_positive()
+        ),
     ] = 1,
     speedup_ratio: Annotated[
         float,

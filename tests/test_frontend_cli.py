@@ -1,0 +1,201 @@
+"""The ``frontend-shim`` command line: precedence, validation, pass-through, special variables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from frontend_shim.cli import (
+    ADMISSION_CONTROL_ENV_WARNING,
+    ADMISSION_CONTROL_FLAG_WARNING,
+    CliError,
+    parse_args,
+)
+from frontend_shim.config import admin_api_disabled, overload_status_from_env
+
+VARIABLES = [
+    "DYN_HTTP_HOST",
+    "DYN_HTTP_PORT",
+    "DYN_WORKERS",
+    "DYN_LOCAL_WORKERS",
+    "DYN_ROUTER_MODE",
+    "DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
+    "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
+    "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
+    "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
+    "DYN_ROUTER_QUEUE_THRESHOLD",
+    "DYN_MIGRATION_LIMIT",
+    "DYN_HTTP_MAX_BODY_BYTES",
+    "DYN_HTTP_OVERLOAD_STATUS_CODE",
+    "DYN_DISABLE_FRONTEND_ADMIN_API",
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [*VARIABLES, "DYN_ADMISSION_CONTROL", "DYN_ENGINE_REQUEST_LIMIT"]:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults() -> None:
+    settings, _ = parse_args([])
+    assert (settings.http_host, settings.http_port) == ("127.0.0.1", 8000)
+    assert settings.workers == ()
+    assert settings.local_workers == 0
+    assert settings.router_mode == "round-robin"
+    assert settings.active_decode_blocks_threshold is None
+    assert settings.active_prefill_tokens_threshold is None
+    assert settings.active_prefill_tokens_threshold_frac is None
+    assert settings.router_track_output_blocks is False
+    assert settings.router_queue_threshold is None
+    assert settings.migration_limit == 0
+    assert settings.max_body_bytes == 16 * 1024 * 1024
+    assert settings.overload_status == 529
+    assert settings.admin_api_disabled is False
+
+
+def test_workers_from_flags_and_comma_separated_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings, _ = parse_args(["--worker", "ws://a:1", "--worker", "ws://b:2"])
+    assert settings.workers == ("ws://a:1", "ws://b:2")
+    monkeypatch.setenv("DYN_WORKERS", "ws://c:3, ws://d:4")
+    assert parse_args([])[0].workers == ("ws://c:3", "ws://d:4")
+    assert parse_args(["--worker", "ws://e:5"])[0].workers == ("ws://e:5",)
+
+
+def test_command_line_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD", "0.5")
+    monkeypatch.setenv("DYN_ROUTER_MODE", "kv")
+    settings, _ = parse_args([])
+    assert settings.active_decode_blocks_threshold == 0.5
+    assert settings.router_mode == "kv"
+    settings, _ = parse_args(["--active-decode-blocks-threshold", "0.9", "--router-mode", "random"])
+    assert settings.active_decode_blocks_threshold == 0.9
+    assert settings.router_mode == "random"
+
+
+def test_track_output_blocks_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_ROUTER_TRACK_OUTPUT_BLOCKS", "true")
+    assert parse_args([])[0].router_track_output_blocks is True
+
+
+def test_worker_flags_pass_through_to_local_workers() -> None:
+    settings, _ = parse_args(
+        ["--local-workers", "2", "--engine-request-limit", "4", "--speedup-ratio", "10"]
+    )
+    assert settings.local_workers == 2
+    assert settings.local_worker_args == ("--engine-request-limit", "4", "--speedup-ratio", "10.0")
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "named"),
+    [
+        (["--active-decode-blocks-threshold", "1.5"], {}, "--active-decode-blocks-threshold"),
+        (["--active-decode-blocks-threshold", "-0.1"], {}, "--active-decode-blocks-threshold"),
+        (["--active-decode-blocks-threshold", "nan"], {}, "--active-decode-blocks-threshold"),
+        ([], {"DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD": "-1"}, "DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD"),
+        (["--active-prefill-tokens-threshold", "1.5"], {}, "--active-prefill-tokens-threshold"),
+        (
+            ["--active-prefill-tokens-threshold-frac", "inf"],
+            {},
+            "--active-prefill-tokens-threshold-frac",
+        ),
+        (["--router-mode", "fastest"], {}, "--router-mode"),
+        (["--router-queue-threshold", "0"], {}, "--router-queue-threshold"),
+        (["--migration-limit", "-1"], {}, "--migration-limit"),
+        ([], {"DYN_HTTP_PORT": "http"}, "DYN_HTTP_PORT"),
+        (["--local-workers", "-1"], {}, "--local-workers"),
+        (["--worker", "http://a:1"], {}, "--worker"),
+        (["--max-body-bytes", "0"], {}, "--max-body-bytes"),
+        (
+            ["--local-workers", "1", "--engine-request-limit", "0"],
+            {},
+            "--engine-request-limit",
+        ),
+        (["--local-workers", "1"], {"DYN_ENGINE_REQUEST_LIMIT": "x"}, "DYN_ENGINE_REQUEST_LIMIT"),
+    ],
+)
+def test_invalid_values_name_the_flag_or_variable(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], environment: dict[str, str], named: str
+) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(CliError) as caught:
+        parse_args(argv)
+    assert named in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_admission_control_is_accepted_ignored_and_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        settings, _ = parse_args(["--admission-control", "token-capacity"])
+    assert ADMISSION_CONTROL_FLAG_WARNING in caplog.text
+    assert settings.active_decode_blocks_threshold is None
+    caplog.clear()
+    monkeypatch.setenv("DYN_ADMISSION_CONTROL", "none")
+    with caplog.at_level(logging.WARNING):
+        parse_args([])
+    assert ADMISSION_CONTROL_ENV_WARNING in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (None, 529),
+        ("", 529),
+        ("not-a-code", 529),
+        ("99", 529),
+        ("100", 529),
+        ("199", 529),
+        ("600", 529),
+        ("1000", 529),
+        ("200", 200),
+        ("429", 429),
+        ("503", 503),
+        (" 529 ", 529),
+        ("599", 599),
+    ],
+)
+def test_overload_status_code_variable(raw: str | None, expected: int) -> None:
+    environ = {} if raw is None else {"DYN_HTTP_OVERLOAD_STATUS_CODE": raw}
+    assert overload_status_from_env(environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "disabled"),
+    [(None, False), ("", False), ("0", False), ("false", False), ("1", True), ("TRUE", True)],
+)
+def test_admin_api_variable(raw: str | None, disabled: bool) -> None:
+    environ = {} if raw is None else {"DYN_DISABLE_FRONTEND_ADMIN_API": raw}
+    assert admin_api_disabled(environ) is disabled
+
+
+def test_invalid_value_exits_2_and_help_names_every_variable() -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend_shim", "--router-mode", "fastest"],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--router-mode" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend_shim", "--help"],
+        env={**clean, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0
+    for name in VARIABLES:
+        assert name in result.stdout, name
