@@ -1,0 +1,977 @@
+"""The ``openai`` engine: forward to a real OpenAI-compatible server (vLLM, SGLang, llama.cpp).
+
+``--engine openai --upstream-url http://127.0.0.1:8001`` puts the admission gate in front of an
+engine server, so the server never sees more than N requests at once. A trailing ``/v1`` on the
+URL is accepted. Only ``http://`` is supported (the engine server normally sits next to the
+worker).
+
+Requests:
+
+- :meth:`OpenAIUpstreamEngine.prepare` checks the minimum (``messages`` a non-empty list for chat,
+  ``prompt`` for completions, ``input`` for embeddings, ``max_tokens`` a non-negative integer) and
+  encodes the body as JSON, so a body JSON cannot carry is refused before it takes a slot. Prompt
+  tokens are *estimated* as whitespace-separated words (token ids count one each): the worker does
+  not have the model's tokenizer, and the real count comes back in the upstream's ``usage``. The
+  body is sent as given (its ``model`` too), except that completions are always streamed upstream
+  (``"stream": true`` with ``"stream_options": {"include_usage": true}``), whatever the client
+  asked: the frontend shapes the answer.
+- :meth:`OpenAIUpstreamEngine.generate` yields one output per streamed delta with one token each;
+  the final output of each choice (the one with ``finish_reason``) is held back until the usage
+  chunk arrives, and it absorbs the difference between the upstream's ``completion_tokens`` and
+  the deltas counted, so the token total matches the upstream. Only text is forwarded (content,
+  not tool calls, reasoning or logprobs: :class:`~worker_ingress.engines.base.EngineOutput` carries
+  text). Embeddings are one plain POST and one output per vector (``base64`` vectors are decoded).
+- Errors: an upstream 4xx other than 408 and 429 raises
+  :class:`~worker_ingress.engines.base.EngineInputError` with the upstream's message (the worker
+  answers 400). 408, 429, 5xx, a broken connection, a silent upstream, an error event in the
+  stream, or a stream that ends before a finish reason raise :class:`UpstreamError`.
+- Cancellation: closing the generator closes the upstream connection (it is never returned to the
+  pool with an unread body), so the upstream sees the disconnect and aborts the generation.
+
+Configuration announced (:attr:`OpenAIUpstreamEngine.config`), read once in :meth:`run` before it
+reports ready, first source that answers wins:
+
+1. vLLM: ``GET /metrics``, gauge ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and
+   ``block_size`` (summed over data-parallel engines).
+2. SGLang: ``GET /get_server_info``: ``max_total_num_tokens`` (KV tokens), ``page_size`` (block
+   size), ``max_running_requests``, ``chunked_prefill_size``, ``dp_size``.
+3. llama.cpp: ``GET /props``: ``total_slots`` (sequences) times
+   ``default_generation_settings.n_ctx`` (KV tokens per slot), in blocks of the configured block
+   size.
+4. Otherwise, and for every value a source does not give, the mocker shape flags
+   (``--num-gpu-blocks``, ``--block-size``, ``--max-num-batched-tokens``, ``--max-num-seqs``).
+
+The upstream is announced as **one** data-parallel rank whatever its internal data parallelism:
+it balances its ranks itself and the worker cannot see where a request lands, so the limits of a
+``--data-parallel-size D`` upstream are multiplied by D and its load is reported on rank 0.
+
+Load (:meth:`OpenAIUpstreamEngine.load`) is estimated from what this engine has in flight:
+``active_prefill_tokens`` = prompt tokens of requests that have not received their first chunk;
+``active_decode_blocks`` = ``kv_used_blocks`` = the sum over running requests of
+ceil((prompt + generated tokens) / block_size). When the upstream's ``/metrics`` exposes a KV usage
+gauge (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``,
+``llamacpp:kv_cache_usage_ratio``), it is polled every second and the block counts reported are the
+larger of the estimate and usage x total blocks (it sees requests of other clients, prefix-cache
+sharing and preemption; the estimate reacts at once).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import math
+import struct
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from worker_ingress.config import WorkerSettings
+from worker_ingress.engines.base import (
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+    PreparedRequest,
+)
+from worker_ingress.upstream_http import (
+    DEFAULT_READ_TIMEOUT,
+    HTTPClient,
+    Origin,
+    Response,
+    SSEDecoder,
+    UpstreamConnectionError,
+    parse_base_url,
+)
+from worker_ingress.watch import ChangeSignal
+from worker_ingress.wire import Endpoint, RankLoad
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "InFlightLoad",
+    "OpenAIUpstreamEngine",
+    "UpstreamError",
+    "UpstreamFacts",
+    "create",
+    "parse_llamacpp_props",
+    "parse_metrics_text",
+    "parse_sglang_server_info",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``max_tokens`` recorded for a request that sets none (an estimate only: the upstream applies
+#: its own default).
+DEFAULT_MAX_TOKENS: Final = 16
+#: Seconds between two reads of the upstream's ``/metrics``.
+METRICS_POLL_INTERVAL: Final = 1.0
+#: Backoff while waiting for the upstream to answer at start-up.
+READY_BACKOFF_FIRST: Final = 0.1
+READY_BACKOFF_MAX: Final = 5.0
+#: Largest bodies read from the upstream.
+MAX_ERROR_BODY_BYTES: Final = 64 * 1024
+MAX_EMBEDDINGS_BODY_BYTES: Final = 256 * 1024 * 1024
+MAX_CONTROL_BODY_BYTES: Final = 16 * 1024 * 1024
+#: Seconds allowed to start-up probes and metric polls (not to requests).
+CONTROL_TIMEOUT: Final = 5.0
+
+_PATHS: Final[dict[str, str]] = {
+    "chat_completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+_JSON_HEADERS: Final = (("Content-Type", "application/json"),)
+_STREAM_HEADERS: Final = (("Content-Type", "application/json"), ("Accept", "text/event-stream"))
+_USAGE_GAUGES: Final = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+    "llamacpp:kv_cache_usage_ratio",
+)
+_CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"
+
+
+class UpstreamError(RuntimeError):
+    """The upstream server failed a request (not the client's fault)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Request validation (sans-IO)
+
+
+def _count_prompt(value: object, field: str) -> int:
+    """Approximate tokens of a prompt: words of strings, one per token id."""
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        total = 0
+        for item in value:
+            if isinstance(item, str):
+                total += len(item.split())
+            elif isinstance(item, int) and not isinstance(item, bool):
+                total += 1
+            elif isinstance(item, list) and all(
+                isinstance(token, int) and not isinstance(token, bool) for token in item
+            ):
+                total += len(item)
+            else:
+                raise EngineInputError(
+                    f"'{field}' must be a string, a list of strings or token ids"
+                )
+        return total
+    raise EngineInputError(f"'{field}' must be a string, a list of strings or token ids")
+
+
+def _count_chat_prompt(messages: object) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise EngineInputError("'messages' must be a non-empty list")
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise EngineInputError("each message must be an object")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content.split())
+        elif isinstance(content, list):
+            # OpenAI content parts: only text parts have words to count.
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    total += len(part["text"].split())
+    return total
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise EngineInputError(f"'{field}' must be a non-negative integer, got {value!r}")
+        return value
+    return DEFAULT_MAX_TOKENS
+
+
+class _UpstreamCall(msgspec.Struct, frozen=True):
+    """The payload of a prepared request: where to POST and the JSON body to send."""
+
+    path: str
+    body: bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Load estimate (sans-IO)
+
+
+class InFlightLoad:
+    """The load this engine has put on the upstream, kept as running totals.
+
+    Rules: a request counts its prompt tokens as *prefill* from :meth:`start` until
+    :meth:`first_output`; from :meth:`start` until :meth:`finish` it holds
+    ceil((prompt + generated) / block_size) blocks. Every method is O(1).
+
+    Args:
+        block_size: Tokens per KV block.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self._block_size = block_size
+        self._next_key = 0
+        # key -> [prompt_tokens, generated_tokens, still_prefilling]
+        self._requests: dict[int, list[int]] = {}
+        self.prefill_tokens = 0
+        self.blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def _blocks_of(self, entry: list[int]) -> int:
+        return -(-(entry[0] + entry[1]) // self._block_size)
+
+    def start(self, prompt_tokens: int) -> int:
+        """A request was sent upstream.
+
+        Args:
+            prompt_tokens: Its estimated prompt tokens.
+
+        Returns:
+            The key to pass to the other methods.
+        """
+        key = self._next_key
+        self._next_key += 1
+        entry = [prompt_tokens, 0, 1]
+        self._requests[key] = entry
+        self.prefill_tokens += prompt_tokens
+        self.blocks += self._blocks_of(entry)
+        return key
+
+    def first_output(self, key: int) -> bool:
+        """The request's first chunk arrived: its prompt is no longer prefilling.
+
+        Args:
+            key: From :meth:`start`.
+
+        Returns:
+            Whether anything changed (``False`` after the first call).
+        """
+        entry = self._requests[key]
+        if not entry[2]:
+            return False
+        entry[2] = 0
+        self.prefill_tokens -= entry[0]
+        return True
+
+    def generated(self, key: int, tokens: int) -> bool:
+        """The request produced ``tokens`` more tokens.
+
+        Args:
+            key: From :meth:`start`.
+            tokens: How many.
+
+        Returns:
+            Whether the block count changed.
+        """
+        entry = self._requests[key]
+        before = self._blocks_of(entry)
+        entry[1] += tokens
+        after = self._blocks_of(entry)
+        self.blocks += after - before
+        return after != before
+
+    def finish(self, key: int) -> None:
+        """The request ended (completed, failed or cancelled): release everything it held.
+
+        Args:
+            key: From :meth:`start`.
+        """
+        entry = self._requests.pop(key)
+        if entry[2]:
+            self.prefill_tokens -= entry[0]
+        self.blocks -= self._blocks_of(entry)
+
+
+# --------------------------------------------------------------------------------------------
+# What the upstream tells about itself (sans-IO parsers)
+
+
+class UpstreamFacts(msgspec.Struct, kw_only=True):
+    """Limits an upstream revealed; ``None`` where it said nothing."""
+
+    kv_total_blocks: int | None = None
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    #: Name of the KV usage gauge found in ``/metrics`` (worth polling), if any.
+    usage_gauge: str | None = None
+    #: Its current value, a fraction in [0, 1].
+    kv_usage: float | None = None
+
+
+def _positive_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            return None
+        return number if number > 0 else None
+    return None
+
+
+def _parse_labels(text: str) -> dict[str, str]:
+    """Prometheus label set without the braces; tolerant of escapes, strict on nothing."""
+    labels: dict[str, str] = {}
+    index = 0
+    while index < len(text):
+        equals = text.find("=", index)
+        if equals < 0 or equals + 1 >= len(text) or text[equals + 1] != '"':
+            break
+        name = text[index:equals].strip().lstrip(",").strip()
+        cursor = equals + 2
+        value_chars: list[str] = []
+        while cursor < len(text) and text[cursor] != '"':
+            if text[cursor] == "\\" and cursor + 1 < len(text):
+                cursor += 1
+            value_chars.append(text[cursor])
+            cursor += 1
+        labels[name] = "".join(value_chars)
+        index = cursor + 1
+    return labels
+
+
+def parse_metrics_text(text: str) -> UpstreamFacts:
+    """Pick what we use out of a Prometheus text exposition.
+
+    Only lines that start with a known name are looked at, so a large ``/metrics`` page (vLLM's
+    has many histograms) costs one ``startswith`` per line.
+
+    Args:
+        text: The body of ``GET /metrics``.
+
+    Returns:
+        The cache shape (vLLM) and the KV usage gauge, when present. Several samples of a usage
+        gauge (one per data-parallel engine) are averaged.
+    """
+    facts = UpstreamFacts()
+    usage_samples: list[float] = []
+    total_blocks = 0
+    for line in text.splitlines():
+        if not line.startswith((_CACHE_CONFIG_INFO, *_USAGE_GAUGES)):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        labels: dict[str, str] = {}
+        rest = line[name_end:]
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            if close < 0:
+                continue
+            labels = _parse_labels(rest[1:close])
+            rest = rest[close + 1 :]
+        fields = rest.split()
+        if not fields:
+            continue
+        if name == _CACHE_CONFIG_INFO:
+            blocks = _positive_int(labels.get("num_gpu_blocks"))
+            block_size = _positive_int(labels.get("block_size"))
+            if blocks is not None:
+                total_blocks += blocks
+            if block_size is not None:
+                facts.block_size = block_size
+        elif name in _USAGE_GAUGES:
+            if facts.usage_gauge not in (None, name):
+                continue  # first gauge name found wins; never mix two engines' notions
+            try:
+                value = float(fields[0])
+            except ValueError:
+                continue
+            if math.isfinite(value):
+                facts.usage_gauge = name
+                usage_samples.append(value)
+    if total_blocks:
+        facts.kv_total_blocks = total_blocks
+    if usage_samples:
+        facts.kv_usage = min(1.0, max(0.0, sum(usage_samples) / len(usage_samples)))
+    return facts
+
+
+def parse_sglang_server_info(info: object) -> UpstreamFacts:
+    """Read SGLang's ``/get_server_info`` answer.
+
+    Args:
+        info: The decoded JSON.
+
+    Returns:
+        The limits found (KV tokens are turned into blocks of ``page_size``).
+    """
+    facts = UpstreamFacts()
+    if not isinstance(info, dict):
+        return facts
+    sources: list[dict[str, Any]] = [info]
+    internal = info.get("internal_states")
+    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
+        sources.append(internal[0])
+
+    def first(key: str) -> int | None:
+        for source in sources:
+            value = _positive_int(source.get(key))
+            if value is not None:
+                return value
+        return None
+
+    kv_tokens = first("max_total_num_tokens")
+    if kv_tokens is None:
+        return facts  # not SGLang
+    dp_size = first("dp_size") or 1
+    page_size = first("page_size") or 1
+    facts.block_size = page_size
+    facts.kv_total_blocks = -(-kv_tokens // page_size) * dp_size
+    running = first("max_running_requests")
+    facts.max_num_seqs = running * dp_size if running is not None else None
+    chunk = first("chunked_prefill_size")
+    facts.max_num_batched_tokens = chunk * dp_size if chunk is not None else None
+    return facts
+
+
+def parse_llamacpp_props(props: object, block_size: int) -> UpstreamFacts:
+    """Read llama.cpp's ``/props`` answer.
+
+    Args:
+        props: The decoded JSON.
+        block_size: Block size to count KV tokens in (llama.cpp has no paged blocks).
+
+    Returns:
+        The limits found.
+    """
+    facts = UpstreamFacts()
+    if not isinstance(props, dict):
+        return facts
+    slots = _positive_int(props.get("total_slots"))
+    settings = props.get("default_generation_settings")
+    n_ctx = _positive_int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    if slots is None or n_ctx is None:
+        return facts
+    facts.max_num_seqs = slots
+    facts.kv_total_blocks = -(-(slots * n_ctx) // block_size)
+    return facts
+
+
+# --------------------------------------------------------------------------------------------
+# Upstream answers (typed decoding: cheaper and stricter than dicts)
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _StreamChunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+    object: str | None = None
+    message: str | None = None
+
+
+class _Embedding(msgspec.Struct):
+    embedding: list[float] | str
+    index: int = 0
+
+
+class _EmbeddingResponse(msgspec.Struct):
+    data: list[_Embedding]
+
+
+_chunk_decoder: Final = msgspec.json.Decoder(_StreamChunk)
+_embedding_decoder: Final = msgspec.json.Decoder(_EmbeddingResponse)
+
+
+def _error_message(body: bytes) -> str:
+    """The human message of an upstream error body, in any of the shapes servers use."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return body.decode("utf-8", "replace").strip()[:500] or "(empty body)"
+    if isinstance(decoded, dict):
+        error = decoded.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if isinstance(decoded.get(key), str):
+                return str(decoded[key])
+    return body.decode("utf-8", "replace").strip()[:500]
+
+
+def _decode_vector(value: list[float] | str) -> list[float]:
+    if isinstance(value, list):
+        return value
+    raw = base64.b64decode(value)
+    if len(raw) % 4:
+        raise UpstreamError("upstream sent a base64 embedding that is not float32")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine (Trio shell)
+
+
+class OpenAIUpstreamEngine:
+    """An :class:`~worker_ingress.engines.base.Engine` that forwards to an OpenAI-compatible server.
+
+    See the module docstring for what is forwarded, read and assumed.
+
+    Args:
+        origin: Where the upstream listens.
+        fallback: Limits announced for whatever the upstream does not reveal.
+        model: The model name the worker serves (checked against the upstream's ``/v1/models``).
+        max_connections: Most requests forwarded at once (the worker's engine slots).
+        read_timeout: Seconds of upstream silence tolerated inside a request.
+        metrics_poll_interval: Seconds between two reads of the upstream's ``/metrics``.
+    """
+
+    def __init__(
+        self,
+        origin: Origin,
+        fallback: EngineConfig,
+        *,
+        model: str,
+        max_connections: int = 64,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        metrics_poll_interval: float = METRICS_POLL_INTERVAL,
+    ) -> None:
+        self._origin = origin
+        self._config = fallback
+        self._model = model
+        self._client = HTTPClient(
+            origin, max_connections=max_connections, read_timeout=read_timeout
+        )
+        # Probes and polls get their own small pool: a full request pool must not starve them.
+        self._control = HTTPClient(
+            origin, max_connections=2, connect_timeout=CONTROL_TIMEOUT, read_timeout=CONTROL_TIMEOUT
+        )
+        self._metrics_poll_interval = metrics_poll_interval
+        self._in_flight = InFlightLoad(fallback.block_size)
+        self._upstream_used_blocks = 0
+        self._usage_gauge: str | None = None
+        self._load_changed = ChangeSignal()
+        self._published = self._snapshot()
+
+    @property
+    def client(self) -> HTTPClient:
+        """The connection pool requests go through."""
+        return self._client
+
+    @property
+    def config(self) -> EngineConfig:
+        """Limits announced; final once :meth:`run` has reported ready."""
+        return self._config
+
+    @property
+    def load_changed(self) -> ChangeSignal:
+        """Bumped whenever :meth:`load` changes."""
+        return self._load_changed
+
+    def load(self) -> list[RankLoad]:
+        """The load of the upstream as one rank (see the module docstring).
+
+        Returns:
+            One :class:`~worker_ingress.wire.RankLoad`, rank 0.
+        """
+        return [self._published]
+
+    def _snapshot(self) -> RankLoad:
+        blocks = max(self._in_flight.blocks, self._upstream_used_blocks)
+        return RankLoad(
+            dp_rank=0,
+            active_decode_blocks=blocks,
+            active_prefill_tokens=self._in_flight.prefill_tokens,
+            kv_used_blocks=blocks,
+        )
+
+    def _refresh(self) -> None:
+        snapshot = self._snapshot()
+        if snapshot != self._published:
+            self._published = snapshot
+            self._load_changed.bump()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
+        """Validate a body, estimate its prompt tokens and encode what will be sent upstream.
+
+        Args:
+            endpoint: Which OpenAI endpoint the body is for.
+            body: The OpenAI request body.
+
+        Returns:
+            The prepared request; its payload is the upstream path and JSON body.
+
+        Raises:
+            EngineInputError: The body lacks its prompt, has a bad ``max_tokens`` or cannot be
+                encoded as JSON.
+        """
+        if not isinstance(body, dict):
+            raise EngineInputError("the request body must be a JSON object")
+        if endpoint == "chat_completions":
+            prompt_tokens = _count_chat_prompt(body.get("messages"))
+        elif endpoint == "completions":
+            if "prompt" not in body:
+                raise EngineInputError("'prompt' is required")
+            prompt_tokens = _count_prompt(body["prompt"], "prompt")
+        elif endpoint == "embeddings":
+            if "input" not in body:
+                raise EngineInputError("'input' is required")
+            prompt_tokens = _count_prompt(body["input"], "input")
+        else:
+            raise EngineInputError(f"unknown endpoint {endpoint!r}")
+        if endpoint == "embeddings":
+            max_tokens = 0
+            upstream_body = body
+        else:
+            max_tokens = _max_tokens(body)
+            stream_options = body.get("stream_options")
+            upstream_body = {
+                **body,
+                "stream": True,
+                "stream_options": {
+                    **(stream_options if isinstance(stream_options, dict) else {}),
+                    "include_usage": True,
+                },
+            }
+        try:
+            encoded = msgspec.json.encode(upstream_body)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EngineInputError(f"the request body cannot be sent as JSON: {exc}") from exc
+        return PreparedRequest(
+            endpoint=endpoint,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            payload=_UpstreamCall(_PATHS[endpoint], encoded),
+        )
+
+    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+        """Forward a prepared request and stream the upstream's answer.
+
+        Args:
+            request: What :meth:`prepare` returned.
+
+        Yields:
+            One output per delta (the last of each choice with ``finish_reason``), or one per
+            embedding vector.
+
+        Raises:
+            EngineInputError: The upstream refused the request with a 4xx (not 408 or 429).
+            UpstreamError: Any other upstream failure.
+        """
+        call = request.payload
+        assert isinstance(call, _UpstreamCall), "generate() takes what prepare() returned"
+        key = self._in_flight.start(request.prompt_tokens)
+        self._refresh()
+        try:
+            headers = _JSON_HEADERS if request.endpoint == "embeddings" else _STREAM_HEADERS
+            async with self._client.stream(
+                "POST", call.path, body=call.body, headers=headers
+            ) as response:
+                await self._check_status(response)
+                if request.endpoint == "embeddings":
+                    body = await response.read(MAX_EMBEDDINGS_BODY_BYTES)
+                    self._in_flight.first_output(key)
+                    self._refresh()
+                    for output in _embedding_outputs(body):
+                        yield output
+                    return
+                async with contextlib.aclosing(self._stream_outputs(response, key)) as outputs:
+                    async for output in outputs:
+                        yield output
+        except UpstreamConnectionError as exc:
+            raise UpstreamError(f"upstream {self._origin}: {exc}") from exc
+        finally:
+            self._in_flight.finish(key)
+            self._refresh()
+
+    async def _check_status(self, response: Response) -> None:
+        if response.status < 400:
+            return
+        body = await response.read(MAX_ERROR_BODY_BYTES)
+        message = _error_message(body)
+        if response.status < 500 and response.status not in (408, 429):
+            raise EngineInputError(message)
+        raise UpstreamError(f"upstream {self._origin} answered {response.status}: {message}")
+
+    async def _stream_outputs(
+        self, response: Response, key: int
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Turn the SSE body into outputs (the token rules are in the module docstring)."""
+        decoder = SSEDecoder()
+        counted = 0
+        held: list[EngineOutput] = []
+        completion_tokens: int | None = None
+        done = False
+        while not done:
+            piece = await response.receive_some()
+            try:
+                events = decoder.feed(piece) if piece else decoder.close()
+            except ValueError as exc:
+                raise UpstreamError(f"upstream {self._origin} sent a broken stream: {exc}") from exc
+            for data in events:
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                chunk = self._decode_chunk(data)
+                if chunk.usage is not None:
+                    completion_tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices or ():
+                    if self._in_flight.first_output(key):
+                        self._refresh()
+                    text = (choice.delta.content if choice.delta else None) or choice.text or ""
+                    if not text and choice.finish_reason is None:
+                        continue  # a role-only or empty delta
+                    output = EngineOutput(
+                        text=text,
+                        tokens=1 if text else 0,
+                        finish_reason=choice.finish_reason,
+                        index=choice.index,
+                    )
+                    if self._in_flight.generated(key, output.tokens):
+                        self._refresh()
+                    if output.finish_reason is not None:
+                        held.append(output)
+                        continue
+                    counted += output.tokens
+                    yield output
+            if not piece:
+                break
+        if not held:
+            if not done:
+                raise UpstreamError(f"upstream {self._origin} ended the stream before finishing")
+            held.append(EngineOutput(finish_reason="stop"))
+        held_tokens = sum(output.tokens for output in held)
+        missing = (completion_tokens or 0) - counted - held_tokens
+        if missing > 0:
+            last = held[-1]
+            held[-1] = EngineOutput(
+                text=last.text,
+                tokens=last.tokens + missing,
+                finish_reason=last.finish_reason,
+                index=last.index,
+            )
+            if self._in_flight.generated(key, missing):
+                self._refresh()
+        for output in held:
+            yield output
+
+    def _decode_chunk(self, data: str) -> _StreamChunk:
+        try:
+            chunk = _chunk_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            raise UpstreamError(f"upstream {self._origin} sent a bad stream chunk: {exc}") from exc
+        if chunk.error is not None or chunk.object == "error":
+            error = chunk.error
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                message = error["message"]
+            elif isinstance(error, str):
+                message = error
+            else:
+                message = chunk.message or "unknown error"
+            raise UpstreamError(f"upstream {self._origin} failed mid-stream: {message}")
+        return chunk
+
+    # -- background -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Wait for the upstream, read its limits, report ready, then poll its KV usage.
+
+        Calls ``task_status.started()`` once ``GET /v1/models`` answers 200; until then it retries
+        with a backoff from 0.1 s up to 5 s, logging each failure.
+        """
+        try:
+            await self._wait_until_ready()
+            await self._discover()
+            task_status.started()
+            if self._usage_gauge is None:
+                await trio.sleep_forever()
+            while True:
+                await trio.sleep(self._metrics_poll_interval)
+                await self._poll_usage()
+        finally:
+            self._client.close_idle()
+            self._control.close_idle()
+
+    async def _wait_until_ready(self) -> None:
+        delay = READY_BACKOFF_FIRST
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                status, body = await self._control.request(
+                    "GET", "/v1/models", max_body_bytes=MAX_CONTROL_BODY_BYTES
+                )
+            except UpstreamConnectionError as exc:
+                problem = str(exc)
+            else:
+                if status == 200:
+                    self._check_model(body)
+                    logger.info("upstream %s is ready (after %d attempts)", self._origin, attempt)
+                    return
+                problem = f"GET /v1/models answered {status}"
+            logger.warning(
+                "upstream %s not ready (attempt %d): %s; retrying in %.1f s",
+                self._origin,
+                attempt,
+                problem,
+                delay,
+            )
+            await trio.sleep(delay)
+            delay = min(delay * 2, READY_BACKOFF_MAX)
+
+    def _check_model(self, body: bytes) -> None:
+        try:
+            listing = msgspec.json.decode(body)
+            served = [entry["id"] for entry in listing["data"]]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return
+        if self._model not in served:
+            logger.warning(
+                "upstream %s serves %s, not %r: requests are sent with the model name given",
+                self._origin,
+                served,
+                self._model,
+            )
+
+    async def _get_json(self, target: str) -> object:
+        try:
+            status, body = await self._control.request(
+                "GET", target, max_body_bytes=MAX_CONTROL_BODY_BYTES
+            )
+            if status != 200:
+                return None
+            return msgspec.json.decode(body)
+        except (UpstreamConnectionError, msgspec.DecodeError):
+            return None
+
+    async def _get_metrics(self) -> UpstreamFacts | None:
+        try:
+            status, body = await self._control.request(
+                "GET", "/metrics", max_body_bytes=MAX_CONTROL_BODY_BYTES
+            )
+        except UpstreamConnectionError:
+            return None
+        if status != 200:
+            return None
+        return parse_metrics_text(body.decode("utf-8", "replace"))
+
+    async def _discover(self) -> None:
+        """Best effort: fill the config from what the upstream tells (module docstring)."""
+        fallback = self._config
+        metrics = await self._get_metrics() or UpstreamFacts()
+        self._usage_gauge = metrics.usage_gauge
+        facts, source = metrics, "vLLM /metrics"
+        if facts.kv_total_blocks is None:
+            facts, source = (
+                parse_sglang_server_info(await self._get_json("/get_server_info")),
+                ("SGLang /get_server_info"),
+            )
+        if facts.kv_total_blocks is None:
+            facts, source = (
+                parse_llamacpp_props(await self._get_json("/props"), fallback.block_size),
+                "llama.cpp /props",
+            )
+        if facts.kv_total_blocks is None:
+            source = "the --num-gpu-blocks/--block-size flags"
+        self._config = EngineConfig(
+            kv_total_blocks=facts.kv_total_blocks or fallback.kv_total_blocks,
+            block_size=facts.block_size or fallback.block_size,
+            max_num_batched_tokens=facts.max_num_batched_tokens or fallback.max_num_batched_tokens,
+            max_num_seqs=facts.max_num_seqs or fallback.max_num_seqs,
+            data_parallel_size=1,
+        )
+        if self._config.block_size != fallback.block_size:
+            self._in_flight = _rebuilt(self._in_flight, self._config.block_size)
+        logger.info(
+            "upstream %s: %d KV blocks of %d tokens (from %s); KV usage gauge: %s",
+            self._origin,
+            self._config.kv_total_blocks,
+            self._config.block_size,
+            source,
+            self._usage_gauge or "none, the estimate alone is reported",
+        )
+        if metrics.kv_usage is not None:
+            self._set_upstream_usage(metrics.kv_usage)
+
+    async def _poll_usage(self) -> None:
+        facts = await self._get_metrics()
+        usage = facts.kv_usage if facts is not None else None
+        # Stale numbers are worse than none: without a fresh reading, the estimate alone counts.
+        self._set_upstream_usage(usage or 0.0)
+
+    def _set_upstream_usage(self, usage: float) -> None:
+        self._upstream_used_blocks = round(usage * self._config.kv_total_blocks)
+        self._refresh()
+
+
+def _rebuilt(load: InFlightLoad, block_size: int) -> InFlightLoad:
+    # Discovery runs before ready, so nothing is in flight yet; a fresh tracker is exact.
+    assert len(load) == 0, "the block size changes only before requests are accepted"
+    return InFlightLoad(block_size)
+
+
+def _embedding_outputs(body: bytes) -> list[EngineOutput]:
+    try:
+        decoded = _embedding_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise UpstreamError(f"upstream sent a bad embeddings answer: {exc}") from exc
+    items = sorted(decoded.data, key=lambda item: item.index)
+    return [
+        EngineOutput(embedding=_decode_vector(item.embedding), index=item.index) for item in items
+    ]
+
+
+def create(settings: WorkerSettings) -> OpenAIUpstreamEngine:
+    """Build the engine from worker settings (``--engine openai``).
+
+    Args:
+        settings: The worker's settings: ``upstream_url`` is required; the mocker shape flags give
+            the limits the upstream does not reveal.
+
+    Returns:
+        A new engine; its :meth:`~OpenAIUpstreamEngine.run` waits for the upstream.
+
+    Raises:
+        ValueError: ``upstream_url`` is missing or not a usable ``http://`` URL.
+    """
+    if not settings.upstream_url:
+        raise ValueError("--engine openai needs --upstream-url (DYN_UPSTREAM_URL)")
+    shape = settings.mocker
+    ranks = shape.data_parallel_size
+    return OpenAIUpstreamEngine(
+        parse_base_url(settings.upstream_url),
+        EngineConfig(
+            kv_total_blocks=shape.num_gpu_blocks * ranks,
+            block_size=shape.block_size,
+            max_num_batched_tokens=shape.max_num_batched_tokens * ranks,
+            max_num_seqs=shape.max_num_seqs * ranks,
+            data_parallel_size=1,
+        ),
+        model=settings.model,
+        max_connections=settings.engine_slots,
+    )
