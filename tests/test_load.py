@@ -1,0 +1,667 @@
+"""The frontend's load state and busy rules (frontend_shim.load), without I/O."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from frontend_shim.load import (
+    Fleet,
+    RankGauge,
+    ThresholdError,
+    Thresholds,
+    WorkerLoad,
+    validate_active_decode_blocks_threshold,
+    validate_active_prefill_tokens_threshold,
+    validate_active_prefill_tokens_threshold_frac,
+)
+from worker_ingress import wire
+
+MODEL = "m"
+
+
+def config(
+    worker_id: str = "w0",
+    *,
+    model: str = MODEL,
+    total: int = 100,
+    block_size: int = 16,
+    max_batched: int = 1000,
+    dp: int = 1,
+    heartbeat: float = 1.0,
+) -> wire.RuntimeConfig:
+    return wire.RuntimeConfig(
+        worker_id=worker_id,
+        model=model,
+        kv_total_blocks=total,
+        block_size=block_size,
+        max_num_batched_tokens=max_batched,
+        max_num_seqs=256,
+        data_parallel_size=dp,
+        engine_request_limit=None,
+        request_queue_limit=40000,
+        heartbeat_interval=heartbeat,
+    )
+
+
+class Feed:
+    """Makes events with increasing ``seq`` per worker."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.seq: dict[str, int] = {}
+
+    def _next(self, worker_id: str) -> int:
+        self.seq[worker_id] = self.seq.get(worker_id, 0) + 1
+        return self.seq[worker_id]
+
+    def load(
+        self,
+        worker_id: str = "w0",
+        *,
+        rank: int = 0,
+        decode: int = 0,
+        prefill: int = 0,
+        used: int = 0,
+        now: float = 0.0,
+    ) -> bool:
+        event = wire.LoadEvent(
+            seq=self._next(worker_id),
+            ts=0.0,
+            load=wire.RankLoad(
+                dp_rank=rank,
+                active_decode_blocks=decode,
+                active_prefill_tokens=prefill,
+                kv_used_blocks=used,
+            ),
+            engine_requests=0,
+            queued_requests=0,
+        )
+        return self.fleet.apply(worker_id, event, now)
+
+    def heartbeat(
+        self,
+        worker_id: str = "w0",
+        loads: list[tuple[int, int]] = (),  # type: ignore[assignment]
+        *,
+        status: str = "ready",
+        now: float = 0.0,
+    ) -> bool:
+        event = wire.Heartbeat(
+            seq=self._next(worker_id),
+            ts=0.0,
+            loads=[
+                wire.RankLoad(
+                    dp_rank=r, active_decode_blocks=d, active_prefill_tokens=0, kv_used_blocks=0
+                )
+                for r, d in loads
+            ],
+            engine_requests=0,
+            queued_requests=0,
+            status=status,
+        )
+        return self.fleet.apply(worker_id, event, now)
+
+
+def fleet_with(thresholds: Thresholds, **kwargs: Any) -> tuple[Fleet, Feed]:
+    fleet = Fleet(default_thresholds=thresholds, **kwargs)
+    return fleet, Feed(fleet)
+
+
+def is_free(fleet: Fleet, worker_id: str = "w0", now: float = 0.0) -> bool:
+    free = fleet.free_workers(MODEL, now)
+    assert free is not None
+    return any(w.worker_id == worker_id for w in free)
+
+
+def state(fleet: Fleet, worker_id: str = "w0") -> WorkerLoad:
+    worker = fleet.worker(worker_id)
+    assert worker is not None
+    return worker
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("value", [0.0, 0.85, 1.0])
+def test_decode_threshold_valid(value: float) -> None:
+    assert validate_active_decode_blocks_threshold(value) == value
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.1, 1.5, math.nan, math.inf])
+def test_decode_threshold_invalid(value: float) -> None:
+    with pytest.raises(ThresholdError) as info:
+        validate_active_decode_blocks_threshold(value)
+    assert info.value.field == "active_decode_blocks_threshold"
+
+
+def test_error_texts_are_those_of_the_api() -> None:
+    decode_text = r"^active_decode_blocks_threshold must be between 0\.0 and 1\.0, got 1\.5$"
+    with pytest.raises(ThresholdError, match=decode_text):
+        validate_active_decode_blocks_threshold(1.5)
+    with pytest.raises(
+        ThresholdError,
+        match=r"^active_prefill_tokens_threshold_frac must be a finite value greater than or "
+        r"equal to 0\.0, got -0\.1$",
+    ):
+        validate_active_prefill_tokens_threshold_frac(-0.1)
+    prefill_text = r"^active_prefill_tokens_threshold must be >= 0, got -1$"
+    with pytest.raises(ThresholdError, match=prefill_text):
+        validate_active_prefill_tokens_threshold(-1)
+
+
+@pytest.mark.parametrize("value", [0.0, 0.9, 64.0])
+def test_frac_threshold_valid(value: float) -> None:
+    assert validate_active_prefill_tokens_threshold_frac(value) == value
+
+
+@pytest.mark.parametrize("value", [-0.1, math.nan, math.inf])
+def test_frac_threshold_invalid(value: float) -> None:
+    with pytest.raises(ThresholdError):
+        validate_active_prefill_tokens_threshold_frac(value)
+
+
+def test_prefill_threshold_zero_is_valid_and_thresholds_validate_on_build() -> None:
+    assert validate_active_prefill_tokens_threshold(0) == 0
+    with pytest.raises(ThresholdError):
+        Thresholds(active_decode_blocks=2.0)
+
+
+def test_merge_sets_only_given_values() -> None:
+    base = Thresholds(active_decode_blocks=0.5, active_prefill_tokens=10)
+    merged = base.merged(Thresholds(active_prefill_tokens=20))
+    assert merged == Thresholds(active_decode_blocks=0.5, active_prefill_tokens=20)
+    assert base.merged(Thresholds()) == base
+    assert not Thresholds().configured
+    assert Thresholds(active_prefill_tokens_frac=0.0).configured
+
+
+# ----------------------------------------------------------------------------- busy rules
+
+
+def test_decode_threshold_alone_is_strict() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=100), 0.0)
+    feed.load(decode=50, prefill=10**6)  # 50/100 is not > 0.5; prefill is not checked
+    assert is_free(fleet)
+    feed.load(decode=51)
+    assert not is_free(fleet)
+    assert state(fleet).busy
+
+
+def test_decode_uses_larger_of_used_and_active_blocks() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=100), 0.0)
+    feed.load(decode=10, used=60)
+    assert not is_free(fleet)
+    feed.load(decode=60, used=10)
+    assert not is_free(fleet)
+    feed.load(decode=10, used=10)
+    assert is_free(fleet)
+
+
+@pytest.mark.parametrize("total", [0, -1])
+def test_decode_never_busy_without_total(total: int) -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=total), 0.0)
+    feed.load(decode=1000, used=1000)
+    assert is_free(fleet)
+
+
+def test_prefill_threshold_alone_is_strict() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=100))
+    fleet.register(config(), 0.0)
+    feed.load(prefill=100, decode=10**6, used=10**6)
+    assert is_free(fleet)
+    feed.load(prefill=101)
+    assert not is_free(fleet)
+
+
+def test_prefill_threshold_zero_busy_on_any_prefill() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet.register(config(), 0.0)
+    feed.load(prefill=0)
+    assert is_free(fleet)
+    feed.load(prefill=1)
+    assert not is_free(fleet)
+
+
+def test_frac_threshold_truncates_to_integer() -> None:
+    # The limit is int(0.3339 * 10) = 3 tokens (for whole token counts, the same as > 3.339).
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens_frac=0.3339))
+    fleet.register(config(max_batched=10), 0.0)
+    feed.load(prefill=3)
+    assert is_free(fleet)
+    feed.load(prefill=4)
+    assert not is_free(fleet)
+
+
+def test_frac_threshold_uses_default_when_max_batched_unknown() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens_frac=1.0))
+    fleet.register(config(max_batched=0), 0.0)
+    feed.load(prefill=10_000_000)
+    assert is_free(fleet)
+    feed.load(prefill=10_000_001)
+    assert not is_free(fleet)
+
+
+def test_unset_thresholds_never_busy() -> None:
+    fleet, feed = fleet_with(Thresholds())
+    fleet.register(config(), 0.0)
+    feed.load(decode=10**6, prefill=10**6, used=10**6)
+    assert is_free(fleet)
+
+
+def test_checks_are_ored_within_a_rank() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5, active_prefill_tokens=100))
+    fleet.register(config(total=100), 0.0)
+    feed.load(decode=10, prefill=10)
+    assert is_free(fleet)
+    feed.load(decode=10, prefill=101)
+    assert not is_free(fleet)
+    feed.load(decode=90, prefill=10)
+    assert not is_free(fleet)
+
+
+def test_ranks_are_anded_and_unreported_ranks_do_not_count() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet.register(config(dp=3), 0.0)
+    assert is_free(fleet)  # no rank reported: not busy
+    feed.load(rank=0, prefill=5)
+    assert not is_free(fleet)  # the only reported rank is busy (ranks 1, 2 never reported)
+    feed.load(rank=1, prefill=0)
+    assert is_free(fleet)
+    feed.load(rank=1, prefill=5)
+    assert not is_free(fleet)
+    feed.load(rank=2, prefill=0)
+    assert is_free(fleet)
+    feed.load(rank=7, prefill=5)  # outside data_parallel_size: ignored
+    assert is_free(fleet)
+    assert state(fleet).reported_ranks == 3
+
+
+def test_heartbeat_reports_every_rank() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=10, dp=2), 0.0)
+    feed.heartbeat(loads=[(0, 9), (1, 9)])
+    assert not is_free(fleet)
+    feed.heartbeat(loads=[(0, 9), (1, 1)])
+    assert is_free(fleet)
+
+
+def test_old_and_unknown_events_are_ignored() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet.register(config(), 0.0)
+    assert not feed.load("nobody", prefill=5)
+    old = wire.LoadEvent(
+        seq=0,
+        ts=0.0,
+        load=wire.RankLoad(
+            dp_rank=0, active_decode_blocks=0, active_prefill_tokens=5, kv_used_blocks=0
+        ),
+        engine_requests=0,
+        queued_requests=0,
+    )
+    assert feed.load(prefill=0)
+    assert not fleet.apply("w0", old, 0.0)
+    assert is_free(fleet)
+
+
+# ----------------------------------------------------------------------------- own count
+
+
+def test_router_own_blocks_beat_a_lower_report() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load(decode=0)
+    in_flight = fleet.request_sent("w0", prompt_tokens=16 * 6)  # 6 blocks > 0.5 * 10
+    assert in_flight is not None
+    assert not is_free(fleet)
+    feed.load(decode=1)  # the worker has not seen it yet: our count still wins
+    assert not is_free(fleet)
+    fleet.request_finished("w0", in_flight)
+    assert is_free(fleet)
+    fleet.request_finished("w0", in_flight)  # idempotent
+    assert state(fleet).ranks[0].own_blocks == 0
+
+
+def test_prompt_blocks_round_up() -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()
+    fleet.request_sent("w0", prompt_tokens=16 * 5)  # 5 blocks: 5/10 is not > 0.5
+    assert is_free(fleet)
+    fleet.request_sent("w0", prompt_tokens=1)  # one more block
+    assert not is_free(fleet)
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_track_output_blocks(track: bool) -> None:
+    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5), track_output_blocks=track)
+    fleet.register(config(total=10, block_size=10), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=10)
+    assert in_flight is not None
+    fleet.request_output("w0", in_flight, tokens=50)  # 60 tokens: 6 blocks when tracked
+    assert is_free(fleet) is not track
+    assert state(fleet).ranks[0].own_blocks == (6 if track else 1)
+    fleet.request_finished("w0", in_flight)
+    assert state(fleet).ranks[0].own_blocks == 0
+
+
+def test_own_prefill_counts_until_first_output() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=100))
+    fleet.register(config(), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=101)
+    assert in_flight is not None
+    assert not is_free(fleet)
+    fleet.request_output("w0", in_flight, tokens=0)
+    assert is_free(fleet)
+
+
+def test_requests_spread_over_ranks() -> None:
+    fleet, _ = fleet_with(Thresholds())
+    fleet.register(config(dp=2, block_size=1), 0.0)
+    fleet.request_sent("w0", prompt_tokens=5)
+    fleet.request_sent("w0", prompt_tokens=3)
+    assert [r.own_blocks for r in state(fleet).ranks] == [5, 3]
+    assert fleet.request_sent("nobody", 5) is None
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def test_stale_worker_is_not_free_until_it_speaks() -> None:
+    fleet, feed = fleet_with(Thresholds(), stale_after_intervals=3.0)
+    fleet.register(config(heartbeat=1.0), 0.0)
+    feed.load(now=1.0)
+    assert is_free(fleet, now=4.0)  # 3 s of silence: not more than 3 intervals
+    assert not is_free(fleet, now=4.01)
+    assert state(fleet).stale
+    assert fleet.available_count(MODEL, 4.01) == 0
+    feed.load(now=5.0)
+    assert is_free(fleet, now=5.0)
+    assert is_free(fleet, now=7.9)
+    assert not is_free(fleet, now=8.1)
+
+
+def test_no_heartbeat_interval_never_stale() -> None:
+    fleet, _ = fleet_with(Thresholds())
+    fleet.register(config(heartbeat=0.0), 0.0)
+    assert is_free(fleet, now=1e9)
+
+
+def test_mark_lease_expires_after_one_second() -> None:
+    fleet, _ = fleet_with(Thresholds())
+    fleet.register(config(heartbeat=100.0), 0.0)
+    assert fleet.mark_overloaded("w0", 10.0)
+    assert not is_free(fleet, now=10.0)
+    assert not is_free(fleet, now=10.99)
+    assert is_free(fleet, now=11.0)
+
+
+def test_mark_cleared_by_next_load_event_or_heartbeat() -> None:
+    fleet, feed = fleet_with(Thresholds())
+    fleet.register(config(), 0.0)
+    fleet.mark_overloaded("w0", 0.0)
+    assert not is_free(fleet, now=0.1)
+    feed.load(now=0.2)
+    assert is_free(fleet, now=0.2)
+    fleet.mark_overloaded("w0", 0.3)
+    feed.heartbeat(now=0.4)
+    assert is_free(fleet, now=0.4)
+
+
+def test_remark_extends_the_lease() -> None:
+    fleet, _ = fleet_with(Thresholds())
+    fleet.register(config(heartbeat=100.0), 0.0)
+    fleet.mark_overloaded("w0", 0.0)
+    fleet.mark_overloaded("w0", 0.5)
+    assert not is_free(fleet, now=1.2)
+    assert is_free(fleet, now=1.5)
+    assert not fleet.mark_overloaded("nobody", 0.0)
+
+
+def test_draining_heartbeat_and_ready_again() -> None:
+    fleet, feed = fleet_with(Thresholds())
+    fleet.register(config(), 0.0)
+    feed.heartbeat(status="draining")
+    assert fleet.available_count(MODEL, 0.0) == 0
+    feed.heartbeat(status="ready")
+    assert is_free(fleet)
+
+
+# ----------------------------------------------------------------------------- thresholds
+
+
+def test_threshold_change_takes_effect_at_once() -> None:
+    fleet, feed = fleet_with(Thresholds())
+    fleet.register(config(total=100), 0.0)
+    feed.load(decode=60)
+    assert is_free(fleet)
+    now_in_force = fleet.set_thresholds(MODEL, Thresholds(active_decode_blocks=0.5))
+    assert now_in_force.active_decode_blocks == 0.5
+    assert not is_free(fleet)
+    fleet.set_thresholds(MODEL, Thresholds(active_decode_blocks=0.7))
+    assert is_free(fleet)
+    assert fleet.thresholds(MODEL).active_decode_blocks == 0.7
+
+
+def test_thresholds_are_per_model() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=10))
+    fleet.register(config("a", model="m1"), 0.0)
+    fleet.register(config("b", model="m2"), 0.0)
+    fleet.set_thresholds("m1", Thresholds(active_prefill_tokens=100))
+    feed.load("a", prefill=50)
+    feed.load("b", prefill=50)
+    assert len(fleet.free_workers("m1", 0.0) or ()) == 1
+    assert len(fleet.free_workers("m2", 0.0) or ()) == 0
+    assert fleet.all_thresholds() == [
+        ("m1", Thresholds(active_prefill_tokens=100)),
+        ("m2", Thresholds(active_prefill_tokens=10)),
+    ]
+    with pytest.raises(KeyError):
+        fleet.set_thresholds("unknown", Thresholds(active_prefill_tokens=1))
+    assert fleet.thresholds("unknown") == Thresholds(active_prefill_tokens=10)
+
+
+# ----------------------------------------------------------------------------- fleet views
+
+
+def test_all_models_busy() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    assert not fleet.all_models_busy(0.0)  # nothing known
+    fleet.register(config("a", model="m1"), 0.0)
+    fleet.register(config("b", model="m2"), 0.0)
+    feed.load("a", prefill=1)
+    assert not fleet.all_models_busy(0.0)
+    feed.load("b", prefill=1)
+    assert fleet.all_models_busy(0.0)
+    fleet.remove("b")  # m2 has no worker now: a request for it gets 503, not 529
+    assert not fleet.all_models_busy(0.0)
+
+
+def test_rank_gauges_and_removal() -> None:
+    fleet, feed = fleet_with(Thresholds())
+    fleet.register(config("a", dp=2, total=64), 0.0)
+    feed.load("a", rank=1, decode=3, used=5, prefill=7)
+    assert sorted(fleet.rank_gauges()) == [
+        RankGauge("a", 0, 0, 0, 64),
+        RankGauge("a", 1, 5, 7, 64),
+    ]
+    in_flight = fleet.request_sent("a", 1)
+    assert fleet.remove("a")
+    assert not fleet.remove("a")
+    assert list(fleet.rank_gauges()) == []
+    assert fleet.is_known_model(MODEL)  # a model stays known
+    assert in_flight is not None
+    fleet.request_finished("a", in_flight)  # harmless after removal
+
+
+def test_reregister_replaces_state() -> None:
+    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet.register(config(), 0.0)
+    feed.load(prefill=5)
+    assert not is_free(fleet)
+    fleet.register(config(), 1.0)
+    assert is_free(fleet, now=1.0)
+    assert fleet.connected_count == 1
+
+
+def test_queue_threshold_saturation() -> None:
+    fleet, feed = fleet_with(Thresholds(), queue_threshold=0.5)
+    fleet.register(config(max_batched=100, dp=2), 0.0)
+    feed.load(rank=0, prefill=51)
+    assert fleet.unsaturated_free_count(MODEL, 0.0) == 0
+    feed.load(rank=1, prefill=50)
+    assert fleet.unsaturated_free_count(MODEL, 0.0) == 1
+    with pytest.raises(ValueError, match="queue_threshold"):
+        Fleet(queue_threshold=0.0)
+
+
+# ----------------------------------------------------------------------------- state machine
+
+
+def reference_rank_busy(t: Thresholds, worker: WorkerLoad, blocks: int, prefill: int) -> bool:
+    """The busy rule of one rank, written out again from the contract."""
+    total = worker.config.kv_total_blocks
+    decode = (
+        t.active_decode_blocks is not None and total > 0 and blocks / total > t.active_decode_blocks
+    )
+    absolute = t.active_prefill_tokens is not None and prefill > t.active_prefill_tokens
+    frac = t.active_prefill_tokens_frac is not None and prefill > int(
+        t.active_prefill_tokens_frac * worker.config.max_num_batched_tokens
+    )
+    return decode or absolute or frac
+
+
+def reference_free(fleet: Fleet, now: float) -> set[str]:
+    """The free set recomputed from scratch from every worker's raw state."""
+    result = set()
+    for worker in fleet.workers():
+        thresholds = fleet.thresholds(worker.model)
+        reported = [r for r in worker.ranks if r.reported]
+        worker_busy = bool(reported) and all(
+            reference_rank_busy(
+                thresholds,
+                worker,
+                max(r.reported_blocks, r.own_blocks),
+                max(r.reported_prefill, r.own_prefill),
+            )
+            for r in reported
+        )
+        stale = now - worker.last_seen > worker.stale_after
+        marked = worker.mark_until is not None and worker.mark_until > now
+        if not (worker_busy or stale or marked or worker.draining):
+            result.add(worker.worker_id)
+    return result
+
+
+WORKERS = [f"w{i}" for i in range(4)]
+
+
+class FreeSetMachine(RuleBasedStateMachine):
+    """The incrementally kept free sets always equal a from-scratch recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fleet = Fleet(
+            default_thresholds=Thresholds(active_decode_blocks=0.5, active_prefill_tokens=20),
+            track_output_blocks=True,
+        )
+        self.feed = Feed(self.fleet)
+        self.now = 0.0
+        self.in_flight: list[tuple[str, Any]] = []
+
+    @rule(worker_id=st.sampled_from(WORKERS), dp=st.integers(1, 3), model=st.sampled_from("ab"))
+    def register(self, worker_id: str, dp: int, model: str) -> None:
+        self.fleet.register(config(worker_id, model=model, dp=dp, total=10, block_size=4), self.now)
+        self.feed.seq.pop(worker_id, None)
+
+    @rule(worker_id=st.sampled_from(WORKERS))
+    def remove(self, worker_id: str) -> None:
+        self.fleet.remove(worker_id)
+
+    @rule(
+        worker_id=st.sampled_from(WORKERS),
+        rank=st.integers(0, 3),
+        decode=st.integers(0, 12),
+        prefill=st.integers(0, 40),
+    )
+    def load(self, worker_id: str, rank: int, decode: int, prefill: int) -> None:
+        self.feed.load(worker_id, rank=rank, decode=decode, prefill=prefill, now=self.now)
+
+    @rule(worker_id=st.sampled_from(WORKERS), draining=st.booleans())
+    def heartbeat(self, worker_id: str, draining: bool) -> None:
+        status = "draining" if draining else "ready"
+        self.feed.heartbeat(worker_id, [(0, 3)], status=status, now=self.now)
+
+    @rule(worker_id=st.sampled_from(WORKERS))
+    def mark(self, worker_id: str) -> None:
+        self.fleet.mark_overloaded(worker_id, self.now)
+
+    @rule(worker_id=st.sampled_from(WORKERS), prompt=st.integers(0, 30))
+    def send(self, worker_id: str, prompt: int) -> None:
+        in_flight = self.fleet.request_sent(worker_id, prompt)
+        if in_flight is not None:
+            self.in_flight.append((worker_id, in_flight))
+
+    @rule(data=st.data(), tokens=st.integers(0, 10))
+    def output(self, data: st.DataObject, tokens: int) -> None:
+        if self.in_flight:
+            worker_id, in_flight = data.draw(st.sampled_from(self.in_flight))
+            self.fleet.request_output(worker_id, in_flight, tokens)
+
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        if self.in_flight:
+            index = data.draw(st.integers(0, len(self.in_flight) - 1))
+            worker_id, in_flight = self.in_flight.pop(index)
+            self.fleet.request_finished(worker_id, in_flight)
+
+    @rule(seconds=st.sampled_from([0.1, 0.5, 0.99, 1.0, 2.5, 4.0]))
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(
+        model=st.sampled_from("ab"),
+        decode=st.none() | st.sampled_from([0.0, 0.3, 1.0]),
+        prefill=st.none() | st.integers(0, 30),
+    )
+    def set_thresholds(self, model: str, decode: float | None, prefill: int | None) -> None:
+        if self.fleet.is_known_model(model):
+            update = Thresholds(active_decode_blocks=decode, active_prefill_tokens=prefill)
+            self.fleet.set_thresholds(model, update)
+
+    @invariant()
+    def free_sets_match_recomputation(self) -> None:
+        incremental = set()
+        for model in self.fleet.models():
+            free = self.fleet.free_workers(model, self.now)
+            assert free is not None
+            incremental |= {w.worker_id for w in free}
+        assert incremental == reference_free(self.fleet, self.now)
+
+    @invariant()
+    def counts_match(self) -> None:
+        now = self.now
+        self.fleet.expire(now)  # the flags on WorkerLoad reflect time only once expired
+        for model in self.fleet.models():
+            workers = list(self.fleet.workers(model))
+            available = [w for w in workers if w.available]
+            assert self.fleet.available_count(model, now) == len(available)
+        busy_everywhere = bool(self.fleet.models()) and all(
+            self.fleet.available_count(m, now) > 0 and not self.fleet.free_workers(m, now)
+            for m in self.fleet.models()
+        )
+        assert self.fleet.all_models_busy(now) == busy_everywhere
+
+
+FreeSetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestFreeSetMachine = FreeSetMachine.TestCase
