@@ -1,0 +1,195 @@
+"""Worker metrics: the contract's names and values, read from the gate at scrape time."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from worker_ingress.admission import AdmissionGate, Rejection
+from worker_ingress.config import WorkerSettings
+from worker_ingress.metrics import WorkerMetrics
+from worker_ingress.wire import REASON_OVERLOADED
+
+CONTRACT_NAMES = [
+    "dynamo_rejection_request_total",
+    "dynamo_engine_request",
+    "dynamo_request_queue",
+    "dynamo_engine_request_limit",
+    "dynamo_request_queue_limit",
+    "dynamo_component_total_blocks",
+    "dynamo_component_kv_used_blocks",
+]
+
+
+def _sample(metrics: WorkerMetrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(name)
+
+
+def _gauges(metrics: WorkerMetrics) -> tuple[float | None, float | None, float | None]:
+    return (
+        _sample(metrics, "dynamo_engine_request"),
+        _sample(metrics, "dynamo_request_queue"),
+        _sample(metrics, "dynamo_rejection_request_total"),
+    )
+
+
+def test_every_contract_name_is_exposed_without_labels() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
+    body, _ = metrics.render(None)
+    lines = body.decode().splitlines()
+    for name in CONTRACT_NAMES:
+        assert f"{name} " in "\n".join(lines)
+        assert _sample(metrics, name) is not None, name
+    assert not any("{" in line for line in lines if not line.startswith("#"))
+
+
+def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
+    gate = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
+    metrics = WorkerMetrics(gate)
+    assert _sample(metrics, "dynamo_engine_request_limit") == 10_000
+    assert _sample(metrics, "dynamo_request_queue_limit") == 40_000
+
+
+def test_limit_gauges_show_n_and_q_when_set() -> None:
+    gate = AdmissionGate.from_settings(
+        WorkerSettings(worker_id="w", engine_request_limit=4, request_queue_limit=7)
+    )
+    metrics = WorkerMetrics(gate)
+    assert _sample(metrics, "dynamo_engine_request_limit") == 4
+    assert _sample(metrics, "dynamo_request_queue_limit") == 7
+
+
+async def test_gauges_follow_the_gate_and_the_queue_gauge_peaks_at_q(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2, queue_timeout=10.0)
+    metrics = WorkerMetrics(gate)
+    releases: list[trio.Event] = []
+    outcomes: list[str] = []
+
+    async def client() -> None:
+        release = trio.Event()
+        releases.append(release)
+        try:
+            async with gate.slot():
+                await release.wait()
+            outcomes.append("done")
+        except Rejection as rejection:
+            outcomes.append(rejection.reason)
+
+    async def arrive() -> None:
+        nursery.start_soon(client)
+        await trio.testing.wait_all_tasks_blocked()
+
+    assert _gauges(metrics) == (0, 0, 0)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await arrive()
+            assert _gauges(metrics) == (1, 0, 0)
+            await arrive()
+            assert _gauges(metrics) == (1, 1, 0)  # the dispatcher's hand is counted
+            await arrive()
+            assert _gauges(metrics) == (1, 2, 0)  # peak: Q
+            await arrive()
+            assert _gauges(metrics) == (1, 2, 1)  # full: rejected at once
+            assert outcomes == [REASON_OVERLOADED]
+            releases[0].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert _gauges(metrics) == (1, 1, 1)
+            await trio.sleep(11)  # the last queued request times out: a rejection too
+            assert _gauges(metrics) == (1, 0, 2)
+            assert _sample(metrics, "dynamo_worker_queue_timeout_total") == 1
+            releases[1].set()
+    assert _gauges(metrics) == (0, 0, 2)
+    assert _sample(metrics, "dynamo_worker_started_request_total") == 2
+
+
+async def test_draining_rejections_are_counted_apart() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    metrics = WorkerMetrics(gate)
+    gate.drain()
+    for _ in range(3):
+        try:
+            async with gate.slot():
+                raise AssertionError("admitted while draining")
+        except Rejection:
+            pass
+    assert _sample(metrics, "dynamo_rejection_request_total") == 0
+    assert _sample(metrics, "dynamo_worker_draining_rejection_total") == 3
+
+
+def test_kv_blocks_are_read_at_scrape_time_only() -> None:
+    calls: list[tuple[int, int]] = []
+    blocks = (100, 0)
+
+    def kv_blocks() -> tuple[int, int]:
+        calls.append(blocks)
+        return blocks
+
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2), kv_blocks)
+    assert calls == []
+    assert _sample(metrics, "dynamo_component_total_blocks") == 100
+    assert _sample(metrics, "dynamo_component_kv_used_blocks") == 0
+    blocks = (100, 42)
+    assert _sample(metrics, "dynamo_component_kv_used_blocks") == 42
+
+
+def test_kv_blocks_default_to_zero() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
+    assert _sample(metrics, "dynamo_component_total_blocks") == 0
+    assert _sample(metrics, "dynamo_component_kv_used_blocks") == 0
+
+
+def test_connection_errors_are_counted() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
+    assert _sample(metrics, "dynamo_worker_connection_errors_total") == 0
+    metrics.count_connection_error()
+    metrics.count_connection_error()
+    assert _sample(metrics, "dynamo_worker_connection_errors_total") == 2
+
+
+def test_two_workers_in_one_process_do_not_share_metrics() -> None:
+    first = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
+    second = WorkerMetrics(AdmissionGate(engine_slots=5, queue_limit=9))
+    first.count_connection_error()
+    assert _sample(second, "dynamo_worker_connection_errors_total") == 0
+    assert _sample(first, "dynamo_engine_request_limit") == 1
+    assert _sample(second, "dynamo_engine_request_limit") == 5
+
+
+async def test_render_text_format_shows_the_values() -> None:
+    gate = AdmissionGate(engine_slots=3, queue_limit=4)
+    metrics = WorkerMetrics(gate, lambda: (512, 64))
+    with trio.fail_after(5):
+        async with gate.slot():
+            body, content_type = metrics.render(None)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    text = body.decode()
+    assert "# TYPE dynamo_rejection_request_total counter" in text
+    assert "# TYPE dynamo_request_queue gauge" in text
+    for line in (
+        "dynamo_engine_request 1.0",
+        "dynamo_request_queue 0.0",
+        "dynamo_engine_request_limit 3.0",
+        "dynamo_request_queue_limit 4.0",
+        "dynamo_component_total_blocks 512.0",
+        "dynamo_component_kv_used_blocks 64.0",
+        "dynamo_rejection_request_total 0.0",
+    ):
+        assert line in text.splitlines(), line
+
+
+def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
+    body, content_type = metrics.render(
+        "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    )
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    text = body.decode()
+    assert text.endswith("# EOF\n")
+    assert "# TYPE dynamo_rejection_request counter" in text
+    assert "dynamo_rejection_request_total 0.0" in text.splitlines()
+    # An Accept header that does not ask for OpenMetrics gets the classic text format.
+    body, content_type = metrics.render("text/plain")
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert not body.decode().endswith("# EOF\n")
