@@ -1,0 +1,332 @@
+"""Routing decisions (frontend_shim.router), without I/O."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from frontend_shim.load import Fleet, Thresholds
+from frontend_shim.router import (
+    AllBusy,
+    CompletionRate,
+    FrontendQueue,
+    NoWorkers,
+    RejectionKind,
+    Routed,
+    Router,
+    RouterMode,
+    UnknownModel,
+    classify_rejection,
+    retry_after_seconds,
+)
+from worker_ingress import wire
+
+MODEL = "m"
+
+
+def config(worker_id: str, *, model: str = MODEL, heartbeat: float = 100.0) -> wire.RuntimeConfig:
+    return wire.RuntimeConfig(
+        worker_id=worker_id,
+        model=model,
+        kv_total_blocks=100,
+        block_size=16,
+        max_num_batched_tokens=1000,
+        max_num_seqs=256,
+        data_parallel_size=1,
+        engine_request_limit=None,
+        request_queue_limit=40000,
+        heartbeat_interval=heartbeat,
+    )
+
+
+class Feed:
+    """Sends load events with increasing ``seq`` to a fleet."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.seq = 0
+
+    def load(self, worker_id: str, *, decode: int = 0, prefill: int = 0) -> None:
+        self.seq += 1
+        load = wire.RankLoad(
+            dp_rank=0, active_decode_blocks=decode, active_prefill_tokens=prefill, kv_used_blocks=0
+        )
+        event = wire.LoadEvent(
+            seq=self.seq, ts=0.0, load=load, engine_requests=0, queued_requests=0
+        )
+        assert self.fleet.apply(worker_id, event, 0.0)
+
+
+def fleet_of(
+    count: int, thresholds: Thresholds | None = None, *, queue_threshold: float | None = None
+) -> tuple[Fleet, Feed]:
+    """``count`` workers ``w0``... of MODEL; by default busy on any prefill token."""
+    fleet = Fleet(
+        default_thresholds=thresholds or Thresholds(active_prefill_tokens=0),
+        queue_threshold=queue_threshold,
+    )
+    for index in range(count):
+        fleet.register(config(f"w{index}"), 0.0)
+    return fleet, Feed(fleet)
+
+
+def picked(outcome: object) -> str:
+    assert isinstance(outcome, Routed), outcome
+    return outcome.worker_id
+
+
+# ----------------------------------------------------------------------------- outcomes
+
+
+def test_no_worker_connected_is_503_for_every_model() -> None:
+    router = Router(Fleet())
+    assert router.pick("anything", 0.0) == NoWorkers()
+    assert NoWorkers().http_status == 503
+
+
+def test_unknown_model_is_404_once_some_worker_is_connected() -> None:
+    fleet, _ = fleet_of(1)
+    assert Router(fleet).pick("other", 0.0) == UnknownModel()
+    assert UnknownModel().http_status == 404
+
+
+def test_known_model_whose_workers_left_is_503() -> None:
+    fleet, _ = fleet_of(1)
+    fleet.register(config("x", model="other"), 0.0)
+    fleet.remove("w0")
+    assert Router(fleet).pick(MODEL, 0.0) == NoWorkers()
+
+
+def test_stale_workers_only_is_503() -> None:
+    fleet = Fleet()
+    fleet.register(config("w0", heartbeat=1.0), 0.0)
+    router = Router(fleet)
+    assert picked(router.pick(MODEL, 2.0)) == "w0"
+    assert router.pick(MODEL, 3.5) == NoWorkers()
+
+
+def test_all_busy_is_529() -> None:
+    fleet, feed = fleet_of(2)
+    feed.load("w0", prefill=1)
+    feed.load("w1", prefill=1)
+    assert Router(fleet).pick(MODEL, 0.0) == AllBusy()
+    assert AllBusy().http_status == 529
+
+
+def test_all_marked_is_529_until_the_lease_ends() -> None:
+    fleet, _ = fleet_of(2)
+    router = Router(fleet)
+    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0)
+    router.on_rejected("w1", wire.REASON_QUEUE_TIMEOUT, 0.5)
+    assert router.pick(MODEL, 0.9) == AllBusy()
+    assert picked(router.pick(MODEL, 1.0)) == "w0"
+    assert {picked(router.pick(MODEL, 1.5)) for _ in range(4)} == {"w0", "w1"}
+
+
+def test_busy_and_marked_workers_are_skipped() -> None:
+    fleet, feed = fleet_of(3)
+    feed.load("w0", prefill=1)
+    fleet.mark_overloaded("w1", 0.0)
+    router = Router(fleet)
+    assert {picked(router.pick(MODEL, 0.0)) for _ in range(6)} == {"w2"}
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def test_round_robin_cycles_over_free_workers() -> None:
+    fleet, feed = fleet_of(4)
+    feed.load("w2", prefill=1)
+    router = Router(fleet, RouterMode.ROUND_ROBIN)
+    picks = [picked(router.pick(MODEL, 0.0)) for _ in range(9)]
+    assert Counter(picks) == {"w0": 3, "w1": 3, "w3": 3}
+    assert picks[:3] == picks[3:6] == picks[6:]
+
+
+def test_random_picks_only_free_workers() -> None:
+    fleet, feed = fleet_of(5)
+    feed.load("w1", prefill=1)
+    feed.load("w3", prefill=1)
+    router = Router(fleet, RouterMode.RANDOM, rng=random.Random(7))
+    picks = Counter(picked(router.pick(MODEL, 0.0)) for _ in range(300))
+    assert set(picks) == {"w0", "w2", "w4"}
+    assert min(picks.values()) > 50  # uniform, to an order of magnitude
+
+
+def test_kv_picks_the_least_loaded() -> None:
+    fleet, feed = fleet_of(3, Thresholds())
+    feed.load("w0", decode=70, prefill=100)
+    feed.load("w1", decode=10, prefill=100)
+    feed.load("w2", decode=10, prefill=500)
+    router = Router(fleet, RouterMode.KV)
+    assert picked(router.pick(MODEL, 0.0)) == "w1"
+    # The router's own count matters too: 60 more blocks on w1 make w2 the lighter one.
+    fleet.request_sent("w1", prompt_tokens=16 * 60)
+    assert picked(router.pick(MODEL, 0.0)) == "w2"
+
+
+def test_kv_rotates_among_equally_loaded() -> None:
+    fleet, _ = fleet_of(3, Thresholds())
+    router = Router(fleet, RouterMode.KV)
+    assert {picked(router.pick(MODEL, 0.0)) for _ in range(3)} == {"w0", "w1", "w2"}
+
+
+@pytest.mark.parametrize("mode", list(RouterMode))
+def test_every_mode_honours_thresholds_and_exclusion(mode: RouterMode) -> None:
+    fleet, feed = fleet_of(3)
+    feed.load("w0", prefill=1)
+    router = Router(fleet, mode, rng=random.Random(1))
+    for _ in range(10):
+        assert picked(router.pick(MODEL, 0.0, exclude={"w1"})) == "w2"
+    assert router.pick(MODEL, 0.0, exclude={"w1", "w2"}) == AllBusy()
+
+
+# ----------------------------------------------------------------------------- migration
+
+
+def test_classify_rejection() -> None:
+    assert classify_rejection(wire.REASON_OVERLOADED) is RejectionKind.OVERLOADED
+    assert classify_rejection(wire.REASON_QUEUE_TIMEOUT) is RejectionKind.OVERLOADED
+    assert classify_rejection(wire.REASON_DRAINING) is RejectionKind.UNAVAILABLE
+    assert classify_rejection("Unknown endpoint: x") is RejectionKind.OTHER
+
+
+def test_migration_never_returns_to_a_worker_that_rejected() -> None:
+    fleet, _ = fleet_of(3)
+    router = Router(fleet, migration_limit=2)
+    attempt = router.new_attempt()
+    seen = []
+    for _ in range(3):
+        worker_id = picked(router.pick(MODEL, 0.0, exclude=attempt.rejected_by))
+        seen.append(worker_id)
+        may_retry = attempt.on_rejected(router, worker_id, wire.REASON_OVERLOADED, 0.0)
+    assert sorted(seen) == ["w0", "w1", "w2"]
+    assert not may_retry  # the third rejection used up a limit of 2 retries
+    assert router.pick(MODEL, 0.0, exclude=attempt.rejected_by) == AllBusy()
+
+
+def test_migration_limit_zero_means_no_retry() -> None:
+    fleet, _ = fleet_of(2)
+    router = Router(fleet)
+    attempt = router.new_attempt()
+    assert not attempt.on_rejected(router, "w0", wire.REASON_OVERLOADED, 0.0)
+    assert fleet.worker("w0") is not None
+    assert fleet.worker("w0").marked  # type: ignore[union-attr]
+
+
+def test_other_rejections_are_not_migrated_and_draining_takes_a_worker_out() -> None:
+    fleet, _ = fleet_of(2)
+    router = Router(fleet, migration_limit=5)
+    attempt = router.new_attempt()
+    assert not attempt.on_rejected(router, "w0", "Unknown endpoint: x", 0.0)
+    assert attempt.on_rejected(router, "w1", wire.REASON_DRAINING, 0.0)
+    assert {picked(router.pick(MODEL, 5.0)) for _ in range(4)} == {"w0"}
+    with pytest.raises(ValueError, match="migration_limit"):
+        Router(fleet, migration_limit=-1)
+
+
+# ----------------------------------------------------------------------------- frontend queue
+
+
+def queued_fleet(count: int) -> tuple[Fleet, Feed, FrontendQueue[int]]:
+    fleet, feed = fleet_of(count, Thresholds(active_prefill_tokens=900), queue_threshold=0.5)
+    return fleet, feed, FrontendQueue(capacity=3)
+
+
+def test_requests_park_only_when_every_free_worker_is_saturated() -> None:
+    fleet, feed, queue = queued_fleet(2)
+    assert not queue.should_park(fleet, MODEL, 0.0)
+    feed.load("w0", prefill=501)  # over 0.5 * 1000
+    assert not queue.should_park(fleet, MODEL, 0.0)
+    feed.load("w1", prefill=600)
+    assert queue.should_park(fleet, MODEL, 0.0)
+    feed.load("w0", prefill=901)
+    feed.load("w1", prefill=901)  # busy now: no free worker, so 529 rather than a wait
+    assert not queue.should_park(fleet, MODEL, 0.0)
+
+
+def test_queue_bound_and_order() -> None:
+    fleet, feed, queue = queued_fleet(1)
+    feed.load("w0", prefill=600)
+    assert [queue.park(MODEL, n) for n in range(4)] == [True, True, True, False]
+    assert len(queue) == 3
+    assert queue.should_park(fleet, MODEL, 0.0)
+    assert queue.release(fleet, 0.0) == []
+    feed.load("w0", prefill=10)  # load fell: one waiter per unsaturated free worker
+    assert queue.release(fleet, 0.0) == [0]
+    assert queue.should_park(fleet, MODEL, 0.0)  # others still wait: no overtaking
+    assert queue.cancel(MODEL, 2)
+    assert not queue.cancel(MODEL, 2)
+    assert queue.release(fleet, 0.0) == [1]
+    assert len(queue) == 0
+    assert not queue.should_park(fleet, MODEL, 0.0)
+
+
+def test_released_request_counts_before_the_next_release() -> None:
+    fleet, feed, queue = queued_fleet(1)
+    feed.load("w0", prefill=0)
+    queue.park(MODEL, 1)
+    queue.park(MODEL, 2)
+    (first,) = queue.release(fleet, 0.0)
+    fleet.request_sent("w0", prompt_tokens=600)  # the router's own prefill count saturates w0
+    assert first == 1
+    assert queue.release(fleet, 0.0) == []
+
+
+def test_waiters_are_released_to_fail_fast_when_no_worker_is_free() -> None:
+    fleet, feed, queue = queued_fleet(1)
+    feed.load("w0", prefill=600)
+    queue.park(MODEL, 1)
+    queue.park(MODEL, 2)
+    feed.load("w0", prefill=901)
+    assert queue.release(fleet, 0.0) == [1, 2]
+
+
+def test_queue_rejects_double_park_and_bad_capacity() -> None:
+    queue: FrontendQueue[int] = FrontendQueue(capacity=2)
+    queue.park(MODEL, 1)
+    with pytest.raises(ValueError, match="already"):
+        queue.park(MODEL, 1)
+    with pytest.raises(ValueError, match="capacity"):
+        FrontendQueue(capacity=0)
+
+
+# ----------------------------------------------------------------------------- Retry-After
+
+
+def test_retry_after_bounds() -> None:
+    assert retry_after_seconds(100, None) == 1
+    assert retry_after_seconds(0, 5.0) == 1
+    assert retry_after_seconds(1, 1000.0) == 1
+    assert retry_after_seconds(100, 10.0) == 10
+    assert retry_after_seconds(101, 10.0) == 11
+    assert retry_after_seconds(10**6, 1.0) == 30
+    assert retry_after_seconds(10**6, 1.0, cap=5) == 5
+    assert retry_after_seconds(5, 0.0) == 30
+    assert retry_after_seconds(5, 1e-300) == 30
+
+
+def test_completion_rate_follows_the_rate() -> None:
+    rate = CompletionRate(time_constant=2.0)
+    assert rate.rate(0.0) is None
+    now = 0.0
+    for _ in range(200):  # 20 per second for 10 s
+        now += 0.05
+        rate.record(now)
+    measured = rate.rate(now)
+    assert measured is not None
+    assert 10 < measured < 40
+    later = rate.rate(now + 20.0)
+    assert later is not None
+    assert later < 0.1  # nothing completes: the rate decays
+
+
+def test_completion_rate_is_not_underestimated_at_start() -> None:
+    rate = CompletionRate(time_constant=10.0)
+    for step in range(1, 11):  # 10 per second for 1 s
+        rate.record(step * 0.1)
+    measured = rate.rate(1.0)
+    assert measured is not None
+    assert 3 < measured < 30
