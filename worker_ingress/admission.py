@@ -230,6 +230,8 @@ class AdmissionState:
         if self._draining:
             self.draining_rejected_total += 1
             return _REJECTED_DRAINING
+        # "Nobody queued" follows from "a slot is free" (invariant: queued > 0 implies
+        # running == N); it is spelled out because it is the rule that keeps arrivals FIFO.
         if self._queued == 0 and self._running < self.engine_slots:
             self._running += 1
             self.started_total += 1
