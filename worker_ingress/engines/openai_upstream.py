@@ -62,7 +62,7 @@ import contextlib
 import logging
 import math
 import struct
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 import msgspec
@@ -113,6 +113,9 @@ READY_BACKOFF_MAX: Final = 5.0
 MAX_ERROR_BODY_BYTES: Final = 64 * 1024
 MAX_EMBEDDINGS_BODY_BYTES: Final = 256 * 1024 * 1024
 MAX_CONTROL_BODY_BYTES: Final = 16 * 1024 * 1024
+#: After ``[DONE]``, how long and how much is read to let the connection be reused.
+DRAIN_TIMEOUT: Final = 1.0
+MAX_DRAIN_BYTES: Final = 64 * 1024
 #: Seconds allowed to start-up probes and metric polls (not to requests).
 CONTROL_TIMEOUT: Final = 5.0
 
@@ -669,7 +672,7 @@ class OpenAIUpstreamEngine:
             payload=_UpstreamCall(_PATHS[endpoint], encoded),
         )
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Forward a prepared request and stream the upstream's answer.
 
         Args:
@@ -761,6 +764,8 @@ class OpenAIUpstreamEngine:
                     yield output
             if not piece:
                 break
+        if done and not response.complete:
+            await _drain(response)
         if not held:
             if not done:
                 raise UpstreamError(f"upstream {self._origin} ended the stream before finishing")
@@ -927,6 +932,15 @@ class OpenAIUpstreamEngine:
     def _set_upstream_usage(self, usage: float) -> None:
         self._upstream_used_blocks = round(usage * self._config.kv_total_blocks)
         self._refresh()
+
+
+async def _drain(response: Response) -> None:
+    """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can be
+    reused; give up after a moment or a few bytes, and the connection is closed instead."""
+    with trio.move_on_after(DRAIN_TIMEOUT):
+        drained = 0
+        while drained <= MAX_DRAIN_BYTES and (piece := await response.receive_some()):
+            drained += len(piece)
 
 
 def _rebuilt(load: InFlightLoad, block_size: int) -> InFlightLoad:

@@ -1,0 +1,714 @@
+"""The ``openai`` engine and its HTTP client, against a real fake upstream on loopback.
+
+The fake upstream is a minimal trio + h11 server in this file: each test gives it a handler that
+plays one upstream behaviour (streams, errors, dies, hangs) and it records what it saw (bodies,
+connections, disconnects). Sans-IO parts (SSE framing, load bookkeeping, metric parsing, request
+validation) are tested without sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import math
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+import h11
+import hypothesis.strategies as st
+import msgspec
+import pytest
+import trio
+from hypothesis import given, settings
+
+from worker_ingress.config import MockerSettings, WorkerSettings
+from worker_ingress.engines.base import EngineConfig, EngineInputError, EngineOutput
+from worker_ingress.engines.openai_upstream import (
+    InFlightLoad,
+    OpenAIUpstreamEngine,
+    UpstreamError,
+    create,
+    parse_llamacpp_props,
+    parse_metrics_text,
+    parse_sglang_server_info,
+)
+from worker_ingress.upstream_http import HTTPClient, Origin, SSEDecoder, parse_base_url
+
+TIMEOUT = 10.0
+FALLBACK = EngineConfig(
+    kv_total_blocks=1000,
+    block_size=4,
+    max_num_batched_tokens=512,
+    max_num_seqs=8,
+    data_parallel_size=1,
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Fake upstream
+
+
+class Exchange:
+    """One request seen by the fake upstream and the means to answer it."""
+
+    def __init__(
+        self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request, body: bytes
+    ) -> None:
+        self.stream = stream
+        self.conn = conn
+        self.method = request.method.decode()
+        self.target = request.target.decode()
+        self.body = body
+        self.close_after = False
+
+    @property
+    def json(self) -> Any:
+        return msgspec.json.decode(self.body)
+
+    async def _send(self, event: h11.Event) -> None:
+        data = self.conn.send(event)
+        if data:
+            await self.stream.send_all(data)
+
+    async def send_json(self, status: int, payload: object) -> None:
+        body = msgspec.json.encode(payload)
+        await self.send_raw(status, body, b"application/json")
+
+    async def send_raw(self, status: int, body: bytes, content_type: bytes = b"text/plain") -> None:
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        await self._send(h11.Response(status_code=status, headers=headers))
+        await self._send(h11.Data(data=body))
+        await self._send(h11.EndOfMessage())
+
+    async def start_sse(self) -> None:
+        headers = [(b"content-type", b"text/event-stream")]
+        await self._send(h11.Response(status_code=200, headers=headers))
+
+    async def event(self, payload: object) -> None:
+        data = payload if isinstance(payload, str) else msgspec.json.encode(payload).decode()
+        await self._send(h11.Data(data=f"data: {data}\n\n".encode()))
+
+    async def end_sse(self) -> None:
+        await self.event("[DONE]")
+        await self._send(h11.EndOfMessage())
+
+    async def die(self) -> None:
+        """Close the socket in the middle of a response."""
+        await self.stream.aclose()
+
+    async def wait_for_disconnect(self) -> None:
+        """Read until the client closes (what an engine server does to abort a request)."""
+        while await self.stream.receive_some(4096):
+            pass
+
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class FakeUpstream:
+    """A tiny OpenAI-compatible server; ``routes`` maps ``METHOD /path`` to a handler."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Handler] = {}
+        self.seen: list[Exchange] = []
+        self.connections = 0
+        #: Clients whose idle connections are closed when the test ends.
+        self.clients: list[HTTPClient] = []
+        self.disconnected = trio.Event()
+        self.port = 0
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._connection, listeners)
+            task_status.started()
+
+    @property
+    def origin(self) -> Origin:
+        return Origin(host="127.0.0.1", port=self.port)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request, body = await self._read_request(stream, conn)
+                if request is None:
+                    return
+                exchange = Exchange(stream, conn, request, body)
+                self.seen.append(exchange)
+                handler = self.routes.get(f"{exchange.method} {exchange.target}", _not_found)
+                await handler(exchange)
+                if exchange.close_after or conn.our_state is not h11.DONE:
+                    return
+                if conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            pass
+        finally:
+            self.disconnected.set()
+            await trio.aclose_forcefully(stream)
+
+    async def _read_request(
+        self, stream: trio.SocketStream, conn: h11.Connection
+    ) -> tuple[h11.Request | None, bytes]:
+        request: h11.Request | None = None
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+                continue
+            if isinstance(event, h11.ConnectionClosed):
+                return None, b""
+            if isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return request, body
+
+
+async def _not_found(exchange: Exchange) -> None:
+    await exchange.send_json(404, {"error": {"message": "not here", "type": "NotFound"}})
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> AsyncIterator[FakeUpstream]:
+    server = FakeUpstream()
+    await nursery.start(server.serve)
+    yield server
+    for client in server.clients:
+        client.close_idle()
+
+
+def make_engine(upstream: FakeUpstream, **kwargs: Any) -> OpenAIUpstreamEngine:
+    engine = OpenAIUpstreamEngine(upstream.origin, FALLBACK, model="m", **kwargs)
+    upstream.clients.append(engine.client)
+    return engine
+
+
+def chat_chunk(content: str | None, finish: str | None = None, index: int = 0) -> object:
+    delta = {} if content is None else {"content": content}
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish}],
+    }
+
+
+def usage_chunk(prompt: int, completion: int) -> object:
+    return {
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
+    }
+
+
+async def collect(engine: OpenAIUpstreamEngine, prepared: Any) -> list[EngineOutput]:
+    outputs: list[EngineOutput] = []
+    async with aclosing(engine.generate(prepared)) as stream:
+        async for output in stream:
+            outputs.append(output)
+    return outputs
+
+
+def assert_idle(engine: OpenAIUpstreamEngine) -> None:
+    (load,) = engine.load()
+    assert (load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks) == (0, 0, 0)
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three four five"}]}
+
+
+# ------------------------------------------------------------------------------------------
+# Sans-IO: URL, SSE, load, parsers, prepare
+
+
+@pytest.mark.parametrize(
+    ("url", "origin"),
+    [
+        ("http://127.0.0.1:8001", Origin("127.0.0.1", 8001, "")),
+        ("http://127.0.0.1:8001/v1", Origin("127.0.0.1", 8001, "")),
+        ("http://127.0.0.1:8001/v1/", Origin("127.0.0.1", 8001, "")),
+        ("http://host/engine/v1", Origin("host", 80, "/engine")),
+    ],
+)
+def test_parse_base_url(url: str, origin: Origin) -> None:
+    assert parse_base_url(url) == origin
+
+
+@pytest.mark.parametrize("url", ["https://h:1", "127.0.0.1:8001", "http://:80", "http://h:x"])
+def test_parse_base_url_refuses(url: str) -> None:
+    with pytest.raises(ValueError, match="upstream URL"):
+        parse_base_url(url)
+
+
+SSE_STREAM = (
+    b": keep-alive comment\r\n\r\n"
+    b'data: {"a": 1}\n\n'
+    b"event: message\r\ndata: first\r\ndata: second\r\n\r\n"
+    b"data:nospace\r\r"
+    b"data: [DONE]\n\n"
+)
+SSE_EVENTS = ['{"a": 1}', "first\nsecond", "nospace", "[DONE]"]
+
+
+def test_sse_decoder_whole() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(SSE_STREAM) + decoder.close() == SSE_EVENTS
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(SSE_STREAM)), max_size=12))
+def test_sse_decoder_any_split(cuts: list[int]) -> None:
+    decoder = SSEDecoder()
+    events: list[str] = []
+    bounds = [0, *sorted(cuts), len(SSE_STREAM)]
+    for start, end in itertools.pairwise(bounds):
+        events += decoder.feed(SSE_STREAM[start:end])
+    assert events + decoder.close() == SSE_EVENTS
+
+
+def test_sse_decoder_bounds_a_line() -> None:
+    decoder = SSEDecoder(max_line_bytes=16)
+    with pytest.raises(ValueError, match="over 16 bytes"):
+        decoder.feed(b"data: " + b"x" * 32)
+
+
+def test_sse_decoder_event_without_final_blank_line() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: last") == []
+    assert decoder.close() == ["last"]
+
+
+def test_in_flight_load_rules() -> None:
+    load = InFlightLoad(block_size=4)
+    first = load.start(5)
+    assert (load.prefill_tokens, load.blocks) == (5, 2)
+    second = load.start(3)
+    assert (load.prefill_tokens, load.blocks) == (8, 3)
+    assert load.first_output(first) is True
+    assert load.first_output(first) is False
+    assert load.prefill_tokens == 3
+    assert load.generated(first, 3) is False  # 8 tokens: still 2 blocks
+    assert load.generated(first, 1) is True  # 9 tokens: 3 blocks
+    assert load.blocks == 4
+    load.finish(second)  # still prefilling: its prompt leaves the prefill count
+    assert (load.prefill_tokens, load.blocks) == (0, 3)
+    load.finish(first)
+    assert (load.prefill_tokens, load.blocks, len(load)) == (0, 0, 0)
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["start", "first", "gen", "finish"]), st.integers(0, 50)),
+        max_size=60,
+    )
+)
+def test_in_flight_load_matches_recount(operations: list[tuple[str, int]]) -> None:
+    load = InFlightLoad(block_size=16)
+    model: dict[int, list[int]] = {}
+    for operation, number in operations:
+        keys = sorted(model)
+        if operation == "start":
+            model[load.start(number)] = [number, 0, 1]
+            continue
+        if not keys:
+            continue
+        key = keys[number % len(keys)]
+        if operation == "first":
+            load.first_output(key)
+            model[key][2] = 0
+        elif operation == "gen":
+            load.generated(key, number)
+            model[key][1] += number
+        else:
+            load.finish(key)
+            del model[key]
+        assert load.prefill_tokens == sum(p for p, _, prefilling in model.values() if prefilling)
+        assert load.blocks == sum(math.ceil((p + g) / 16) for p, g, _ in model.values())
+
+
+VLLM_METRICS = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="573"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="573"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+"""
+
+
+def test_parse_vllm_metrics() -> None:
+    facts = parse_metrics_text(VLLM_METRICS)
+    assert (facts.kv_total_blocks, facts.block_size) == (1146, 16)
+    assert facts.usage_gauge == "vllm:kv_cache_usage_perc"
+    assert facts.kv_usage == pytest.approx(0.5)
+
+
+def test_parse_llamacpp_metrics_and_props() -> None:
+    facts = parse_metrics_text("# TYPE x gauge\nllamacpp:kv_cache_usage_ratio 0.63\n")
+    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (
+        "llamacpp:kv_cache_usage_ratio",
+        0.63,
+        None,
+    )
+    props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096}}
+    facts = parse_llamacpp_props(props, block_size=16)
+    assert (facts.kv_total_blocks, facts.max_num_seqs) == (1024, 4)
+    assert parse_llamacpp_props({"total_slots": 4}, 16).kv_total_blocks is None
+
+
+def test_parse_sglang_server_info() -> None:
+    info = {
+        "max_total_num_tokens": 100_000,
+        "page_size": 1,
+        "max_running_requests": 128,
+        "chunked_prefill_size": 8192,
+        "dp_size": 2,
+    }
+    facts = parse_sglang_server_info(info)
+    assert (facts.kv_total_blocks, facts.block_size) == (200_000, 1)
+    assert (facts.max_num_seqs, facts.max_num_batched_tokens) == (256, 16384)
+    nested = {"internal_states": [{"max_total_num_tokens": 64}], "page_size": 16}
+    assert parse_sglang_server_info(nested).kv_total_blocks == 4
+    assert parse_sglang_server_info({"something": "else"}).kv_total_blocks is None
+
+
+def test_prepare_forces_streaming_with_usage() -> None:
+    engine = OpenAIUpstreamEngine(Origin("127.0.0.1", 1), FALLBACK, model="m")
+    body = {**CHAT, "stream": False, "stream_options": {"other": 1}, "max_tokens": 7}
+    prepared = engine.prepare("chat_completions", body)
+    assert (prepared.prompt_tokens, prepared.max_tokens) == (5, 7)
+    sent = msgspec.json.decode(prepared.payload.body)
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"other": 1, "include_usage": True}
+    assert body["stream"] is False  # the caller's body is left alone
+    completion = engine.prepare("completions", {"model": "m", "prompt": [[1, 2, 3], "a b"]})
+    assert completion.prompt_tokens == 5
+    embedding = engine.prepare("embeddings", {"model": "m", "input": ["a b", "c"]})
+    assert embedding.prompt_tokens == 3
+    assert "stream" not in msgspec.json.decode(embedding.payload.body)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "message"),
+    [
+        ("chat_completions", {"messages": []}, "messages"),
+        ("chat_completions", {"messages": "hi"}, "messages"),
+        ("chat_completions", {"messages": ["hi"]}, "each message"),
+        ("completions", {}, "prompt"),
+        ("completions", {"prompt": 3}, "prompt"),
+        ("embeddings", {}, "input"),
+        ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ("completions", {"prompt": "x", "extra": object()}, "JSON"),
+    ],
+)
+def test_prepare_refuses(endpoint: Any, body: dict[str, Any], message: str) -> None:
+    engine = OpenAIUpstreamEngine(Origin("127.0.0.1", 1), FALLBACK, model="m")
+    with pytest.raises(EngineInputError, match=message):
+        engine.prepare(endpoint, body)
+
+
+def test_create_reads_settings() -> None:
+    settings = WorkerSettings(
+        worker_id="w",
+        engine="openai",
+        upstream_url="http://127.0.0.1:8001/v1",
+        mocker=MockerSettings(num_gpu_blocks=100, data_parallel_size=2),
+    )
+    engine = create(settings)
+    assert engine.config.kv_total_blocks == 200
+    assert engine.config.data_parallel_size == 1
+    with pytest.raises(ValueError, match="upstream-url"):
+        create(WorkerSettings(worker_id="w", engine="openai"))
+
+
+# ------------------------------------------------------------------------------------------
+# Against the fake upstream
+
+
+async def test_streaming_chat(upstream: FakeUpstream) -> None:
+    async def chat(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk(None))  # the role-only first chunk
+        for word in (" one", " two"):
+            await exchange.event(chat_chunk(word))
+        await exchange.event(chat_chunk(" three", finish="stop"))
+        await exchange.event(usage_chunk(5, 4))  # one more token than deltas: a merged delta
+        await exchange.end_sse()
+
+    upstream.routes["POST /v1/chat/completions"] = chat
+    engine = make_engine(upstream)
+    versions_before = engine.load_changed.version
+    with trio.fail_after(TIMEOUT):
+        for _ in range(2):
+            outputs = await collect(engine, engine.prepare("chat_completions", CHAT))
+            assert "".join(output.text for output in outputs) == " one two three"
+            assert [output.finish_reason for output in outputs] == [None, None, "stop"]
+            assert sum(output.tokens for output in outputs) == 4
+            assert_idle(engine)
+    sent = upstream.seen[-1].json
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["messages"] == CHAT["messages"]
+    assert engine.load_changed.version > versions_before
+    # Keep-alive: the second request reused the first connection.
+    assert (engine.client.connections_opened, upstream.connections) == (1, 1)
+
+
+async def test_streaming_completions(upstream: FakeUpstream) -> None:
+    async def completions(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        for index, piece in enumerate(("a", "b", "c")):
+            finish = "length" if index == 2 else None
+            chunk = {"choices": [{"index": 0, "text": piece, "finish_reason": finish}]}
+            await exchange.event(chunk)
+        await exchange.end_sse()
+
+    upstream.routes["POST /v1/completions"] = completions
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        prepared = engine.prepare("completions", {"model": "m", "prompt": "x y", "max_tokens": 3})
+        outputs = await collect(engine, prepared)
+    assert [(o.text, o.tokens, o.finish_reason) for o in outputs] == [
+        ("a", 1, None),
+        ("b", 1, None),
+        ("c", 1, "length"),
+    ]
+    assert_idle(engine)
+
+
+async def test_embeddings(upstream: FakeUpstream) -> None:
+    packed = base64.b64encode(struct.pack("<2f", 0.5, -1.0)).decode()
+
+    async def embeddings(exchange: Exchange) -> None:
+        inputs = exchange.json["input"]
+        if exchange.json.get("encoding_format") == "base64":
+            data = [{"embedding": packed, "index": i} for i in range(len(inputs))]
+        else:
+            data = [{"embedding": [float(i), 1.0], "index": i} for i in reversed(range(2))]
+        await exchange.send_json(200, {"object": "list", "data": data, "usage": {}})
+
+    upstream.routes["POST /v1/embeddings"] = embeddings
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        outputs = await collect(engine, engine.prepare("embeddings", {"input": ["a", "b"]}))
+        assert [(o.index, o.embedding) for o in outputs] == [(0, [0.0, 1.0]), (1, [1.0, 1.0])]
+        body = {"input": ["a"], "encoding_format": "base64"}
+        outputs = await collect(engine, engine.prepare("embeddings", body))
+        assert [o.embedding for o in outputs] == [[0.5, -1.0]]
+    assert_idle(engine)
+
+
+async def test_upstream_4xx_is_input_error(upstream: FakeUpstream) -> None:
+    async def refuse(exchange: Exchange) -> None:
+        message = "This model's maximum context length is 4096 tokens."
+        await exchange.send_json(400, {"object": "error", "message": message, "code": 400})
+
+    upstream.routes["POST /v1/chat/completions"] = refuse
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT), pytest.raises(EngineInputError, match="maximum context"):
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("status", [429, 500, 503])
+async def test_upstream_overload_and_5xx_are_failures(upstream: FakeUpstream, status: int) -> None:
+    async def fail(exchange: Exchange) -> None:
+        await exchange.send_json(status, {"error": {"message": "engine sad"}})
+
+    upstream.routes["POST /v1/chat/completions"] = fail
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamError, match=f"{status}: engine sad"):
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert_idle(engine)
+
+
+async def test_upstream_dies_mid_stream(upstream: FakeUpstream) -> None:
+    async def die(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk("partial"))
+        await exchange.die()
+
+    upstream.routes["POST /v1/chat/completions"] = die
+    engine = make_engine(upstream)
+    outputs: list[EngineOutput] = []
+
+    async def consume() -> None:
+        async with aclosing(engine.generate(engine.prepare("chat_completions", CHAT))) as stream:
+            async for output in stream:
+                outputs.append(output)
+
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamError, match=r"connection lost|closed"):
+        await consume()
+    assert [output.text for output in outputs] == ["partial"]
+    assert_idle(engine)
+    assert engine.client.idle_connections == 0
+
+
+@pytest.mark.parametrize(
+    ("ending", "message"),
+    [
+        ("truncated", "before finishing"),
+        ("error_event", "failed mid-stream: out of memory"),
+        ("garbage", "bad stream chunk"),
+    ],
+)
+async def test_broken_streams(upstream: FakeUpstream, ending: str, message: str) -> None:
+    async def broken(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk("partial"))
+        if ending == "error_event":
+            await exchange.event({"error": {"message": "out of memory", "code": 500}})
+        elif ending == "garbage":
+            await exchange.event("{not json")
+        await exchange._send(h11.EndOfMessage())
+
+    upstream.routes["POST /v1/chat/completions"] = broken
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamError, match=message):
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert_idle(engine)
+
+
+async def test_closing_the_generator_closes_the_upstream_connection(
+    upstream: FakeUpstream,
+) -> None:
+    async def endless(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk("first"))
+        await exchange.wait_for_disconnect()
+
+    upstream.routes["POST /v1/chat/completions"] = endless
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        async with aclosing(engine.generate(engine.prepare("chat_completions", CHAT))) as stream:
+            first = await anext(stream)
+            assert first.text == "first"
+            (load,) = engine.load()
+            assert (load.active_prefill_tokens, load.active_decode_blocks) == (0, 2)
+        await upstream.disconnected.wait()
+    assert_idle(engine)
+    assert engine.client.idle_connections == 0
+
+
+async def test_cancellation_during_prefill_closes_the_connection(upstream: FakeUpstream) -> None:
+    async def silent(exchange: Exchange) -> None:
+        await exchange.wait_for_disconnect()  # a long prefill: no head, no bytes
+
+    upstream.routes["POST /v1/chat/completions"] = silent
+    engine = make_engine(upstream)
+
+    async def consume() -> None:
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            for _ in range(1000):  # until the upstream has the request
+                if upstream.seen:
+                    break
+                await trio.sleep(0.001)
+            (load,) = engine.load()
+            assert (load.active_prefill_tokens, load.active_decode_blocks) == (5, 2)
+            nursery.cancel_scope.cancel()
+        await upstream.disconnected.wait()
+    assert_idle(engine)
+
+
+async def test_read_timeout_is_a_failure(upstream: FakeUpstream) -> None:
+    async def silent(exchange: Exchange) -> None:
+        await exchange.wait_for_disconnect()
+
+    upstream.routes["POST /v1/chat/completions"] = silent
+    engine = make_engine(upstream, read_timeout=0.05)
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamError, match="sent nothing"):
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert_idle(engine)
+
+
+async def test_stale_pooled_connection_is_not_used(upstream: FakeUpstream) -> None:
+    async def once(exchange: Exchange) -> None:
+        await exchange.send_json(200, {"data": []})
+        exchange.close_after = True  # closes after answering, without saying Connection: close
+
+    upstream.routes["GET /v1/models"] = once
+    client = HTTPClient(upstream.origin)
+    with trio.fail_after(TIMEOUT):
+        for _ in range(3):
+            assert await client.request("GET", "/v1/models") == (200, b'{"data":[]}')
+            await upstream.disconnected.wait()
+            upstream.disconnected = trio.Event()
+    client.close_idle()
+    assert client.connections_opened == 3
+
+
+async def test_connect_failure_is_an_upstream_error() -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = OpenAIUpstreamEngine(Origin("127.0.0.1", port), FALLBACK, model="m")
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamError, match="cannot connect"):
+        await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert_idle(engine)
+
+
+async def test_run_waits_for_the_upstream_then_reads_its_limits_and_usage(
+    upstream: FakeUpstream,
+) -> None:
+    probes = 0
+    usage = [0.25]
+
+    async def models(exchange: Exchange) -> None:
+        nonlocal probes
+        probes += 1
+        if probes < 3:
+            await exchange.send_json(503, {"error": "loading"})
+        else:
+            await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+    async def metrics(exchange: Exchange) -> None:
+        text = (
+            'vllm:cache_config_info{block_size="8",num_gpu_blocks="400"} 1.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {usage[0]}\n'
+        )
+        await exchange.send_raw(200, text.encode())
+
+    upstream.routes["GET /v1/models"] = models
+    upstream.routes["GET /metrics"] = metrics
+    engine = make_engine(upstream, metrics_poll_interval=0.01)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            assert probes == 3
+            assert (engine.config.kv_total_blocks, engine.config.block_size) == (400, 8)
+            (load,) = engine.load()
+            assert (load.kv_used_blocks, load.active_decode_blocks) == (100, 100)
+            usage[0] = 0.0
+            while engine.load()[0].kv_used_blocks != 0:
+                await engine.load_changed.wait_past(engine.load_changed.version)
+            nursery.cancel_scope.cancel()
+    assert_idle(engine)
+
+
+async def test_run_without_metrics_keeps_the_fallback(upstream: FakeUpstream) -> None:
+    async def models(exchange: Exchange) -> None:
+        await exchange.send_json(200, {"object": "list", "data": [{"id": "other"}]})
+
+    upstream.routes["GET /v1/models"] = models
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            nursery.cancel_scope.cancel()
+    assert engine.config == FALLBACK
+    probed = [f"{exchange.method} {exchange.target}" for exchange in upstream.seen]
+    assert probed == ["GET /v1/models", "GET /metrics", "GET /get_server_info", "GET /props"]
