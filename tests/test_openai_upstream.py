@@ -34,7 +34,13 @@ from worker_ingress.engines.openai_upstream import (
     parse_metrics_text,
     parse_sglang_server_info,
 )
-from worker_ingress.upstream_http import HTTPClient, Origin, SSEDecoder, parse_base_url
+from worker_ingress.upstream_http import (
+    HTTPClient,
+    Origin,
+    SSEDecoder,
+    UpstreamConnectionError,
+    parse_base_url,
+)
 
 TIMEOUT = 10.0
 FALLBACK = EngineConfig(
@@ -712,3 +718,61 @@ async def test_run_without_metrics_keeps_the_fallback(upstream: FakeUpstream) ->
     assert engine.config == FALLBACK
     probed = [f"{exchange.method} {exchange.target}" for exchange in upstream.seen]
     assert probed == ["GET /v1/models", "GET /metrics", "GET /get_server_info", "GET /props"]
+
+
+async def test_config_read_before_run_stays_fixed(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def models(exchange: Exchange) -> None:
+        await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+    async def metrics(exchange: Exchange) -> None:
+        text = (
+            'vllm:cache_config_info{block_size="8",num_gpu_blocks="400"} 1.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+        )
+        await exchange.send_raw(200, text.encode())
+
+    upstream.routes["GET /v1/models"] = models
+    upstream.routes["GET /metrics"] = metrics
+    engine = make_engine(upstream, metrics_poll_interval=3600)
+    announced = engine.config  # what a worker puts in its hello before starting the engine
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            nursery.cancel_scope.cancel()
+    assert engine.config == announced == FALLBACK
+    # The usage fraction is scaled to the announced total, so the decode ratio stays right.
+    assert engine.load()[0].kv_used_blocks == 250
+    assert "--num-gpu-blocks 400 --block-size 8" in caplog.text
+
+
+async def test_reused_connection_dropped_under_us_is_retried_once(upstream: FakeUpstream) -> None:
+    calls = 0
+
+    async def flaky(exchange: Exchange) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            await exchange.die()  # the idle timeout fired just as the request went out
+            return
+        await exchange.send_json(200, {"call": calls})
+
+    upstream.routes["POST /x"] = flaky
+    client = HTTPClient(upstream.origin)
+    upstream.clients.append(client)
+    with trio.fail_after(TIMEOUT):
+        assert await client.request("POST", "/x") == (200, b'{"call":1}')
+        assert await client.request("POST", "/x") == (200, b'{"call":3}')
+    assert client.connections_opened == 2
+
+
+async def test_fresh_connection_dropped_is_not_retried(upstream: FakeUpstream) -> None:
+    async def drop(exchange: Exchange) -> None:
+        await exchange.die()
+
+    upstream.routes["POST /x"] = drop
+    client = HTTPClient(upstream.origin)
+    with trio.fail_after(TIMEOUT), pytest.raises(UpstreamConnectionError):
+        await client.request("POST", "/x")
+    assert (client.connections_opened, len(upstream.seen)) == (1, 1)

@@ -41,6 +41,11 @@ reports ready, first source that answers wins:
 4. Otherwise, and for every value a source does not give, the mocker shape flags
    (``--num-gpu-blocks``, ``--block-size``, ``--max-num-batched-tokens``, ``--max-num-seqs``).
 
+The protocol wants the configuration fixed for the engine's life, so discovery changes it only if
+nobody has read it yet; a worker that builds its hello before starting the engine keeps the flag
+values, and a warning names the flags that would announce the upstream's real limits. The KV usage
+gauge is a fraction, so it is scaled to whatever total was announced and stays consistent.
+
 The upstream is announced as **one** data-parallel rank whatever its internal data parallelism:
 it balances its ranks itself and the worker cannot see where a request lands, so the limits of a
 ``--data-parallel-size D`` upstream are multiplied by D and its load is reported on rank 0.
@@ -564,6 +569,9 @@ class OpenAIUpstreamEngine:
     ) -> None:
         self._origin = origin
         self._config = fallback
+        # The Engine protocol promises a config fixed for the engine's life: once someone has
+        # read it (a worker builds its hello before the engine runs), discovery only advises.
+        self._config_read = False
         self._model = model
         self._client = HTTPClient(
             origin, max_connections=max_connections, read_timeout=read_timeout
@@ -586,7 +594,8 @@ class OpenAIUpstreamEngine:
 
     @property
     def config(self) -> EngineConfig:
-        """Limits announced; final once :meth:`run` has reported ready."""
+        """Limits announced: fixed from the first read on (see :meth:`run`)."""
+        self._config_read = True
         return self._config
 
     @property
@@ -903,21 +912,35 @@ class OpenAIUpstreamEngine:
             )
         if facts.kv_total_blocks is None:
             source = "the --num-gpu-blocks/--block-size flags"
-        self._config = EngineConfig(
+        discovered = EngineConfig(
             kv_total_blocks=facts.kv_total_blocks or fallback.kv_total_blocks,
             block_size=facts.block_size or fallback.block_size,
             max_num_batched_tokens=facts.max_num_batched_tokens or fallback.max_num_batched_tokens,
             max_num_seqs=facts.max_num_seqs or fallback.max_num_seqs,
             data_parallel_size=1,
         )
-        if self._config.block_size != fallback.block_size:
-            self._in_flight = _rebuilt(self._in_flight, self._config.block_size)
+        if discovered != fallback and self._config_read:
+            logger.warning(
+                "upstream %s reports %d KV blocks of %d tokens (from %s) but the worker already "
+                "announced %d of %d; pass --num-gpu-blocks %d --block-size %d to announce them",
+                self._origin,
+                discovered.kv_total_blocks,
+                discovered.block_size,
+                source,
+                fallback.kv_total_blocks,
+                fallback.block_size,
+                discovered.kv_total_blocks,
+                discovered.block_size,
+            )
+        elif discovered != fallback:
+            self._config = discovered
+            if discovered.block_size != fallback.block_size:
+                self._in_flight = _rebuilt(self._in_flight, discovered.block_size)
         logger.info(
-            "upstream %s: %d KV blocks of %d tokens (from %s); KV usage gauge: %s",
+            "upstream %s: %d KV blocks of %d tokens announced; KV usage gauge: %s",
             self._origin,
             self._config.kv_total_blocks,
             self._config.block_size,
-            source,
             self._usage_gauge or "none, the estimate alone is reported",
         )
         if metrics.kv_usage is not None:
