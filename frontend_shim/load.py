@@ -281,6 +281,7 @@ class WorkerLoad:
         "free",
         "last_seen",
         "last_seq",
+        "load_cost",
         "mark_until",
         "queued_for_mark",
         "queued_for_stale",
@@ -303,6 +304,12 @@ class WorkerLoad:
         self.saturated_ranks = 0
         self.sum_blocks = 0
         self.sum_prefill = 0
+        #: The ``kv`` router's cost: mean over ranks of ``blocks/kv_total_blocks +
+        #: prefill_tokens/max_num_batched_tokens`` (both with the router's own count). Both
+        #: terms are fractions of a rank's capacity, so a full KV cache and a full prefill
+        #: batch weigh the same (1.0); an idle worker costs 0. Kept current by every rank
+        #: update, so a pick reads it without computing.
+        self.load_cost = 0.0
         self.last_seen = now
         self.last_seq = -1
         self.stale_after = stale
@@ -348,18 +355,14 @@ class WorkerLoad:
         """Requests the router has charged to this worker and not yet finished."""
         return len(self._in_flight)
 
-    @property
-    def load_cost(self) -> float:
-        """The ``kv`` router's cost: mean over ranks of ``blocks/total + prefill/max_batched``.
 
-        Both terms are fractions of a rank's capacity, so a worker with a full KV cache and one
-        with a full prefill batch cost about the same (1.0); an idle worker costs 0.
-        """
-        config = self.config
-        cost = self.sum_prefill / _max_batched(config)
-        if config.kv_total_blocks > 0:
-            cost += self.sum_blocks / config.kv_total_blocks
-        return cost / len(self.ranks)
+def _load_cost(worker: WorkerLoad) -> float:
+    """See :attr:`WorkerLoad.load_cost`."""
+    config = worker.config
+    cost = worker.sum_prefill / _max_batched(config)
+    if config.kv_total_blocks > 0:
+        cost += worker.sum_blocks / config.kv_total_blocks
+    return cost / len(worker.ranks)
 
 
 def _max_batched(config: wire.RuntimeConfig) -> int:
@@ -405,6 +408,13 @@ class FreeSet(Generic[_T]):
 
     def __iter__(self) -> Iterator[_T]:
         return iter(self._items)
+
+    def rotated(self, start: int) -> Iterator[_T]:
+        """The items from position ``start`` (mod size) to the end, then from the beginning."""
+        if not self._items:
+            return iter(())
+        start %= len(self._items)
+        return itertools.chain(self._items[start:], self._items[:start])
 
 
 class _ModelPool:
@@ -614,6 +624,7 @@ class Fleet:
         worker.sum_prefill += prefill - rank.effective_prefill
         rank.effective_blocks = blocks
         rank.effective_prefill = prefill
+        worker.load_cost = _load_cost(worker)
         if not rank.reported:
             return
         busy = _rank_busy(worker.config, worker._pool.thresholds, blocks, prefill)

@@ -649,6 +649,14 @@ class FreeSetMachine(RuleBasedStateMachine):
         assert incremental == reference_free(self.fleet, self.now)
 
     @invariant()
+    def load_cost_matches_recomputation(self) -> None:
+        for worker in self.fleet.workers():
+            blocks = sum(max(r.reported_blocks, r.own_blocks) for r in worker.ranks)
+            prefill = sum(max(r.reported_prefill, r.own_prefill) for r in worker.ranks)
+            expected = (blocks / 10 + prefill / 1000) / len(worker.ranks)
+            assert math.isclose(worker.load_cost, expected, abs_tol=1e-12)
+
+    @invariant()
     def counts_match(self) -> None:
         now = self.now
         self.fleet.expire(now)  # the flags on WorkerLoad reflect time only once expired
