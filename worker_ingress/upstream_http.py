@@ -497,9 +497,15 @@ class SSEDecoder:
         events: list[str] = []
         start = 0
         buffer = self._buffer
+        # Next LF and CR at or after ``start``; -1 once there is none left. Each is searched again
+        # only when passed, so a chunk of many LF-only lines is scanned once, not once per line.
+        lf = buffer.find(b"\n")
+        cr = buffer.find(b"\r")
         while True:
-            lf = buffer.find(b"\n", start)
-            cr = buffer.find(b"\r", start)
+            if 0 <= lf < start:
+                lf = buffer.find(b"\n", start)
+            if 0 <= cr < start:
+                cr = buffer.find(b"\r", start)
             if lf < 0 and cr < 0:
                 break
             if cr < 0 or (0 <= lf < cr):
