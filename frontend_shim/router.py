@@ -405,10 +405,9 @@ class FrontendQueue(Generic[_W]):
             model: the requested model.
             now: current time.
         """
-        if self.waiting(model) > 0:
-            return True
-        free = fleet.free_workers(model, now)
-        return bool(free) and fleet.unsaturated_free_count(model, now) == 0
+        if not fleet.free_workers(model, now):
+            return False  # busy, unknown or no workers: pick() answers 529/404/503 at once
+        return self.waiting(model) > 0 or fleet.unsaturated_free_count(model, now) == 0
 
     def release(self, fleet: Fleet, now: float) -> list[_W]:
         """Waiters that may go on now (rule 5), oldest first per model.

@@ -281,6 +281,7 @@ def test_waiters_are_released_to_fail_fast_when_no_worker_is_free() -> None:
     queue.park(MODEL, 1)
     queue.park(MODEL, 2)
     feed.load("w0", prefill=901)
+    assert not queue.should_park(fleet, MODEL, 0.0)  # waiters or not: 529 at once
     assert queue.release(fleet, 0.0) == [1, 2]
 
 
