@@ -35,8 +35,10 @@ Rules:
    to one that already rejected it.
 5. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
    the model has free workers but all of them are saturated (every reported rank has more
-   prefill tokens than ``int(f * max_num_batched_tokens)``), or when requests of that model
-   already wait (first come, first served). The queue is bounded; full means 529. A release
+   prefill tokens than ``int(f * max_num_batched_tokens)``), or when it has free workers and
+   requests of that model already wait (first come, first served). With no free worker there
+   is nothing to wait for: the request gets its 529 (or 503) at once. The queue is bounded
+   (one bound for all models); full means 529. A release
    hands back at most one waiter per unsaturated free worker (each routed request adds to the
    router's own prefill count, so the next release sees it), or every waiter of a model that
    has no free worker left (they then get their 529/503 at once instead of waiting).
