@@ -11,6 +11,10 @@ Each round runs, side by side in one process and one ``trio.run``:
 - rejected: K tasks that each try ``gate.slot()`` on a full gate and catch the ``Rejection``
   (against a baseline of K tasks that do nothing).
 
+A second pair measures the gate alone, in one task and without spawning: K times
+``async with gate.slot(): await checkpoint()`` against K bare checkpoints, and K rejections against
+K bare loop turns.
+
 It prints the median over the rounds of the cost per request (microseconds), the gate's extra
 cost per request, and the ratio. Figures are wall-clock on a shared machine: compare them within
 one run, not across runs.
@@ -70,6 +74,36 @@ async def _run_batch(request: Callable[[], Awaitable[None]], count: int) -> floa
     return (time.perf_counter() - started) / count
 
 
+async def _loop_admitted(gate: AdmissionGate | None, count: int) -> float:
+    """Seconds per request for ``count`` requests in a row in one task (no gate if ``None``)."""
+    checkpoint = trio.lowlevel.checkpoint
+    started = time.perf_counter()
+    if gate is None:
+        for _ in range(count):
+            await checkpoint()
+    else:
+        for _ in range(count):
+            async with gate.slot():
+                await checkpoint()
+    return (time.perf_counter() - started) / count
+
+
+async def _loop_rejected(gate: AdmissionGate | None, count: int) -> float:
+    """Seconds per rejection of ``count`` tries in a row on a full gate (bare loop if ``None``)."""
+    started = time.perf_counter()
+    if gate is None:
+        for _ in range(count):
+            pass
+    else:
+        for _ in range(count):
+            try:
+                async with gate.slot():
+                    raise AssertionError("the gate is full: nothing may be admitted")
+            except Rejection:
+                pass
+    return (time.perf_counter() - started) / count
+
+
 async def _full_gate(task_status: trio.TaskStatus[AdmissionGate]) -> None:
     """Hold a gate of N=1, Q=2 full (1 running, 2 queued) until cancelled."""
     gate = AdmissionGate(engine_slots=1, queue_limit=2, on_change=ChangeSignal().bump)
@@ -93,6 +127,8 @@ async def _round(count: int) -> dict[str, float]:
     figures = {
         "baseline": await _run_batch(_bare_request, count),
         "admitted": await _run_batch(_admitting_request(open_gate), count),
+        "loop_bare": await _loop_admitted(None, count),
+        "loop_admitted": await _loop_admitted(open_gate, count),
     }
     if open_gate.in_flight or open_gate.rejected_total:
         raise RuntimeError("the open gate leaked a slot or rejected a request")
@@ -100,8 +136,10 @@ async def _round(count: int) -> dict[str, float]:
         full_gate = await nursery.start(_full_gate)
         figures["baseline_empty"] = await _run_batch(_nothing, count)
         figures["rejected"] = await _run_batch(_rejected_request(full_gate), count)
-        if full_gate.rejected_total != count:
-            raise RuntimeError(f"{full_gate.rejected_total} of {count} requests were rejected")
+        figures["loop_bare_rejected"] = await _loop_rejected(None, count)
+        figures["loop_rejected"] = await _loop_rejected(full_gate, count)
+        if full_gate.rejected_total != 2 * count:
+            raise RuntimeError(f"{full_gate.rejected_total} of {2 * count} were rejected")
         nursery.cancel_scope.cancel()
     return figures
 
@@ -143,6 +181,18 @@ def main() -> None:
         f"{'rejected by the gate':28}{median_us('rejected'):>11.2f} us"
         f"{median_diff_us('rejected', 'baseline_empty'):>9.2f} us"
         f"{median_ratio('rejected', 'baseline_empty'):>8.2f}"
+    )
+    print("in one task, no spawning (the gate alone):")
+    print(f"{'bare checkpoint':28}{median_us('loop_bare'):>11.2f} us")
+    print(
+        f"{'admitted through the gate':28}{median_us('loop_admitted'):>11.2f} us"
+        f"{median_diff_us('loop_admitted', 'loop_bare'):>9.2f} us"
+        f"{median_ratio('loop_admitted', 'loop_bare'):>8.2f}"
+    )
+    print(f"{'bare loop turn':28}{median_us('loop_bare_rejected'):>11.2f} us")
+    print(
+        f"{'rejected by the gate':28}{median_us('loop_rejected'):>11.2f} us"
+        f"{median_diff_us('loop_rejected', 'loop_bare_rejected'):>9.2f} us"
     )
 
 
