@@ -53,6 +53,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
@@ -356,6 +357,8 @@ class Rejection(Exception):
             ``wire.REASON_DRAINING``.
     """
 
+    reason: str
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -463,7 +466,7 @@ class AdmissionGate:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def slot(self) -> _SlotLease:
+    def slot(self) -> AbstractAsyncContextManager[None]:
         """Wait for an engine slot, or raise :class:`Rejection` at once; hold it for the block.
 
         Cancellation while queued gives the place back; leaving the block (normally, by an error
