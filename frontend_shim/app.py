@@ -1,0 +1,203 @@
+"""The frontend process: worker links feeding the load state, and the HTTP API on top.
+
+Task tree of :func:`run_frontend` (one nursery, everything owned)::
+
+    run_frontend
+    ├── run_local_workers     child worker processes (--local-workers), stopped last
+    ├── WorkerPool.run        one link per worker address; events -> FleetBridge -> Fleet
+    ├── serve_http            the OpenAI API, admin and metrics endpoints (FrontendAPI)
+    └── _tick                 periodic expiry: staleness, mark leases, frontend-queue release
+
+The worker links speak of workers by address (``ws://host:port``), the load state by the id a
+worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
+turns link news into :class:`~frontend_shim.load.Fleet` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+
+import prometheus_client
+import trio
+
+from frontend_shim.api import FrontendAPI
+from frontend_shim.config import FrontendSettings
+from frontend_shim.load import Fleet, Thresholds
+from frontend_shim.local import run_local_workers
+from frontend_shim.metrics import FrontendMetrics, RankLoadSample
+from frontend_shim.router import Router, RouterMode
+from frontend_shim.workers import WorkerKey, WorkerPool
+from worker_ingress import wire
+from worker_ingress.httpserver import HTTPLimits, serve_http
+
+__all__ = ["FleetBridge", "run_frontend"]
+
+_log = logging.getLogger(__name__)
+
+#: Seconds between expiry passes (staleness, mark leases) when no event arrives.
+TICK_INTERVAL = 0.25
+
+
+class FleetBridge:
+    """Turns what the worker links report into :class:`Fleet` updates (a ``FleetListener``).
+
+    A worker id announced by two addresses at once (one worker reachable twice) is counted
+    once: the second link is ignored until the first goes down.
+
+    Args:
+        fleet: the load state to update.
+        on_change: called after every change of the fleet (to release parked requests).
+    """
+
+    def __init__(self, fleet: Fleet, on_change: Callable[[], None]) -> None:
+        self._fleet = fleet
+        self._on_change = on_change
+        self._id_by_key: dict[WorkerKey, str] = {}
+        self._key_by_id: dict[str, WorkerKey] = {}
+
+    def key_of(self, worker_id: str) -> WorkerKey | None:
+        """The link address of a registered worker."""
+        return self._key_by_id.get(worker_id)
+
+    def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
+        owner = self._key_by_id.get(config.worker_id)
+        if owner is not None and owner != key:
+            _log.warning(
+                "worker %s at %s is already connected at %s; ignoring the second address",
+                config.worker_id,
+                key,
+                owner,
+            )
+            return
+        self._id_by_key[key] = config.worker_id
+        self._key_by_id[config.worker_id] = key
+        self._fleet.register(config, now)
+        _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
+        self._on_change()
+
+    def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
+        worker_id = self._id_by_key.get(key)
+        if worker_id is not None and self._fleet.apply_batch(worker_id, events, now):
+            self._on_change()
+
+    def worker_down(self, key: WorkerKey, now: float) -> None:
+        worker_id = self._id_by_key.pop(key, None)
+        if worker_id is None:
+            return
+        del self._key_by_id[worker_id]
+        self._fleet.remove(worker_id)
+        _log.info("worker %s at %s down", worker_id, key)
+        self._on_change()
+
+
+def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:
+    def samples() -> list[RankLoadSample]:
+        return [
+            RankLoadSample(
+                g.worker_id,
+                g.dp_rank,
+                g.active_decode_blocks,
+                g.active_prefill_tokens,
+                g.kv_total_blocks,
+            )
+            for g in fleet.rank_gauges()
+        ]
+
+    return samples
+
+
+def _log_thresholds(settings: FrontendSettings) -> None:
+    given = [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in (
+            ("active_decode_blocks_threshold", settings.active_decode_blocks_threshold),
+            ("active_prefill_tokens_threshold", settings.active_prefill_tokens_threshold),
+            ("active_prefill_tokens_threshold_frac", settings.active_prefill_tokens_threshold_frac),
+        )
+        if value is not None
+    ]
+    if given:
+        _log.info("busy-worker rejection enabled by %s", ", ".join(given))
+    else:
+        _log.info("busy-worker rejection disabled: no rejection threshold is configured")
+
+
+async def run_frontend(
+    settings: FrontendSettings,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the frontend until SIGTERM/SIGINT (or cancellation).
+
+    Prints ``frontend-shim ready http=http://HOST:PORT`` on stdout once the HTTP port listens
+    and reports the same URL through ``task_status``.
+    """
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    _log_thresholds(settings)
+    fleet = Fleet(
+        default_thresholds=Thresholds(
+            active_decode_blocks=settings.active_decode_blocks_threshold,
+            active_prefill_tokens=settings.active_prefill_tokens_threshold,
+            active_prefill_tokens_frac=settings.active_prefill_tokens_threshold_frac,
+        ),
+        track_output_blocks=settings.router_track_output_blocks,
+        queue_threshold=settings.router_queue_threshold,
+        stale_after_intervals=settings.stale_after_heartbeats,
+    )
+    router = Router(
+        fleet, RouterMode(settings.router_mode), migration_limit=settings.migration_limit
+    )
+    metrics = FrontendMetrics(_rank_samples(fleet))
+    api: FrontendAPI | None = None
+
+    def on_fleet_change() -> None:
+        if api is not None:
+            api.on_fleet_change()
+
+    bridge = FleetBridge(fleet, on_change=on_fleet_change)
+    async with trio.open_nursery() as nursery:
+        local_urls: list[str] = []
+        if settings.local_workers:
+            local_urls = await nursery.start(
+                run_local_workers, settings.local_workers, list(settings.local_worker_args)
+            )
+        elif not settings.workers:
+            _log.warning("no --worker and no --local-workers: every request will get 503")
+        pool = WorkerPool(
+            [*settings.workers, *local_urls], resolve_interval=settings.resolve_interval
+        )
+        api = FrontendAPI(
+            settings=settings, fleet=fleet, router=router, pool=pool, bridge=bridge, metrics=metrics
+        )
+        await nursery.start(pool.run, bridge)
+        handler = api.handle
+        port = await nursery.start(
+            lambda task_status: serve_http(
+                handler,
+                settings.http_host,
+                settings.http_port,
+                limits=HTTPLimits(max_body_bytes=settings.max_body_bytes),
+                on_error=lambda _exc: metrics.count_connection_error(),
+                task_status=task_status,
+            )
+        )
+        host = settings.http_host if ":" not in settings.http_host else f"[{settings.http_host}]"
+        url = f"http://{host}:{port}"
+        print(f"frontend-shim ready http={url}", flush=True)
+        task_status.started(url)
+        nursery.start_soon(_tick, api)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                _log.info("received %s: stopping", signal.Signals(signum).name)
+                break
+        nursery.cancel_scope.cancel()
+    sys.stdout.flush()
+
+
+async def _tick(api: FrontendAPI) -> None:
+    while True:
+        await trio.sleep(TICK_INTERVAL)
+        api.on_fleet_change()
