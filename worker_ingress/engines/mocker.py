@@ -50,7 +50,7 @@ import hashlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -321,6 +321,11 @@ class RankScheduler:
         return self._running
 
     @property
+    def waiting(self) -> list[MockSequence]:
+        """The live waiting sequences, head first (a copy: O(queue), for inspection)."""
+        return [s for s in self._waiting if not s.done]
+
+    @property
     def waiting_count(self) -> int:
         """Live sequences in the waiting queue."""
         return len(self._waiting) - self._dead_waiting
@@ -362,15 +367,16 @@ class RankScheduler:
         if seq.done:
             return
         self.prefill_tokens -= seq.pending_prefill
-        if seq.state is SequenceState.RUNNING:
+        was_running = seq.state is SequenceState.RUNNING
+        seq.state = SequenceState.ABORTED
+        self.live_sequences -= 1
+        if was_running:
             self._running.remove(seq)
             self._free(seq)
         else:
             # Left in the deque and skipped later: removing from the middle would cost O(queue).
             self._dead_waiting += 1
             self._maybe_compact_waiting()
-        seq.state = SequenceState.ABORTED
-        self.live_sequences -= 1
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -718,7 +724,7 @@ class MockerEngine:
             payload=payload,
         )
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Run a prepared request on the least-loaded rank and stream its output.
 
         Text requests yield one output per generated token, the last with
