@@ -9,7 +9,7 @@ cache, so its load is always zero and :attr:`InstantEngine.load_changed` never m
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 import trio
@@ -136,7 +136,7 @@ class InstantEngine:
             payload=count,
         )
 
-    async def generate(self, request: PreparedRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
         """Stream the answer with no delay (one checkpoint per chunk, so it stays cancellable).
 
         Args:

@@ -1,0 +1,594 @@
+"""Both websocket planes, with a real trio-websocket client on loopback.
+
+Every test runs a :class:`Worker` in-process on 127.0.0.1 with port 0, under ``trio.fail_after``.
+Heartbeats are fast (50 ms) so the event plane has something to say; no test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    WebSocketConnection,
+    open_websocket_url,
+)
+
+from worker_ingress import wire
+from worker_ingress.config import MockerSettings, WorkerSettings
+from worker_ingress.engines.base import EngineOutput, PreparedRequest
+from worker_ingress.engines.instant import InstantEngine, create
+from worker_ingress.server import EVENTS_PATH, REQUESTS_PATH, Worker, WorkerAddress
+from worker_ingress.wire import (
+    Cancel,
+    Chunk,
+    End,
+    EventBatch,
+    Failed,
+    Generate,
+    Heartbeat,
+    Hello,
+    LoadEvent,
+    Rejected,
+    Started,
+)
+
+TIMEOUT = 5.0
+
+
+class HeldEngine(InstantEngine):
+    """Instant, except that every request waits for :attr:`release` before its first chunk."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(create(settings).config)
+        self.release = trio.Event()
+        self.fail = False
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        await self.release.wait()
+        if self.fail:
+            yield EngineOutput(text=" partial", tokens=1)
+            raise RuntimeError("engine exploded")
+        async for output in super().generate(request):
+            yield output
+
+
+def make_settings(**changes: Any) -> WorkerSettings:
+    base = WorkerSettings(
+        worker_id="w-test",
+        host="127.0.0.1",
+        port=0,
+        system_port=0,
+        heartbeat_interval=0.05,
+        drain_grace=5.0,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+@asynccontextmanager
+async def running(
+    worker: Worker,
+) -> AsyncIterator[WorkerAddress]:
+    async with trio.open_nursery() as nursery:
+        address: WorkerAddress = await nursery.start(worker.serve)
+        yield address
+        worker.abandoning = True
+        nursery.cancel_scope.cancel()
+
+
+def new_worker(settings: WorkerSettings, engine: Any = None, **options: Any) -> Worker:
+    return Worker(
+        settings,
+        engine if engine is not None else create(settings),
+        max_message_bytes=64 * 1024,
+        **options,
+    )
+
+
+async def get_message_bytes(ws: WebSocketConnection) -> bytes:
+    message = await ws.get_message()
+    assert isinstance(message, bytes)
+    return message
+
+
+@asynccontextmanager
+async def request_plane(address: WorkerAddress) -> AsyncIterator[WebSocketConnection]:
+    async with open_websocket_url(
+        address.ws_url + REQUESTS_PATH, max_message_size=wire.MAX_MESSAGE_BYTES
+    ) as ws:
+        hello = wire.decode_worker_message(await get_message_bytes(ws))
+        assert isinstance(hello, Hello)
+        yield ws
+
+
+async def receive(ws: WebSocketConnection) -> wire.WorkerMessage:
+    return wire.decode_worker_message(await get_message_bytes(ws))
+
+
+async def send(ws: WebSocketConnection, message: msgspec.Struct) -> None:
+    await ws.send_message(wire.encode(message))
+
+
+def completion(request_id: int, prompt: str = "one two three", max_tokens: int = 3) -> Generate:
+    return Generate(
+        request_id=request_id,
+        endpoint="completions",
+        body={"prompt": prompt, "max_tokens": max_tokens},
+    )
+
+
+class _Frames:
+    """Frames a request-plane client received, per request id, and the ids that ended."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, list[wire.WorkerMessage]] = collections.defaultdict(list)
+        self.ended: set[int] = set()
+
+
+_received: weakref.WeakKeyDictionary[WebSocketConnection, _Frames] = weakref.WeakKeyDictionary()
+
+
+async def collect_until_final(
+    ws: WebSocketConnection, request_ids: set[int]
+) -> dict[int, list[wire.WorkerMessage]]:
+    """Read until every id in ``request_ids`` got its final frame; frames of other ids are kept."""
+    frames = _received.setdefault(ws, _Frames())
+    while not request_ids <= frames.ended:
+        message = await receive(ws)
+        assert not isinstance(message, Hello)
+        assert message.request_id not in frames.ended, "a frame after the final frame"
+        frames.by_id[message.request_id].append(message)
+        if isinstance(message, Rejected | End | Failed):
+            frames.ended.add(message.request_id)
+    return {request_id: frames.by_id[request_id] for request_id in request_ids}
+
+
+def port_of(address: WorkerAddress) -> int:
+    return int(address.ws_url.rsplit(":", 1)[1])
+
+
+def upgrade_request(path: str) -> bytes:
+    """A websocket opening handshake, as a raw peer would send it."""
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+
+
+async def wait_for(condition: Any, what: str) -> None:
+    for _ in range(400):
+        if condition():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ----------------------------------------------------------------------------- handshake
+
+
+async def test_hello_comes_first_on_both_planes() -> None:
+    settings = make_settings(engine_request_limit=4, request_queue_limit=8)
+    with trio.fail_after(TIMEOUT):
+        async with running(new_worker(settings)) as address:
+            for path in (REQUESTS_PATH, EVENTS_PATH):
+                async with open_websocket_url(address.ws_url + path) as ws:
+                    hello = wire.decode_worker_message(await get_message_bytes(ws))
+                    assert isinstance(hello, Hello)
+                    assert hello.protocol_version == wire.PROTOCOL_VERSION
+                    config = hello.config
+                    assert (config.worker_id, config.model) == ("w-test", "mock-model")
+                    assert config.engine_request_limit == 4
+                    assert config.request_queue_limit == 8
+                    assert config.kv_total_blocks == MockerSettings().num_gpu_blocks
+                    assert config.data_parallel_size == 1
+
+
+async def test_unknown_path_is_rejected_with_404() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running(new_worker(make_settings())) as address:
+            stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
+            async with stream:
+                await stream.send_all(upgrade_request("/v2/nothing"))
+                response = b""
+                for _ in range(100):
+                    data = await stream.receive_some()
+                    response += data
+                    if not data or b"\r\n" in response:
+                        break
+    assert response.startswith(b"HTTP/1.1 404 ")
+
+
+# ----------------------------------------------------------------------------- request plane
+
+
+async def test_completion_streams_started_chunks_end() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with running(new_worker(make_settings())) as address, request_plane(address) as ws:
+            await send(ws, completion(7, prompt="a b c d e", max_tokens=3))
+            frames = (await collect_until_final(ws, {7}))[7]
+    assert frames[0] == Started(request_id=7, prompt_tokens=5)
+    chunks = frames[1:-1]
+    assert len(chunks) == 3
+    assert all(isinstance(chunk, Chunk) and chunk.tokens == 1 for chunk in chunks)
+    assert isinstance(chunks[-1], Chunk)
+    assert chunks[-1].finish_reason == "length"
+    assert frames[-1] == End(request_id=7, prompt_tokens=5, completion_tokens=3)
+
+
+async def test_bad_request_fails_without_taking_a_slot() -> None:
+    worker = new_worker(make_settings(engine_request_limit=1, request_queue_limit=2))
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, Generate(request_id=1, endpoint="completions", body={}))
+            (failed,) = (await collect_until_final(ws, {1}))[1]
+            assert isinstance(failed, Failed)
+            assert failed.kind == "bad_request"
+            assert worker.gate.state.started_total == 0
+            # The connection is still usable.
+            await send(ws, completion(2))
+            assert isinstance((await collect_until_final(ws, {2}))[2][-1], End)
+
+
+async def test_many_requests_multiplexed_on_one_connection() -> None:
+    request_ids = set(range(100, 160))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(new_worker(make_settings())) as address,
+            request_plane(address) as ws,
+        ):
+            for request_id in sorted(request_ids):
+                await send(ws, completion(request_id, max_tokens=request_id % 5))
+            frames = await collect_until_final(ws, request_ids)
+    for request_id, messages in frames.items():
+        assert isinstance(messages[0], Started)
+        assert isinstance(messages[-1], End)
+        assert messages[-1].completion_tokens == request_id % 5
+        assert all(isinstance(message, Chunk) for message in messages[1:-1])
+
+
+async def test_rejection_at_cap_plus_one_and_the_others_are_served() -> None:
+    settings = make_settings(engine_request_limit=2, request_queue_limit=3)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            for request_id in range(1, 6):  # N + Q = 5 fit
+                await send(ws, completion(request_id))
+            await wait_for(lambda: worker.gate.in_flight == 5, "5 requests in flight")
+            await send(ws, completion(6))
+            (rejected,) = (await collect_until_final(ws, {6}))[6]
+            assert rejected == Rejected(request_id=6, reason=wire.REASON_OVERLOADED)
+            assert worker.gate.rejected_total == 1
+            engine.release.set()
+            frames = await collect_until_final(ws, set(range(1, 6)))
+            assert all(isinstance(messages[-1], End) for messages in frames.values())
+            # Still usable after a rejection.
+            await send(ws, completion(7))
+            assert isinstance((await collect_until_final(ws, {7}))[7][-1], End)
+
+
+async def test_cancel_frees_the_slot_and_the_queue_place() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))
+            await send(ws, completion(2))
+            await wait_for(lambda: worker.gate.in_flight == 2, "one running, one queued")
+            await send(ws, Cancel(request_id=2))  # the queued one
+            await send(ws, Cancel(request_id=1))  # the running one
+            frames = await collect_until_final(ws, {1, 2})
+            assert frames[1][0] == Started(request_id=1, prompt_tokens=3)
+            assert [type(message) for message in frames[2]] == [Failed]
+            for request_id in (1, 2):
+                final = frames[request_id][-1]
+                assert isinstance(final, Failed)
+                assert final.kind == "cancelled"
+            assert (worker.gate.running, worker.gate.queued) == (0, 0)
+            await send(ws, Cancel(request_id=99))  # unknown ids are ignored
+            engine.release.set()
+            await send(ws, completion(3))
+            assert isinstance((await collect_until_final(ws, {3}))[3][-1], End)
+
+
+async def test_engine_failure_answers_failed_and_frees_the_slot() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
+    engine = HeldEngine(settings)
+    engine.fail = True
+    engine.release.set()
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))
+            frames = (await collect_until_final(ws, {1}))[1]
+            assert isinstance(frames[0], Started)
+            assert isinstance(frames[-1], Failed)
+            assert frames[-1].kind == "engine"
+            assert worker.gate.in_flight == 0
+
+
+async def test_dropped_connection_frees_every_slot_and_queue_place() -> None:
+    settings = make_settings(engine_request_limit=2, request_queue_limit=2)
+    worker = new_worker(settings, HeldEngine(settings))
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            async with request_plane(address) as ws:
+                for request_id in range(4):
+                    await send(ws, completion(request_id))
+                await wait_for(lambda: worker.gate.in_flight == 4, "2 running and 2 queued")
+                assert (worker.gate.running, worker.gate.queued) == (2, 2)
+            await wait_for(lambda: worker.gate.in_flight == 0, "gauges back to 0")
+            assert (worker.gate.running, worker.gate.queued) == (0, 0)
+            # The worker still serves a new connection.
+            async with request_plane(address) as ws:
+                await send(ws, completion(9))
+                assert await receive(ws) == Started(request_id=9, prompt_tokens=3)
+
+
+# ----------------------------------------------------------------------------- robustness
+
+
+async def closed_code(ws: WebSocketConnection) -> int:
+    """Read until the worker closes the connection; return the close code."""
+    reason = None
+    for _ in range(1000):
+        try:
+            await ws.get_message()
+        except ConnectionClosed as closed:
+            reason = closed.reason
+            # trio-websocket's client waits for the server's TCP close and then leaves its own
+            # socket open when the server closed first; close it so no socket leaks.
+            await ws._stream.aclose()
+            break
+    assert reason is not None, "the worker never closed the connection"
+    return int(reason.code)
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b"\xc1\x00garbage", 1007),
+        (b"\x93\x01\x02\x03", 1007),  # msgpack, but an array, not a message
+        ("text frame", 1003),
+    ],
+)
+async def test_bad_message_closes_that_connection_only(payload: bytes | str, code: int) -> None:
+    worker = new_worker(make_settings())
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            async with request_plane(address) as healthy, request_plane(address) as broken:
+                await broken.send_message(payload)
+                assert await closed_code(broken) == code
+                await send(healthy, completion(1))
+                assert isinstance((await collect_until_final(healthy, {1}))[1][-1], End)
+            assert worker.health() == "ready"
+
+
+async def test_duplicate_request_id_closes_with_1008() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
+    worker = new_worker(settings, HeldEngine(settings))
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))
+            await send(ws, completion(1))
+            assert await closed_code(ws) == 1008
+            await wait_for(lambda: worker.gate.in_flight == 0, "the first request freed")
+
+
+async def test_oversize_message_closes_with_1009() -> None:
+    worker = new_worker(make_settings())
+    big = completion(1, prompt="word " * 20_000)  # about 100 KB against a 64 KiB cap
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            async with request_plane(address) as ws:
+                # The send itself may fail: the worker closes mid-message.
+                with contextlib.suppress(ConnectionClosed):
+                    await send(ws, big)
+                assert await closed_code(ws) == 1009
+            async with request_plane(address) as ws:
+                await send(ws, completion(2))
+                assert isinstance((await collect_until_final(ws, {2}))[2][-1], End)
+
+
+async def test_silent_peer_is_dropped_by_keepalive() -> None:
+    worker = new_worker(make_settings(), ping_interval=0.05, ping_timeout=0.2, close_timeout=0.2)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            # A raw TCP peer completes the handshake, then never reads again: no pongs.
+            stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
+            await stream.send_all(upgrade_request(REQUESTS_PATH))
+            await wait_for(lambda: len(worker._connections) == 1, "the connection")
+            await wait_for(lambda: not worker._connections, "the silent peer dropped")
+            await stream.aclose()
+
+
+# ----------------------------------------------------------------------------- event plane
+
+
+async def read_events(ws: WebSocketConnection) -> list[wire.WorkerEvent]:
+    message = wire.decode_event_message(await get_message_bytes(ws))
+    assert isinstance(message, EventBatch)
+    return message.events
+
+
+@asynccontextmanager
+async def event_plane(
+    address: WorkerAddress, queue_size: int = 1
+) -> AsyncIterator[WebSocketConnection]:
+    async with open_websocket_url(
+        address.ws_url + EVENTS_PATH, message_queue_size=queue_size
+    ) as ws:
+        assert isinstance(wire.decode_event_message(await get_message_bytes(ws)), Hello)
+        yield ws
+
+
+async def test_two_subscribers_get_heartbeats_with_increasing_seq() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(new_worker(make_settings())) as address,
+            event_plane(address) as first,
+            event_plane(address) as second,
+        ):
+            for ws in (first, second):
+                seqs: list[int] = []
+                heartbeats = 0
+                for _ in range(50):
+                    for event in await read_events(ws):
+                        seqs.append(event.seq)
+                        assert event.ts > 1.6e9
+                        heartbeats += isinstance(event, Heartbeat)
+                    if heartbeats >= 3:
+                        break
+                assert heartbeats >= 3
+                assert seqs == sorted(set(seqs))
+
+
+async def test_events_follow_the_mockers_load() -> None:
+    from worker_ingress.engines.mocker import create as create_mocker
+
+    settings = make_settings(
+        heartbeat_interval=0.5, mocker=MockerSettings(speedup_ratio=1000.0, block_size=4)
+    )
+    worker = new_worker(settings, create_mocker(settings))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(worker) as address,
+            event_plane(address) as events,
+            request_plane(address) as ws,
+        ):
+            await send(ws, completion(1, prompt="w " * 64, max_tokens=2000))
+            busy: LoadEvent | None = None
+            for _ in range(200):
+                for event in await read_events(events):
+                    if isinstance(event, LoadEvent) and event.load.active_decode_blocks > 0:
+                        busy = event
+                if busy is not None:
+                    break
+            assert busy is not None
+            assert busy.engine_requests == 1
+            await send(ws, Cancel(request_id=1))
+            await collect_until_final(ws, {1})
+            idle = False
+            for _ in range(200):
+                batch = await read_events(events)
+                last = batch[-1]
+                loads = last.loads if isinstance(last, Heartbeat) else [last.load]
+                if last.engine_requests == 0 and all(
+                    load.active_decode_blocks == 0 for load in loads
+                ):
+                    idle = True
+                    break
+            assert idle
+
+
+async def read_until_idle(ws: WebSocketConnection) -> int:
+    """Read event batches until one ends with the idle state; return how many were read."""
+    for count in range(1, 20_001):
+        last = (await read_events(ws))[-1]
+        if isinstance(last, LoadEvent) and last.engine_requests == 0:
+            return count
+    raise AssertionError("never saw the idle state")
+
+
+async def test_slow_subscriber_catches_up_with_the_latest_state() -> None:
+    from worker_ingress.engines.mocker import create as create_mocker
+
+    settings = make_settings(heartbeat_interval=10.0, mocker=MockerSettings(speedup_ratio=1000.0))
+    worker = new_worker(settings, create_mocker(settings))
+    most_pending = 0
+
+    async def watch_pending() -> None:
+        nonlocal most_pending
+        for _ in range(100_000):
+            for subscription in worker.publisher._subscribers:
+                most_pending = max(most_pending, subscription.pending)
+            await trio.sleep(0.001)
+
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(worker) as address,
+            event_plane(address) as slow,
+            event_plane(address) as fast,
+            trio.open_nursery() as watcher,
+        ):
+            watcher.start_soon(watch_pending)
+            async with request_plane(address) as ws:
+                for request_id in range(20):
+                    await send(ws, completion(request_id, prompt="w " * 32, max_tokens=50))
+                # The slow subscriber reads nothing while the fast one follows the load.
+                frames = await collect_until_final(ws, set(range(20)))
+                assert all(isinstance(m[-1], End) for m in frames.values())
+                fast_messages = await read_until_idle(fast)
+            assert fast_messages > 1
+            # Then the slow one reads: it reaches the same latest state, and it never got
+            # more messages than the fast one (its backlog is coalesced, never grown).
+            slow_messages = await read_until_idle(slow)
+            assert slow_messages <= fast_messages + 1
+            watcher.cancel_scope.cancel()
+    # Per subscriber the worker held at most one event per rank (1 here) plus a heartbeat.
+    assert most_pending <= 2
+
+
+# ----------------------------------------------------------------------------- drain
+
+
+async def test_drain_rejects_new_finishes_running_then_returns() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address: WorkerAddress = await nursery.start(worker.serve)
+            async with event_plane(address) as events, request_plane(address) as ws:
+                await send(ws, completion(1))
+                await send(ws, completion(2))
+                await wait_for(lambda: worker.gate.in_flight == 2, "one running, one queued")
+                worker.drain()
+                await wait_for(lambda: worker.health() == "draining", "draining")
+                await send(ws, completion(3))
+                assert (await collect_until_final(ws, {3}))[3] == [
+                    Rejected(request_id=3, reason=wire.REASON_DRAINING)
+                ]
+                for _ in range(100):
+                    last = (await read_events(events))[-1]
+                    if isinstance(last, Heartbeat) and last.status == "draining":
+                        break
+                else:
+                    raise AssertionError("no draining heartbeat")
+                engine.release.set()
+                frames = await collect_until_final(ws, {1, 2})
+                assert all(isinstance(messages[-1], End) for messages in frames.values())
+                assert await closed_code(ws) == 1001
+                assert await closed_code(events) == 1001
+        # serve() returned by itself: the nursery closed without a cancel.
+
+
+async def test_drain_grace_expiry_fails_what_is_left_as_unavailable() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2, drain_grace=0.2)
+    worker = new_worker(settings, HeldEngine(settings))
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address: WorkerAddress = await nursery.start(worker.serve)
+            async with request_plane(address) as ws:
+                await send(ws, completion(1))
+                await send(ws, completion(2))
+                await wait_for(lambda: worker.gate.in_flight == 2, "one running, one queued")
+                worker.drain()
+                frames = await collect_until_final(ws, {1, 2})
+                for messages in frames.values():
+                    final = messages[-1]
+                    assert isinstance(final, Failed)
+                    assert final.kind == "unavailable"
+                assert await closed_code(ws) == 1001
+    assert worker.gate.in_flight == 0
