@@ -89,6 +89,8 @@ EMBEDDING_DIMENSIONS: Final = 16
 #: Waiting entries of cancelled sequences are dropped lazily; the queue is rebuilt once this many
 #: (and at least as many as live ones) pile up, so a cancel costs O(1) amortised.
 _COMPACT_DEAD_WAITING: Final = 64
+#: How far behind its timeline a step loop may run and still catch up (wall seconds).
+_MAX_CATCH_UP_SECONDS: Final = 0.02
 
 _OUTPUT_WORDS: Final = (
     "alpha",
@@ -779,6 +781,11 @@ class MockerEngine:
     async def _step_loop(self, rank_index: int) -> None:
         rank = self._ranks[rank_index]
         speedup = self._settings.speedup_ratio
+        # Steps end on a timeline of absolute deadlines rather than after relative sleeps:
+        # trio rounds a sleep up to the millisecond, which at high speedup ratios would stretch
+        # every step, so lateness is made up on the next steps, but never more than
+        # _MAX_CATCH_UP_SECONDS of it (after a stall the engine does not burst).
+        deadline = trio.current_time()
         while True:
             started = time.perf_counter()
             step = rank.schedule()
@@ -787,10 +794,15 @@ class MockerEngine:
                 arrived = trio.Event()
                 self._work_arrived[rank_index] = arrived
                 await arrived.wait()
+                deadline = trio.current_time()
                 continue
             self._loads_may_have_changed()
             computed = time.perf_counter() - started
-            await trio.sleep(step.duration / speedup)
+            deadline = max(
+                deadline + step.duration / speedup,
+                trio.current_time() - _MAX_CATCH_UP_SECONDS,
+            )
+            await trio.sleep_until(deadline)
             started = time.perf_counter()
             for seq in rank.complete(step):
                 seq.notify()
