@@ -55,9 +55,10 @@ from trio_websocket import (
     serve_websocket,
 )
 
+from worker_ingress import admission
 from worker_ingress.admission import AdmissionGate, Rejection
 from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import Engine, EngineInputError
+from worker_ingress.engines.base import Engine, EngineInputError, PreparedRequest
 from worker_ingress.events import EventPublisher
 from worker_ingress.metrics import WorkerMetrics
 from worker_ingress.system import serve_system
@@ -250,10 +251,42 @@ class _RequestConnection:
                     CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight"
                 )
                 return
+            prepared = await self._prepare(message)
+            if prepared is None:
+                continue
             scope = trio.CancelScope()
             self._requests[message.request_id] = scope
             self._no_requests = trio.Event()
-            nursery.start_soon(self._run_request, message, scope)
+            nursery.start_soon(self._run_request, message, prepared, scope)
+
+    async def _prepare(self, generate: Generate) -> PreparedRequest | None:
+        """Validate a request; answer it here when that needs no task (bad input, certain
+        rejection), else return the prepared request."""
+        worker = self._worker
+        request_id = generate.request_id
+        try:
+            prepared = worker.engine.prepare(generate.endpoint, generate.body)
+        except EngineInputError as error:
+            await self._sender.send(
+                Failed(request_id=request_id, kind="bad_request", message=str(error))
+            )
+            return None
+        except Exception as error:
+            logger.exception("engine failed to prepare request %d", request_id)
+            await self._sender.send(
+                Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
+            )
+            return None
+        gate = worker.gate
+        if gate.draining or gate.queued >= gate.queue_limit:
+            # The gate will reject this one for sure (draining, or N running and Q waiting):
+            # ask it here, synchronously, so shedding costs no task (it must stay cheap).
+            decision = gate.state.arrive()
+            if not isinstance(decision, admission.Rejected):
+                raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
+            await self._sender.send(Rejected(request_id=request_id, reason=decision.reason))
+            return None
+        return prepared
 
     async def _protocol_error(self, code: int, reason: str) -> None:
         logger.info("closing %s with %d: %s", self._ws.remote, code, reason)
@@ -262,7 +295,9 @@ class _RequestConnection:
         self._close = (code, reason[:120])
         await trio.lowlevel.checkpoint()
 
-    async def _run_request(self, generate: Generate, scope: trio.CancelScope) -> None:
+    async def _run_request(
+        self, generate: Generate, prepared: PreparedRequest, scope: trio.CancelScope
+    ) -> None:
         worker = self._worker
         request_id = generate.request_id
         worker.request_scopes.add(scope)
@@ -271,7 +306,7 @@ class _RequestConnection:
                 request_id=request_id, kind="cancelled", message="cancelled by the client"
             )
             with scope:
-                final = await self._execute(generate)
+                final = await self._execute(request_id, prepared)
             if scope.cancelled_caught and worker.abandoning:
                 final = Failed(
                     request_id=request_id,
@@ -285,14 +320,9 @@ class _RequestConnection:
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(self, generate: Generate) -> msgspec.Struct:
-        """Run one request up to its final frame; returns that frame (rule 3)."""
+    async def _execute(self, request_id: int, prepared: PreparedRequest) -> msgspec.Struct:
+        """Run one admitted-to-try request up to its final frame; return that frame (rule 3)."""
         worker = self._worker
-        request_id = generate.request_id
-        try:
-            prepared = worker.engine.prepare(generate.endpoint, generate.body)
-        except EngineInputError as error:
-            return Failed(request_id=request_id, kind="bad_request", message=str(error))
         completion_tokens = 0
         try:
             async with worker.gate.slot():
