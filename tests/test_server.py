@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
+import signal
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,7 +29,7 @@ from worker_ingress import wire
 from worker_ingress.config import MockerSettings, WorkerSettings
 from worker_ingress.engines.base import EngineOutput, PreparedRequest
 from worker_ingress.engines.instant import InstantEngine, create
-from worker_ingress.server import EVENTS_PATH, REQUESTS_PATH, Worker, WorkerAddress
+from worker_ingress.server import EVENTS_PATH, REQUESTS_PATH, Worker, WorkerAddress, run_worker
 from worker_ingress.wire import (
     Cancel,
     Chunk,
@@ -592,3 +594,16 @@ async def test_drain_grace_expiry_fails_what_is_left_as_unavailable() -> None:
                     assert final.kind == "unavailable"
                 assert await closed_code(ws) == 1001
     assert worker.gate.in_flight == 0
+
+
+async def test_run_worker_drains_on_sigterm_and_returns() -> None:
+    settings = make_settings()
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address: WorkerAddress = await nursery.start(run_worker, settings, create(settings))
+            async with request_plane(address) as ws:
+                await send(ws, completion(1))
+                assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
+                os.kill(os.getpid(), signal.SIGTERM)
+                assert await closed_code(ws) == 1001
+        # run_worker returned by itself once drained.
