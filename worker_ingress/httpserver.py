@@ -1,0 +1,642 @@
+"""A small HTTP/1.1 server on Trio and h11: the frontend's API and the worker's system port.
+
+h11 does the protocol (parsing, framing, keep-alive bookkeeping); this module only moves bytes
+between a :class:`trio.abc.Stream` and h11, owns the tasks and enforces the limits. Everything here
+runs over any ``Stream``, so tests drive it with ``trio.testing.memory_stream_pair`` as well as
+with real loopback sockets.
+
+Rules of one connection (a loop of request/response cycles):
+
+1. Reading a request head is bounded in time and size. The first head must arrive within
+   ``header_timeout`` of the accept; between requests the connection may sit idle for
+   ``keepalive_timeout``, and once the next request's first bytes are in, its head must complete
+   within ``header_timeout``. A head larger than ``max_head_bytes`` is answered 431, a malformed
+   one 400 (from ``h11.RemoteProtocolError``), and the connection is closed.
+2. The body is read only when the handler asks (:meth:`HTTPRequest.read_body`). That is when
+   ``100 Continue`` is sent to a client that waits for it, after the ``Content-Length`` has been
+   checked against ``max_body_bytes``; a chunked body is counted as it arrives. Over the cap:
+   :class:`BodyTooLarge`, answered 413 unless the handler answers itself.
+3. While the handler runs with the request body fully received (at once for a request without a
+   body, or as soon as ``read_body`` returns), a watcher task reads the socket. EOF or a broken
+   socket means the client left: the watcher cancels the handler, whose ``finally:`` blocks run,
+   and the connection is closed without a response. Bytes the watcher reads meanwhile belong to a
+   pipelined next request; they are handed to h11 and kept, up to ``pipeline_buffer_bytes``, after
+   which the watcher stops reading (TCP flow control then holds the client back).
+4. A handler answers exactly once: :meth:`HTTPResponder.send` (one complete response with
+   ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
+   ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response sent while the
+   request body is still unread carries ``Connection: close`` and the connection closes after it,
+   because h11 cannot start the next cycle before the client's side is done.
+5. One bad peer or one failing handler never takes the server down. A handler exception is
+   passed to ``on_error`` (to be counted) and logged, answered 500 when nothing was sent yet, and
+   that connection is closed; a stream that had begun is cut short so the client sees it
+   incomplete. A handler that returns without answering gets 500 too; one that returns with a
+   stream still open has the stream ended for it.
+6. Keep-alive: when both sides of a cycle are done, h11 starts the next cycle; otherwise the
+   connection closes gracefully (send EOF, drain the client's last bytes for a moment, close), so a
+   client still writing a body it was refused reads the answer instead of a TCP reset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import h11
+import trio
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "BodyTooLarge",
+    "ClientDisconnected",
+    "HTTPLimits",
+    "HTTPRequest",
+    "HTTPResponder",
+    "Handler",
+    "RequestTimeout",
+    "error_body",
+    "json_headers",
+    "serve_connection",
+    "serve_http",
+    "serve_http_listeners",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HTTPLimits:
+    """Bounds on what one connection may cost the server.
+
+    Attributes:
+        max_body_bytes: the largest request body accepted; larger bodies get 413.
+        max_head_bytes: the largest request head (request line plus headers); h11's
+            ``max_incomplete_event_size``. Larger heads get 431.
+        header_timeout: seconds a client has to send a whole request head, counted from the
+            accept for the first request and from its first byte for later ones.
+        keepalive_timeout: seconds an idle keep-alive connection is kept between requests.
+        body_timeout: seconds to wait for each piece of a request body before giving up (408).
+        receive_bytes: how much one ``receive_some`` call asks for.
+        pipeline_buffer_bytes: how many bytes of a pipelined next request the disconnect watcher
+            reads and keeps while a handler runs, before it stops reading.
+        linger_timeout: seconds to drain the client's bytes after our EOF when closing.
+        linger_bytes: at most this many bytes are drained when closing.
+    """
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_head_bytes: int = 16 * 1024
+    header_timeout: float = 10.0
+    keepalive_timeout: float = 75.0
+    body_timeout: float = 60.0
+    receive_bytes: int = 64 * 1024
+    pipeline_buffer_bytes: int = 64 * 1024
+    linger_timeout: float = 2.0
+    linger_bytes: int = 1024 * 1024
+
+
+DEFAULT_LIMITS = HTTPLimits()
+
+
+class BodyTooLarge(Exception):
+    """The request body is larger than ``HTTPLimits.max_body_bytes`` (the server answers 413)."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away while the request was being read or answered."""
+
+
+class RequestTimeout(Exception):
+    """The client was too slow sending the request body (the server answers 408)."""
+
+
+Handler = Callable[["HTTPRequest", "HTTPResponder"], Awaitable[None]]
+
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+_REASONS: dict[int, bytes] = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
+
+
+def json_headers(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """Response headers for a JSON body.
+
+    Args:
+        *extra: further headers to append, e.g. ``(b"retry-after", b"1")``.
+
+    Returns:
+        A fresh list with ``Content-Type: application/json`` first, then ``extra``.
+    """
+    return [_JSON_CONTENT_TYPE, *extra]
+
+
+def error_body(message: str, status: int, error_type: str = "invalid_request_error") -> bytes:
+    """An error body in the OpenAI shape: ``{"error": {"message", "type", "code"}}``.
+
+    Args:
+        message: what went wrong, for a human.
+        status: the HTTP status, repeated as ``code``.
+        error_type: the OpenAI error type.
+
+    Returns:
+        The JSON encoded body.
+    """
+    error = {"message": message, "type": error_type, "code": status}
+    return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+class HTTPRequest:
+    """One request head, and the means to read its body.
+
+    Attributes:
+        method: the request method, e.g. ``"GET"``.
+        path: the request target without the query, e.g. ``"/v1/chat/completions"``.
+        query: the query string without ``?``; ``""`` when absent.
+        http_version: ``"1.1"`` or ``"1.0"``.
+    """
+
+    __slots__ = ("_body", "_connection", "_h11_request", "http_version", "method", "path", "query")
+
+    def __init__(self, connection: _Connection, request: h11.Request) -> None:
+        self._connection = connection
+        self._h11_request = request
+        self._body: bytes | None = None
+        self.method = request.method.decode("ascii")
+        path, _, query = request.target.partition(b"?")
+        # The target was validated by h11 as visible ASCII; latin-1 never fails on bytes.
+        self.path = path.decode("latin-1")
+        self.query = query.decode("latin-1")
+        self.http_version = request.http_version.decode("ascii")
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The request headers, names lower-cased, in the order received."""
+        return list(self._h11_request.headers)
+
+    def header(self, name: bytes) -> bytes | None:
+        """The value of the first header called ``name`` (lower-case), or ``None``."""
+        for header_name, value in self._h11_request.headers:
+            if header_name == name:
+                return value
+        return None
+
+    async def read_body(self) -> bytes:
+        """Read the whole request body (once; later calls return the same bytes).
+
+        Sends ``100 Continue`` first when the client waits for it and the declared length fits.
+
+        Returns:
+            The body; ``b""`` for a request without one.
+
+        Raises:
+            BodyTooLarge: the body is over ``HTTPLimits.max_body_bytes`` (declared or counted).
+            ClientDisconnected: the client left before the body was complete.
+            RequestTimeout: a piece of the body took longer than ``HTTPLimits.body_timeout``.
+            h11.RemoteProtocolError: the body framing was invalid (the server answers 400).
+        """
+        if self._body is None:
+            self._body = await self._connection.read_body(self._h11_request)
+        return self._body
+
+
+class HTTPResponder:
+    """How a handler answers its request: exactly one response, complete or streamed.
+
+    Attributes:
+        started: whether a status line has gone out.
+        finished: whether the response is complete.
+    """
+
+    __slots__ = ("_connection", "_head_request", "finished", "started")
+
+    def __init__(self, connection: _Connection, head_request: bool) -> None:
+        self._connection = connection
+        self._head_request = head_request
+        self.started = False
+        self.finished = False
+
+    async def send(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send a complete response with ``Content-Length``, head and body in one write.
+
+        Args:
+            status: the HTTP status code.
+            headers: response headers, without ``Content-Length`` (added here).
+            body: the whole body.
+
+        Raises:
+            RuntimeError: a response was already started.
+            ClientDisconnected: the client is gone.
+        """
+        self._claim()
+        conn = self._connection
+        all_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        if conn.h11.their_state is not h11.DONE:
+            all_headers.append((b"connection", b"close"))
+        h = conn.h11
+        data = _bytes(h.send(_response(status, all_headers)))
+        if body and not self._head_request:
+            data += _bytes(h.send(h11.Data(data=body)))
+        data += _bytes(h.send(h11.EndOfMessage()))
+        self.finished = True
+        await conn.send_all(data)
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the head of a streamed (chunked) response; the body follows in chunks.
+
+        Args:
+            status: the HTTP status code.
+            headers: response headers, without ``Content-Length`` (that would stop chunking).
+
+        Raises:
+            RuntimeError: a response was already started.
+            ClientDisconnected: the client is gone.
+        """
+        self._claim()
+        conn = self._connection
+        if conn.h11.their_state is not h11.DONE:
+            headers = [*headers, (b"connection", b"close")]
+        await conn.send_all(_bytes(conn.h11.send(_response(status, headers))))
+
+    async def send_chunk(self, data: bytes) -> None:
+        """Send one piece of a streamed body (empty data sends nothing).
+
+        Blocks while the client is slow to read: backpressure reaches the caller.
+
+        Raises:
+            RuntimeError: no stream was started, or it has ended.
+            ClientDisconnected: the client is gone.
+        """
+        if not self.started or self.finished:
+            raise RuntimeError("send_chunk() outside a started stream")
+        if data and not self._head_request:
+            await self._connection.send_all(_bytes(self._connection.h11.send(h11.Data(data=data))))
+
+    async def end_stream(self) -> None:
+        """End a streamed body (the terminating chunk).
+
+        Raises:
+            RuntimeError: no stream was started, or it has ended.
+            ClientDisconnected: the client is gone.
+        """
+        if not self.started or self.finished:
+            raise RuntimeError("end_stream() outside a started stream")
+        self.finished = True
+        await self._connection.send_all(_bytes(self._connection.h11.send(h11.EndOfMessage())))
+
+    def _claim(self) -> None:
+        if self.started:
+            raise RuntimeError("a response was already started for this request")
+        self.started = True
+
+
+def _response(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
+    return h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
+
+
+def _bytes(data: bytes | None) -> bytes:
+    # h11 returns None only for ConnectionClosed, which this module never sends.
+    assert data is not None
+    return data
+
+
+class _Connection:
+    """The request/response cycles of one connection: see the rules at the top of the module."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        handler: Handler,
+        limits: HTTPLimits,
+        on_error: Callable[[BaseException], None] | None,
+    ) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        self.handler = handler
+        self.limits = limits
+        self.on_error = on_error
+        self.client_gone = False
+        self._request_scope: trio.Nursery | None = None
+
+    # -- moving bytes -------------------------------------------------------------------------
+
+    async def send_all(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.client_gone = True
+            raise ClientDisconnected("the client closed the connection") from exc
+
+    async def _receive(self) -> bytes:
+        """One read from the stream into h11; returns what was read (``b""`` at EOF)."""
+        try:
+            received = await self.stream.receive_some(self.limits.receive_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            received = b""
+        # Socket streams give bytes; other streams may give a bytearray, which h11 types as bytes.
+        data = received if isinstance(received, bytes) else bytes(received)
+        if not data:
+            self.client_gone = True
+        self.h11.receive_data(data)
+        return data
+
+    # -- the connection loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        first = True
+        while True:
+            request = await self._read_head(first)
+            if request is None:
+                return
+            first = False
+            keep_alive = await self._handle(request)
+            if not keep_alive:
+                return
+            if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+                self.h11.start_next_cycle()
+            else:
+                await self._close_gracefully()
+                return
+
+    async def _read_head(self, first: bool) -> h11.Request | None:
+        """Wait for the next request head; ``None`` when the connection should just end."""
+        limits = self.limits
+        now = trio.current_time()
+        idle = not first and not self.h11.trailing_data[0]
+        deadline = now + (limits.keepalive_timeout if idle else limits.header_timeout)
+        # Each pass either returns or reads at least one byte into a buffer h11 caps at
+        # max_head_bytes, so the loop is bounded by that size (and by the deadline).
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._answer_protocol_error(exc)
+                return None
+            if isinstance(event, h11.Request):
+                return event
+            if event is not h11.NEED_DATA:
+                # ConnectionClosed (a clean close between requests), or PAUSED, which cannot
+                # happen here as every cycle that reaches this point was restarted.
+                return None
+            with trio.CancelScope(deadline=deadline):
+                data = await self._receive()
+                if idle and data:
+                    idle = False
+                    deadline = trio.current_time() + limits.header_timeout
+                continue
+            # The deadline passed: a client that idles or dribbles is simply disconnected.
+            return None
+
+    async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+        if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        status = exc.error_status_hint
+        try:
+            await self._send_error(status, f"malformed request: {exc}")
+        except ClientDisconnected:
+            return
+        await self._close_gracefully()
+
+    async def _send_error(self, status: int, message: str) -> None:
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, status, error_type)
+        headers = [
+            _JSON_CONTENT_TYPE,
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+        ]
+        data = _bytes(self.h11.send(_response(status, headers)))
+        data += _bytes(self.h11.send(h11.Data(data=body)))
+        data += _bytes(self.h11.send(h11.EndOfMessage()))
+        await self.send_all(data)
+
+    async def _handle(self, h11_request: h11.Request) -> bool:
+        """Run the handler for one request; ``True`` when the connection may go on."""
+        if _declares_no_body(h11_request):
+            # h11 reports the end of an empty body only when asked; ask now (no I/O happens) so
+            # the client's side is DONE and the disconnect watcher can start at once.
+            end = self.h11.next_event()
+            assert isinstance(end, h11.EndOfMessage), end
+        request = HTTPRequest(self, h11_request)
+        responder = HTTPResponder(self, h11_request.method == b"HEAD")
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            self._request_scope = nursery
+            if self.h11.their_state is h11.DONE:
+                nursery.start_soon(self._watch_for_disconnect)
+            try:
+                await self.handler(request, responder)
+            except Exception as exc:
+                failure = exc
+            # The watcher (if any) is done once the handler is: stop it before the next read.
+            nursery.cancel_scope.cancel()
+        self._request_scope = None
+
+        if self.client_gone:
+            return False
+        if failure is not None:
+            return await self._after_failure(failure, responder)
+        if not responder.started:
+            error = RuntimeError(f"handler returned without a response to {request.path}")
+            self._report(error)
+            await self._send_error_and_close(500, "internal error")
+            return False
+        if not responder.finished:
+            await responder.end_stream()
+        return True
+
+    async def _after_failure(self, failure: Exception, responder: HTTPResponder) -> bool:
+        if isinstance(failure, ClientDisconnected):
+            return False
+        if isinstance(failure, BodyTooLarge):
+            status, message = 413, f"request body too large (limit {self.limits.max_body_bytes})"
+        elif isinstance(failure, RequestTimeout):
+            status, message = 408, "request body timed out"
+        elif isinstance(failure, h11.RemoteProtocolError):
+            status, message = failure.error_status_hint, f"malformed request: {failure}"
+        else:
+            self._report(failure)
+            status, message = 500, "internal error"
+        if responder.started:
+            # Cut the response short: without the final chunk the client sees it incomplete.
+            return False
+        await self._send_error_and_close(status, message)
+        return False
+
+    async def _send_error_and_close(self, status: int, message: str) -> None:
+        try:
+            await self._send_error(status, message)
+        except ClientDisconnected:
+            return
+        await self._close_gracefully()
+
+    def _report(self, error: BaseException) -> None:
+        logger.error("HTTP handler failed", exc_info=error)
+        if self.on_error is not None:
+            try:
+                self.on_error(error)
+            except Exception:
+                logger.exception("on_error callback failed")
+
+    # -- reading the body and watching for disconnects -----------------------------------------
+
+    async def read_body(self, request: h11.Request) -> bytes:
+        conn = self.h11
+        limits = self.limits
+        if conn.their_state is h11.DONE:
+            return b""
+        declared = _declared_length(request)
+        if declared is not None and declared > limits.max_body_bytes:
+            raise BodyTooLarge(f"declared body of {declared} bytes")
+        if conn.client_is_waiting_for_100_continue:
+            await self.send_all(
+                _bytes(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            )
+        parts: list[bytes] = []
+        size = 0
+        # Every pass consumes at least one byte of a body capped at max_body_bytes, or ends.
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limits.max_body_bytes:
+                    raise BodyTooLarge(f"body over {limits.max_body_bytes} bytes")
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif event is h11.NEED_DATA:
+                with trio.move_on_after(limits.body_timeout) as scope:
+                    await self._receive()
+                if scope.cancelled_caught:
+                    raise RequestTimeout(f"no body data for {limits.body_timeout} s")
+                if self.client_gone:
+                    raise ClientDisconnected("the client left during the request body")
+            else:  # pragma: no cover - h11 yields only Data/EndOfMessage/NEED_DATA here
+                raise RuntimeError(f"unexpected h11 event {event!r}")
+        if self._request_scope is not None:
+            self._request_scope.start_soon(self._watch_for_disconnect)
+        return b"".join(parts)
+
+    async def _watch_for_disconnect(self) -> None:
+        """Read the socket while the handler runs; cancel the handler when the client leaves."""
+        budget = self.limits.pipeline_buffer_bytes
+        # Bounded by the budget: each pass reads at least one byte or ends the watch.
+        while budget > 0:
+            data = await self._receive()
+            if not data:
+                assert self._request_scope is not None
+                self._request_scope.cancel_scope.cancel()
+                return
+            budget -= len(data)
+        # Enough of the next request is buffered; leave the rest in the kernel until the
+        # handler is done (this task is cancelled then).
+        await trio.sleep_forever()
+
+    async def _close_gracefully(self) -> None:
+        """Half-close, drain what the client still sends (bounded), then close."""
+        stream = self.stream
+        try:
+            if isinstance(stream, trio.abc.HalfCloseableStream):
+                await stream.send_eof()
+            with trio.move_on_after(self.limits.linger_timeout):
+                drained = 0
+                while drained < self.limits.linger_bytes:
+                    data = await stream.receive_some(self.limits.receive_bytes)
+                    if not data:
+                        break
+                    drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+
+def _declares_no_body(request: h11.Request) -> bool:
+    # The framing rules h11 applies to requests: no Transfer-Encoding and no (or a zero)
+    # Content-Length means an empty body.
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return False
+    return True
+
+
+def _declared_length(request: h11.Request) -> int | None:
+    # h11 has already validated Content-Length (digits, one consistent value).
+    for name, value in request.headers:
+        if name == b"content-length":
+            return int(value)
+    return None
+
+
+async def serve_connection(
+    stream: trio.abc.Stream,
+    handler: Handler,
+    *,
+    limits: HTTPLimits = DEFAULT_LIMITS,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> None:
+    """Serve HTTP/1.1 on one connection until either side ends it; never raises ``Exception``.
+
+    Args:
+        stream: the connection (a socket stream, or a memory stream in tests).
+        handler: called once per request.
+        limits: the connection's bounds.
+        on_error: called with each unexpected exception (a failing handler), e.g. to count it.
+    """
+    connection = _Connection(stream, handler, limits, on_error)
+    try:
+        await connection.run()
+    except Exception as exc:
+        # Whatever one connection does wrong stays with that connection.
+        connection._report(exc)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def serve_http_listeners(
+    handler: Handler,
+    listeners: list[trio.SocketListener],
+    *,
+    limits: HTTPLimits = DEFAULT_LIMITS,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> None:
+    """Serve HTTP on listeners the caller opened, until cancelled.
+
+    Args:
+        handler: called once per request.
+        listeners: the listening sockets.
+        limits: every connection's bounds.
+        on_error: called with each unexpected exception, e.g. to count it.
+    """
+
+    async def on_connection(stream: trio.SocketStream) -> None:
+        await serve_connection(stream, handler, limits=limits, on_error=on_error)
+
+    await trio.serve_listeners(on_connection, listeners)
+
+
+async def serve_http(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    limits: HTTPLimits = DEFAULT_LIMITS,
+    on_error: Callable[[BaseException], None] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Bind ``host:port`` and serve HTTP until cancelled.
+
+    Args:
+        handler: called once per request with the request and its responder.
+        host: the address to listen on.
+        port: the port; ``0`` picks a free one.
+        limits: every connection's bounds.
+        on_error: called with each unexpected exception, e.g. to count it.
+        task_status: receives the bound port once listening (use with ``nursery.start``).
+
+    Raises:
+        OSError: the address could not be bound.
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound_port: int = listeners[0].socket.getsockname()[1]
+    task_status.started(bound_port)
+    await serve_http_listeners(handler, listeners, limits=limits, on_error=on_error)
