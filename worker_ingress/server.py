@@ -13,9 +13,10 @@ Rules of a request-plane connection:
 1. One receive loop does nothing but decode and dispatch, so trio-websocket's reader never stalls
    (a full receive queue would stop it answering pings). Each ``Generate`` runs in its own task in
    the connection's nursery, under its own cancel scope.
-2. One sender task owns ``send_message``; request tasks hand it encoded frames through a bounded
-   channel, so a slow client slows only its own requests (backpressure reaches the engine's
-   stream through the channel).
+2. One sender task writes the frames of running requests; request tasks hand it encoded frames
+   through a bounded channel, so a slow client slows only its own requests (backpressure reaches
+   the engine's stream through the channel). A certain rejection is written by the receive loop
+   itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: ``engine.prepare`` (bad input: ``Failed(bad_request)``, no slot used), then
    ``gate.slot()`` (full or draining: ``Rejected(reason)``), then ``Started(prompt_tokens)``,
    the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
@@ -251,7 +252,10 @@ class _RequestConnection:
                     CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight"
                 )
                 return
-            prepared = await self._prepare(message)
+            try:
+                prepared = await self._prepare(message)
+            except ConnectionClosed:
+                return
             if prepared is None:
                 continue
             scope = trio.CancelScope()
@@ -284,7 +288,12 @@ class _RequestConnection:
             decision = gate.state.arrive()
             if not isinstance(decision, admission.Rejected):
                 raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
-            await self._sender.send(Rejected(request_id=request_id, reason=decision.reason))
+            # Written here rather than through the sender: a rejection is the request's only
+            # frame, so no ordering is at stake, and the hop through the channel is half the
+            # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
+            await self._ws.send_message(
+                encode(Rejected(request_id=request_id, reason=decision.reason))
+            )
             return None
         return prepared
 
