@@ -300,7 +300,13 @@ def _bytes(data: bytes | None) -> bytes:
 
 
 class _Connection:
-    """The request/response cycles of one connection: see the rules at the top of the module."""
+    """The request/response cycles of one connection: see the rules at the top of the module.
+
+    Two tasks share the connection. The reader task owns every read: it feeds h11, wakes the main
+    task, and notices EOF at any time (cancelling a running handler). It stops reading when
+    ``pipeline_buffer_bytes`` were fed that the main task has not asked h11 for yet. The main task
+    runs the cycles and does every write.
+    """
 
     def __init__(
         self,
@@ -314,8 +320,15 @@ class _Connection:
         self.handler = handler
         self.limits = limits
         self.on_error = on_error
+        # Set when the client is known to be gone (EOF, reset, or a failed write).
         self.client_gone = False
-        self._request_scope: trio.Nursery | None = None
+        self._eof = False
+        # Bytes fed to h11 since the main task last found h11 needing more (the reader's budget).
+        self._unconsumed = 0
+        self._data_arrived = trio.lowlevel.ParkingLot()  # the main task waits here for bytes
+        self._budget_freed = trio.lowlevel.ParkingLot()  # the reader waits here for budget
+        self._discarding = False  # closing: the reader drops what it reads
+        self._handler_scope: trio.CancelScope | None = None
 
     # -- moving bytes -------------------------------------------------------------------------
 
@@ -326,22 +339,56 @@ class _Connection:
             self.client_gone = True
             raise ClientDisconnected("the client closed the connection") from exc
 
-    async def _receive(self) -> bytes:
-        """One read from the stream into h11; returns what was read (``b""`` at EOF)."""
-        try:
-            received = await self.stream.receive_some(self.limits.receive_bytes)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            received = b""
-        # Socket streams give bytes; other streams may give a bytearray, which h11 types as bytes.
-        data = received if isinstance(received, bytes) else bytes(received)
-        if not data:
-            self.client_gone = True
-        self.h11.receive_data(data)
-        return data
+    async def _read_forever(self) -> None:
+        """The reader task: socket to h11, bounded, until EOF (or cancelled with the connection)."""
+        limits = self.limits
+        drained = 0
+        while True:
+            if self._unconsumed >= limits.pipeline_buffer_bytes and not self._discarding:
+                await self._budget_freed.park()
+                continue
+            try:
+                received = await self.stream.receive_some(limits.receive_bytes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                received = b""
+            if not received:
+                break
+            if self._discarding:
+                drained += len(received)
+                if drained >= limits.linger_bytes:
+                    break
+                continue
+            # Socket streams give bytes; other streams may give a bytearray.
+            self.h11.receive_data(received if isinstance(received, bytes) else bytes(received))
+            self._unconsumed += len(received)
+            self._data_arrived.unpark_all()
+        self._eof = True
+        self.client_gone = True
+        if not self._discarding:
+            self.h11.receive_data(b"")
+        if self._handler_scope is not None:
+            # The client left while its request was being handled: stop the work.
+            self._handler_scope.cancel()
+        self._data_arrived.unpark_all()
+
+    async def _wait_for_data(self) -> None:
+        """Wait until the reader fed h11 more bytes (or saw EOF); h11 has just said NEED_DATA."""
+        # NEED_DATA means h11 holds at most a partial event, capped by max_head_bytes or a
+        # partial chunk header: what the reader fed before is consumed, so its budget renews.
+        self._unconsumed = 0
+        self._budget_freed.unpark_all()
+        if not self._eof:
+            await self._data_arrived.park()
 
     # -- the connection loop ------------------------------------------------------------------
 
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_forever)
+            await self._run_cycles()
+            nursery.cancel_scope.cancel()
+
+    async def _run_cycles(self) -> None:
         first = True
         while True:
             request = await self._read_head(first)
@@ -360,10 +407,11 @@ class _Connection:
     async def _read_head(self, first: bool) -> h11.Request | None:
         """Wait for the next request head; ``None`` when the connection should just end."""
         limits = self.limits
-        now = trio.current_time()
         idle = not first and not self.h11.trailing_data[0]
-        deadline = now + (limits.keepalive_timeout if idle else limits.header_timeout)
-        # Each pass either returns or reads at least one byte into a buffer h11 caps at
+        deadline = trio.current_time() + (
+            limits.keepalive_timeout if idle else limits.header_timeout
+        )
+        # Each pass either returns or waits for more bytes into a buffer h11 caps at
         # max_head_bytes, so the loop is bounded by that size (and by the deadline).
         while True:
             try:
@@ -378,8 +426,8 @@ class _Connection:
                 # happen here as every cycle that reaches this point was restarted.
                 return None
             with trio.CancelScope(deadline=deadline):
-                data = await self._receive()
-                if idle and data:
+                await self._wait_for_data()
+                if idle:
                     idle = False
                     deadline = trio.current_time() + limits.header_timeout
                 continue
@@ -419,17 +467,16 @@ class _Connection:
         request = HTTPRequest(self, h11_request)
         responder = HTTPResponder(self, h11_request.method == b"HEAD")
         failure: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            self._request_scope = nursery
-            if self.h11.their_state is h11.DONE:
-                nursery.start_soon(self._watch_for_disconnect)
+        if self._eof:
+            return False  # the client left before its request could start
+        with trio.CancelScope() as handler_scope:
+            # The reader task cancels this scope when the client leaves (see _read_forever).
+            self._handler_scope = handler_scope
             try:
                 await self.handler(request, responder)
             except Exception as exc:
                 failure = exc
-            # The watcher (if any) is done once the handler is: stop it before the next read.
-            nursery.cancel_scope.cancel()
-        self._request_scope = None
+        self._handler_scope = None
 
         if self.client_gone:
             return False
@@ -504,50 +551,34 @@ class _Connection:
             elif isinstance(event, h11.EndOfMessage):
                 break
             elif event is h11.NEED_DATA:
+                if self._eof:
+                    raise ClientDisconnected("the client left during the request body")
                 with trio.move_on_after(limits.body_timeout) as scope:
-                    await self._receive()
+                    await self._wait_for_data()
                 if scope.cancelled_caught:
                     raise RequestTimeout(f"no body data for {limits.body_timeout} s")
-                if self.client_gone:
-                    raise ClientDisconnected("the client left during the request body")
             else:  # pragma: no cover - h11 yields only Data/EndOfMessage/NEED_DATA here
                 raise RuntimeError(f"unexpected h11 event {event!r}")
-        if self._request_scope is not None:
-            self._request_scope.start_soon(self._watch_for_disconnect)
         return b"".join(parts)
 
-    async def _watch_for_disconnect(self) -> None:
-        """Read the socket while the handler runs; cancel the handler when the client leaves."""
-        budget = self.limits.pipeline_buffer_bytes
-        # Bounded by the budget: each pass reads at least one byte or ends the watch.
-        while budget > 0:
-            data = await self._receive()
-            if not data:
-                assert self._request_scope is not None
-                self._request_scope.cancel_scope.cancel()
-                return
-            budget -= len(data)
-        # Enough of the next request is buffered; leave the rest in the kernel until the
-        # handler is done (this task is cancelled then).
-        await trio.sleep_forever()
-
     async def _close_gracefully(self) -> None:
-        """Half-close, drain what the client still sends (bounded), then close."""
+        """Half-close, let the reader drain what the client still sends (bounded), then close.
+
+        Closing a socket with unread bytes makes the kernel send a reset, which can destroy the
+        response before the client reads it; draining until the client's EOF avoids that.
+        """
+        self._discarding = True
+        self._budget_freed.unpark_all()
         stream = self.stream
-        try:
-            if isinstance(stream, trio.abc.HalfCloseableStream):
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            try:
                 await stream.send_eof()
-            with trio.move_on_after(self.limits.linger_timeout):
-                drained = 0
-                while drained < self.limits.linger_bytes:
-                    data = await stream.receive_some(self.limits.receive_bytes)
-                    if not data:
-                        break
-                    drained += len(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await trio.aclose_forcefully(stream)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+        with trio.move_on_after(self.limits.linger_timeout):
+            # The reader wakes this task only at EOF (or after linger_bytes): one pass or two.
+            while not self._eof:
+                await self._data_arrived.park()
 
 
 def _declares_no_body(request: h11.Request) -> bool:
