@@ -53,6 +53,7 @@ import collections
 import dataclasses
 import ipaddress
 import logging
+import math
 import random
 import socket
 import urllib.parse
@@ -329,7 +330,7 @@ class _ResponseBuffer:
                 isinstance(last, wire.Chunk)
                 and isinstance(reply, wire.Chunk)
                 and _mergeable(last)
-                and _mergeable(reply)
+                and reply.embedding is None
             ):
                 return "full"
             self._items[-1] = wire.Chunk(
@@ -366,7 +367,8 @@ class _ResponseBuffer:
 
 
 def _mergeable(reply: _Reply | None) -> bool:
-    # A text chunk that is not the last one; embeddings carry vectors and are never merged.
+    # A text chunk that is not the last one can take more text after it; embeddings carry
+    # vectors and are never merged.
     return isinstance(reply, wire.Chunk) and reply.embedding is None and reply.finish_reason is None
 
 
@@ -720,64 +722,97 @@ class WorkerLink:
         # down for an hour must not fill the log with a line every two seconds.
         quiet = False
         while True:
-            reached_up = False
             try:
-                reached_up = await self._session()
+                await self._session()
             except* _SESSION_ERRORS as group:
-                reached_up = self._reached_up
-                if not reached_up:
+                if not self._reached_up:
                     self.stats.connect_failures += 1
-                level = logging.DEBUG if quiet and not reached_up else logging.WARNING
+                level = logging.DEBUG if quiet and not self._reached_up else logging.WARNING
                 logger.log(level, "worker %s: %s; reconnecting", self.key, _describe(group))
-            quiet = not reached_up
-            if reached_up:
+            quiet = not self._reached_up
+            if self._reached_up:
                 self._backoff.reset()
             await trio.sleep(self._backoff.next_delay())
 
-    async def _session(self) -> bool:
-        """One session: connect, hello, serve until something ends it (by raising)."""
+    async def _session(self) -> None:
+        """One session: connect, hello, serve until something ends it (always by raising)."""
         settings = self._settings
         self._reached_up = False
-        deadline = trio.current_time() + settings.connect_timeout
-        options: dict[str, Any] = {
-            "max_message_size": wire.MAX_MESSAGE_BYTES,
-            "connect_timeout": settings.connect_timeout,
-            "disconnect_timeout": settings.disconnect_timeout,
-        }
-        async with (
-            trio_websocket.open_websocket_url(self.key + EVENTS_PATH, **options) as events_ws,
-            trio_websocket.open_websocket_url(self.key + REQUESTS_PATH, **options) as requests_ws,
-        ):
-            with trio.fail_at(deadline):
+        # One deadline for both connections and both hellos, lifted once the session is up.
+        with trio.CancelScope(deadline=trio.current_time() + settings.connect_timeout) as connect:
+            async with (
+                self._open_plane(EVENTS_PATH) as events_ws,
+                self._open_plane(REQUESTS_PATH) as requests_ws,
+            ):
                 events_hello = _check_hello(
                     await events_ws.get_message(), wire.decode_event_message
                 )
                 requests_hello = _check_hello(
                     await requests_ws.get_message(), wire.decode_worker_message
                 )
-            if events_hello.config.worker_id != requests_hello.config.worker_id:
-                raise ProtocolError(
-                    f"the planes answer for different workers: {events_hello.config.worker_id!r} "
-                    f"and {requests_hello.config.worker_id!r}"
-                )
-            plane = _RequestPlane(settings, self.stats)
-            self._up(requests_hello.config, plane)
-            reason = "connection lost"
+                if events_hello.config.worker_id != requests_hello.config.worker_id:
+                    raise ProtocolError(
+                        "the planes answer for different workers: "
+                        f"{events_hello.config.worker_id!r} and "
+                        f"{requests_hello.config.worker_id!r}"
+                    )
+                connect.deadline = math.inf
+                await self._serve(events_ws, requests_ws, requests_hello.config)
+        if connect.cancelled_caught:
+            raise trio.TooSlowError(f"no connection and hello within {settings.connect_timeout} s")
+
+    async def _serve(
+        self,
+        events_ws: trio_websocket.WebSocketConnection,
+        requests_ws: trio_websocket.WebSocketConnection,
+        config: wire.RuntimeConfig,
+    ) -> None:
+        plane = _RequestPlane(self._settings, self.stats)
+        self._up(config, plane)
+        reason = "connection lost"
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_events, events_ws)
+                nursery.start_soon(self._read_replies, requests_ws, plane)
+                nursery.start_soon(self._send_requests, requests_ws, plane)
+                nursery.start_soon(self._keepalive, events_ws)
+                nursery.start_soon(self._keepalive, requests_ws)
+        except BaseException as exc:
+            reason = _reason_of(exc)
+            raise
+        finally:
+            # Before the websockets close (which may wait for a dead peer): fail the open
+            # requests and tell the listener now.
+            self._down(plane, reason)
+
+    @asynccontextmanager
+    async def _open_plane(self, path: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+        """A client websocket on ``path`` whose TCP stream this link owns.
+
+        trio-websocket 0.12's client leaves its socket open when the server closes first
+        (``aclose`` returns early once a close reason is set), so the stream is opened and
+        closed here, around ``wrap_client_stream``.
+        """
+        parts = urllib.parse.urlsplit(self.key)
+        assert parts.hostname is not None  # keys are made by WorkerUrl.key_for
+        assert parts.port is not None
+        stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        async with stream, trio.open_nursery() as ws_nursery:
+            ws = await trio_websocket.wrap_client_stream(
+                ws_nursery,
+                stream,
+                parts.netloc,
+                parts.path + path,
+                message_queue_size=1,
+                max_message_size=wire.MAX_MESSAGE_BYTES,
+            )
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._read_events, events_ws)
-                    nursery.start_soon(self._read_replies, requests_ws, plane)
-                    nursery.start_soon(self._send_requests, requests_ws, plane)
-                    nursery.start_soon(self._keepalive, events_ws)
-                    nursery.start_soon(self._keepalive, requests_ws)
-            except BaseException as exc:
-                reason = _reason_of(exc)
-                raise
+                yield ws
             finally:
-                # Before the websockets close (which may wait for a dead peer): fail the open
-                # requests and tell the listener now.
-                self._down(plane, reason)
-        return True
+                with trio.CancelScope(shield=True) as closing:
+                    closing.deadline = trio.current_time() + self._settings.disconnect_timeout
+                    await ws.aclose()
+                ws_nursery.cancel_scope.cancel()
 
     def _up(self, config: wire.RuntimeConfig, plane: _RequestPlane) -> None:
         self.config = config

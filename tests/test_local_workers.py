@@ -1,0 +1,181 @@
+"""``--local-workers``: child processes started, reported ready, and stopped on cancellation.
+
+Most tests use a tiny shell script in place of the interpreter (so they test the supervision,
+not the worker); one starts a real ``python -m worker_ingress`` child.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import random
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from frontend_shim.local import (
+    LocalWorkerError,
+    parse_ready_line,
+    run_local_workers,
+    worker_command,
+)
+from frontend_shim.workers import LinkSettings, WorkerLink
+from worker_ingress import wire
+
+READY = "worker-ingress ready ws=ws://127.0.0.1:{port} system=http://127.0.0.1:{system}"
+
+
+def test_parse_ready_line() -> None:
+    assert parse_ready_line(READY.format(port=9100, system=9101)) == (
+        "ws://127.0.0.1:9100",
+        "http://127.0.0.1:9101",
+    )
+    assert parse_ready_line("worker-ingress ready ws=ws://[::1]:1 system=http://[::1]:2\n") == (
+        "ws://[::1]:1",
+        "http://[::1]:2",
+    )
+    assert parse_ready_line("frontend-shim ready http=http://127.0.0.1:8000") is None
+    assert parse_ready_line("worker-ingress ready") is None
+
+
+def test_worker_command_asks_for_free_ports_and_passes_flags_through() -> None:
+    assert worker_command(["--engine-request-limit", "4"], "py") == [
+        "py",
+        "-m",
+        "worker_ingress",
+        "--port",
+        "0",
+        "--system-port",
+        "0",
+        "--engine-request-limit",
+        "4",
+    ]
+
+
+def fake_python(tmp_path: Path, body: str) -> str:
+    """A script that stands in for the interpreter: it records its pid, then runs ``body``."""
+    script = tmp_path / "fake-python"
+    script.write_text(f'#!/bin/sh\necho $$ >> "{tmp_path}/pids"\n{body}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+def pids(tmp_path: Path) -> list[int]:
+    return [int(line) for line in (tmp_path / "pids").read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_children_are_reported_ready_and_stopped_on_cancel(tmp_path: Path) -> None:
+    python = fake_python(
+        tmp_path,
+        'echo "starting up"\n'
+        'echo "worker-ingress ready ws=ws://127.0.0.1:$$ system=http://127.0.0.1:2"\n'
+        "exec sleep 30",
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                functools.partial(run_local_workers, 2, ["--x"], python=python)
+            )
+            children = pids(tmp_path)
+            assert urls == [f"ws://127.0.0.1:{pid}" for pid in children]
+            assert all(alive(pid) for pid in children)
+            nursery.cancel_scope.cancel()
+    assert not any(alive(pid) for pid in children)
+
+
+async def test_a_child_that_exits_before_ready_fails_the_start(tmp_path: Path) -> None:
+    python = fake_python(tmp_path, 'echo "bad flag" >&2\nexit 3')
+    with trio.fail_after(10), pytest.raises(LocalWorkerError, match="exited with status 3"):
+        await run_local_workers(1, [], python=python)
+
+
+async def test_a_silent_child_times_out_and_is_stopped(tmp_path: Path) -> None:
+    python = fake_python(tmp_path, "exec sleep 30")
+    with trio.fail_after(10), pytest.raises(LocalWorkerError, match="no ready line within"):
+        await run_local_workers(1, [], python=python, ready_timeout=0.3)
+    assert not alive(pids(tmp_path)[0])
+
+
+async def test_a_child_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
+    python = fake_python(
+        tmp_path,
+        "trap '' TERM\n"
+        'echo "worker-ingress ready ws=ws://127.0.0.1:1 system=http://127.0.0.1:2"\n'
+        "i=0; while [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done",
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                functools.partial(run_local_workers, 1, [], python=python, stop_timeout=0.3)
+            )
+            nursery.cancel_scope.cancel()
+    assert not alive(pids(tmp_path)[0])
+
+
+async def test_a_child_that_dies_later_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    python = fake_python(
+        tmp_path,
+        'echo "worker-ingress ready ws=ws://127.0.0.1:1 system=http://127.0.0.1:2"\n'
+        "sleep 0.1\nexit 7",
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_local_workers, 1, [], python=python))
+            for _ in range(500):
+                if "exited with status 7" in caplog.text:
+                    break
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert "it is not restarted" in caplog.text
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(
+    importlib.util.find_spec("worker_ingress.cli") is None, reason="worker CLI not present"
+)
+async def test_a_real_child_worker_serves_and_stops() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(
+                run_local_workers, 1, ["--engine-request-limit", "2", "--speedup-ratio", "1000"]
+            )
+            assert len(urls) == 1
+            link = WorkerLink(urls[0], _NullListener(), LinkSettings(), rng=random.Random(0))
+            async with trio.open_nursery() as inner:
+                await inner.start(link.run)
+                await link.wait_connected()
+                assert link.config is not None
+                assert link.config.engine_request_limit == 2
+                async with link.request("completions", {"prompt": "a b", "max_tokens": 3}) as s:
+                    assert isinstance(await s.first(), wire.Started)
+                    assert isinstance([r async for r in s][-1], wire.End)
+                inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+        # The child is gone: nothing listens on its port any more.
+        host, port = urls[0].removeprefix("ws://").rsplit(":", 1)
+        with pytest.raises(OSError, match="connect"):
+            await trio.open_tcp_stream(host, int(port))
+
+
+class _NullListener:
+    def worker_up(self, key: str, config: wire.RuntimeConfig, now: float) -> None:
+        pass
+
+    def worker_events(self, key: str, events: object, now: float) -> None:
+        pass
+
+    def worker_down(self, key: str, now: float) -> None:
+        pass

@@ -1,0 +1,701 @@
+"""The frontend's worker links: backoff, the request table, and real loopback sessions.
+
+The pure parts (backoff, URL parsing, the per-request buffer, the request table) are tested
+without sockets. The rest runs a real :class:`worker_ingress.server.Worker` (or, for protocol
+faults, a small fake) on 127.0.0.1 with port 0, every test under ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import random
+import struct
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+
+from frontend_shim.workers import (
+    Backoff,
+    LinkSettings,
+    LinkStats,
+    RequestStream,
+    WorkerLink,
+    WorkerPool,
+    WorkerUrl,
+    _RequestPlane,
+    _ResponseBuffer,
+    parse_worker_url,
+    resolve_addresses,
+)
+from worker_ingress import wire
+from worker_ingress.config import MockerSettings, WorkerSettings
+from worker_ingress.engines.base import EngineOutput, PreparedRequest
+from worker_ingress.engines.instant import InstantEngine, create
+from worker_ingress.server import Worker, WorkerAddress
+from worker_ingress.watch import ChangeSignal
+
+# Fast timings for loopback tests; the keepalive is far longer than any loopback round trip.
+FAST = LinkSettings(
+    connect_timeout=2.0,
+    disconnect_timeout=0.1,
+    keepalive_interval=0.2,
+    keepalive_timeout=2.0,
+    backoff_initial=0.02,
+    backoff_cap=0.2,
+)
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_backoff_doubles_to_the_cap_without_jitter() -> None:
+    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.0)
+    delays = [backoff.next_delay() for _ in range(10)]
+    assert delays == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 2.0])
+    backoff.reset()
+    assert backoff.next_delay() == pytest.approx(0.05)
+
+
+def test_backoff_jitter_stays_within_its_band_and_varies() -> None:
+    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.5, rng=random.Random(7))
+    delays = [backoff.next_delay() for _ in range(200)]
+    ceilings = [min(2.0, 0.05 * 2**n) for n in range(200)]
+    for delay, ceiling in zip(delays, ceilings, strict=True):
+        assert ceiling * 0.5 <= delay <= ceiling
+    capped = delays[10:]
+    assert max(capped) <= 2.0
+    assert len(set(capped)) > 100  # jittered: workers that lost the same peer do not stampede
+
+
+def test_backoff_survives_a_very_long_outage() -> None:
+    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.0)
+    for _ in range(5000):
+        delay = backoff.next_delay()
+    assert delay == 2.0
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("ws://127.0.0.1:9100", WorkerUrl("127.0.0.1", 9100, "")),
+        ("ws://workers.internal:9100/", WorkerUrl("workers.internal", 9100, "")),
+        ("ws://[::1]:9100/prefix/", WorkerUrl("::1", 9100, "/prefix")),
+        (" ws://localhost:1 ", WorkerUrl("localhost", 1, "")),
+    ],
+)
+def test_parse_worker_url_accepts(url: str, expected: WorkerUrl) -> None:
+    assert parse_worker_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9100",
+        "wss://127.0.0.1:9100",
+        "ws://127.0.0.1",
+        "ws://:9100",
+        "ws://127.0.0.1:99999",
+        "ws://h:1?x=1",
+        "127.0.0.1:9100",
+        "",
+    ],
+)
+def test_parse_worker_url_refuses_with_the_value_named(url: str) -> None:
+    with pytest.raises(ValueError, match="invalid worker URL"):
+        parse_worker_url(url)
+
+
+def test_keys_bracket_ipv6_addresses() -> None:
+    url = WorkerUrl("h", 9100, "/p")
+    assert url.key_for("10.0.0.7") == "ws://10.0.0.7:9100/p"
+    assert url.key_for("::1") == "ws://[::1]:9100/p"
+
+
+def _chunk(text: str, *, finish: str | None = None, rid: int = 1) -> wire.Chunk:
+    return wire.Chunk(request_id=rid, text=text, tokens=1, finish_reason=finish)
+
+
+async def test_full_buffer_merges_text_chunks_and_keeps_room_for_the_end() -> None:
+    buffer = _ResponseBuffer(2)
+    assert buffer.push(wire.Started(request_id=1, prompt_tokens=3)) == "ok"
+    assert buffer.push(_chunk("a")) == "ok"
+    assert buffer.push(_chunk("b")) == "merged"
+    assert buffer.push(_chunk("c", finish="length")) == "merged"
+    assert buffer.push(_chunk("d")) == "full"  # the last buffered chunk is final: no merge
+    assert buffer.push(wire.End(request_id=1, prompt_tokens=3, completion_tokens=3)) == "ok"
+    assert buffer.finished
+    assert isinstance(await buffer.get(), wire.Started)
+    merged = await buffer.get()
+    assert merged == wire.Chunk(request_id=1, text="abc", tokens=3, finish_reason="length")
+    assert isinstance(await buffer.get(), wire.End)
+
+
+async def test_full_buffer_refuses_embeddings() -> None:
+    buffer = _ResponseBuffer(1)
+    vector = wire.Chunk(request_id=1, embedding=[0.5], index=0)
+    assert buffer.push(vector) == "ok"
+    assert buffer.push(wire.Chunk(request_id=1, embedding=[0.5], index=1)) == "full"
+
+
+def _generate_ids(data: Sequence[bytes]) -> list[tuple[str, int]]:
+    out = []
+    for item in data:
+        message = wire.decode_client_message(item)
+        out.append((type(message).__name__, message.request_id))
+    return out
+
+
+async def _drain_outbox(plane: _RequestPlane) -> list[bytes]:
+    sent: list[bytes] = []
+    while True:
+        with trio.move_on_after(0) as scope:
+            sent.append(await plane.next_outgoing())
+        if scope.cancelled_caught:
+            return sent
+
+
+async def test_request_table_routes_replies_and_forgets_finished_requests() -> None:
+    stats = LinkStats()
+    plane = _RequestPlane(FAST, stats)
+    first_id, first = await plane.open("completions", {"prompt": "a"})
+    second_id, second = await plane.open("completions", {"prompt": "b"})
+    assert _generate_ids(await _drain_outbox(plane)) == [
+        ("Generate", first_id),
+        ("Generate", second_id),
+    ]
+    plane.deliver(wire.Rejected(request_id=second_id, reason=wire.REASON_OVERLOADED))
+    plane.deliver(wire.Started(request_id=first_id, prompt_tokens=1))
+    plane.deliver(wire.End(request_id=first_id, prompt_tokens=1, completion_tokens=0))
+    assert plane.open_requests == 0
+    assert isinstance(await second.get(), wire.Rejected)
+    assert isinstance(await first.get(), wire.Started)
+    assert isinstance(await first.get(), wire.End)
+    plane.deliver(_chunk("late", rid=first_id))
+    assert stats.late_replies == 1
+    plane.cancel(first_id)  # already ended: nothing to send
+    assert await _drain_outbox(plane) == []
+
+
+async def test_cancel_before_the_generate_left_sends_nothing() -> None:
+    plane = _RequestPlane(FAST, LinkStats())
+    request_id, _ = await plane.open("completions", {"prompt": "a"})
+    plane.cancel(request_id)
+    assert await _drain_outbox(plane) == []
+
+
+async def test_cancel_after_the_generate_left_sends_cancel() -> None:
+    plane = _RequestPlane(FAST, LinkStats())
+    request_id, _ = await plane.open("completions", {"prompt": "a"})
+    await _drain_outbox(plane)
+    plane.cancel(request_id)
+    plane.cancel(request_id)  # idempotent
+    assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", request_id)]
+
+
+async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker() -> None:
+    stats = LinkStats()
+    plane = _RequestPlane(LinkSettings(request_buffer=1), stats)
+    slow_id, slow = await plane.open("embeddings", {"input": ["a", "b"]})
+    other_id, other = await plane.open("embeddings", {"input": ["c"]})
+    await _drain_outbox(plane)
+    plane.deliver(wire.Started(request_id=slow_id, prompt_tokens=2))
+    plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=0))
+    plane.deliver(wire.Started(request_id=other_id, prompt_tokens=1))
+    assert stats.requests_overflowed == 1
+    assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", slow_id)]
+    assert isinstance(await slow.get(), wire.Started)
+    failure = await slow.get()
+    assert isinstance(failure, wire.Failed)
+    assert failure.kind == "cancelled"
+    assert "too slowly" in failure.message
+    assert isinstance(await other.get(), wire.Started)  # the other request is untouched
+
+
+async def test_closing_the_session_fails_every_open_request() -> None:
+    plane = _RequestPlane(FAST, LinkStats())
+    ids = [(await plane.open("completions", {"prompt": "x"}))[0] for _ in range(3)]
+    await _drain_outbox(plane)
+    plane.deliver(wire.Started(request_id=ids[0], prompt_tokens=1))
+    assert plane.close("connection closed") == 3
+    late_id, late = await plane.open("completions", {"prompt": "x"})
+    assert isinstance(await late.get(), wire.Failed)
+    assert late_id not in ids
+
+
+async def test_generate_waits_for_room_in_the_outbox() -> None:
+    plane = _RequestPlane(LinkSettings(send_queue=2), LinkStats())
+    await plane.open("completions", {"prompt": "x"})
+    await plane.open("completions", {"prompt": "x"})
+    with trio.move_on_after(0.01) as scope:
+        await plane.open("completions", {"prompt": "x"})
+    assert scope.cancelled_caught
+    await plane.next_outgoing()
+    with trio.fail_after(1):
+        await plane.open("completions", {"prompt": "x"})
+
+
+async def test_stream_hands_out_replies_in_order() -> None:
+    buffer = _ResponseBuffer(8)
+    for reply in (
+        wire.Started(request_id=1, prompt_tokens=2),
+        _chunk("a"),
+        _chunk("b", finish="stop"),
+        wire.End(request_id=1, prompt_tokens=2, completion_tokens=2),
+    ):
+        buffer.push(reply)
+    stream = RequestStream(1, buffer)
+    with pytest.raises(RuntimeError):
+        await stream.__anext__()
+    assert isinstance(await stream.first(), wire.Started)
+    assert [type(r).__name__ for r in [r async for r in stream]] == ["Chunk", "Chunk", "End"]
+    assert [r async for r in stream] == []
+
+
+# ----------------------------------------------------------------------------- loopback
+
+
+class RecordingListener:
+    """A FleetListener that records calls and lets a test wait for a condition."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.configs: list[wire.RuntimeConfig] = []
+        self.events: list[wire.WorkerEvent] = []
+        self.changed = ChangeSignal()
+
+    def worker_up(self, key: str, config: wire.RuntimeConfig, now: float) -> None:
+        self.calls.append(("up", key))
+        self.configs.append(config)
+        self.changed.bump()
+
+    def worker_events(self, key: str, events: Sequence[wire.WorkerEvent], now: float) -> None:
+        self.events.extend(events)
+        self.changed.bump()
+
+    def worker_down(self, key: str, now: float) -> None:
+        self.calls.append(("down", key))
+        self.changed.bump()
+
+    def count(self, what: str) -> int:
+        return sum(1 for call, _ in self.calls if call == what)
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait (the caller bounds the time) until ``condition()`` holds."""
+        version = self.changed.version
+        while not condition():
+            version = await self.changed.wait_past(version)
+
+
+async def poll_until(condition: Callable[[], bool], *, attempts: int = 500) -> None:
+    """Check ``condition`` every 10 ms, at most ``attempts`` times (the caller bounds time)."""
+    for _ in range(attempts):
+        if condition():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+class HoldingEngine(InstantEngine):
+    """The instant engine, except a body with ``"hold": true`` streams one chunk then waits."""
+
+    def __init__(self) -> None:
+        super().__init__(create(_settings()).config)
+
+    def prepare(self, endpoint: wire.Endpoint, body: dict[str, Any]) -> PreparedRequest:
+        prepared = super().prepare(endpoint, body)
+        if body.get("hold"):
+            return PreparedRequest(
+                endpoint=endpoint,
+                prompt_tokens=prepared.prompt_tokens,
+                max_tokens=prepared.max_tokens,
+                payload="hold",
+            )
+        return prepared
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        if request.payload == "hold":
+            yield EngineOutput(text="first", tokens=1)
+            await trio.sleep_forever()
+        async for output in super().generate(request):
+            yield output
+
+
+def _settings(**overrides: Any) -> WorkerSettings:
+    values: dict[str, Any] = {
+        "port": 0,
+        "system_port": 0,
+        "worker_id": "w-test",
+        "heartbeat_interval": 0.05,
+        "mocker": MockerSettings(num_gpu_blocks=64),
+    }
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+async def start_worker(
+    nursery: trio.Nursery, **overrides: Any
+) -> tuple[Worker, WorkerAddress, trio.CancelScope]:
+    """Start a real worker; cancelling the returned scope kills it without a drain."""
+    worker = Worker(_settings(**overrides), HoldingEngine())
+    scope = trio.CancelScope()
+
+    async def serve(*, task_status: trio.TaskStatus[WorkerAddress]) -> None:
+        with scope:
+            await worker.serve(task_status=task_status)
+
+    address = await nursery.start(serve)
+    return worker, address, scope
+
+
+async def start_link(
+    nursery: trio.Nursery, key: str, settings: LinkSettings = FAST
+) -> tuple[WorkerLink, RecordingListener]:
+    listener = RecordingListener()
+    link = WorkerLink(key, listener, settings, rng=random.Random(1))
+    await nursery.start(link.run)
+    return link, listener
+
+
+PROMPT = {"prompt": "one two three", "max_tokens": 5}
+
+
+async def test_hello_config_and_events_reach_the_listener(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        _, address, _ = await start_worker(nursery, engine_request_limit=4)
+        link, listener = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        assert link.connected
+        assert listener.calls == [("up", address.ws_url)]
+        assert link.config is not None
+        assert link.config.worker_id == "w-test"
+        assert link.config.engine_request_limit == 4
+        assert link.config.kv_total_blocks == 64
+        await listener.wait_until(
+            lambda: any(isinstance(e, wire.Heartbeat) for e in listener.events)
+        )
+
+
+async def test_a_request_streams_end_to_end(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        _, address, _ = await start_worker(nursery)
+        link, _ = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        async with link.request("completions", PROMPT) as stream:
+            first = await stream.first()
+            assert isinstance(first, wire.Started)
+            assert first.prompt_tokens == 3
+            replies = [reply async for reply in stream]
+        chunks = [r for r in replies if isinstance(r, wire.Chunk)]
+        assert sum(c.tokens for c in chunks) == 5
+        assert chunks[-1].finish_reason == "length"
+        assert replies[-1] == wire.End(
+            request_id=stream.request_id, prompt_tokens=3, completion_tokens=5
+        )
+        assert link.open_requests == 0
+
+
+async def test_many_concurrent_requests_share_one_connection(nursery: trio.Nursery) -> None:
+    totals: list[int] = []
+
+    async def one(link: WorkerLink, index: int) -> None:
+        body = {"prompt": "x " * (index + 1), "max_tokens": index % 7 + 1}
+        async with link.request("completions", body) as stream:
+            assert isinstance(await stream.first(), wire.Started)
+            replies = [reply async for reply in stream]
+        end = replies[-1]
+        assert isinstance(end, wire.End)
+        assert end.prompt_tokens == index + 1
+        assert sum(r.tokens for r in replies if isinstance(r, wire.Chunk)) == index % 7 + 1
+        totals.append(end.completion_tokens)
+
+    with trio.fail_after(20):
+        _, address, _ = await start_worker(nursery)
+        link, _ = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        async with trio.open_nursery() as clients:
+            for index in range(100):
+                clients.start_soon(one, link, index)
+        assert sorted(totals) == sorted(i % 7 + 1 for i in range(100))
+        assert link.stats.sessions == 1
+
+
+async def test_a_full_worker_rejects_and_a_leaving_client_frees_its_place(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(10):
+        worker, address, _ = await start_worker(
+            nursery, engine_request_limit=1, request_queue_limit=2
+        )
+        link, _ = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        hold = {"prompt": "a", "hold": True}
+        async with (
+            link.request("completions", hold) as running,
+            link.request("completions", hold) as queued_1,
+            link.request("completions", hold) as queued_2,
+        ):
+            assert isinstance(await running.first(), wire.Started)
+            await poll_until(lambda: worker.gate.queued == 2)
+            async with link.request("completions", hold) as extra:
+                rejected = await extra.first()
+            assert rejected == wire.Rejected(
+                request_id=extra.request_id, reason=wire.REASON_OVERLOADED
+            )
+            assert (worker.gate.running, worker.gate.queued) == (1, 2)
+            del queued_1, queued_2
+        # Leaving sent Cancel for the running one and both queued ones.
+        await poll_until(lambda: (worker.gate.running, worker.gate.queued) == (0, 0))
+        assert link.connected
+
+
+async def test_a_cancelled_consumer_cancels_its_request(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        worker, address, _ = await start_worker(nursery, engine_request_limit=2)
+        link, _ = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        with trio.move_on_after(0.2):
+            async with link.request("completions", {"prompt": "a", "hold": True}) as stream:
+                assert isinstance(await stream.first(), wire.Started)
+                async for _ in stream:
+                    pass
+        await poll_until(lambda: worker.gate.running == 0)
+        assert link.open_requests == 0
+
+
+async def test_a_killed_worker_fails_its_requests_and_comes_back(nursery: trio.Nursery) -> None:
+    with trio.fail_after(15):
+        _, address, kill = await start_worker(nursery)
+        port = int(address.ws_url.rsplit(":", 1)[1])
+        link, listener = await start_link(nursery, address.ws_url)
+        await link.wait_connected()
+        async with link.request("completions", {"prompt": "a", "hold": True}) as stream:
+            assert isinstance(await stream.first(), wire.Started)
+            kill.cancel()
+            with trio.fail_after(3):  # promptly, not after a keepalive timeout
+                replies = [reply async for reply in stream]
+        assert isinstance(replies[-1], wire.Failed)
+        assert replies[-1].kind == "unavailable"
+        await listener.wait_until(lambda: listener.count("down") == 1)
+        assert not link.connected
+        async with link.request("completions", PROMPT) as stream:
+            assert isinstance(await stream.first(), wire.Failed)
+
+        # The worker comes back on the same port: the link reconnects by itself.
+        await start_worker(nursery, port=port, worker_id="w-again")
+        await listener.wait_until(lambda: listener.count("up") == 2)
+        assert listener.configs[-1].worker_id == "w-again"
+        async with link.request("completions", PROMPT) as stream:
+            assert isinstance(await stream.first(), wire.Started)
+            assert isinstance([r async for r in stream][-1], wire.End)
+        assert link.stats.requests_failed_by_disconnect == 1
+
+
+async def test_an_unreachable_worker_is_retried_quietly(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        # A port that was just free: connections are refused.
+        listener_socket = trio.socket.socket()
+        await listener_socket.bind(("127.0.0.1", 0))
+        port = listener_socket.getsockname()[1]
+        listener_socket.close()
+        link, listener = await start_link(nursery, f"ws://127.0.0.1:{port}")
+        await poll_until(lambda: link.stats.connect_failures >= 3)
+        assert listener.calls == []
+        async with link.request("completions", PROMPT) as stream:
+            first = await stream.first()
+        assert isinstance(first, wire.Failed)
+        assert first.kind == "unavailable"
+
+
+# A fake worker for protocol faults the real one never commits.
+
+
+async def serve_fake(
+    nursery: trio.Nursery,
+    on_request_plane: Callable[[trio_websocket.WebSocketConnection], Any],
+) -> int:
+    hello = wire.encode(
+        wire.Hello(
+            protocol_version=wire.PROTOCOL_VERSION,
+            config=Worker(_settings(), HoldingEngine()).hello.config,
+        )
+    )
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        try:
+            await ws.send_message(hello)
+            if request.path == "/v1/requests":
+                await on_request_plane(ws)
+            else:
+                while True:
+                    await ws.get_message()
+        except trio_websocket.ConnectionClosed:
+            pass
+
+    server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
+    return int(server.port)
+
+
+async def test_an_undecodable_message_ends_the_session_and_is_counted(
+    nursery: trio.Nursery,
+) -> None:
+    async def garbage_after_generate(ws: trio_websocket.WebSocketConnection) -> None:
+        await ws.get_message()
+        await ws.send_message(b"\xc1 not msgpack")
+        await ws.get_message()
+
+    with trio.fail_after(10):
+        port = await serve_fake(nursery, garbage_after_generate)
+        link, listener = await start_link(nursery, f"ws://127.0.0.1:{port}")
+        await link.wait_connected()
+        async with link.request("completions", PROMPT) as stream:
+            first = await stream.first()
+        assert isinstance(first, wire.Failed)
+        assert first.kind == "unavailable"
+        assert link.stats.protocol_errors == 1
+        await listener.wait_until(lambda: listener.count("up") == 2)  # reconnected
+
+
+async def test_a_wrong_protocol_version_is_refused(nursery: trio.Nursery) -> None:
+    config = Worker(_settings(), HoldingEngine()).hello.config
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message(wire.encode(wire.Hello(protocol_version=99, config=config)))
+        with contextlib.suppress(trio_websocket.ConnectionClosed):
+            await ws.get_message()
+
+    with trio.fail_after(10):
+        server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
+        link, listener = await start_link(nursery, f"ws://127.0.0.1:{server.port}")
+        await poll_until(lambda: link.stats.connect_failures >= 2)
+        assert listener.calls == []
+
+
+def _accept_key(key: bytes) -> bytes:
+    digest = hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()
+    return base64.b64encode(digest)
+
+
+async def test_a_silent_worker_is_dropped_by_the_keepalive(nursery: trio.Nursery) -> None:
+    """A peer that completes the handshake and the hello, then never answers a ping."""
+    hello = wire.encode(
+        wire.Hello(
+            protocol_version=wire.PROTOCOL_VERSION,
+            config=Worker(_settings(), HoldingEngine()).hello.config,
+        )
+    )
+
+    async def mute_peer(stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(4096)
+            if not data:
+                return
+            head += data
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        await stream.send_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + _accept_key(key) + b"\r\n\r\n"
+        )
+        await stream.send_all(b"\x82\x7e" + struct.pack("!H", len(hello)) + hello)
+        with trio.move_on_after(30):
+            while await stream.receive_some(4096):
+                pass  # read and ignore everything: pings go unanswered
+
+    settings = LinkSettings(
+        connect_timeout=2.0,
+        disconnect_timeout=0.2,
+        keepalive_interval=0.05,
+        keepalive_timeout=0.3,
+        backoff_initial=5.0,
+        backoff_cap=5.0,
+    )
+    with trio.fail_after(10):
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, mute_peer, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        link, listener = await start_link(nursery, f"ws://127.0.0.1:{port}", settings)
+        await link.wait_connected()
+        await listener.wait_until(lambda: listener.count("down") == 1)
+        assert link.stats.keepalive_timeouts >= 1
+        nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- the pool
+
+
+async def test_localhost_resolves_to_loopback_only() -> None:
+    with trio.fail_after(5):
+        addresses = await resolve_addresses("localhost", 9100)
+    assert "127.0.0.1" in addresses or "::1" in addresses
+    assert set(addresses) <= {"127.0.0.1", "::1"}
+    assert await resolve_addresses("::1", 1) == ["::1"]
+
+
+async def test_a_host_name_becomes_one_link_per_address(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        _, address, _ = await start_worker(nursery)
+        port = int(address.ws_url.rsplit(":", 1)[1])
+        pool = WorkerPool([f"ws://localhost:{port}"], settings=FAST)
+        listener = RecordingListener()
+        await nursery.start(pool.run, listener)
+        expected = {
+            f"ws://{a if ':' not in a else f'[{a}]'}:{port}"
+            for a in await resolve_addresses("localhost", port)
+        }
+        assert set(pool.links) == expected
+        link = pool.link(f"ws://127.0.0.1:{port}")
+        if link is not None:  # the worker listens on 127.0.0.1 only
+            await link.wait_connected()
+            async with link.request("completions", PROMPT) as stream:
+                assert isinstance(await stream.first(), wire.Started)
+        assert pool.link("ws://192.0.2.1:1") is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_re_resolution_adds_and_stops_links(nursery: trio.Nursery) -> None:
+    answers: list[list[str] | OSError] = [
+        ["127.0.0.1"],
+        OSError("lookup failed"),  # keeps what the name had
+        ["127.0.0.1", "127.0.0.2"],
+        ["127.0.0.2"],
+    ]
+    lookups = ChangeSignal()
+
+    async def resolver(host: str, port: int) -> list[str]:
+        assert host == "workers.test"
+        answer = answers[min(lookups.version, len(answers) - 1)]
+        lookups.bump()
+        if isinstance(answer, OSError):
+            raise answer
+        return list(answer)
+
+    with trio.fail_after(10):
+        _, address, _ = await start_worker(nursery)
+        port = int(address.ws_url.rsplit(":", 1)[1])
+        pool = WorkerPool(
+            [f"ws://workers.test:{port}"], settings=FAST, resolve_interval=0.05, resolver=resolver
+        )
+        listener = RecordingListener()
+        await nursery.start(pool.run, listener)
+        first_key = f"ws://127.0.0.1:{port}"
+        assert set(pool.links) == {first_key}
+        first = pool.links[first_key]
+        await first.wait_connected()
+        await lookups.wait_past(2)
+        await poll_until(lambda: set(pool.links) == {f"ws://127.0.0.2:{port}"})
+        # The removed link ended its session and told the listener.
+        await listener.wait_until(lambda: ("down", first_key) in listener.calls)
+        assert not first.connected
+        nursery.cancel_scope.cancel()
