@@ -1,0 +1,489 @@
+"""Tests of the runnable examples: the scripts load, their helpers hold, the files they ship parse.
+
+The example scripts are not a package; they are loaded from their paths. The clients are also run
+once against a small scripted HTTP server on loopback (the project's own HTTP server), so the
+retry loop and the load generator are checked against real sockets, not only against fakes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from email.utils import format_datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from frontend_shim.metrics import FrontendMetrics, RankLoadSample
+from worker_ingress.admission import AdmissionGate
+from worker_ingress.httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+from worker_ingress.metrics import WorkerMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+DASHBOARD = EXAMPLES / "grafana" / "dynamo-shim-dashboard.json"
+PROMETHEUS = EXAMPLES / "prometheus" / "prometheus.yml"
+
+#: The metric names of the contract (the external interface); the dashboard must show them all.
+CONTRACT_METRICS = frozenset(
+    {
+        "dynamo_rejection_request_total",
+        "dynamo_engine_request",
+        "dynamo_request_queue",
+        "dynamo_engine_request_limit",
+        "dynamo_request_queue_limit",
+        "dynamo_component_total_blocks",
+        "dynamo_component_kv_used_blocks",
+        "dynamo_frontend_model_rejection_total",
+        "dynamo_frontend_worker_active_decode_blocks",
+        "dynamo_frontend_worker_active_prefill_tokens",
+        "dynamo_frontend_worker_kv_total_blocks",
+        "dynamo_frontend_requests_total",
+        "dynamo_frontend_inflight_requests",
+        "dynamo_frontend_time_to_first_token_seconds",
+        "dynamo_frontend_request_duration_seconds",
+    }
+)
+
+
+def _load(name: str) -> ModuleType:
+    path = EXAMPLES / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before running it: dataclasses look their module up in sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+retrying = _load("retrying_client")
+loadgen = _load("load_generator")
+
+
+# ----------------------------------------------------------------------------- backoff schedule
+
+
+def test_backoff_doubles_with_jitter_and_stops_at_the_cap() -> None:
+    policy = retrying.RetryPolicy(base_delay=0.5, max_delay=4.0)
+    rng = random.Random(7)
+    for retry in range(40):
+        ceiling = min(4.0, 0.5 * 2**retry)
+        delay = retrying.backoff_delay(retry, None, policy, rng)
+        assert ceiling / 2 <= delay <= ceiling
+
+
+def test_backoff_jitter_spreads_clients_rejected_together() -> None:
+    policy = retrying.RetryPolicy(base_delay=1.0, max_delay=8.0)
+    rng = random.Random(1)
+    delays = {round(retrying.backoff_delay(3, None, policy, rng), 6) for _ in range(50)}
+    assert len(delays) > 40
+
+
+@given(
+    retry=st.integers(min_value=0, max_value=10_000),
+    retry_after=st.one_of(st.none(), st.floats(min_value=0, max_value=1e6)),
+    base=st.floats(min_value=0.001, max_value=10),
+    extra=st.floats(min_value=0, max_value=100),
+    max_retry_after=st.floats(min_value=0, max_value=1000),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_backoff_honours_retry_after_up_to_its_bound(
+    retry: int,
+    retry_after: float | None,
+    base: float,
+    extra: float,
+    max_retry_after: float,
+    seed: int,
+) -> None:
+    policy = retrying.RetryPolicy(
+        base_delay=base, max_delay=base + extra, max_retry_after=max_retry_after
+    )
+    delay = retrying.backoff_delay(retry, retry_after, policy, random.Random(seed))
+    ceiling = min(policy.max_delay, base * 2.0 ** min(retry, 64))
+    floor = 0.0 if retry_after is None else min(retry_after, max_retry_after)
+    assert delay >= floor  # never sooner than the server asked (within the bound)
+    assert delay >= ceiling / 2  # never zero
+    assert delay <= max(ceiling, floor)  # the cap holds unless Retry-After asks for more
+
+
+def test_retry_after_seconds_and_http_date() -> None:
+    now = 1_700_000_000.0
+    assert retrying.parse_retry_after("3") == 3.0
+    assert retrying.parse_retry_after(" 12 ") == 12.0
+    assert retrying.parse_retry_after(None) is None
+    assert retrying.parse_retry_after("soon") is None
+    assert retrying.parse_retry_after("-1") is None
+    date = format_datetime(datetime.datetime.fromtimestamp(now + 30, tz=datetime.UTC), usegmt=True)
+    assert retrying.parse_retry_after(date, now=now) == pytest.approx(30.0)
+    assert retrying.parse_retry_after(date, now=now + 100) == 0.0
+
+
+def test_policy_refuses_values_that_cannot_bound_anything() -> None:
+    with pytest.raises(ValueError, match="max_attempts"):
+        retrying.RetryPolicy(max_attempts=0)
+    with pytest.raises(ValueError, match="base_delay"):
+        retrying.RetryPolicy(base_delay=5.0, max_delay=1.0)
+
+
+# ----------------------------------------------------------------------------- retry loop, faked
+
+
+class _Scripted:
+    """A transport that answers from a list: ``(status, headers)`` or an exception."""
+
+    def __init__(self, answers: list[tuple[int, dict[str, str]] | OSError]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    def __call__(self, url: str, body: bytes, timeout: float) -> tuple[int, Mapping[str, str], Any]:
+        answer = self.answers[self.calls]
+        self.calls += 1
+        if isinstance(answer, OSError):
+            raise answer
+        status, headers = answer
+        return status, headers, _Body(b'{"choices":[{"message":{"content":"hi"}}]}')
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.closed = False
+
+    def read(self) -> bytes:
+        return self.data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.data.splitlines(keepends=True))
+
+
+def _send(transport: _Scripted, policy: Any, clock: Any = None, body: Any = None) -> Any:
+    waited: list[float] = []
+    answer = retrying.send_with_retries(
+        "http://127.0.0.1:1/v1/chat/completions",
+        body or {"model": "m", "messages": []},
+        policy,
+        transport=transport,
+        sleep=waited.append,
+        clock=clock or (lambda: 0.0),
+        rng=random.Random(3),
+    )
+    assert waited == answer.delays
+    return answer
+
+
+def test_retries_529_and_waits_at_least_retry_after() -> None:
+    transport = _Scripted(
+        [(529, {"retry-after": "4"}), (503, {"retry-after": "1"}), (200, {}), (200, {})]
+    )
+    policy = retrying.RetryPolicy(base_delay=0.1, max_delay=0.2)
+    answer = _send(transport, policy)
+    assert answer.status == 200
+    assert answer.attempts == 3
+    assert answer.delays[0] >= 4.0
+    assert answer.delays[1] >= 1.0
+    assert json.loads(answer.body)["choices"][0]["message"]["content"] == "hi"
+
+
+def test_final_statuses_are_not_retried() -> None:
+    for status in (200, 400, 404, 500):
+        transport = _Scripted([(status, {}), (200, {})])
+        answer = _send(transport, retrying.RetryPolicy())
+        assert (answer.status, answer.attempts, transport.calls) == (status, 1, 1)
+
+
+def test_a_refused_connection_is_retried() -> None:
+    transport = _Scripted([ConnectionRefusedError("refused"), (200, {})])
+    answer = _send(transport, retrying.RetryPolicy(base_delay=0.1, max_delay=0.1))
+    assert (answer.status, answer.attempts) == (200, 2)
+
+
+def test_attempts_are_bounded() -> None:
+    transport = _Scripted([(529, {"retry-after": "1"})] * 10)
+    answer = _send(transport, retrying.RetryPolicy(max_attempts=3))
+    assert (answer.status, answer.attempts, transport.calls, len(answer.delays)) == (529, 3, 3, 2)
+
+
+def test_no_retry_starts_after_the_deadline() -> None:
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    class _Slow(_Scripted):
+        def __call__(
+            self, url: str, body: bytes, timeout: float
+        ) -> tuple[int, Mapping[str, str], Any]:
+            now[0] += 1.0  # each attempt takes a second
+            return super().__call__(url, body, timeout)
+
+    transport = _Slow([(529, {"retry-after": "2"})] * 50)
+    answer = retrying.send_with_retries(
+        "http://127.0.0.1:1/v1/completions",
+        {"model": "m", "prompt": "hi"},
+        retrying.RetryPolicy(max_attempts=50, base_delay=0.1, max_delay=0.1, deadline=10.0),
+        transport=transport,
+        sleep=sleep,
+        clock=lambda: now[0],
+        rng=random.Random(3),
+    )
+    assert answer.status == 529
+    # Attempts start at t=0, 3, 6, 9 (each takes 1 s, then 2 s of Retry-After); a fifth would
+    # start at 12, past the 10 s deadline, so the loop stops after the fourth.
+    assert answer.attempts == 4
+    assert answer.delays == [2.0, 2.0, 2.0]
+
+
+def test_a_streamed_200_is_handed_back_unread() -> None:
+    transport = _Scripted([(200, {})])
+    answer = _send(transport, retrying.RetryPolicy(), body={"model": "m", "stream": True})
+    assert answer.body == b""
+    assert answer.stream_lines is not None
+    assert list(answer.stream_lines) == ['{"choices":[{"message":{"content":"hi"}}]}']
+
+
+def test_request_bodies() -> None:
+    chat = retrying.build_body("chat", "m", "hello", 8, True)
+    assert chat == {
+        "model": "m",
+        "max_tokens": 8,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hello"}],
+    }
+    assert retrying.build_body("completions", "m", "hi", 4, False)["prompt"] == "hi"
+
+
+# ----------------------------------------------------------------------------- against loopback
+
+
+class _ScriptedServer:
+    """An HTTP handler that sheds every ``shed_every``-th request with 529 and Retry-After."""
+
+    def __init__(self, shed_first: int = 0, shed_every: int = 0) -> None:
+        self.shed_first = shed_first
+        self.shed_every = shed_every
+        self.requests = 0
+
+    async def handle(self, request: HTTPRequest, responder: HTTPResponder) -> None:
+        self.requests += 1
+        n = self.requests
+        if n <= self.shed_first or (self.shed_every and n % self.shed_every == 0):
+            # Like the frontend's fast shed: answered before the body is read, so the server
+            # closes the connection afterwards and the client must reconnect.
+            body = b'{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
+            await responder.send(529, json_headers((b"retry-after", b"1")), body)
+            return
+        await request.read_body()
+        reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}
+        await responder.send(200, json_headers(), json.dumps(reply).encode())
+
+
+async def test_retrying_client_against_a_shedding_server() -> None:
+    server = _ScriptedServer(shed_first=2)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            waited: list[float] = []
+            answer = await trio.to_thread.run_sync(
+                lambda: retrying.send_with_retries(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    retrying.build_body("chat", "m", "hello", 4, False),
+                    retrying.RetryPolicy(base_delay=0.01, max_delay=0.02),
+                    timeout=10.0,
+                    sleep=waited.append,  # record instead of sleeping: the test stays fast
+                )
+            )
+            nursery.cancel_scope.cancel()
+    assert answer.status == 200
+    assert answer.attempts == 3
+    assert len(waited) == 2
+    assert all(delay >= 1.0 for delay in waited)  # the server's Retry-After: 1
+    assert json.loads(answer.body)["choices"][0]["message"]["content"] == "ok"
+
+
+async def test_load_generator_counts_every_request_and_reconnects_after_a_shed() -> None:
+    server = _ScriptedServer(shed_every=3)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            target = loadgen.parse_target(f"http://127.0.0.1:{port}", "/v1/chat/completions")
+            report = await loadgen.run_load(
+                target,
+                {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                clients=4,
+                duration=15.0,
+                max_requests=60,
+                request_timeout=5.0,
+            )
+            nursery.cancel_scope.cancel()
+    assert report.total == 60 == server.requests
+    assert report.statuses[529] == 20
+    assert report.statuses[200] == 40
+    assert len(report.ok_latencies) == 40
+    assert report.retry_after == {"1": 20}
+    summary = report.summary()
+    assert "529" in summary
+    assert "p99" in summary
+
+
+async def test_load_generator_stops_at_its_duration_when_nothing_listens() -> None:
+    with trio.fail_after(10):
+        # Bind then close a listener: the port is (almost certainly) refused afterwards.
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        for listener in listeners:
+            await listener.aclose()
+        started = time.monotonic()
+        report = await loadgen.run_load(
+            loadgen.Target("127.0.0.1", port, "/v1/completions"),
+            {"model": "m", "prompt": "hi"},
+            clients=2,
+            duration=0.3,
+            max_requests=1000,
+            request_timeout=1.0,
+        )
+    assert time.monotonic() - started < 5.0  # an order of magnitude above the 0.3 s asked
+    assert report.statuses[200] == 0
+    assert 0 < report.total < 1000
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert loadgen.percentile(values, 0.5) == 50.0
+    assert loadgen.percentile(values, 0.99) == 99.0
+    assert loadgen.percentile(values, 1.0) == 100.0
+    assert loadgen.percentile(values, 0.0) == 1.0
+    assert loadgen.percentile([7.0], 0.99) == 7.0
+    with pytest.raises(ValueError, match="no values"):
+        loadgen.percentile([], 0.5)
+
+
+def test_load_generator_stays_on_loopback_unless_told() -> None:
+    target = loadgen.parse_target("http://127.0.0.1:8000", "/v1/completions")
+    assert target == loadgen.Target("127.0.0.1", 8000, "/v1/completions")
+    assert loadgen.parse_target("http://localhost:9", "/x").host == "localhost"
+    with pytest.raises(ValueError, match="loopback"):
+        loadgen.parse_target("http://10.1.2.3:8000", "/v1/completions")
+    assert loadgen.parse_target("http://10.1.2.3:8000", "/x", allow_remote=True).port == 8000
+    with pytest.raises(ValueError, match="http://"):
+        loadgen.parse_target("https://127.0.0.1", "/x")
+
+
+def test_load_generator_refuses_unbounded_runs() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        trio.run(
+            lambda: loadgen.run_load(
+                loadgen.Target("127.0.0.1", 1, "/"),
+                {},
+                clients=1,
+                duration=float("nan"),  # not > 0
+                max_requests=1,
+                request_timeout=1.0,
+            )
+        )
+
+
+# ----------------------------------------------------------------------------- dashboards
+
+
+def _exposed_metric_names() -> set[str]:
+    """Every sample name both processes expose, read from real registries."""
+    gate = AdmissionGate(engine_slots=2, queue_limit=2)
+    worker_text, _ = WorkerMetrics(gate, kv_blocks=lambda: (10, 1)).render(None)
+    frontend = FrontendMetrics(lambda: [RankLoadSample("w", 0, 1, 2, 10)])
+    frontend.count_rejection("m", "chat_completions")
+    frontend.count_request("m", "chat_completions", 200)
+    frontend.inflight("m").inc()
+    frontend.observe_ttft("m", 0.1)
+    frontend.observe_duration("m", 0.2)
+    frontend_text, _ = frontend.render(None)
+    names: set[str] = set()
+    for text in (worker_text, frontend_text):
+        for line in text.decode().splitlines():
+            if line and not line.startswith("#"):
+                names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", ()):
+            exprs.append(target["expr"])
+    return exprs
+
+
+def test_dashboard_references_only_metrics_that_exist() -> None:
+    exposed = _exposed_metric_names()
+    assert (
+        CONTRACT_METRICS
+        - {
+            "dynamo_frontend_time_to_first_token_seconds",
+            "dynamo_frontend_request_duration_seconds",
+        }
+        <= exposed
+    )
+    referenced = {
+        name for expr in _dashboard_exprs() for name in re.findall(r"\bdynamo_[a-z_]+", expr)
+    }
+    assert referenced, "the dashboard queries no metric"
+    unknown = referenced - exposed
+    assert not unknown, f"the dashboard queries metrics nobody exposes: {sorted(unknown)}"
+
+
+def test_dashboard_shows_every_contract_metric() -> None:
+    text = " ".join(_dashboard_exprs())
+    missing = {name for name in CONTRACT_METRICS if name not in text}
+    assert not missing
+
+
+def test_dashboard_panels_are_well_formed() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert dashboard["uid"]
+    assert dashboard["title"]
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["targets"], panel["title"]
+            for target in panel["targets"]:
+                assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+
+
+def test_prometheus_config_scrapes_the_frontend_and_workers() -> None:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    targets = {
+        job["job_name"]: [t for group in job["static_configs"] for t in group["targets"]]
+        for job in config["scrape_configs"]
+    }
+    assert targets["frontend-shim"] == ["127.0.0.1:8000"]
+    assert "127.0.0.1:9101" in targets["worker-ingress"]
+    assert all(
+        job.get("metrics_path", "/metrics") == "/metrics" for job in config["scrape_configs"]
+    )
+
+
+@pytest.mark.parametrize("script", ["retrying_client", "load_generator"])
+def test_scripts_show_help(script: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = retrying if script == "retrying_client" else loadgen
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "--url" in capsys.readouterr().out
