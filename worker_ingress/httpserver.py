@@ -73,8 +73,10 @@ class HTTPLimits:
 
     Attributes:
         max_body_bytes: the largest request body accepted; larger bodies get 413.
-        max_head_bytes: the largest request head (request line plus headers); h11's
-            ``max_incomplete_event_size``. Larger heads get 431.
+        max_head_bytes: the largest incomplete request head h11 buffers (its
+            ``max_incomplete_event_size``); a head still incomplete past it gets 431. h11 checks
+            only incomplete heads, so one that arrives whole in a single read may be up to
+            ``receive_bytes`` long.
         header_timeout: seconds a client has to send a whole request head, counted from the
             accept for the first request and from its first byte for later ones.
         keepalive_timeout: seconds an idle keep-alive connection is kept between requests.

@@ -1,0 +1,746 @@
+"""The HTTP/1.1 server: keep-alive, limits, timeouts, streaming, disconnects and failures.
+
+Most tests talk to :func:`serve_http` over loopback sockets with an h11 client; the timeout and
+backpressure tests drive :func:`serve_connection` over in-memory streams under the autojump clock,
+where virtual time makes them exact.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from worker_ingress.httpserver import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Handler,
+    HTTPLimits,
+    HTTPRequest,
+    HTTPResponder,
+    error_body,
+    json_headers,
+    serve_connection,
+    serve_http,
+)
+
+MAX_READS = 1000  # bound on receive calls in one helper
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def running_server(
+    handler: Handler,
+    *,
+    limits: HTTPLimits | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> AsyncIterator[int]:
+    """Serve ``handler`` on a loopback port for the duration of the block; yields the port."""
+    async with trio.open_nursery() as nursery:
+        kwargs = {} if limits is None else {"limits": limits}
+        port = await nursery.start(
+            lambda task_status: serve_http(
+                handler, "127.0.0.1", 0, on_error=on_error, task_status=task_status, **kwargs
+            )
+        )
+        yield port
+        nursery.cancel_scope.cancel()
+
+
+class Client:
+    """A raw HTTP/1.1 client over one stream, using h11 to parse what the server sends."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def send_request(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]] | None = None,
+        body: bytes | None = None,
+    ) -> None:
+        all_headers = [("host", "127.0.0.1"), *(headers or [])]
+        if body is not None:
+            all_headers.append(("content-length", str(len(body))))
+        data = self.conn.send(h11.Request(method=method, target=target, headers=all_headers))
+        assert data is not None
+        if body is not None:
+            data += self.conn.send(h11.Data(data=body)) or b""
+            data += self.conn.send(h11.EndOfMessage()) or b""
+        await self.stream.send_all(data)
+
+    async def next_event(self) -> h11.Event:
+        for _ in range(MAX_READS):
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(bytes(await self.stream.receive_some(65536)))
+                continue
+            assert isinstance(event, h11.Event)
+            return event
+        raise AssertionError("no complete event")
+
+    def expect_response_to(self, method: str = "GET") -> None:
+        """Put the parser in step with a request that was written as raw bytes."""
+        self.conn.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+        self.conn.send(h11.EndOfMessage())
+
+    async def request(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]] | None = None,
+        body: bytes | None = None,
+    ) -> tuple[h11.Response, bytes]:
+        await self.send_request(method, target, headers, body)
+        if body is None:
+            await self.stream.send_all(self.conn.send(h11.EndOfMessage()) or b"")
+        response = await self.response_head_and_body()
+        self.conn.start_next_cycle()
+        return response
+
+    async def response_head_and_body(self) -> tuple[h11.Response, bytes]:
+        head: h11.Response | None = None
+        body = b""
+        for _ in range(MAX_READS):
+            event = await self.next_event()
+            if isinstance(event, h11.Response):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                return head, body
+        raise AssertionError("response did not end")
+
+
+def header(response: h11.Response, name: bytes) -> bytes | None:
+    for key, value in response.headers:
+        if key == name:
+            return value
+    return None
+
+
+async def read_until_eof(stream: trio.abc.ReceiveStream) -> bytes:
+    data = b""
+    for _ in range(MAX_READS):
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError("no EOF")
+
+
+async def echo(request: HTTPRequest, responder: HTTPResponder) -> None:
+    """Answer with what was asked: method, path, query, a header and the body."""
+    body = await request.read_body()
+    answer = {
+        "method": request.method,
+        "path": request.path,
+        "query": request.query,
+        "x-test": (request.header(b"x-test") or b"").decode(),
+        "body": body.decode(),
+    }
+    await responder.send(200, json_headers(), json.dumps(answer).encode())
+
+
+async def hello(request: HTTPRequest, responder: HTTPResponder) -> None:
+    await responder.send(200, json_headers(), b'{"hello":true}')
+
+
+# -- keep-alive and request fields ------------------------------------------------------------
+
+
+async def test_two_requests_on_one_connection_with_request_fields() -> None:
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                client = Client(stream)
+                head, body = await client.request("GET", "/a/b?x=1&y=2", [("X-Test", "v")])
+                assert head.status_code == 200
+                assert json.loads(body) == {
+                    "method": "GET",
+                    "path": "/a/b",
+                    "query": "x=1&y=2",
+                    "x-test": "v",
+                    "body": "",
+                }
+                head, body = await client.request("POST", "/c", body=b"payload")
+                assert head.status_code == 200
+                assert header(head, b"connection") is None
+                assert json.loads(body)["body"] == "payload"
+
+
+async def test_stdlib_client_keeps_the_connection_alive() -> None:
+    """http.client (the standard library's client) as an independent peer."""
+    connections: list[object] = []
+
+    async def handler(request: HTTPRequest, responder: HTTPResponder) -> None:
+        connections.append(request._connection)
+        await echo(request, responder)
+
+    def talk(port: int) -> list[tuple[int, bytes]]:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            results = []
+            for body in (b"one", b"two", b"three"):
+                conn.request("POST", "/x", body=body, headers={"Content-Type": "text/plain"})
+                response = conn.getresponse()
+                results.append((response.status, response.read()))
+            return results
+        finally:
+            conn.close()
+
+    with trio.fail_after(10):
+        async with running_server(handler) as port:
+            results = await trio.to_thread.run_sync(talk, port)
+    assert [status for status, _ in results] == [200, 200, 200]
+    assert [json.loads(body)["body"] for _, body in results] == ["one", "two", "three"]
+    assert len(set(map(id, connections))) == 1
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                raw = (
+                    b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(3))
+                    + b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+                )
+                await stream.send_all(raw)
+                client = Client(stream)
+                paths = []
+                for _ in range(4):
+                    client.expect_response_to()
+                    head, body = await client.response_head_and_body()
+                    client.conn.start_next_cycle()
+                    assert head.status_code == 200
+                    paths.append(json.loads(body)["path"])
+                assert paths == ["/0", "/1", "/2", "/body"]
+
+
+# -- bodies, 100-continue, 413 ----------------------------------------------------------------
+
+
+async def test_expect_100_continue_is_answered_when_the_handler_reads_the_body() -> None:
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                client = Client(stream)
+                await client.send_request(
+                    "POST", "/e", [("expect", "100-continue"), ("content-length", "5")]
+                )
+                informational = await client.next_event()
+                assert isinstance(informational, h11.InformationalResponse)
+                assert informational.status_code == 100
+                await stream.send_all(
+                    (client.conn.send(h11.Data(data=b"hello")) or b"")
+                    + (client.conn.send(h11.EndOfMessage()) or b"")
+                )
+                head, body = await client.response_head_and_body()
+                assert head.status_code == 200
+                assert json.loads(body)["body"] == "hello"
+
+
+async def test_no_100_continue_when_the_handler_answers_without_the_body() -> None:
+    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(529, json_headers(), b'{"code":529}')
+
+    with trio.fail_after(10):
+        async with running_server(refuse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Expect: 100-continue\r\nContent-Length: 10\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 529 ")
+    assert b"100 Continue" not in raw
+    assert b"\r\nconnection: close\r\n" in raw.lower()
+    assert raw.endswith(b'{"code":529}')
+
+
+async def test_early_response_without_reading_the_body_closes_the_connection() -> None:
+    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(529, json_headers(), b"{}")
+
+    with trio.fail_after(10):
+        async with running_server(refuse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                # The body is sent in full; the server still may not reuse the connection as
+                # the handler never read it.
+                await stream.send_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody"
+                    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.count(b"HTTP/1.1") == 1
+    assert raw.startswith(b"HTTP/1.1 529 ")
+    assert b"connection: close" in raw.lower()
+
+
+async def test_body_over_the_limit_by_content_length_gets_413_before_100_continue() -> None:
+    limits = HTTPLimits(max_body_bytes=10)
+    with trio.fail_after(10):
+        async with running_server(echo, limits=limits) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 11\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 413 ")
+    assert b"100 Continue" not in raw
+    body = json.loads(raw.partition(b"\r\n\r\n")[2])
+    assert body["error"]["code"] == 413
+    assert body["error"]["type"] == "invalid_request_error"
+    assert isinstance(body["error"]["message"], str)
+
+
+async def test_body_at_the_limit_is_accepted() -> None:
+    limits = HTTPLimits(max_body_bytes=10)
+    with trio.fail_after(10):
+        async with running_server(echo, limits=limits) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                head, body = await Client(stream).request("POST", "/", body=b"0123456789")
+    assert head.status_code == 200
+    assert json.loads(body)["body"] == "0123456789"
+
+
+async def test_chunked_body_over_the_limit_gets_413() -> None:
+    limits = HTTPLimits(max_body_bytes=10)
+    with trio.fail_after(10):
+        async with running_server(echo, limits=limits) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"6\r\nabcdef\r\n6\r\nghijkl\r\n0\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 413 ")
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == 413
+
+
+async def test_chunked_body_under_the_limit_is_joined() -> None:
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+                )
+                await trio.sleep(0.01)  # the rest arrives in a later segment
+                await stream.send_all(b"2\r\nde\r\n0\r\n\r\n")
+                client = Client(stream)
+                client.expect_response_to("POST")
+                head, body = await client.response_head_and_body()
+    assert head.status_code == 200
+    assert json.loads(body)["body"] == "abcde"
+
+
+async def test_a_handler_may_answer_body_too_large_itself() -> None:
+    async def custom(request: HTTPRequest, responder: HTTPResponder) -> None:
+        try:
+            await request.read_body()
+        except BodyTooLarge:
+            await responder.send(413, json_headers(), b'{"custom":true}')
+
+    with trio.fail_after(10):
+        async with running_server(custom, limits=HTTPLimits(max_body_bytes=1)) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 413 ")
+    assert raw.endswith(b'{"custom":true}')
+
+
+# -- malformed requests -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"NOT A REQUEST\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nNo-Colon\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", b"431"),
+    ],
+    ids=["garbage", "bad-header", "head-too-large"],
+)
+async def test_a_malformed_request_gets_an_error_and_a_close(raw: bytes, status: bytes) -> None:
+    errors: list[BaseException] = []
+    with trio.fail_after(10):
+        async with running_server(hello, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(raw)
+                answer = await read_until_eof(stream)
+    assert answer.startswith(b"HTTP/1.1 " + status + b" ")
+    assert b"connection: close" in answer.lower()
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == int(status)
+    assert errors == []  # a bad client is not a server error
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+
+async def test_sse_stream_is_chunked_and_the_connection_is_kept() -> None:
+    async def sse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [(b"content-type", b"text/event-stream")])
+        assert responder.started
+        for i in range(3):
+            await responder.send_chunk(b"data: %d\n\n" % i)
+        await responder.send_chunk(b"")  # sends nothing
+        await responder.send_chunk(b"data: [DONE]\n\n")
+        await responder.end_stream()
+
+    with trio.fail_after(10):
+        async with running_server(sse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                client = Client(stream)
+                head, body = await client.request("GET", "/stream")
+                assert head.status_code == 200
+                assert header(head, b"transfer-encoding") == b"chunked"
+                assert header(head, b"content-length") is None
+                assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+                head, body = await client.request("GET", "/again")
+                assert body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stream_left_open_by_the_handler_is_ended_for_it() -> None:
+    async def forgetful(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [])
+        await responder.send_chunk(b"x")
+
+    with trio.fail_after(10):
+        async with running_server(forgetful) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                head, body = await Client(stream).request("GET", "/")
+    assert (head.status_code, body) == (200, b"x")
+
+
+async def test_a_handler_failing_mid_stream_cuts_the_stream_short() -> None:
+    errors: list[BaseException] = []
+
+    async def failing(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [])
+        await responder.send_chunk(b"partial")
+        raise ValueError("engine fell over")
+
+    with trio.fail_after(10):
+        async with running_server(failing, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                client = Client(stream)
+                await client.send_request("GET", "/")
+                await stream.send_all(client.conn.send(h11.EndOfMessage()) or b"")
+                with pytest.raises(h11.RemoteProtocolError):
+                    await client.response_head_and_body()
+    assert [type(e) for e in errors] == [ValueError]
+
+
+async def test_responding_twice_is_an_error() -> None:
+    outcome: list[str] = []
+
+    async def twice(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(200, [], b"one")
+        try:
+            await responder.send(200, [], b"two")
+        except RuntimeError:
+            outcome.append("refused")
+
+    with trio.fail_after(10):
+        async with running_server(twice) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                _, body = await Client(stream).request("GET", "/")
+    assert body == b"one"
+    assert outcome == ["refused"]
+
+
+# -- disconnects ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_client_disconnect_cancels_a_sleeping_handler(method: str) -> None:
+    started = trio.Event()
+    cleaned_up = trio.Event()
+    errors: list[BaseException] = []
+
+    async def slow_prefill(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await request.read_body()
+        started.set()
+        try:
+            await trio.sleep_forever()  # nothing is written while "prefilling"
+        finally:
+            cleaned_up.set()
+
+    with trio.fail_after(10):
+        async with running_server(slow_prefill, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            client = Client(stream)
+            await client.send_request(method, "/", body=b"{}" if method == "POST" else None)
+            if method == "GET":
+                await stream.send_all(client.conn.send(h11.EndOfMessage()) or b"")
+            await started.wait()
+            await stream.aclose()
+            await cleaned_up.wait()
+    assert errors == []
+
+
+async def test_client_disconnect_while_the_body_is_read() -> None:
+    outcome: list[str] = []
+    reading = trio.Event()
+    done = trio.Event()
+
+    async def reader(request: HTTPRequest, responder: HTTPResponder) -> None:
+        reading.set()
+        try:
+            await request.read_body()
+            outcome.append("body")  # pragma: no cover - the body never completes
+        except ClientDisconnected:
+            outcome.append("disconnected")
+        finally:
+            done.set()
+
+    with trio.fail_after(10):
+        async with running_server(reader) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc")
+            await reading.wait()
+            await stream.aclose()
+            await done.wait()
+    # Either the reader saw EOF first (cancelled) or read_body did: both end the handler.
+    assert outcome in ([], ["disconnected"])
+
+
+async def test_writing_to_a_departed_client_raises_client_disconnected() -> None:
+    outcome: list[str] = []
+    errors: list[BaseException] = []
+    finished = trio.Event()
+    client_gone = trio.Event()
+
+    async def streamer(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [])
+        try:
+            with trio.CancelScope(shield=True):
+                # Shielded, so the reader's cancellation cannot win: the write must fail.
+                await client_gone.wait()
+                for _ in range(MAX_READS):
+                    await responder.send_chunk(b"x" * 65536)
+        except ClientDisconnected:
+            outcome.append("disconnected")
+        finally:
+            finished.set()
+
+    with trio.fail_after(10):
+        async with running_server(streamer, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            client = Client(stream)
+            await client.send_request("GET", "/")
+            await stream.send_all(client.conn.send(h11.EndOfMessage()) or b"")
+            assert isinstance(await client.next_event(), h11.Response)
+            stream.socket.setsockopt(  # close with a reset so the server's writes fail fast
+                trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            await stream.aclose()
+            client_gone.set()
+            await finished.wait()
+    assert outcome == ["disconnected"]
+    assert errors == []
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+async def test_a_failing_handler_gets_500_and_the_server_keeps_serving() -> None:
+    errors: list[BaseException] = []
+
+    async def sometimes(request: HTTPRequest, responder: HTTPResponder) -> None:
+        if request.path == "/boom":
+            raise KeyError("bug")
+        await hello(request, responder)
+
+    with trio.fail_after(10):
+        async with running_server(sometimes, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw = await read_until_eof(stream)
+            assert raw.startswith(b"HTTP/1.1 500 ")
+            error = json.loads(raw.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == 500
+            assert "bug" not in error["message"]  # internals stay on the server
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                head, _ = await Client(stream).request("GET", "/fine")
+            assert head.status_code == 200
+    assert [type(e) for e in errors] == [KeyError]
+
+
+async def test_a_handler_that_does_not_answer_gets_500() -> None:
+    errors: list[BaseException] = []
+
+    async def silent(request: HTTPRequest, responder: HTTPResponder) -> None:
+        return None
+
+    with trio.fail_after(10):
+        async with running_server(silent, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 500 ")
+    assert [type(e) for e in errors] == [RuntimeError]
+
+
+async def test_a_failing_on_error_callback_does_not_break_the_server() -> None:
+    def broken_counter(error: BaseException) -> None:
+        raise RuntimeError("counter broke")
+
+    async def failing(request: HTTPRequest, responder: HTTPResponder) -> None:
+        raise ValueError("bug")
+
+    with trio.fail_after(10):
+        async with running_server(failing, on_error=broken_counter) as port:
+            for _ in range(2):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 500 ")
+
+
+# -- timeouts and backpressure (in memory, virtual time) --------------------------------------
+
+
+async def test_header_timeout_disconnects_a_slow_client(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    client, server = trio.testing.memory_stream_pair()
+    limits = HTTPLimits(header_timeout=10.0)
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, hello, limits=limits))
+            started = trio.current_time()
+            await client.send_all(b"GET / HTTP/1.1\r\nHost:")  # never finished
+            assert await read_until_eof(client) == b""
+            assert trio.current_time() - started == pytest.approx(10.0)
+
+
+async def test_a_real_socket_header_timeout() -> None:
+    limits = HTTPLimits(header_timeout=0.2)
+    with trio.fail_after(10):
+        async with running_server(hello, limits=limits) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET / HTTP/1.1\r\n")
+                assert await read_until_eof(stream) == b""
+
+
+async def test_idle_keepalive_timeout_and_header_timeout_after_first_byte(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    client_stream, server = trio.testing.memory_stream_pair()
+    limits = HTTPLimits(header_timeout=10.0, keepalive_timeout=75.0)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, hello, limits=limits))
+            client = Client(client_stream)
+            head, _ = await client.request("GET", "/")
+            assert head.status_code == 200
+            # Idle for less than the keep-alive timeout (far longer than the header timeout):
+            # the connection is still usable.
+            await trio.sleep(70.0)
+            head, _ = await client.request("GET", "/")
+            assert head.status_code == 200
+            # Idle past the keep-alive timeout: closed.
+            idle_since = trio.current_time()
+            assert await read_until_eof(client_stream) == b""
+            assert trio.current_time() - idle_since == pytest.approx(75.0)
+
+
+async def test_a_second_head_must_complete_within_the_header_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    client_stream, server = trio.testing.memory_stream_pair()
+    limits = HTTPLimits(header_timeout=10.0, keepalive_timeout=75.0)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, hello, limits=limits))
+            head, _ = await Client(client_stream).request("GET", "/")
+            assert head.status_code == 200
+            await trio.sleep(5.0)
+            await client_stream.send_all(b"GET / HTT")
+            partial_since = trio.current_time()
+            assert await read_until_eof(client_stream) == b""
+            assert trio.current_time() - partial_since == pytest.approx(10.0)
+
+
+async def test_a_stalled_body_gets_408(autojump_clock: trio.testing.MockClock) -> None:
+    client_stream, server = trio.testing.memory_stream_pair()
+    limits = HTTPLimits(body_timeout=30.0)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, echo, limits=limits))
+            await client_stream.send_all(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n")
+            raw = await read_until_eof(client_stream)
+    assert raw.startswith(b"HTTP/1.1 408 ")
+
+
+async def test_the_reader_stops_at_the_pipeline_budget() -> None:
+    """Bytes sent while a handler runs are read only up to the budget: TCP holds the rest."""
+    release = trio.Event()
+
+    async def waiting(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await release.wait()
+        await responder.send(200, [], b"ok")
+
+    client_stream, server = trio.testing.lockstep_stream_pair()
+    limits = HTTPLimits(pipeline_buffer_bytes=1024, receive_bytes=256)
+    sent = trio.Event()
+
+    async def send_a_lot() -> None:
+        await client_stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"y" * 100_000)
+        sent.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, waiting, limits=limits))
+            nursery.start_soon(send_a_lot)
+            await trio.testing.wait_all_tasks_blocked()
+            # A lockstep stream's send_all returns only once everything was received.
+            assert not sent.is_set()
+            release.set()
+            nursery.cancel_scope.cancel()
+
+
+# -- helpers of the public API ----------------------------------------------------------------
+
+
+def test_error_body_has_the_openai_shape() -> None:
+    assert json.loads(error_body("too big", 413)) == {
+        "error": {"message": "too big", "type": "invalid_request_error", "code": 413}
+    }
+    assert json_headers((b"retry-after", b"1")) == [
+        (b"content-type", b"application/json"),
+        (b"retry-after", b"1"),
+    ]
