@@ -435,9 +435,13 @@ class _RequestPlane:
         return request_id, buffer
 
     def cancel(self, request_id: int, reason: str = wire.CANCEL_REASON_CLIENT) -> None:
-        """Give up on a request: forget it and tell the worker, without waiting."""
-        if self._open.pop(request_id, None) is None or self._closed_reason is not None:
+        """Give up on a request: end its stream, forget it and tell the worker, without waiting."""
+        buffer = self._open.pop(request_id, None)
+        if buffer is None or self._closed_reason is not None:
             return
+        buffer.finish(
+            wire.Failed(request_id=request_id, kind="cancelled", message=f"cancelled: {reason}")
+        )
         if request_id in self._unsent:
             # The worker never heard of it: dropping the Generate is the whole cancel.
             self._unsent.discard(request_id)
@@ -477,7 +481,6 @@ class _RequestPlane:
             self._stats.chunks_merged += 1
         elif outcome == "full":
             self._stats.requests_overflowed += 1
-            self.cancel(reply.request_id, reason="frontend: client too slow")
             buffer.finish(
                 wire.Failed(
                     request_id=reply.request_id,
@@ -486,6 +489,7 @@ class _RequestPlane:
                     "replies were waiting for it",
                 )
             )
+            self.cancel(reply.request_id, reason="frontend: client too slow")
 
     async def next_outgoing(self) -> bytes:
         """The next message for the sender, waiting for one."""

@@ -18,7 +18,10 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import trio_websocket
+from hypothesis import given
+from hypothesis import strategies as st
 
 from frontend_shim.workers import (
     Backoff,
@@ -699,3 +702,79 @@ async def test_re_resolution_adds_and_stops_links(nursery: trio.Nursery) -> None
         await listener.wait_until(lambda: ("down", first_key) in listener.calls)
         assert not first.connected
         nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- property
+
+
+_OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("open")),
+        st.tuples(st.just("send")),
+        st.tuples(
+            st.sampled_from(["started", "chunk", "end", "failed", "rejected", "cancel"]),
+            st.integers(0, 7),
+        ),
+        st.tuples(st.just("close")),
+    ),
+    max_size=60,
+)
+
+
+@given(program=_OPERATIONS)
+def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[Any, ...]]) -> None:
+    """Random interleavings of requests, replies, cancels, sends and a close never leave a
+    request without its end, never end one twice, and never cancel an unsent request."""
+
+    async def main() -> None:
+        stats = LinkStats()
+        plane = _RequestPlane(LinkSettings(request_buffer=3), stats)
+        buffers: list[_ResponseBuffer] = []
+        ids: list[int] = []
+        sent: set[int] = set()
+        cancelled: set[int] = set()
+        for operation in program:
+            kind = operation[0]
+            if kind == "open":
+                request_id, buffer = await plane.open("completions", {"prompt": "x"})
+                ids.append(request_id)
+                buffers.append(buffer)
+            elif kind == "send":
+                for data in await _drain_outbox(plane):
+                    message = wire.decode_client_message(data)
+                    if isinstance(message, wire.Generate):
+                        sent.add(message.request_id)
+                    else:
+                        assert message.request_id in sent
+                        cancelled.add(message.request_id)
+            elif kind == "close":
+                plane.close("test")
+            elif ids:
+                request_id = ids[operation[1] % len(ids)]
+                if kind == "cancel":
+                    plane.cancel(request_id)
+                    continue
+                if request_id not in sent:
+                    continue  # a worker cannot answer what it never received
+                replies: dict[str, wire.WorkerMessage] = {
+                    "started": wire.Started(request_id=request_id, prompt_tokens=1),
+                    "chunk": wire.Chunk(request_id=request_id, text="t", tokens=1),
+                    "end": wire.End(request_id=request_id, prompt_tokens=1, completion_tokens=1),
+                    "failed": wire.Failed(request_id=request_id, kind="engine", message="x"),
+                    "rejected": wire.Rejected(request_id=request_id, reason="r"),
+                }
+                plane.deliver(replies[kind])
+        plane.close("end of program")
+        assert plane.open_requests == 0
+        for buffer in buffers:
+            assert buffer.finished
+            terminals = 0
+            with trio.move_on_after(1):
+                while True:
+                    reply = await buffer.get()
+                    if isinstance(reply, wire.End | wire.Failed | wire.Rejected):
+                        terminals += 1
+                        break
+            assert terminals == 1
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
