@@ -16,12 +16,14 @@ Rules of one connection (a loop of request/response cycles):
    ``100 Continue`` is sent to a client that waits for it, after the ``Content-Length`` has been
    checked against ``max_body_bytes``; a chunked body is counted as it arrives. Over the cap:
    :class:`BodyTooLarge`, answered 413 unless the handler answers itself.
-3. While the handler runs with the request body fully received (at once for a request without a
-   body, or as soon as ``read_body`` returns), a watcher task reads the socket. EOF or a broken
-   socket means the client left: the watcher cancels the handler, whose ``finally:`` blocks run,
-   and the connection is closed without a response. Bytes the watcher reads meanwhile belong to a
-   pipelined next request; they are handed to h11 and kept, up to ``pipeline_buffer_bytes``, after
-   which the watcher stops reading (TCP flow control then holds the client back).
+3. A reader task owns every read for the life of the connection: it feeds h11 and so notices
+   EOF at any time. EOF or a broken socket means the client left: the reader cancels the
+   connection's main task, so a handler that writes nothing for a while (a long prefill) is
+   cancelled all the same, its ``finally:`` blocks run, and the connection closes without a
+   response. The reader runs ahead of what the main task asked h11 for by at most
+   ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
+   has not asked for yet); then it stops reading, TCP flow control holds the client back, and
+   a disconnect is noticed at the next write instead.
 4. A handler answers exactly once: :meth:`HTTPResponder.send` (one complete response with
    ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
    ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response sent while the
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -330,7 +333,10 @@ class _Connection:
         self._data_arrived = trio.lowlevel.ParkingLot()  # the main task waits here for bytes
         self._budget_freed = trio.lowlevel.ParkingLot()  # the reader waits here for budget
         self._discarding = False  # closing: the reader drops what it reads
-        self._handler_scope: trio.CancelScope | None = None
+        # The main task's scope: the reader cancels it when the client leaves, and while a
+        # request head is awaited its deadline is the header or keep-alive timeout. One scope
+        # for the connection's life, as entering a fresh scope per request costs more.
+        self._scope = trio.CancelScope()
 
     # -- moving bytes -------------------------------------------------------------------------
 
@@ -368,9 +374,8 @@ class _Connection:
         self.client_gone = True
         if not self._discarding:
             self.h11.receive_data(b"")
-        if self._handler_scope is not None:
-            # The client left while its request was being handled: stop the work.
-            self._handler_scope.cancel()
+        # The client left: stop whatever the main task does, a running handler included.
+        self._scope.cancel()
         self._data_arrived.unpark_all()
 
     async def _wait_for_data(self) -> None:
@@ -387,7 +392,8 @@ class _Connection:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_forever)
-            await self._run_cycles()
+            with self._scope:
+                await self._run_cycles()
             nursery.cancel_scope.cancel()
 
     async def _run_cycles(self) -> None:
@@ -410,7 +416,10 @@ class _Connection:
         """Wait for the next request head; ``None`` when the connection should just end."""
         limits = self.limits
         idle = not first and not self.h11.trailing_data[0]
-        deadline = trio.current_time() + (
+        scope = self._scope
+        # Past this deadline the scope cancels the connection's main task: a client that idles
+        # or dribbles is simply disconnected.
+        scope.deadline = trio.current_time() + (
             limits.keepalive_timeout if idle else limits.header_timeout
         )
         # Each pass either returns or waits for more bytes into a buffer h11 caps at
@@ -422,19 +431,16 @@ class _Connection:
                 await self._answer_protocol_error(exc)
                 return None
             if isinstance(event, h11.Request):
+                scope.deadline = math.inf
                 return event
             if event is not h11.NEED_DATA:
                 # ConnectionClosed (a clean close between requests), or PAUSED, which cannot
                 # happen here as every cycle that reaches this point was restarted.
                 return None
-            with trio.CancelScope(deadline=deadline):
-                await self._wait_for_data()
-                if idle:
-                    idle = False
-                    deadline = trio.current_time() + limits.header_timeout
-                continue
-            # The deadline passed: a client that idles or dribbles is simply disconnected.
-            return None
+            await self._wait_for_data()
+            if idle:
+                idle = False
+                scope.deadline = trio.current_time() + limits.header_timeout
 
     async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -463,7 +469,7 @@ class _Connection:
         """Run the handler for one request; ``True`` when the connection may go on."""
         if _declares_no_body(h11_request):
             # h11 reports the end of an empty body only when asked; ask now (no I/O happens) so
-            # the client's side is DONE and the disconnect watcher can start at once.
+            # the client's side is DONE and a response need not close the connection.
             end = self.h11.next_event()
             assert isinstance(end, h11.EndOfMessage), end
         request = HTTPRequest(self, h11_request)
@@ -471,14 +477,11 @@ class _Connection:
         failure: Exception | None = None
         if self._eof:
             return False  # the client left before its request could start
-        with trio.CancelScope() as handler_scope:
-            # The reader task cancels this scope when the client leaves (see _read_forever).
-            self._handler_scope = handler_scope
-            try:
-                await self.handler(request, responder)
-            except Exception as exc:
-                failure = exc
-        self._handler_scope = None
+        try:
+            # The reader cancels this when the client leaves (see _read_forever).
+            await self.handler(request, responder)
+        except Exception as exc:
+            failure = exc
 
         if self.client_gone:
             return False
