@@ -744,3 +744,36 @@ def test_error_body_has_the_openai_shape() -> None:
         (b"content-type", b"application/json"),
         (b"retry-after", b"1"),
     ]
+
+
+async def test_invalid_response_headers_give_500() -> None:
+    errors: list[BaseException] = []
+
+    async def bad_headers(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(200, [(b"bad header", b"x")], b"")
+
+    with trio.fail_after(10):
+        async with running_server(bad_headers, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 500 ")
+    assert [type(e) for e in errors] == [h11.LocalProtocolError]
+
+
+async def test_an_http_1_0_client_gets_its_answer_and_a_close() -> None:
+    async def sse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [])
+        await responder.send_chunk(b"data: 1\n\n")
+        await responder.end_stream()
+
+    with trio.fail_after(10):
+        async with running_server(sse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(b"GET / HTTP/1.0\r\n\r\n")
+                raw = await read_until_eof(stream)
+    # No chunked framing for HTTP/1.0: the body ends with the connection.
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    assert raw.endswith(b"\r\n\r\ndata: 1\n\n")

@@ -232,13 +232,14 @@ class HTTPResponder:
             RuntimeError: a response was already started.
             ClientDisconnected: the client is gone.
         """
-        self._claim()
         conn = self._connection
         all_headers = [*headers, (b"content-length", b"%d" % len(body))]
         if conn.h11.their_state is not h11.DONE:
             all_headers.append((b"connection", b"close"))
+        head = _response(status, all_headers)  # validates: bad headers leave nothing started
+        self._claim()
         h = conn.h11
-        data = _bytes(h.send(_response(status, all_headers)))
+        data = _bytes(h.send(head))
         if body and not self._head_request:
             data += _bytes(h.send(h11.Data(data=body)))
         data += _bytes(h.send(h11.EndOfMessage()))
@@ -256,11 +257,12 @@ class HTTPResponder:
             RuntimeError: a response was already started.
             ClientDisconnected: the client is gone.
         """
-        self._claim()
         conn = self._connection
         if conn.h11.their_state is not h11.DONE:
             headers = [*headers, (b"connection", b"close")]
-        await conn.send_all(_bytes(conn.h11.send(_response(status, headers))))
+        head = _response(status, headers)  # validates: bad headers leave nothing started
+        self._claim()
+        await conn.send_all(_bytes(conn.h11.send(head)))
 
     async def send_chunk(self, data: bytes) -> None:
         """Send one piece of a streamed body (empty data sends nothing).
@@ -515,6 +517,8 @@ class _Connection:
         return False
 
     async def _send_error_and_close(self, status: int, message: str) -> None:
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # h11 cannot send a response any more (e.g. after a local protocol error)
         try:
             await self._send_error(status, message)
         except ClientDisconnected:
