@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -559,9 +560,9 @@ async def test_writing_to_a_departed_client_raises_client_disconnected() -> None
             await client.send_request("GET", "/")
             await stream.send_all(client.conn.send(h11.EndOfMessage()) or b"")
             assert isinstance(await client.next_event(), h11.Response)
-            stream.socket.setsockopt(  # close with a reset so the server's writes fail fast
-                trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-            )
+            # Linger on, timeout 0: the close sends a reset, so the server's writes fail fast.
+            linger = struct.pack("ii", 1, 0)
+            stream.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, linger)
             await stream.aclose()
             client_gone.set()
             await finished.wait()
