@@ -778,3 +778,25 @@ async def test_an_http_1_0_client_gets_its_answer_and_a_close() -> None:
     # No chunked framing for HTTP/1.0: the body ends with the connection.
     assert raw.startswith(b"HTTP/1.1 200 ")
     assert raw.endswith(b"\r\n\r\ndata: 1\n\n")
+
+
+async def test_a_handler_may_run_far_longer_than_the_head_timeouts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await trio.sleep(500.0)
+        await responder.start_stream(200, [])
+        await trio.sleep(500.0)
+        await responder.send_chunk(b"late")
+        await responder.end_stream()
+
+    client_stream, server = trio.testing.memory_stream_pair()
+    limits = HTTPLimits(header_timeout=10.0, keepalive_timeout=75.0)
+    with trio.fail_after(5000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, slow, limits=limits))
+            started = trio.current_time()
+            head, body = await Client(client_stream).request("GET", "/")
+            assert (head.status_code, body) == (200, b"late")
+            assert trio.current_time() - started == pytest.approx(1000.0)
+            await client_stream.aclose()

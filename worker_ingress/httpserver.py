@@ -335,10 +335,14 @@ class _Connection:
         self._data_arrived = trio.lowlevel.ParkingLot()  # the main task waits here for bytes
         self._budget_freed = trio.lowlevel.ParkingLot()  # the reader waits here for budget
         self._discarding = False  # closing: the reader drops what it reads
-        # The main task's scope: the reader cancels it when the client leaves, and while a
-        # request head is awaited its deadline is the header or keep-alive timeout. One scope
-        # for the connection's life, as entering a fresh scope per request costs more.
+        # The main task's scope, one for the connection's life (entering a fresh scope per
+        # request costs more): the reader cancels it when the client leaves, the timer when a
+        # request head is late.
         self._scope = trio.CancelScope()
+        # When the awaited request head is due; infinite while no head is awaited. A plain float
+        # that the timer task polls, because moving a cancel scope's deadline twice per request
+        # costs several percent of the request rate.
+        self._head_deadline = math.inf
 
     # -- moving bytes -------------------------------------------------------------------------
 
@@ -394,6 +398,7 @@ class _Connection:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_forever)
+            nursery.start_soon(self._enforce_head_deadline)
             with self._scope:
                 await self._run_cycles()
             nursery.cancel_scope.cancel()
@@ -418,10 +423,9 @@ class _Connection:
         """Wait for the next request head; ``None`` when the connection should just end."""
         limits = self.limits
         idle = not first and not self.h11.trailing_data[0]
-        scope = self._scope
-        # Past this deadline the scope cancels the connection's main task: a client that idles
+        # Past this deadline the timer cancels the connection's main task: a client that idles
         # or dribbles is simply disconnected.
-        scope.deadline = trio.current_time() + (
+        self._head_deadline = trio.current_time() + (
             limits.keepalive_timeout if idle else limits.header_timeout
         )
         # Each pass either returns or waits for more bytes into a buffer h11 caps at
@@ -433,7 +437,7 @@ class _Connection:
                 await self._answer_protocol_error(exc)
                 return None
             if isinstance(event, h11.Request):
-                scope.deadline = math.inf
+                self._head_deadline = math.inf
                 return event
             if event is not h11.NEED_DATA:
                 # ConnectionClosed (a clean close between requests), or PAUSED, which cannot
@@ -442,7 +446,23 @@ class _Connection:
             await self._wait_for_data()
             if idle:
                 idle = False
-                scope.deadline = trio.current_time() + limits.header_timeout
+                self._head_deadline = trio.current_time() + limits.header_timeout
+
+    async def _enforce_head_deadline(self) -> None:
+        """The timer task: cancel the main task once an awaited request head is overdue.
+
+        It wakes at the recorded deadline, or after the shorter of the two head timeouts while
+        none is recorded (no deadline set later can be due sooner), so it costs nothing per
+        request and one wake-up per timeout period.
+        """
+        poll = min(self.limits.header_timeout, self.limits.keepalive_timeout)
+        while True:
+            now = trio.current_time()
+            deadline = self._head_deadline
+            if deadline <= now:
+                self._scope.cancel()
+                return
+            await trio.sleep_until(min(deadline, now + poll))
 
     async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
