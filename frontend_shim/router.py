@@ -469,14 +469,20 @@ class CompletionRate:
     ``1 - exp(-(now - start) / tau)`` so the first seconds are not underestimated. Feed it
     every completed request (failed and cancelled ones too: they free capacity as well).
 
+    The rate stays unknown for ``warmup`` seconds after the first completion: one completion
+    seen a moment ago says nothing about the fleet's pace, and taking it as "one per
+    ``tau``" would tell every shed client to wait the full cap at start-up.
+
     Args:
         time_constant: ``tau``, seconds (larger: smoother, slower to follow).
+        warmup: seconds of observation before :meth:`rate` answers.
     """
 
-    def __init__(self, time_constant: float = 5.0) -> None:
+    def __init__(self, time_constant: float = 5.0, warmup: float = 1.0) -> None:
         if not time_constant > 0:
             raise ValueError(f"time_constant must be > 0, got {time_constant}")
         self.time_constant = time_constant
+        self.warmup = warmup
         self._weighted = 0.0
         self._last: float | None = None
         self._start: float | None = None
@@ -494,10 +500,12 @@ class CompletionRate:
         return self._weighted * math.exp(-max(0.0, now - self._last) / self.time_constant)
 
     def rate(self, now: float) -> float | None:
-        """Completions per second around ``now``; ``None`` before the first completion."""
+        """Completions per second around ``now``; ``None`` until ``warmup`` has passed."""
         if self._start is None:
             return None
         elapsed = max(0.0, now - self._start)
+        if elapsed < self.warmup:
+            return None
         # Bias correction; at least the first completion's own window so t=start is finite.
         coverage = max(1.0 - math.exp(-elapsed / self.time_constant), 1.0 / self.time_constant)
         return self._decayed(now) / self.time_constant / coverage

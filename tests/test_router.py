@@ -328,6 +328,15 @@ def test_completion_rate_is_not_underestimated_at_start() -> None:
     rate = CompletionRate(time_constant=10.0)
     for step in range(1, 11):  # 10 per second for 1 s
         rate.record(step * 0.1)
-    measured = rate.rate(1.0)
+    measured = rate.rate(1.1)
     assert measured is not None
     assert 3 < measured < 30
+
+
+def test_completion_rate_is_unknown_during_warmup() -> None:
+    rate = CompletionRate(time_constant=5.0, warmup=1.0)
+    rate.record(10.0)
+    # One completion a moment ago must not read as "one per tau" (a 30 s Retry-After).
+    assert rate.rate(10.01) is None
+    assert rate.rate(10.5) is None
+    assert rate.rate(11.0) is not None
