@@ -472,22 +472,7 @@ class Worker:
             heartbeat_interval=settings.heartbeat_interval,
         )
         self.metrics = metrics if metrics is not None else self._default_metrics()
-        engine_config = engine.config
-        self.hello = Hello(
-            protocol_version=PROTOCOL_VERSION,
-            config=RuntimeConfig(
-                worker_id=settings.worker_id,
-                model=settings.model,
-                kv_total_blocks=engine_config.kv_total_blocks,
-                block_size=engine_config.block_size,
-                max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                max_num_seqs=engine_config.max_num_seqs,
-                data_parallel_size=engine_config.data_parallel_size,
-                engine_request_limit=settings.engine_request_limit,
-                request_queue_limit=settings.queue_limit,
-                heartbeat_interval=settings.heartbeat_interval,
-            ),
-        )
+        self._hello: Hello | None = None
         #: Cancel scopes of every request in flight, for cancelling them when the grace expires.
         self.request_scopes: set[trio.CancelScope] = set()
         #: True once the drain grace expired: cancelled requests end with ``Failed(unavailable)``.
@@ -495,6 +480,32 @@ class Worker:
         self._status: HealthStatus = "starting"
         self._drain_requested = trio.Event()
         self._connections: set[_Connection] = set()
+
+    @property
+    def hello(self) -> Hello:
+        """The first message on both planes, built from the engine's config on first use.
+
+        :meth:`serve` first uses it once the engine's ``run()`` has started, so an engine that
+        learns its limits at start-up (the ``openai`` engine asks its upstream) announces them.
+        """
+        if self._hello is None:
+            engine_config = self.engine.config
+            self._hello = Hello(
+                protocol_version=PROTOCOL_VERSION,
+                config=RuntimeConfig(
+                    worker_id=self.settings.worker_id,
+                    model=self.settings.model,
+                    kv_total_blocks=engine_config.kv_total_blocks,
+                    block_size=engine_config.block_size,
+                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
+                    max_num_seqs=engine_config.max_num_seqs,
+                    data_parallel_size=engine_config.data_parallel_size,
+                    engine_request_limit=self.settings.engine_request_limit,
+                    request_queue_limit=self.settings.queue_limit,
+                    heartbeat_interval=self.settings.heartbeat_interval,
+                ),
+            )
+        return self._hello
 
     def _default_metrics(self) -> WorkerMetrics:
         return WorkerMetrics(self.gate, kv_blocks=self._kv_blocks)
@@ -532,6 +543,7 @@ class Worker:
         settings = self.settings
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
+            hello = self.hello  # fixed from here on: the engine has read its limits
             await nursery.start(self.publisher.run)
             ws_server = await nursery.start(
                 functools.partial(
@@ -563,7 +575,13 @@ class Worker:
             print(
                 f"worker-ingress ready ws={address.ws_url} system={address.system_url}", flush=True
             )
-            logger.info("serving %s on %s", settings.model, address.ws_url)
+            logger.info(
+                "serving %s on %s (%d KV blocks of %d tokens)",
+                settings.model,
+                address.ws_url,
+                hello.config.kv_total_blocks,
+                hello.config.block_size,
+            )
             task_status.started(address)
             await self._drain_requested.wait()
             await self._drain()

@@ -75,7 +75,11 @@ class Engine(Protocol):
 
     @property
     def config(self) -> EngineConfig:
-        """KV-cache and batching limits; fixed for the life of the engine."""
+        """KV-cache and batching limits.
+
+        The worker reads them once :meth:`run` has reported started (an engine may learn them
+        at start-up, e.g. from an upstream server); from then on they must not change.
+        """
         ...
 
     @property
