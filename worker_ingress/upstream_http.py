@@ -490,6 +490,8 @@ class SSEDecoder:
         Raises:
             ValueError: A line is too long or is not UTF-8.
         """
+        if not chunk:
+            return []  # keeps a pending CR: its LF may still come in the next chunk
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the LF of a CRLF cut between two chunks
         self._pending_cr = False
