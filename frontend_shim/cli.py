@@ -14,9 +14,8 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, NoReturn
+from typing import Annotated, Literal, cast
 
-import cyclopts
 from cyclopts import App, Parameter, validators
 
 from frontend_shim import __version__
@@ -27,7 +26,7 @@ from frontend_shim.config import (
     admin_api_disabled,
     overload_status_from_env,
 )
-from worker_ingress.cli import strict_int
+from worker_ingress.cli import CliError, exit_invalid, invoke, strict_int
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -45,10 +44,6 @@ ADMISSION_CONTROL_ENV_WARNING = (
 )
 
 _log = logging.getLogger("frontend_shim")
-
-
-class CliError(Exception):
-    """An invalid flag or variable; the message is the one line printed before exit 2."""
 
 
 def _finite(type_: type, value: float | None) -> None:
@@ -286,12 +281,11 @@ def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_worker_args(worker_args: Sequence[str]) -> None:
-    from worker_ingress.cli import CliError as WorkerCliError
     from worker_ingress.cli import parse_args as parse_worker_args
 
     try:
         parse_worker_args(list(worker_args))
-    except WorkerCliError as exc:
+    except CliError as exc:
         raise CliError(f"worker flag for --local-workers: {exc}") from None
 
 
@@ -301,14 +295,7 @@ def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    try:
-        result = app(
-            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
-        )
-    except cyclopts.CycloptsError as exc:
-        raise CliError(str(exc).strip().replace("\n", " ")) from None
-    if not isinstance(result, tuple):  # --help or --version ran and printed
-        raise SystemExit(0)
+    result = cast(tuple[FrontendSettings, LogLevel], invoke(app, argv))
     # Which spelling was used decides which names the warning gives (the anchor's two texts).
     if any(arg.split("=")[0] == "--admission-control" for arg in argv):
         _log.warning(ADMISSION_CONTROL_FLAG_WARNING)
@@ -319,17 +306,16 @@ def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``frontend-shim`` console script."""
+    # Configured before parsing so that the --admission-control warning reaches stderr.
     logging.basicConfig(
-        level=os.environ.get("DYN_LOG", "info").upper()
-        if os.environ.get("DYN_LOG", "info").lower() in {"debug", "info", "warning", "error"}
-        else "INFO",
+        level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
     except CliError as exc:
-        _exit_invalid(str(exc))
+        exit_invalid("frontend-shim", str(exc))
     logging.getLogger().setLevel(log_level.upper())
 
     import trio
@@ -337,8 +323,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     from frontend_shim.app import run_frontend
 
     trio.run(run_frontend, settings)
-
-
-def _exit_invalid(message: str) -> NoReturn:
-    print(f"frontend-shim: error: {message}", file=sys.stderr)
-    raise SystemExit(2)

@@ -13,7 +13,7 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, NoReturn
+from typing import Annotated, Literal, NoReturn, cast
 
 import cyclopts
 from cyclopts import App, Parameter, Token, validators
@@ -21,7 +21,15 @@ from cyclopts import App, Parameter, Token, validators
 from worker_ingress import __version__
 from worker_ingress.config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 
-__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args", "strict_int"]
+__all__ = [
+    "QUEUE_LIMIT_ENV",
+    "CliError",
+    "exit_invalid",
+    "invoke",
+    "main",
+    "parse_args",
+    "strict_int",
+]
 
 #: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
@@ -239,21 +247,39 @@ def _check_engine(settings: WorkerSettings) -> None:
         )
 
 
+def invoke(command_app: App, argv: Sequence[str]) -> object:
+    """Run a cyclopts app's command on ``argv`` and return what the command returned.
+
+    Shared by both commands so that they report errors the same way.
+
+    Raises:
+        CliError: an invalid flag or variable (cyclopts' message, on one line).
+        SystemExit: with code 0, after ``--help`` or ``--version`` printed.
+    """
+    try:
+        result = command_app(
+            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
+        )
+    except cyclopts.CycloptsError as exc:
+        raise CliError(str(exc).strip().replace("\n", " ")) from None
+    if result is None:  # --help or --version ran and printed
+        raise SystemExit(0)
+    return result
+
+
+def exit_invalid(program: str, message: str) -> NoReturn:
+    """Print ``PROGRAM: error: MESSAGE`` on stderr and exit with code 2."""
+    print(f"{program}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogLevel]:
     """Parse flags and environment into settings.
 
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    try:
-        result = app(
-            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
-        )
-    except cyclopts.CycloptsError as exc:
-        raise CliError(str(exc).strip().replace("\n", " ")) from None
-    if not isinstance(result, tuple):  # --help or --version ran and printed
-        raise SystemExit(0)
-    return result
+    return cast(tuple[WorkerSettings, LogLevel], invoke(app, argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -261,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
     except CliError as exc:
-        _exit_invalid(str(exc))
+        exit_invalid("worker-ingress", str(exc))
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
@@ -275,13 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         engine = load_engine(settings)
     except EngineLoadError as exc:
-        _exit_invalid(str(exc))
+        exit_invalid("worker-ingress", str(exc))
 
     from worker_ingress.server import run_worker
 
     trio.run(run_worker, settings, engine)
-
-
-def _exit_invalid(message: str) -> NoReturn:
-    print(f"worker-ingress: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
