@@ -10,8 +10,8 @@ Rules of one connection (a loop of request/response cycles):
 1. Reading a request head is bounded in time and size. The first head must arrive within
    ``header_timeout`` of the accept; between requests the connection may sit idle for
    ``keepalive_timeout``, and once the next request's first bytes are in, its head must complete
-   within ``header_timeout``. A head larger than ``max_head_bytes`` is answered 431, a malformed
-   one 400 (from ``h11.RemoteProtocolError``), and the connection is closed.
+   within ``header_timeout``. A head still incomplete past ``max_head_bytes`` is answered 431, a
+   malformed one 400 (from ``h11.RemoteProtocolError``), and the connection is closed.
 2. The body is read only when the handler asks (:meth:`HTTPRequest.read_body`). That is when
    ``100 Continue`` is sent to a client that waits for it, after the ``Content-Length`` has been
    checked against ``max_body_bytes``; a chunked body is counted as it arrives. Over the cap:
