@@ -293,7 +293,9 @@ class EventPublisher:
         """
         self._observe()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._forward_engine_changes)
+            # The version is read here, not in the task: a change made between started() and
+            # the task's first step would otherwise wait for the next heartbeat.
+            nursery.start_soon(self._forward_engine_changes, self._engine_changed.version)
             nursery.start_soon(self._heartbeats)
             task_status.started()
             seen = self._changed.version
@@ -302,9 +304,8 @@ class EventPublisher:
                 self._observe()
                 await trio.sleep(self._coalesce_interval)
 
-    async def _forward_engine_changes(self) -> None:
+    async def _forward_engine_changes(self, seen: int) -> None:
         # The engine and the gate signal separately; one signal is simpler to wait on.
-        seen = self._engine_changed.version
         while True:
             seen = await self._engine_changed.wait_past(seen)
             self._changed.bump()
