@@ -813,9 +813,13 @@ class WorkerLink:
             try:
                 yield ws
             finally:
-                with trio.CancelScope(shield=True) as closing:
-                    closing.deadline = trio.current_time() + self._settings.disconnect_timeout
-                    await ws.aclose()
+                # When the link itself is cancelled (the frontend stops), the websocket's reader
+                # task is cancelled too and no close reply can be read: waiting for one would
+                # only burn disconnect_timeout per plane. The stream closes below either way.
+                if trio.current_effective_deadline() != -math.inf:
+                    with trio.CancelScope(shield=True) as closing:
+                        closing.deadline = trio.current_time() + self._settings.disconnect_timeout
+                        await ws.aclose()
                 ws_nursery.cancel_scope.cancel()
 
     def _up(self, config: wire.RuntimeConfig, plane: _RequestPlane) -> None:
