@@ -1,0 +1,528 @@
+"""The frontend's HTTP API, in one process: ``run_frontend`` against real in-process workers.
+
+Each test starts :class:`~worker_ingress.server.Worker` instances on loopback (port 0) with a
+:class:`ControlledEngine` (the instant engine, plus a switch that holds requests before their
+first token, one that fails a stream after its first chunk, and a settable load), then the
+frontend itself with :func:`~frontend_shim.app.run_frontend`, and talks HTTP to it with a small
+h11 client. Wall-clock time is real (sockets), so every test runs under ``trio.fail_after`` and
+every wait is a bounded poll.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import urllib.parse
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import h11
+import pytest
+import trio
+from trio_websocket import open_websocket_url
+
+from frontend_shim.api import UNAVAILABLE_BODY, overload_body
+from frontend_shim.app import run_frontend
+from frontend_shim.config import FrontendSettings
+from worker_ingress import wire
+from worker_ingress.admission import AdmissionGate
+from worker_ingress.config import MockerSettings, WorkerSettings
+from worker_ingress.engines.base import EngineOutput, PreparedRequest
+from worker_ingress.engines.instant import InstantEngine, create
+from worker_ingress.server import Worker, WorkerAddress
+from worker_ingress.wire import RankLoad
+
+TIMEOUT = 20.0
+MODEL = "mock-model"
+
+# ----------------------------------------------------------------------------- the engine
+
+
+class ControlledEngine(InstantEngine):
+    """The instant engine with three switches a test turns.
+
+    - ``hold``: requests wait for :attr:`release` before their first chunk (they keep their
+      engine slot meanwhile, so the admission gate fills).
+    - ``fail_mid_stream``: a request yields one chunk, then the engine raises.
+    - :meth:`set_load`: the load every rank reports (and an event is published).
+    """
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(create(settings).config)
+        self.hold = False
+        self.release = trio.Event()
+        self.fail_mid_stream = False
+        self._reported: list[RankLoad] | None = None
+
+    def load(self) -> list[RankLoad]:
+        return list(self._reported) if self._reported is not None else super().load()
+
+    def set_load(self, *, blocks: int = 0, prefill: int = 0) -> None:
+        self._reported = [
+            RankLoad(
+                dp_rank=rank,
+                active_decode_blocks=blocks,
+                active_prefill_tokens=prefill,
+                kv_used_blocks=blocks,
+            )
+            for rank in range(self.config.data_parallel_size)
+        ]
+        self.load_changed.bump()
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        if self.hold:
+            await self.release.wait()
+        if self.fail_mid_stream:
+            yield EngineOutput(text="partial", tokens=1)
+            raise RuntimeError("engine exploded mid-stream")
+        async for output in super().generate(request):
+            yield output
+
+
+def worker_settings(**changes: Any) -> WorkerSettings:
+    base = WorkerSettings(
+        worker_id="w-a",
+        host="127.0.0.1",
+        port=0,
+        system_port=0,
+        heartbeat_interval=0.2,
+        drain_grace=1.0,
+        mocker=MockerSettings(num_gpu_blocks=100, block_size=4, max_num_batched_tokens=100),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# ----------------------------------------------------------------------------- HTTP client
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: dict[bytes, bytes]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def sse_events(self) -> list[bytes]:
+        """The server-sent events of the body, each without its trailing blank line."""
+        return [event for event in self.body.split(b"\n\n") if event]
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    return parts.hostname, parts.port
+
+
+async def _read_reply(stream: trio.SocketStream, conn: h11.Connection) -> Reply:
+    status = 0
+    headers: dict[bytes, bytes] = {}
+    body = bytearray()
+    for _ in range(100_000):
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+            headers = {name.lower(): value for name, value in event.headers}
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            return Reply(status, headers, bytes(body))
+    raise AssertionError("response did not end")
+
+
+async def call(
+    url: str,
+    method: str,
+    path: str,
+    payload: Any = None,
+    *,
+    raw: bytes | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+) -> Reply:
+    """One request on a fresh connection; the reply in full (SSE bodies included)."""
+    host, port = _address(url)
+    data = raw if raw is not None else b"" if payload is None else json.dumps(payload).encode()
+    head = [("host", f"{host}:{port}"), *headers]
+    if method != "GET" or data:
+        head.append(("content-length", str(len(data))))
+        head.append(("content-type", "application/json"))
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        out = conn.send(h11.Request(method=method, target=path, headers=head))
+        out += conn.send(h11.Data(data=data)) if data else b""
+        out += conn.send(h11.EndOfMessage())
+        await stream.send_all(out)
+        return await _read_reply(stream, conn)
+
+
+def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "one two three", "max_tokens": 3, "stream": stream, **extra}
+
+
+def chat_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 4,
+        "stream": stream,
+        **extra,
+    }
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text exposition (0.0 when absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        match = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        if match is None or match[1] != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match[2] or ""))
+        if all(found.get(key) == value for key, value in labels.items()):
+            return float(match[3])
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- the fleet
+
+
+@dataclasses.dataclass
+class Fleet:
+    url: str
+    workers: list[Worker]
+    engines: list[ControlledEngine]
+    addresses: list[WorkerAddress]
+
+    async def post(self, path: str, payload: Any = None, **options: Any) -> Reply:
+        return await call(self.url, "POST", path, payload, **options)
+
+    async def get(self, path: str) -> Reply:
+        return await call(self.url, "GET", path)
+
+    async def metrics(self) -> str:
+        return (await self.get("/metrics")).body.decode()
+
+
+async def wait_until(condition: Callable[[], bool], what: str, *, tries: int = 500) -> None:
+    for _ in range(tries):
+        if condition():
+            return
+        await trio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def wait_until_async(
+    condition: Callable[[], Any], what: str, *, tries: int = 300, interval: float = 0.02
+) -> None:
+    for _ in range(tries):
+        if await condition():
+            return
+        await trio.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@asynccontextmanager
+async def fleet(
+    workers: Sequence[WorkerSettings] = (),
+    **frontend: Any,
+) -> AsyncIterator[Fleet]:
+    """Workers (in-process) and a frontend routing to them; every worker connected on entry."""
+    async with trio.open_nursery() as nursery:
+        started: list[Worker] = []
+        engines: list[ControlledEngine] = []
+        addresses: list[WorkerAddress] = []
+        for settings in workers:
+            engine = ControlledEngine(settings)
+            worker = Worker(settings, engine)
+            addresses.append(await nursery.start(worker.serve))
+            started.append(worker)
+            engines.append(engine)
+        frontend_settings = FrontendSettings(
+            http_port=0, workers=tuple(address.ws_url for address in addresses), **frontend
+        )
+        # The frontend in a nursery of its own, stopped before the workers it is linked to.
+        async with trio.open_nursery() as frontend_nursery:
+            url: str = await frontend_nursery.start(run_frontend, frontend_settings)
+            running = Fleet(url, started, engines, addresses)
+
+            async def connected() -> bool:
+                health = (await running.get("/health")).json()
+                return bool(health["workers_connected"] == len(workers))
+
+            await wait_until_async(connected, "every worker connected")
+            yield running
+            frontend_nursery.cancel_scope.cancel()
+        for worker in started:
+            worker.abandoning = True
+        nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- plain requests
+
+
+async def test_completion_chat_and_models() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            reply = await f.post("/v1/completions", completion_body())
+            assert reply.status == 200
+            body = reply.json()
+            assert body["object"] == "text_completion"
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            chat = await f.post("/v1/chat/completions", chat_body())
+            assert chat.status == 200
+            message = chat.json()["choices"][0]["message"]
+            assert message["role"] == "assistant"
+            assert message["content"]
+            models = (await f.get("/v1/models")).json()
+            assert models["object"] == "list"
+            assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+async def test_embeddings() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            reply = await f.post("/v1/embeddings", {"model": MODEL, "input": ["a b", "c"]})
+            assert reply.status == 200
+            body = reply.json()
+            assert body["object"] == "list"
+            assert [item["index"] for item in body["data"]] == [0, 1]
+            assert all(item["embedding"] for item in body["data"])
+            assert body["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions", chat_body(stream=True)), ("/v1/completions", completion_body(True))],
+)
+async def test_streaming_ends_with_done(path: str, body: dict[str, Any]) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            body = {**body, "stream_options": {"include_usage": True}}
+            reply = await f.post(path, body)
+            assert reply.status == 200
+            assert reply.headers[b"content-type"] == b"text/event-stream"
+            events = reply.sse_events()
+            assert events[-1] == b"data: [DONE]"
+            chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
+            assert chunks[-1]["usage"]["completion_tokens"] == body["max_tokens"]
+            assert len([c for c in chunks if c["choices"]]) == body["max_tokens"]
+
+
+async def test_failure_mid_stream_sends_error_event_and_no_done() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            f.engines[0].fail_mid_stream = True
+            reply = await f.post("/v1/chat/completions", chat_body(stream=True))
+            assert reply.status == 200
+            events = reply.sse_events()
+            assert b"data: [DONE]" not in events
+            assert events[-1].startswith(b"event: error\ndata: ")
+            error = json.loads(events[-1].split(b"data: ", 1)[1])
+            assert "exploded" in error["error"]["message"]
+            # Before the start, an engine failure is a plain error status, not a stream.
+            plain = await f.post("/v1/completions", completion_body())
+            assert plain.status == 500
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+async def test_bad_input_answers() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()], max_body_bytes=1000) as f:
+            unknown = await f.post("/v1/completions", {**completion_body(), "model": "nope"})
+            assert unknown.status == 404
+            error = unknown.json()["error"]
+            assert set(error) >= {"message", "type", "code"}
+            assert "nope" in error["message"]
+            malformed = await f.post("/v1/chat/completions", raw=b'{"model": ')
+            assert malformed.status == 400
+            assert malformed.json()["error"]["message"]
+            no_messages = await f.post("/v1/chat/completions", {"model": MODEL})
+            assert no_messages.status == 400
+            too_big = await f.post("/v1/completions", completion_body(prompt="x " * 1000))
+            assert too_big.status == 413
+            assert "error" in too_big.json()
+            no_path = await f.get("/v1/nothing")
+            assert no_path.status == 404
+            assert no_path.json()["error"]["code"] == 404
+
+
+async def test_no_workers_answers_503_exact_body() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([]) as f:
+            for path, body in [
+                ("/v1/completions", completion_body()),
+                ("/v1/chat/completions", chat_body(stream=True)),
+                ("/v1/embeddings", {"model": "anything", "input": "x"}),
+            ]:
+                reply = await f.post(path, body)
+                assert reply.status == 503
+                assert reply.body == UNAVAILABLE_BODY
+                assert reply.body == (
+                    b'{"message":"Service temporarily unavailable",'
+                    b'"type":"Service Unavailable","code":503}'
+                )
+                assert reply.headers[b"content-type"] == b"application/json"
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+@asynccontextmanager
+async def held_requests(
+    f: Fleet, count: int, worker: int = 0, body: dict[str, Any] | None = None
+) -> AsyncIterator[list[Reply]]:
+    """``count`` requests held in worker ``worker``'s gate (running or queued) until exit.
+
+    On exit the engine releases them and their replies are awaited (collected in the list).
+    """
+    engine = f.engines[worker]
+    gate = f.workers[worker].gate
+    engine.hold = True
+    replies: list[Reply] = []
+    before = gate.in_flight
+
+    async def one() -> None:
+        replies.append(await f.post("/v1/completions", body or completion_body()))
+
+    async with trio.open_nursery() as nursery:
+        for sent in range(1, count + 1):
+            nursery.start_soon(one)
+            # One at a time, so arrival order is the order they were sent.
+            await wait_until(functools.partial(_reached, gate, before + sent), "the gate")
+        yield replies
+        engine.hold = False
+        engine.release.set()
+    engine.release = trio.Event()
+
+
+@asynccontextmanager
+async def filled_directly(f: Fleet, worker: int = 0) -> AsyncIterator[None]:
+    """Fill worker ``worker``'s gate to its cap N + Q from a client of its own, behind the
+    frontend's back (the frontend sees no load: the instant engine reports none)."""
+    engine = f.engines[worker]
+    gate = f.workers[worker].gate
+    engine.hold = True
+    cap = gate.engine_slots + gate.queue_limit
+    url = f.addresses[worker].ws_url + "/v1/requests"
+    async with open_websocket_url(url, max_message_size=wire.MAX_MESSAGE_BYTES) as ws:
+        hello = await ws.get_message()
+        assert isinstance(hello, bytes)
+        assert isinstance(wire.decode_worker_message(hello), wire.Hello)
+        for request_id in range(1, cap + 1):
+            generate = wire.Generate(
+                request_id=request_id, endpoint="completions", body={"prompt": "a", "max_tokens": 1}
+            )
+            await ws.send_message(wire.encode(generate))
+        await wait_until(lambda: gate.in_flight == cap, "the worker to fill up")
+        yield
+        engine.hold = False
+        engine.release.set()
+    engine.release = trio.Event()
+
+
+def _reached(gate: AdmissionGate, in_flight: int) -> bool:
+    return gate.in_flight >= in_flight
+
+
+def assert_overloaded(reply: Reply, status: int = 529) -> None:
+    assert reply.status == status
+    assert reply.body == overload_body(status)
+    assert reply.headers[b"content-type"] == b"application/json"
+    retry_after = reply.headers[b"retry-after"]
+    assert retry_after.isdigit()
+    assert int(retry_after) >= 1
+
+
+async def test_fourth_request_gets_529_and_queued_ones_complete() -> None:
+    # N = 1, Q = 2: one runs, two wait, the fourth is rejected by the worker.
+    settings = worker_settings(engine_request_limit=1, request_queue_limit=2)
+    with trio.fail_after(TIMEOUT):
+        async with fleet([settings]) as f:
+            gate = f.workers[0].gate
+            async with held_requests(f, 3) as replies:
+                assert (gate.running, gate.queued) == (1, 2)
+                fourth = await f.post("/v1/completions", completion_body())
+                assert_overloaded(fourth)
+                assert fourth.body == (
+                    b'{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
+                )
+                # A rejection before the start is a real 529 with stream=true as well.
+                streamed = await f.post("/v1/chat/completions", chat_body(stream=True))
+                assert_overloaded(streamed)
+            assert [reply.status for reply in replies] == [200, 200, 200]
+            assert gate.in_flight == 0
+            text = await f.metrics()
+            rejected = metric_value(
+                text,
+                "dynamo_frontend_model_rejection_total",
+                model=MODEL,
+                endpoint="completions",
+            )
+            assert rejected == 1
+            assert (
+                metric_value(
+                    text,
+                    "dynamo_frontend_model_rejection_total",
+                    model=MODEL,
+                    endpoint="chat_completions",
+                )
+                == 1
+            )
+
+
+async def test_overload_status_follows_the_setting() -> None:
+    settings = worker_settings(engine_request_limit=1, request_queue_limit=2)
+    with trio.fail_after(TIMEOUT):
+        async with fleet([settings], overload_status=429) as f, held_requests(f, 3):
+            assert_overloaded(await f.post("/v1/completions", completion_body()), 429)
+
+
+async def test_migration_retries_on_a_free_worker() -> None:
+    full = worker_settings(engine_request_limit=1, request_queue_limit=2)
+    free = worker_settings(worker_id="w-b")
+    with trio.fail_after(TIMEOUT):
+        async with fleet([full, free], migration_limit=1) as f, filled_directly(f):
+            gate = f.workers[0].gate
+            statuses = []
+            for _ in range(10):
+                statuses.append((await f.post("/v1/completions", completion_body())).status)
+                if gate.rejected_total >= 2:
+                    break
+            assert gate.rejected_total >= 1, "no request was sent to the full worker"
+            assert set(statuses) == {200}
+
+
+async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
+    # Worker A never sends an event on its own (long heartbeat): only the lease lifts its mark.
+    full = worker_settings(engine_request_limit=1, request_queue_limit=2, heartbeat_interval=30)
+    free = worker_settings(worker_id="w-b", heartbeat_interval=30)
+    with trio.fail_after(TIMEOUT):
+        async with fleet([full, free]) as f, filled_directly(f):
+            gate = f.workers[0].gate
+            statuses = []
+            for _ in range(4):
+                statuses.append((await f.post("/v1/completions", completion_body())).status)
+                if gate.rejected_total:
+                    break
+            assert gate.rejected_total == 1
+            assert statuses[-1] == 529
+            # Marked: every request goes to B for now.
+            for _ in range(6):
+                assert (await f.post("/v1/completions", completion_body())).status == 200
+            assert gate.rejected_total == 1
+            await trio.sleep(1.1)  # the mark lease (1 s) has run out
+            for _ in range(4):
+                await f.post("/v1/completions", completion_body())
+                if gate.rejected_total > 1:
+                    break
+            assert gate.rejected_total == 2, "the lease ended but the worker was never tried"
