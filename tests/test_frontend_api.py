@@ -526,3 +526,253 @@ async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
                 if gate.rejected_total > 1:
                     break
             assert gate.rejected_total == 2, "the lease ended but the worker was never tried"
+
+
+async def test_disconnecting_client_frees_its_slot_and_queue_place() -> None:
+    settings = worker_settings(engine_request_limit=1, request_queue_limit=2)
+    with trio.fail_after(TIMEOUT):
+        async with fleet([settings]) as f:
+            gate = f.workers[0].gate
+            f.engines[0].hold = True
+            host, port = _address(f.url)
+            data = json.dumps(completion_body()).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(data)}\r\n\r\n"
+            ).encode()
+            clients = []
+            for expected in (1, 2):  # one running, one queued
+                stream = await trio.open_tcp_stream(host, port)
+                clients.append(stream)
+                await stream.send_all(head + data)
+                await wait_until(functools.partial(_reached, gate, expected), "the request")
+            assert (gate.running, gate.queued) == (1, 1)
+            for stream in reversed(clients):  # the queued client leaves first, then the runner
+                await stream.aclose()
+            await wait_until(lambda: gate.in_flight == 0, "both places to be freed")
+            f.engines[0].hold = False
+            assert (await f.post("/v1/completions", completion_body())).status == 200
+            text = await f.metrics()
+            assert metric_value(text, "dynamo_frontend_inflight_requests", model=MODEL) == 0
+
+
+# ----------------------------------------------------------------------------- busy thresholds
+
+
+async def wait_for_rank_gauge(f: Fleet, name: str, value: float) -> None:
+    async def seen() -> bool:
+        return metric_value(await f.metrics(), name, worker_id="w-a", dp_rank="0") == value
+
+    await wait_until_async(seen, f"{name} to reach {value}")
+
+
+async def test_threshold_set_through_the_api_takes_effect_and_sheds_before_the_body() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            f.engines[0].set_load(blocks=5)
+            await wait_for_rank_gauge(f, "dynamo_frontend_worker_active_decode_blocks", 5)
+            # Load present, no threshold: served.
+            assert (await f.post("/v1/completions", completion_body())).status == 200
+            update = {"model": MODEL, "active_decode_blocks_threshold": 0.0}
+            entry = await f.post("/busy_threshold", update)
+            assert entry.status == 200
+            assert entry.json() == {
+                "model": MODEL,
+                "active_decode_blocks_threshold": 0.0,
+                "active_prefill_tokens_threshold": None,
+                "active_prefill_tokens_threshold_frac": None,
+            }
+            assert_overloaded(await f.post("/v1/chat/completions", chat_body(stream=True)))
+            # The fast shed answers from the head alone: the body is never sent here.
+            host, port = _address(f.url)
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                conn = h11.Connection(h11.CLIENT)
+                head = [("host", "x"), ("content-length", "1000000")]
+                await stream.send_all(
+                    conn.send(h11.Request(method="POST", target="/v1/completions", headers=head))
+                )
+                reply = await _read_reply(stream, conn)
+            assert_overloaded(reply)
+            assert reply.headers[b"connection"] == b"close"
+            # The load goes away: served again.
+            f.engines[0].set_load(blocks=0)
+            await wait_for_rank_gauge(f, "dynamo_frontend_worker_active_decode_blocks", 0)
+            assert (await f.post("/v1/completions", completion_body())).status == 200
+            text = await f.metrics()
+            assert (
+                metric_value(
+                    text,
+                    "dynamo_frontend_model_rejection_total",
+                    model=MODEL,
+                    endpoint="completions",
+                )
+                == 1
+            )
+            assert (
+                metric_value(
+                    text,
+                    "dynamo_frontend_model_rejection_total",
+                    model=MODEL,
+                    endpoint="chat_completions",
+                )
+                == 1
+            )
+
+
+async def test_busy_threshold_get_and_post_cases() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()], active_prefill_tokens_threshold=7) as f:
+            listed = (await f.get("/busy_threshold")).json()
+            assert listed == {
+                "thresholds": [
+                    {
+                        "model": MODEL,
+                        "active_decode_blocks_threshold": None,
+                        "active_prefill_tokens_threshold": 7,
+                        "active_prefill_tokens_threshold_frac": None,
+                    }
+                ]
+            }
+            unchanged = await f.post("/busy_threshold", {"model": MODEL})
+            assert unchanged.status == 200
+            assert unchanged.json() == listed["thresholds"][0]
+            both = await f.post(
+                "/busy_threshold",
+                {
+                    "model": MODEL,
+                    "active_decode_blocks_threshold": 0.5,
+                    "active_prefill_tokens_threshold_frac": 1.5,
+                },
+            )
+            assert both.status == 200
+            assert both.json()["active_decode_blocks_threshold"] == 0.5
+            assert both.json()["active_prefill_tokens_threshold"] == 7
+            assert both.json()["active_prefill_tokens_threshold_frac"] == 1.5
+            for field, value in [
+                ("active_decode_blocks_threshold", 1.5),
+                ("active_decode_blocks_threshold", -0.1),
+                ("active_prefill_tokens_threshold", -1),
+                ("active_prefill_tokens_threshold_frac", -2.0),
+            ]:
+                reply = await f.post("/busy_threshold", {"model": MODEL, field: value})
+                assert reply.status == 400, (field, value)
+                message = reply.json()["error"]
+                assert field in message
+                assert str(value) in message
+            for body in [
+                {"model": MODEL, "active_decode_blocks_threshold": "high"},
+                {"model": MODEL, "active_prefill_tokens_threshold": 1.5},
+                {"model": MODEL, "active_prefill_tokens_threshold_frac": True},
+                {"active_decode_blocks_threshold": 0.5},
+                {"model": 3},
+            ]:
+                reply = await f.post("/busy_threshold", body)
+                assert reply.status == 422, body
+                assert "error" in reply.json()
+            unknown = await f.post(
+                "/busy_threshold", {"model": "nope", "active_prefill_tokens_threshold": 1}
+            )
+            assert unknown.status == 404
+            assert "nope" in unknown.json()["error"]
+            # Nothing above changed what is in force.
+            assert (await f.get("/busy_threshold")).json()["thresholds"][0] == both.json()
+
+
+async def test_admin_api_can_be_disabled() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()], admin_api_disabled=True) as f:
+            assert (await f.get("/busy_threshold")).status == 404
+            reply = await f.post(
+                "/busy_threshold", {"model": MODEL, "active_prefill_tokens_threshold": 1}
+            )
+            assert reply.status == 404
+            assert (await f.post("/v1/completions", completion_body())).status == 200
+
+
+async def test_router_queue_threshold_parks_then_releases() -> None:
+    # max_num_batched_tokens is 100 (worker_settings): saturated above 50 prefill tokens.
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()], router_queue_threshold=0.5) as f:
+            f.engines[0].set_load(prefill=80)
+            await wait_for_rank_gauge(f, "dynamo_frontend_worker_active_prefill_tokens", 80)
+            replies: list[Reply] = []
+
+            async def one() -> None:
+                replies.append(await f.post("/v1/completions", completion_body()))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                await wait_until_async(
+                    lambda: _inflight(f, 1), "the request to be parked in the frontend"
+                )
+                await trio.sleep(0.3)
+                assert replies == [], "a request was routed to a saturated worker"
+                assert f.workers[0].gate.in_flight == 0
+                f.engines[0].set_load(prefill=10)
+            assert [reply.status for reply in replies] == [200]
+
+
+async def _inflight(f: Fleet, count: int) -> bool:
+    text = await f.metrics()
+    return metric_value(text, "dynamo_frontend_inflight_requests", model=MODEL) == count
+
+
+# ----------------------------------------------------------------------------- metrics, health
+
+
+async def test_metrics_names_and_labels() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            f.engines[0].set_load(blocks=3, prefill=4)
+            await wait_for_rank_gauge(f, "dynamo_frontend_worker_active_decode_blocks", 3)
+            assert (await f.post("/v1/completions", completion_body())).status == 200
+            text = await f.metrics()
+            labels = {"worker_id": "w-a", "dp_rank": "0"}
+            assert metric_value(text, "dynamo_frontend_worker_active_prefill_tokens", **labels) >= 4
+            assert metric_value(text, "dynamo_frontend_worker_kv_total_blocks", **labels) == 100
+            assert (
+                metric_value(
+                    text,
+                    "dynamo_frontend_requests_total",
+                    model=MODEL,
+                    endpoint="completions",
+                    status="200",
+                )
+                == 1
+            )
+            assert "dynamo_frontend_inflight_requests{" in text
+            assert "# TYPE dynamo_frontend_model_rejection_total counter" in text
+            for histogram in (
+                "dynamo_frontend_time_to_first_token_seconds",
+                "dynamo_frontend_request_duration_seconds",
+            ):
+                assert metric_value(text, histogram + "_count", model=MODEL) == 1
+            assert (await f.get("/live")).status == 200
+            health = (await f.get("/health")).json()
+            assert health["status"] == "ready"
+            assert health["workers_connected"] == 1
+
+
+# ----------------------------------------------------------------------------- the OpenAI SDK
+
+
+async def test_openai_sdk_streams_a_chat_completion() -> None:
+    openai = pytest.importorskip("openai")
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+
+            def chat() -> list[str]:
+                client = openai.OpenAI(base_url=f.url + "/v1", api_key="unused", max_retries=0)
+                with client:
+                    stream = client.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "say something"}],
+                        max_tokens=5,
+                        stream=True,
+                    )
+                    return [chunk.choices[0].delta.content or "" for chunk in stream]
+
+            pieces = await trio.to_thread.run_sync(chat)
+            assert len(pieces) == 5
+            assert all(pieces)
