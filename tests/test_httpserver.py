@@ -274,7 +274,7 @@ async def test_no_100_continue_when_the_handler_answers_without_the_body() -> No
     assert raw.endswith(b'{"code":529}')
 
 
-async def test_early_response_without_reading_the_body_closes_the_connection() -> None:
+async def test_early_response_drops_a_small_unread_body_and_keeps_the_connection() -> None:
     async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
         await responder.send(529, json_headers(), b"{}")
 
@@ -282,16 +282,38 @@ async def test_early_response_without_reading_the_body_closes_the_connection() -
         async with running_server(refuse) as port:
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
-                # The body is sent in full; the server still may not reuse the connection as
-                # the handler never read it.
+                # The handler never reads the body; the server drops it after the answer and
+                # reads the next request on the same connection.
                 await stream.send_all(
                     b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody"
-                    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nConnection: close"
+                    b"\r\n\r\nbody"
                 )
                 raw = await read_until_eof(stream)
-    assert raw.count(b"HTTP/1.1") == 1
-    assert raw.startswith(b"HTTP/1.1 529 ")
-    assert b"connection: close" in raw.lower()
+    assert raw.count(b"HTTP/1.1 529 ") == 2
+    first = raw.partition(b"HTTP/1.1 529 ")[2].partition(b"HTTP/1.1 529 ")[0]
+    assert b"connection: close" not in first.lower()
+
+
+async def test_early_response_before_a_large_or_chunked_body_closes_the_connection() -> None:
+    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(529, json_headers(), b"{}")
+
+    limits = HTTPLimits(discard_body_bytes=3)
+    with trio.fail_after(10):
+        async with running_server(refuse, limits=limits) as port:
+            for request in (
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody",
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"4\r\nbody\r\n0\r\n\r\n",
+            ):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(request + b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    raw = await read_until_eof(stream)
+                assert raw.count(b"HTTP/1.1") == 1
+                assert raw.startswith(b"HTTP/1.1 529 ")
+                assert b"connection: close" in raw.lower()
 
 
 async def test_body_over_the_limit_by_content_length_gets_413_before_100_continue() -> None:

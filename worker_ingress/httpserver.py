@@ -26,8 +26,12 @@ Rules of one connection (a loop of request/response cycles):
    a disconnect is noticed at the next write instead.
 4. A handler answers exactly once: :meth:`HTTPResponder.send` (one complete response with
    ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
-   ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response sent while the
-   request body is still unread carries ``Connection: close`` and the connection closes after it,
+   ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response may go out
+   while the request body is still unread (an early 529 decides without it). When the body is
+   declared with a ``Content-Length`` of at most ``discard_body_bytes`` and the client is not
+   waiting for ``100 Continue``, the server reads and drops the body after the response and
+   keeps the connection (a shed client keeps its connection, so shedding stays cheap);
+   otherwise the response carries ``Connection: close`` and the connection closes after it,
    because h11 cannot start the next cycle before the client's side is done.
 5. One bad peer or one failing handler never takes the server down. A handler exception is
    passed to ``on_error`` (to be counted) and logged, answered 500 when nothing was sent yet, and
@@ -89,6 +93,8 @@ class HTTPLimits:
             reads and keeps while a handler runs, before it stops reading.
         linger_timeout: seconds to drain the client's bytes after our EOF when closing.
         linger_bytes: at most this many bytes are drained when closing.
+        discard_body_bytes: a request body the handler did not read is read and dropped after
+            the response, keeping the connection, when its declared length is at most this.
     """
 
     max_body_bytes: int = 16 * 1024 * 1024
@@ -100,6 +106,7 @@ class HTTPLimits:
     pipeline_buffer_bytes: int = 64 * 1024
     linger_timeout: float = 2.0
     linger_bytes: int = 1024 * 1024
+    discard_body_bytes: int = 64 * 1024
 
 
 DEFAULT_LIMITS = HTTPLimits()
@@ -234,7 +241,7 @@ class HTTPResponder:
         """
         conn = self._connection
         all_headers = [*headers, (b"content-length", b"%d" % len(body))]
-        if conn.h11.their_state is not h11.DONE:
+        if conn.closes_after_response():
             all_headers.append((b"connection", b"close"))
         head = _response(status, all_headers)  # validates: bad headers leave nothing started
         self._claim()
@@ -258,7 +265,7 @@ class HTTPResponder:
             ClientDisconnected: the client is gone.
         """
         conn = self._connection
-        if conn.h11.their_state is not h11.DONE:
+        if conn.closes_after_response():
             headers = [*headers, (b"connection", b"close")]
         head = _response(status, headers)  # validates: bad headers leave nothing started
         self._claim()
@@ -343,6 +350,12 @@ class _Connection:
         # that the timer task polls, because moving a cancel scope's deadline twice per request
         # costs several percent of the request rate.
         self._head_deadline = math.inf
+        # Whether the request being handled may have its unread body dropped (rule 4).
+        self._body_discardable = False
+
+    def closes_after_response(self) -> bool:
+        """Whether a response sent now must end the connection (rule 4)."""
+        return self.h11.their_state is not h11.DONE and not self._body_discardable
 
     # -- moving bytes -------------------------------------------------------------------------
 
@@ -413,7 +426,13 @@ class _Connection:
             keep_alive = await self._handle(request)
             if not keep_alive:
                 return
-            if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+            if (
+                self.h11.our_state is h11.DONE
+                and self.h11.their_state is not h11.DONE
+                and self._body_discardable
+            ):
+                keep_alive = await self._discard_body()
+            if keep_alive and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
                 self.h11.start_next_cycle()
             else:
                 await self._close_gracefully()
@@ -494,6 +513,12 @@ class _Connection:
             # the client's side is DONE and a response need not close the connection.
             end = self.h11.next_event()
             assert isinstance(end, h11.EndOfMessage), end
+        declared = _declared_length(h11_request)
+        self._body_discardable = (
+            declared is not None
+            and declared <= min(self.limits.discard_body_bytes, self.limits.max_body_bytes)
+            and not self.h11.client_is_waiting_for_100_continue
+        )
         request = HTTPRequest(self, h11_request)
         responder = HTTPResponder(self, h11_request.method == b"HEAD")
         failure: Exception | None = None
@@ -589,6 +614,27 @@ class _Connection:
             else:  # pragma: no cover - h11 yields only Data/EndOfMessage/NEED_DATA here
                 raise RuntimeError(f"unexpected h11 event {event!r}")
         return b"".join(parts)
+
+    async def _discard_body(self) -> bool:
+        """Read and drop the rest of a small declared body; ``True`` when the cycle completed.
+
+        The body of an early response usually came in with the head, so this rarely waits; when
+        it must, the wait is bounded by ``body_timeout``.
+        """
+        conn = self.h11
+        # Bounded: each pass consumes body bytes (at most discard_body_bytes) or ends.
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.EndOfMessage):
+                return True
+            if isinstance(event, h11.Data):
+                continue
+            if event is not h11.NEED_DATA or self._eof:
+                return False
+            with trio.move_on_after(self.limits.body_timeout) as scope:
+                await self._wait_for_data()
+            if scope.cancelled_caught:
+                return False
 
     async def _close_gracefully(self) -> None:
         """Half-close, let the reader drain what the client still sends (bounded), then close.
