@@ -10,8 +10,8 @@ Processes (servers pinned to core 0, wrk to core 1 with ``taskset`` when there a
 
 Figures, all measured in this one run, side by side:
 
-1. 529 answers/s from B (each closes its connection, so wrk reconnects: the realistic cost),
-   against B's own ``GET /live`` rate on keep-alive connections.
+1. 529 answers/s from B, answered from the request head (the small body is dropped unparsed and
+   the connection kept), against B's own ``GET /live`` rate on keep-alive connections.
 2. completions/s through A and the instant worker, against ``GET /live`` on the worker's own
    system port (the same HTTP server, no routing and no request plane): an upper bound.
 3. Latency on one connection: median and p99 of a completion through A, against ``GET /live``
@@ -181,7 +181,7 @@ def main() -> None:
     print(f"wrk: {options.connections} connections, {options.seconds:.0f} s per figure")
     print(f"busy fleet: GET /live (keep-alive)       {live_busy['rps']:10.0f} /s")
     print(
-        f"busy fleet: 529 answers (conn. close)    {shed['rps']:10.0f} /s"
+        f"busy fleet: 529 answers (keep-alive)     {shed['rps']:10.0f} /s"
         f"   ratio to /live {shed['rps'] / live_busy['rps']:.2f}"
         f"   ({shed['non_2xx']:.0f} of {shed['requests']:.0f} were non-2xx)"
     )
