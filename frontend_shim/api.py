@@ -145,6 +145,9 @@ class FrontendAPI:
         self._overload_body = overload_body(settings.overload_status)
         self._completions = CompletionRate()
         self._in_flight = 0
+        #: Set by :meth:`begin_drain`; then set again each time the last request ends.
+        self._draining = False
+        self._idle = trio.Event()
         self._queue: FrontendQueue[trio.Event] | None = (
             FrontendQueue(settings.router_queue_capacity)
             if settings.router_queue_threshold is not None
@@ -188,6 +191,25 @@ class FrontendAPI:
             )
             await responder.send(exc.status, json_headers(), body)
 
+    def begin_drain(self) -> None:
+        """Stop taking completions (503, ``Connection: close``); requests in flight go on.
+
+        Parked requests are released at once: each is routed now or answered.
+        """
+        self._draining = True
+        if self._queue is not None:
+            for model in self._queue.models_waiting():
+                for waiter in self._queue.pop(model, self._queue.waiting(model)):
+                    waiter.set()
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no completion is in flight (meant for after :meth:`begin_drain`)."""
+        while self._in_flight:
+            await self._idle.wait()
+            self._idle = trio.Event()
+
     def on_fleet_change(self) -> None:
         """Release parked requests that may go on (called after events and request ends)."""
         if self._queue is not None and len(self._queue):
@@ -200,6 +222,13 @@ class FrontendAPI:
         self, request: HTTPRequest, responder: HTTPResponder, endpoint: wire.Endpoint
     ) -> None:
         arrival = trio.current_time()
+        if self._draining:
+            exchange = _Exchange(endpoint, self._shed_label(), arrival)
+            try:
+                await self._send_unavailable(responder, exchange, close=True)
+            finally:
+                self._count(exchange)
+            return
         if self._fleet.all_models_busy(arrival):
             # Fast shed: nothing is free for any model, so the body cannot change the answer.
             exchange = _Exchange(endpoint, self._shed_label(), arrival)
@@ -222,6 +251,8 @@ class FrontendAPI:
             inflight.dec()
             self._count(exchange)
             self.on_fleet_change()
+            if self._in_flight == 0:
+                self._idle.set()
 
     def _shed_label(self) -> str:
         models = self._fleet.models()
@@ -432,9 +463,14 @@ class FrontendAPI:
         headers = json_headers((b"retry-after", b"%d" % retry_after))
         await responder.send(self._overload_status, headers, self._overload_body)
 
-    async def _send_unavailable(self, responder: HTTPResponder, exchange: _Exchange) -> None:
+    async def _send_unavailable(
+        self, responder: HTTPResponder, exchange: _Exchange, *, close: bool = False
+    ) -> None:
         exchange.status = 503
-        await responder.send(503, json_headers((b"retry-after", b"1")), UNAVAILABLE_BODY)
+        headers = json_headers((b"retry-after", b"1"))
+        if close:  # draining: the client should reconnect, to another frontend
+            headers.append((b"connection", b"close"))
+        await responder.send(503, headers, UNAVAILABLE_BODY)
 
     async def _send_failure(
         self, responder: HTTPResponder, exchange: _Exchange, failed: wire.Failed
@@ -472,11 +508,12 @@ class FrontendAPI:
 
     async def _health(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         payload = {
-            "status": "ready",
+            "status": "draining" if self._draining else "ready",
             "workers_connected": self._fleet.connected_count,
             "models": self._fleet.models(),
         }
-        await responder.send(200, json_headers(), _json_encode(payload))
+        status = 503 if self._draining else 200
+        await responder.send(status, json_headers(), _json_encode(payload))
 
     async def _live(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         await responder.send(200, json_headers(), b'{"status":"live"}')

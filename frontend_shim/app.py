@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import prometheus_client
 import trio
@@ -191,10 +191,38 @@ async def run_frontend(
         nursery.start_soon(_tick, api)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                _log.info("received %s: stopping", signal.Signals(signum).name)
+                _log.info(
+                    "received %s: draining (%.1f s grace)",
+                    signal.Signals(signum).name,
+                    settings.drain_grace,
+                )
                 break
+            await _drain(api, settings.drain_grace, signals)
         nursery.cancel_scope.cancel()
     sys.stdout.flush()
+
+
+async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) -> None:
+    """Let requests in flight finish, for at most ``grace`` seconds or until a second signal."""
+    api.begin_drain()
+    with trio.move_on_after(grace) as grace_scope:
+        async with trio.open_nursery() as nursery:
+
+            async def until_idle() -> None:
+                await api.wait_idle()
+                nursery.cancel_scope.cancel()
+
+            async def until_second_signal() -> None:
+                async for signum in signals:
+                    _log.warning("received %s again: stopping now", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(until_idle)
+            nursery.start_soon(until_second_signal)
+    if grace_scope.cancelled_caught:
+        _log.warning("drain grace expired; cancelling the requests still in flight")
+    _log.info("stopping")
 
 
 async def _tick(api: FrontendAPI) -> None:

@@ -143,13 +143,19 @@ def _frontend(
     admission_control: Annotated[
         str | None, Parameter(env_var="DYN_ADMISSION_CONTROL", show=False)
     ] = None,
+    graceful_shutdown_timeout: Annotated[
+        float | None,
+        Parameter(
+            env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
+            validator=(validators.Number(gte=0), _finite),
+        ),
+    ] = None,
     log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
     model: Annotated[str | None, PASS] = None,
     engine: Annotated[str | None, PASS] = None,
     upstream_url: Annotated[str | None, PASS] = None,
     engine_request_limit: Annotated[int | None, PASS_INT] = None,
     queue_timeout: Annotated[float | None, PASS] = None,
-    graceful_shutdown_timeout: Annotated[float | None, PASS] = None,
     heartbeat_interval: Annotated[float | None, PASS] = None,
     num_gpu_blocks: Annotated[int | None, PASS_INT] = None,
     block_size: Annotated[int | None, PASS_INT] = None,
@@ -196,6 +202,9 @@ def _frontend(
         Largest request body accepted (413 beyond).
     admission_control
         Ignored (kept so old launch commands still start).
+    graceful_shutdown_timeout
+        Seconds requests in flight get to finish after SIGTERM or SIGINT (default 30); also
+        passed to local workers when given on the command line.
     log_level
         Log level of the messages written to stderr.
     model
@@ -208,8 +217,6 @@ def _frontend(
         Passed to local workers: N, their engine request limit.
     queue_timeout
         Passed to local workers: their queue timeout in seconds.
-    graceful_shutdown_timeout
-        Passed to local workers: their drain grace period in seconds.
     heartbeat_interval
         Passed to local workers: seconds between their heartbeats.
     num_gpu_blocks
@@ -261,6 +268,7 @@ def _frontend(
         max_body_bytes=max_body_bytes,
         overload_status=overload_status_from_env(),
         admin_api_disabled=admin_api_disabled(),
+        drain_grace=30.0 if graceful_shutdown_timeout is None else graceful_shutdown_timeout,
     )
     if local_workers:
         _check_worker_args(worker_args)

@@ -53,6 +53,8 @@ class FrontendSettings:
     overload_status: int = DEFAULT_OVERLOAD_STATUS
     #: ``/busy_threshold`` answers 404 when true (``DYN_DISABLE_FRONTEND_ADMIN_API``).
     admin_api_disabled: bool = False
+    #: Seconds requests in flight get to finish after SIGTERM/SIGINT.
+    drain_grace: float = 30.0
     #: Seconds between DNS look-ups of worker host names.
     resolve_interval: float = 10.0
     #: Load older than this many heartbeat intervals is stale.

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
+import signal
 import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -776,3 +778,36 @@ async def test_openai_sdk_streams_a_chat_completion() -> None:
             pieces = await trio.to_thread.run_sync(chat)
             assert len(pieces) == 5
             assert all(pieces)
+
+
+# ----------------------------------------------------------------------------- drain
+
+
+async def test_sigterm_drains_requests_in_flight_and_refuses_new_ones() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            f.engines[0].hold = True
+            replies: list[Reply] = []
+
+            async def one_request() -> None:
+                replies.append(await f.post("/v1/completions", completion_body()))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one_request)
+                gate = f.workers[0].gate
+                await wait_until(lambda: gate.running == 1, "the request to start")
+                # The frontend's own signal receiver takes it (the workers here use none).
+                os.kill(os.getpid(), signal.SIGTERM)
+
+                async def draining() -> bool:
+                    return (await f.get("/health")).status == 503
+
+                await wait_until_async(draining, "/health to say draining")
+                assert (await f.get("/health")).json()["status"] == "draining"
+                refused = await f.post("/v1/completions", completion_body())
+                assert refused.status == 503
+                assert refused.body == UNAVAILABLE_BODY
+                assert refused.headers[b"connection"] == b"close"
+                f.engines[0].release.set()
+            # The request in flight finished normally during the drain.
+            assert [reply.status for reply in replies] == [200]
