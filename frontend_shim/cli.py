@@ -276,14 +276,18 @@ def _frontend(
 
 
 def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
+    from frontend_shim.workers import parse_worker_url
+
     urls: list[str] = []
     for item in given:
         for url in item.split(","):
             url = url.strip()
             if not url:
                 continue
-            if not url.startswith(("ws://", "wss://")):
-                raise CliError(f'Invalid value "{url}" for --worker. Expected ws://host:port.')
+            try:
+                parse_worker_url(url)
+            except ValueError as exc:
+                raise CliError(f"Invalid value for --worker: {exc}") from None
             urls.append(url)
     return tuple(urls)
 

@@ -109,6 +109,9 @@ def test_worker_flags_pass_through_to_local_workers() -> None:
         ([], {"DYN_HTTP_PORT": "http"}, "DYN_HTTP_PORT"),
         (["--local-workers", "-1"], {}, "--local-workers"),
         (["--worker", "http://a:1"], {}, "--worker"),
+        (["--worker", "ws://127.0.0.1"], {}, "--worker"),
+        (["--worker", "wss://127.0.0.1:5"], {}, "--worker"),
+        ([], {"DYN_WORKERS": "ws://a:1,ws://b"}, "--worker"),
         (["--max-body-bytes", "0"], {}, "--max-body-bytes"),
         (
             ["--local-workers", "1", "--engine-request-limit", "0"],

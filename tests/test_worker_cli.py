@@ -128,6 +128,8 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
         (["--speedup-ratio", "0"], {}, "--speedup-ratio"),
         (["--speedup-ratio", "inf"], {}, "--speedup-ratio"),
         (["--engine", "nonsense"], {}, "--engine"),
+        (["--worker-id", ""], {}, "--worker-id"),
+        ([], {"DYN_WORKER_ID": " "}, "--worker-id"),
         (["--engine", "openai"], {}, "--upstream-url"),
         (["--log-level", "loud"], {}, "--log-level"),
     ],

@@ -193,7 +193,9 @@ def _worker(
         port=port,
         system_port=system_port,
         model=model,
-        worker_id=worker_id if worker_id else secrets.token_hex(8),
+        worker_id=secrets.token_hex(8)
+        if worker_id is None
+        else _non_empty("--worker-id", worker_id),
         engine=engine,
         upstream_url=upstream_url,
         engine_request_limit=engine_request_limit,
@@ -212,6 +214,12 @@ def _worker(
     )
     _check_engine(settings)
     return settings, log_level
+
+
+def _non_empty(flag: str, value: str) -> str:
+    if not value.strip():
+        raise CliError(f'Invalid value "{value}" for {flag}. Must not be empty.')
+    return value
 
 
 def _queue_limit_from_env() -> int:
