@@ -44,8 +44,9 @@ TICK_INTERVAL = 0.25
 class FleetBridge:
     """Turns what the worker links report into :class:`Fleet` updates (a ``FleetListener``).
 
-    A worker id announced by two addresses at once (one worker reachable twice) is counted
-    once: the second link is ignored until the first goes down.
+    A worker id announced by two addresses at once (one worker reachable twice, e.g. over IPv4
+    and IPv6) is counted once: the first address to come up owns it, the others stand by, and
+    when the owner goes down a standby that is still up takes over at once.
 
     Args:
         fleet: the load state to update.
@@ -55,42 +56,50 @@ class FleetBridge:
     def __init__(self, fleet: Fleet, on_change: Callable[[], None]) -> None:
         self._fleet = fleet
         self._on_change = on_change
-        self._id_by_key: dict[WorkerKey, str] = {}
-        self._key_by_id: dict[str, WorkerKey] = {}
+        #: Every link that is up, with the config of its latest hello.
+        self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
+        #: The link that speaks for each registered worker id.
+        self._owner: dict[str, WorkerKey] = {}
 
     def key_of(self, worker_id: str) -> WorkerKey | None:
         """The link address of a registered worker."""
-        return self._key_by_id.get(worker_id)
+        return self._owner.get(worker_id)
 
     def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
-        owner = self._key_by_id.get(config.worker_id)
+        self._up[key] = config
+        owner = self._owner.get(config.worker_id)
         if owner is not None and owner != key:
             _log.warning(
-                "worker %s at %s is already connected at %s; ignoring the second address",
+                "worker %s at %s is already connected at %s; standing by on the second address",
                 config.worker_id,
                 key,
                 owner,
             )
             return
-        self._id_by_key[key] = config.worker_id
-        self._key_by_id[config.worker_id] = key
+        self._owner[config.worker_id] = key
         self._fleet.register(config, now)
         _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
         self._on_change()
 
     def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
-        worker_id = self._id_by_key.get(key)
-        if worker_id is not None and self._fleet.apply_batch(worker_id, events, now):
+        config = self._up.get(key)
+        if config is None or self._owner.get(config.worker_id) != key:
+            return  # a standby link: its owner reports the same worker
+        if self._fleet.apply_batch(config.worker_id, events, now):
             self._on_change()
 
     def worker_down(self, key: WorkerKey, now: float) -> None:
-        worker_id = self._id_by_key.pop(key, None)
-        if worker_id is None:
+        config = self._up.pop(key, None)
+        if config is None or self._owner.get(config.worker_id) != key:
             return
-        del self._key_by_id[worker_id]
-        self._fleet.remove(worker_id)
-        _log.info("worker %s at %s down", worker_id, key)
-        self._on_change()
+        del self._owner[config.worker_id]
+        self._fleet.remove(config.worker_id)
+        _log.info("worker %s at %s down", config.worker_id, key)
+        standby = next((k for k, c in self._up.items() if c.worker_id == config.worker_id), None)
+        if standby is not None:
+            self.worker_up(standby, self._up[standby], now)
+        else:
+            self._on_change()
 
 
 def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:

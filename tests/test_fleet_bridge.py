@@ -1,0 +1,64 @@
+"""FleetBridge: link news -> load state, with one worker reachable at two addresses."""
+
+from __future__ import annotations
+
+from frontend_shim.app import FleetBridge
+from frontend_shim.load import Fleet
+from worker_ingress import wire
+
+
+def _config(worker_id: str = "w-1") -> wire.RuntimeConfig:
+    return wire.RuntimeConfig(
+        worker_id=worker_id,
+        model="m",
+        kv_total_blocks=100,
+        block_size=16,
+        max_num_batched_tokens=1000,
+        max_num_seqs=8,
+        data_parallel_size=1,
+        engine_request_limit=None,
+        request_queue_limit=40000,
+        heartbeat_interval=1.0,
+    )
+
+
+def _load(seq: int, blocks: int) -> wire.LoadEvent:
+    rank = wire.RankLoad(
+        dp_rank=0, active_decode_blocks=blocks, active_prefill_tokens=0, kv_used_blocks=blocks
+    )
+    return wire.LoadEvent(seq=seq, ts=0.0, load=rank, engine_requests=0, queued_requests=0)
+
+
+def test_one_worker_at_two_addresses_is_counted_once_and_survives_losing_one() -> None:
+    fleet = Fleet()
+    changes: list[None] = []
+    bridge = FleetBridge(fleet, on_change=lambda: changes.append(None))
+    bridge.worker_up("ws://127.0.0.1:1", _config(), now=0.0)
+    bridge.worker_up("ws://[::1]:1", _config(), now=0.0)
+    assert fleet.connected_count == 1
+    assert bridge.key_of("w-1") == "ws://127.0.0.1:1"
+    # The standby's events are not applied twice; the owner's are.
+    bridge.worker_events("ws://[::1]:1", [_load(1, 7)], now=0.1)
+    assert [g.active_decode_blocks for g in fleet.rank_gauges()] == [0]
+    bridge.worker_events("ws://127.0.0.1:1", [_load(1, 5)], now=0.1)
+    assert [g.active_decode_blocks for g in fleet.rank_gauges()] == [5]
+    # The owner goes down: the standby, still up, takes over at once.
+    bridge.worker_down("ws://127.0.0.1:1", now=0.2)
+    assert fleet.connected_count == 1
+    assert bridge.key_of("w-1") == "ws://[::1]:1"
+    bridge.worker_down("ws://[::1]:1", now=0.3)
+    assert fleet.connected_count == 0
+    assert bridge.key_of("w-1") is None
+    assert changes
+
+
+def test_a_standby_going_down_changes_nothing() -> None:
+    fleet = Fleet()
+    bridge = FleetBridge(fleet, on_change=lambda: None)
+    bridge.worker_up("ws://a:1", _config(), now=0.0)
+    bridge.worker_up("ws://b:1", _config(), now=0.0)
+    bridge.worker_down("ws://b:1", now=0.1)
+    assert fleet.connected_count == 1
+    assert bridge.key_of("w-1") == "ws://a:1"
+    bridge.worker_down("ws://unknown:1", now=0.2)
+    assert fleet.connected_count == 1
