@@ -174,6 +174,17 @@ async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: fl
             raise _PongTimeout
 
 
+async def _keepalive_then_stop(
+    worker: Worker, ws: WebSocketConnection, stop: trio.CancelScope
+) -> None:
+    """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
+    try:
+        await _keepalive(ws, worker.ping_interval, worker.ping_timeout)
+    except _PongTimeout:
+        worker.metrics.count_connection_error()
+    stop.cancel()
+
+
 class _RequestConnection:
     """One request-plane connection (see rules 1-5 of the module docstring)."""
 
@@ -201,7 +212,9 @@ class _RequestConnection:
             await self._ws.send_message(encode(self._worker.hello))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_then_stop, nursery.cancel_scope)
-                nursery.start_soon(self._keepalive_then_stop, nursery.cancel_scope)
+                nursery.start_soon(
+                    _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
+                )
                 await self._receive_loop(nursery)
                 nursery.cancel_scope.cancel()
             # Closed only now that no other task can write: a send cut short by a cancel
@@ -214,14 +227,6 @@ class _RequestConnection:
             await self._sender.run()
             # The sender ran dry after close(): the worker is draining.
             self._close = (CLOSE_DRAINING, "worker draining")
-        stop.cancel()
-
-    async def _keepalive_then_stop(self, stop: trio.CancelScope) -> None:
-        worker = self._worker
-        try:
-            await _keepalive(self._ws, worker.ping_interval, worker.ping_timeout)
-        except _PongTimeout:
-            worker.metrics.count_connection_error()
         stop.cancel()
 
     async def _receive_loop(self, nursery: trio.Nursery) -> None:
@@ -260,7 +265,8 @@ class _RequestConnection:
                 continue
             scope = trio.CancelScope()
             self._requests[message.request_id] = scope
-            self._no_requests = trio.Event()
+            if self._no_requests.is_set():
+                self._no_requests = trio.Event()
             nursery.start_soon(self._run_request, message, prepared, scope)
 
     async def _prepare(self, generate: Generate) -> PreparedRequest | None:
@@ -396,7 +402,9 @@ class _EventConnection:
             with self._worker.publisher.subscribe() as subscription:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._discard_incoming, nursery.cancel_scope)
-                    nursery.start_soon(self._keepalive_then_stop, nursery.cancel_scope)
+                    nursery.start_soon(
+                        _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
+                    )
                     with contextlib.suppress(ConnectionClosed), self._send_scope:
                         while True:
                             events = await subscription.next_batch()
@@ -411,14 +419,6 @@ class _EventConnection:
         with contextlib.suppress(ConnectionClosed):
             while True:
                 await self._ws.get_message()
-        stop.cancel()
-
-    async def _keepalive_then_stop(self, stop: trio.CancelScope) -> None:
-        worker = self._worker
-        try:
-            await _keepalive(self._ws, worker.ping_interval, worker.ping_timeout)
-        except _PongTimeout:
-            worker.metrics.count_connection_error()
         stop.cancel()
 
     async def close(self) -> None:
@@ -565,6 +565,7 @@ class Worker:
                     settings.system_port,
                     render_metrics=self.metrics.render,
                     health=self.health,
+                    on_error=lambda _error: self.metrics.count_connection_error(),
                 )
             )
             address = WorkerAddress(
