@@ -4,8 +4,10 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
 ``/v1/embeddings``):
 
 1. Fast shed: when every known model is busy (O(1) on the load state), answer the overload
-   status before reading the body; the server then closes the connection, so a client that is
-   told "not now" costs no body transfer and no JSON parse.
+   status from the request head, before the body is read: no JSON parse, and the server drops
+   a small body unread and keeps the connection (a large one closes it). The answer cannot
+   depend on the body, so under a fully busy fleet a request for an unknown model or with a
+   malformed body also gets the overload answer instead of its 404 or 400.
 2. Read the body (413 over the cap), parse it once with msgspec (400 when malformed), check the
    few fields the frontend itself needs (``model``, ``stream``).
 3. Frontend queue (``--router-queue-threshold``): park while every free worker is saturated.
@@ -48,7 +50,13 @@ from frontend_shim.router import (
 )
 from frontend_shim.workers import RequestStream, WorkerKey, WorkerPool
 from worker_ingress import wire
-from worker_ingress.httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
+from worker_ingress.httpserver import (
+    BodyTooLarge,
+    HTTPRequest,
+    HTTPResponder,
+    error_body,
+    json_headers,
+)
 
 __all__ = ["FrontendAPI", "overload_body", "UNAVAILABLE_BODY"]
 
@@ -237,7 +245,14 @@ class FrontendAPI:
             finally:
                 self._count(exchange)
             return
-        body = _parse_body(await request.read_body(), endpoint)
+        try:
+            body = _parse_body(await request.read_body(), endpoint)
+        except BadRequest as exc:
+            self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
+            raise
+        except BodyTooLarge:
+            self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, 413)
+            raise
         model: str = body["model"]
         label = model if self._fleet.is_known_model(model) else UNKNOWN_MODEL_LABEL
         exchange = _Exchange(endpoint, label, arrival)
@@ -380,6 +395,8 @@ class FrontendAPI:
                 return
             else:
                 _log.warning("request failed after it started: %s", reply.message)
+                # The head said 200, but for the counters this request failed.
+                exchange.status = 500
                 error = {"error": {"message": reply.message, "type": reply.kind, "code": 500}}
                 await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
                 await responder.end_stream()
@@ -530,7 +547,7 @@ class FrontendAPI:
     async def _post_thresholds(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         self._check_admin()
         model, update = _parse_threshold_update(await request.read_body())
-        if not self._fleet.is_known_model(model):
+        if not any(True for _ in self._fleet.workers(model)):
             message = (
                 f"Model '{model}' not found. Thresholds can only be set for discovered models."
             )
@@ -624,9 +641,13 @@ def _sse(payload: bytes) -> bytes:
 
 
 class _ResponseShape:
-    """The OpenAI response objects of one chat or text completion."""
+    """The OpenAI response objects of one chat or text completion.
 
-    __slots__ = ("chat", "created", "id", "include_usage", "model")
+    A streamed chunk differs from the last only in its choice, so the envelope around the
+    choice is encoded once per request and each chunk encodes just its choice.
+    """
+
+    __slots__ = ("_chunk_prefix", "chat", "created", "id", "include_usage", "model")
 
     def __init__(self, endpoint: wire.Endpoint, body: dict[str, Any]) -> None:
         self.chat = endpoint == "chat_completions"
@@ -635,6 +656,16 @@ class _ResponseShape:
         self.model: str = body["model"]
         options = body.get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        envelope = _json_encode(
+            {
+                "id": self.id,
+                "object": self._object(chunk=True),
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+            }
+        )
+        self._chunk_prefix = envelope[: -len(b"]}")]
 
     def _object(self, chunk: bool) -> str:
         if self.chat:
@@ -642,15 +673,12 @@ class _ResponseShape:
         return "text_completion"
 
     def chunk(self, reply: wire.Chunk, first: bool) -> bytes:
+        choice: dict[str, Any]
         if self.chat:
             delta: dict[str, Any] = {"content": reply.text}
             if first:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": delta,
-                "finish_reason": reply.finish_reason,
-            }
+            choice = {"index": 0, "delta": delta, "finish_reason": reply.finish_reason}
         else:
             choice = {
                 "index": 0,
@@ -658,15 +686,7 @@ class _ResponseShape:
                 "finish_reason": reply.finish_reason,
                 "logprobs": None,
             }
-        return _json_encode(
-            {
-                "id": self.id,
-                "object": self._object(chunk=True),
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
-        )
+        return self._chunk_prefix + _json_encode(choice) + b"]}"
 
     def usage_chunk(self, end: wire.End) -> bytes:
         return _json_encode(
