@@ -813,15 +813,21 @@ class Fleet:
         if worker is None or in_flight.finished or in_flight not in worker._in_flight:
             return
         rank = worker.ranks[in_flight.rank]
+        in_flight.output_tokens += max(0, tokens)
+        # Called once per streamed chunk: after the first one, nothing changes unless output
+        # blocks are tracked and the request just crossed into a new block.
+        changed = in_flight.prefill_tokens > 0
         rank.own_prefill -= in_flight.prefill_tokens
         in_flight.prefill_tokens = 0
-        in_flight.output_tokens += max(0, tokens)
         if self.track_output_blocks:
             blocks = _blocks(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
-            rank.own_blocks += blocks - in_flight.blocks
-            in_flight.blocks = blocks
-        self._recompute_rank(worker, rank)
-        self._update_membership(worker)
+            if blocks != in_flight.blocks:
+                rank.own_blocks += blocks - in_flight.blocks
+                in_flight.blocks = blocks
+                changed = True
+        if changed:
+            self._recompute_rank(worker, rank)
+            self._update_membership(worker)
 
     def request_finished(self, worker_id: str, in_flight: InFlight) -> None:
         """Remove a request's charge (completed, failed, rejected or cancelled); idempotent.
