@@ -407,7 +407,7 @@ def test_prepare_forces_streaming_with_usage() -> None:
     [
         ("chat_completions", {"messages": []}, "messages"),
         ("chat_completions", {"messages": "hi"}, "messages"),
-        ("chat_completions", {"messages": ["hi"]}, "each message"),
+        ("chat_completions", {"messages": ["hi"]}, r"messages\[0\] must be an object"),
         ("completions", {}, "prompt"),
         ("completions", {"prompt": 3}, "prompt"),
         ("embeddings", {}, "input"),

@@ -11,12 +11,20 @@ Life of a request inside a worker:
 
 Load reporting: the engine keeps :meth:`Engine.load` current for each data-parallel rank and bumps
 :attr:`Engine.load_changed` whenever a value there changes, so the event plane publishes on change.
+
+Request reading shared by every engine, so all of them answer one body the same way:
+
+- :func:`requested_max_tokens`: OpenAI semantics. For chat, ``max_completion_tokens`` is the newer
+  name of ``max_tokens`` and wins when both are given; a completion reads ``max_tokens`` only; an
+  embedding generates nothing. Absent or ``null`` means :data:`DEFAULT_MAX_TOKENS`.
+- :func:`prompt_texts` / :func:`prompt_words`: the prompt of a body and its token count, one token
+  per whitespace-separated word (all message contents, for chat), as CONTRACT section 1 counts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any, Final, Protocol
 
 import msgspec
 import trio
@@ -25,12 +33,21 @@ from worker_ingress.watch import ChangeSignal
 from worker_ingress.wire import Endpoint, RankLoad
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "Engine",
     "EngineConfig",
     "EngineInputError",
     "EngineOutput",
     "PreparedRequest",
+    "chat_texts",
+    "count_words",
+    "prompt_texts",
+    "prompt_words",
+    "requested_max_tokens",
 ]
+
+#: Generated tokens when a completion body sets no limit.
+DEFAULT_MAX_TOKENS: Final = 16
 
 
 class EngineInputError(ValueError):
@@ -113,3 +130,194 @@ class Engine(Protocol):
         Calls ``task_status.started()`` once requests may be submitted.
         """
         ...
+
+
+# --------------------------------------------------------------------------------------------
+# Request reading (sans-IO), shared by the engines
+
+
+def requested_max_tokens(
+    endpoint: Endpoint, body: Mapping[str, Any], default: int = DEFAULT_MAX_TOKENS
+) -> int:
+    """How many tokens a request asks to generate.
+
+    Chat reads ``max_completion_tokens`` and, when that is absent or ``null``, ``max_tokens``
+    (OpenAI deprecated the older name for chat; both are validated when both are given). A
+    completion reads ``max_tokens`` only. An embedding generates nothing.
+
+    Args:
+        endpoint: Which OpenAI endpoint the body is for.
+        body: The OpenAI request body.
+        default: The limit when the body sets none.
+
+    Returns:
+        The number of tokens to generate (0 for embeddings).
+
+    Raises:
+        EngineInputError: A limit that is not a non-negative integer (booleans included), or an
+            unknown endpoint.
+    """
+    if endpoint == "embeddings":
+        return 0
+    if endpoint == "chat_completions":
+        fields: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+    elif endpoint == "completions":
+        fields = ("max_tokens",)
+    else:
+        raise EngineInputError(f"unsupported endpoint {endpoint!r}")
+    chosen: int | None = None
+    for field in fields:
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise EngineInputError(f"'{field}' must be a non-negative integer, got {value!r}")
+        if chosen is None:
+            chosen = value
+    return default if chosen is None else chosen
+
+
+def count_words(text: str) -> int:
+    """Prompt tokens of a text: one per whitespace-separated word.
+
+    Args:
+        text: Any text.
+
+    Returns:
+        The number of words in it.
+    """
+    return len(text.split())
+
+
+def _texts_of_content(content: object, where: str) -> list[str]:
+    # OpenAI content: a string, null (an assistant turn with tool calls only) or a list of parts,
+    # of which only the text parts carry words (a part without "type" is taken as text).
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise EngineInputError(f"{where}.content[{part_index}] must be an object")
+            if part.get("type", "text") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise EngineInputError(f"{where}.content[{part_index}].text must be a string")
+                texts.append(text)
+        return texts
+    raise EngineInputError(f"{where}.content must be a string, a list of parts or null")
+
+
+def chat_texts(messages: object) -> list[str]:
+    """The texts of a chat's ``messages``, in order (non-text content parts are skipped).
+
+    Args:
+        messages: The ``messages`` value of a chat body.
+
+    Returns:
+        Every text of every message.
+
+    Raises:
+        EngineInputError: ``messages`` is not a non-empty list of objects, a message has neither
+            ``content`` nor ``tool_calls``, or a content is ill-typed.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise EngineInputError("'messages' must be a non-empty list of message objects")
+    texts: list[str] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise EngineInputError(f"messages[{index}] must be an object")
+        if "content" not in message and "tool_calls" not in message:
+            raise EngineInputError(f"messages[{index}] has no 'content'")
+        texts.extend(_texts_of_content(message.get("content"), f"messages[{index}]"))
+    return texts
+
+
+def _prompt_field(endpoint: Endpoint) -> str:
+    if endpoint == "completions":
+        return "prompt"
+    if endpoint == "embeddings":
+        return "input"
+    raise EngineInputError(f"unsupported endpoint {endpoint!r}")
+
+
+def _strings(body: Mapping[str, Any], field: str) -> list[str]:
+    value = body.get(field)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
+        return value
+    if value is None:
+        raise EngineInputError(f"'{field}' is required: a string or a list of strings")
+    raise EngineInputError(f"'{field}' must be a string or a non-empty list of strings")
+
+
+def prompt_texts(endpoint: Endpoint, body: Mapping[str, Any]) -> list[str]:
+    """The prompt of a body as texts.
+
+    Chat: the texts of all messages (:func:`chat_texts`); completions: ``prompt``; embeddings:
+    ``input``; each of the last two a string or a non-empty list of strings.
+
+    Args:
+        endpoint: Which OpenAI endpoint the body is for.
+        body: The OpenAI request body.
+
+    Returns:
+        The texts, one per string of the prompt (one per message text, for chat).
+
+    Raises:
+        EngineInputError: A missing or ill-typed prompt, or an unknown endpoint.
+    """
+    if endpoint == "chat_completions":
+        return chat_texts(body.get("messages"))
+    return _strings(body, _prompt_field(endpoint))
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompt_words(
+    endpoint: Endpoint, body: Mapping[str, Any], *, allow_token_ids: bool = False
+) -> int:
+    """Prompt tokens of a body: one per whitespace-separated word of :func:`prompt_texts`.
+
+    Args:
+        endpoint: Which OpenAI endpoint the body is for.
+        body: The OpenAI request body.
+        allow_token_ids: Also accept what OpenAI accepts besides text for ``prompt`` and
+            ``input``: a list whose items are strings, token ids or lists of token ids, each
+            token id counting one (for engines that forward the body to a real server).
+
+    Returns:
+        The number of prompt tokens.
+
+    Raises:
+        EngineInputError: A missing or ill-typed prompt, or an unknown endpoint.
+    """
+    if endpoint == "chat_completions" or not allow_token_ids:
+        return sum(count_words(text) for text in prompt_texts(endpoint, body))
+    field = _prompt_field(endpoint)
+    value = body.get(field)
+    if value is None:
+        raise EngineInputError(f"'{field}' is required: a string, a list of strings or token ids")
+    if isinstance(value, str):
+        return count_words(value)
+    if isinstance(value, list) and value:
+        total = 0
+        for item in value:
+            if isinstance(item, str):
+                total += count_words(item)
+            elif _is_token_id(item):
+                total += 1
+            elif isinstance(item, list) and all(_is_token_id(token) for token in item):
+                total += len(item)
+            else:
+                break
+        else:
+            return total
+    raise EngineInputError(
+        f"'{field}' must be a string or a non-empty list of strings or token ids"
+    )

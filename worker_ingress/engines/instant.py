@@ -2,7 +2,8 @@
 
 ``--engine worker_ingress.engines.instant:create`` selects it. A completion streams exactly
 ``max_tokens`` chunks (16 when absent) of one token each with no delay; an embedding request
-answers one small vector per input. Prompt tokens are counted like the mocker counts them: one per
+answers one small vector per input. Bodies are read by the helpers of
+:mod:`worker_ingress.engines.base`, like the mocker reads them: one prompt token per
 whitespace-separated word of the prompt (all message contents, for chat). The engine holds no KV
 cache, so its load is always zero and :attr:`InstantEngine.load_changed` never moves.
 """
@@ -16,55 +17,20 @@ import trio
 
 from worker_ingress.config import WorkerSettings
 from worker_ingress.engines.base import (
+    DEFAULT_MAX_TOKENS,
     EngineConfig,
-    EngineInputError,
     EngineOutput,
     PreparedRequest,
+    count_words,
+    prompt_texts,
+    requested_max_tokens,
 )
 from worker_ingress.watch import ChangeSignal
 from worker_ingress.wire import Endpoint, RankLoad
 
 __all__ = ["DEFAULT_MAX_TOKENS", "EMBEDDING_SIZE", "InstantEngine", "create"]
 
-DEFAULT_MAX_TOKENS: Final = 16
 EMBEDDING_SIZE: Final = 8
-
-
-def _count_words(value: object, field: str) -> int:
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return sum(len(item.split()) for item in value)
-    raise EngineInputError(f"'{field}' must be a string or a list of strings")
-
-
-def _chat_prompt_tokens(messages: object) -> int:
-    if not isinstance(messages, list) or not messages:
-        raise EngineInputError("'messages' must be a non-empty list")
-    total = 0
-    for message in messages:
-        if not isinstance(message, dict):
-            raise EngineInputError("each message must be an object")
-        content = message.get("content", "")
-        if content is None:
-            continue
-        if isinstance(content, list):
-            # OpenAI content parts: count the text parts only.
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += len(part["text"].split())
-            continue
-        total += _count_words(content, "content")
-    return total
-
-
-def _max_tokens(body: dict[str, Any]) -> int:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    if value is None:
-        return DEFAULT_MAX_TOKENS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineInputError(f"'max_tokens' must be a non-negative integer, got {value!r}")
-    return value
 
 
 class InstantEngine:
@@ -109,31 +75,16 @@ class InstantEngine:
             The prepared request.
 
         Raises:
-            EngineInputError: The body lacks its prompt or has a bad ``max_tokens``.
+            EngineInputError: The body lacks its prompt or has a bad ``max_tokens``
+                (see :func:`~worker_ingress.engines.base.requested_max_tokens`).
         """
-        if endpoint == "chat_completions":
-            return PreparedRequest(
-                endpoint=endpoint,
-                prompt_tokens=_chat_prompt_tokens(body.get("messages")),
-                max_tokens=_max_tokens(body),
-            )
-        if endpoint == "completions":
-            if "prompt" not in body:
-                raise EngineInputError("'prompt' is required")
-            return PreparedRequest(
-                endpoint=endpoint,
-                prompt_tokens=_count_words(body["prompt"], "prompt"),
-                max_tokens=_max_tokens(body),
-            )
-        if "input" not in body:
-            raise EngineInputError("'input' is required")
-        inputs = body["input"]
-        count = 1 if isinstance(inputs, str) else len(inputs) if isinstance(inputs, list) else 0
+        texts = prompt_texts(endpoint, body)
         return PreparedRequest(
             endpoint=endpoint,
-            prompt_tokens=_count_words(inputs, "input"),
-            max_tokens=0,
-            payload=count,
+            prompt_tokens=sum(count_words(text) for text in texts),
+            max_tokens=requested_max_tokens(endpoint, body),
+            # An embedding answers one vector per input: keep how many there are.
+            payload=len(texts) if endpoint == "embeddings" else None,
         )
 
     async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:

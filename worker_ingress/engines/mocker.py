@@ -58,10 +58,14 @@ import trio
 
 from worker_ingress.config import MockerSettings, WorkerSettings
 from worker_ingress.engines.base import (
+    DEFAULT_MAX_TOKENS,
     EngineConfig,
     EngineInputError,
     EngineOutput,
     PreparedRequest,
+    count_words,
+    prompt_texts,
+    requested_max_tokens,
 )
 from worker_ingress.watch import ChangeSignal
 from worker_ingress.wire import Endpoint, RankLoad
@@ -77,13 +81,10 @@ __all__ = [
     "ScheduledStep",
     "SequenceState",
     "create",
-    "count_words",
     "embedding_for",
     "output_word",
 ]
 
-#: Generated tokens when the body has no ``max_tokens``.
-DEFAULT_MAX_TOKENS: Final = 16
 #: Length of the pseudo embedding vectors.
 EMBEDDING_DIMENSIONS: Final = 16
 #: Waiting entries of cancelled sequences are dropped lazily; the queue is rebuilt once this many
@@ -119,11 +120,6 @@ def output_word(index: int) -> str:
     """
     word = _OUTPUT_WORDS[index % len(_OUTPUT_WORDS)]
     return word if index == 0 else " " + word
-
-
-def count_words(text: str) -> int:
-    """Prompt tokens of a text as the mocker counts them: one per whitespace-separated word."""
-    return len(text.split())
 
 
 def embedding_for(text: str) -> list[float]:
@@ -551,69 +547,13 @@ class RankScheduler:
 
 
 # ----------------------------------------------------------------------------- request parsing
+# Bodies are read by the helpers shared with the other engines (worker_ingress.engines.base).
 
 
 class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
     """What :meth:`MockerEngine.prepare` keeps of a body: the embedding inputs, if any."""
 
     embedding_inputs: list[str] | None = None
-
-
-def _texts_of_content(content: object, where: str) -> list[str]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part_index, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise EngineInputError(f"{where}.content[{part_index}] must be an object")
-            text = part.get("text")
-            if part.get("type", "text") == "text":
-                if not isinstance(text, str):
-                    raise EngineInputError(f"{where}.content[{part_index}].text must be a string")
-                texts.append(text)
-        return texts
-    raise EngineInputError(f"{where}.content must be a string, a list of parts or null")
-
-
-def _chat_texts(body: dict[str, Any]) -> list[str]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise EngineInputError("'messages' must be a non-empty list of message objects")
-    texts: list[str] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise EngineInputError(f"messages[{index}] must be an object")
-        if "content" not in message and "tool_calls" not in message:
-            raise EngineInputError(f"messages[{index}] has no 'content'")
-        texts.extend(_texts_of_content(message.get("content"), f"messages[{index}]"))
-    return texts
-
-
-def _string_or_strings(body: dict[str, Any], field: str) -> list[str]:
-    value = body.get(field)
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(item, str) for item in value):
-        return value
-    if value is None:
-        raise EngineInputError(f"'{field}' is required: a string or a list of strings")
-    raise EngineInputError(f"'{field}' must be a string or a non-empty list of strings")
-
-
-def _max_tokens(body: dict[str, Any], endpoint: Endpoint) -> int:
-    field = "max_tokens"
-    value = body.get(field)
-    if value is None and endpoint == "chat_completions":
-        field = "max_completion_tokens"
-        value = body.get(field)
-    if value is None:
-        return DEFAULT_MAX_TOKENS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise EngineInputError(f"'{field}' must be a non-negative integer, got {value!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- Trio shell
@@ -699,19 +639,9 @@ class MockerEngine:
         """
         if not isinstance(body, dict):
             raise EngineInputError("the request body must be a JSON object")
-        payload = MockerPayload()
-        if endpoint == "chat_completions":
-            texts = _chat_texts(body)
-            max_tokens = _max_tokens(body, endpoint)
-        elif endpoint == "completions":
-            texts = _string_or_strings(body, "prompt")
-            max_tokens = _max_tokens(body, endpoint)
-        elif endpoint == "embeddings":
-            texts = _string_or_strings(body, "input")
-            max_tokens = 0
-            payload = MockerPayload(embedding_inputs=texts)
-        else:
-            raise EngineInputError(f"unsupported endpoint {endpoint!r}")
+        texts = prompt_texts(endpoint, body)
+        max_tokens = requested_max_tokens(endpoint, body)
+        payload = MockerPayload(embedding_inputs=texts if endpoint == "embeddings" else None)
         prompt_tokens = sum(count_words(text) for text in texts)
         if not self._ranks[0].fits(prompt_tokens, max_tokens):
             capacity = self._settings.num_gpu_blocks * self._settings.block_size

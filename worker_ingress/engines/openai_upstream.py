@@ -7,8 +7,9 @@ worker).
 
 Requests:
 
-- :meth:`OpenAIUpstreamEngine.prepare` checks the minimum (``messages`` a non-empty list for chat,
-  ``prompt`` for completions, ``input`` for embeddings, ``max_tokens`` a non-negative integer) and
+- :meth:`OpenAIUpstreamEngine.prepare` checks the prompt and the token limit with the helpers
+  every engine shares (:func:`~worker_ingress.engines.base.prompt_words`, which here also accepts
+  token ids, and :func:`~worker_ingress.engines.base.requested_max_tokens`) and
   encodes the body as JSON, so a body JSON cannot carry is refused before it takes a slot. Prompt
   tokens are *estimated* as whitespace-separated words (token ids count one each): the worker does
   not have the model's tokenizer, and the real count comes back in the upstream's ``usage``. The
@@ -75,10 +76,13 @@ import trio
 
 from worker_ingress.config import WorkerSettings
 from worker_ingress.engines.base import (
+    DEFAULT_MAX_TOKENS,
     EngineConfig,
     EngineInputError,
     EngineOutput,
     PreparedRequest,
+    prompt_words,
+    requested_max_tokens,
 )
 from worker_ingress.upstream_http import (
     DEFAULT_READ_TIMEOUT,
@@ -106,9 +110,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``max_tokens`` recorded for a request that sets none (an estimate only: the upstream applies
-#: its own default).
-DEFAULT_MAX_TOKENS: Final = 16
 #: Seconds between two reads of the upstream's ``/metrics``.
 METRICS_POLL_INTERVAL: Final = 1.0
 #: Backoff while waiting for the upstream to answer at start-up.
@@ -146,58 +147,6 @@ class UpstreamError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------
 # Request validation (sans-IO)
-
-
-def _count_prompt(value: object, field: str) -> int:
-    """Approximate tokens of a prompt: words of strings, one per token id."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        total = 0
-        for item in value:
-            if isinstance(item, str):
-                total += len(item.split())
-            elif isinstance(item, int) and not isinstance(item, bool):
-                total += 1
-            elif isinstance(item, list) and all(
-                isinstance(token, int) and not isinstance(token, bool) for token in item
-            ):
-                total += len(item)
-            else:
-                raise EngineInputError(
-                    f"'{field}' must be a string, a list of strings or token ids"
-                )
-        return total
-    raise EngineInputError(f"'{field}' must be a string, a list of strings or token ids")
-
-
-def _count_chat_prompt(messages: object) -> int:
-    if not isinstance(messages, list) or not messages:
-        raise EngineInputError("'messages' must be a non-empty list")
-    total = 0
-    for message in messages:
-        if not isinstance(message, dict):
-            raise EngineInputError("each message must be an object")
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content.split())
-        elif isinstance(content, list):
-            # OpenAI content parts: only text parts have words to count.
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += len(part["text"].split())
-    return total
-
-
-def _max_tokens(body: dict[str, Any]) -> int:
-    for field in ("max_completion_tokens", "max_tokens"):
-        value = body.get(field)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise EngineInputError(f"'{field}' must be a non-negative integer, got {value!r}")
-        return value
-    return DEFAULT_MAX_TOKENS
 
 
 class _UpstreamCall(msgspec.Struct, frozen=True):
@@ -644,23 +593,12 @@ class OpenAIUpstreamEngine:
         """
         if not isinstance(body, dict):
             raise EngineInputError("the request body must be a JSON object")
-        if endpoint == "chat_completions":
-            prompt_tokens = _count_chat_prompt(body.get("messages"))
-        elif endpoint == "completions":
-            if "prompt" not in body:
-                raise EngineInputError("'prompt' is required")
-            prompt_tokens = _count_prompt(body["prompt"], "prompt")
-        elif endpoint == "embeddings":
-            if "input" not in body:
-                raise EngineInputError("'input' is required")
-            prompt_tokens = _count_prompt(body["input"], "input")
-        else:
-            raise EngineInputError(f"unknown endpoint {endpoint!r}")
+        prompt_tokens = prompt_words(endpoint, body, allow_token_ids=True)
+        # Recorded for the load estimate only: the upstream applies its own default.
+        max_tokens = requested_max_tokens(endpoint, body)
         if endpoint == "embeddings":
-            max_tokens = 0
             upstream_body = body
         else:
-            max_tokens = _max_tokens(body)
             stream_options = body.get("stream_options")
             upstream_body = {
                 **body,
