@@ -121,6 +121,52 @@ class _Exchange:
         self.status = CLIENT_CLOSED
 
 
+class _Progress:
+    """Book-keeping of a started request as its output arrives: TTFT, the router's own count
+    of what the worker holds (:meth:`Fleet.request_output`), duration, and the final release.
+    """
+
+    __slots__ = ("_charge", "_fleet", "_metrics", "_waiting_first", "exchange", "worker_id")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: FrontendMetrics,
+        exchange: _Exchange,
+        worker_id: str,
+        charge: InFlight | None,
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.exchange = exchange
+        self.worker_id = worker_id
+        self._charge = charge
+        self._waiting_first = True
+
+    def chunk(self, reply: wire.Chunk) -> bool:
+        """Account for one chunk; return whether it was the first."""
+        first = self._waiting_first
+        if first:
+            self._waiting_first = False
+            self._metrics.observe_ttft(
+                self.exchange.label, trio.current_time() - self.exchange.arrival
+            )
+        if self._charge is not None and reply.tokens:
+            self._fleet.request_output(self.worker_id, self._charge, reply.tokens)
+        return first
+
+    def completed(self) -> None:
+        """The response went out in full."""
+        self._metrics.observe_duration(
+            self.exchange.label, trio.current_time() - self.exchange.arrival
+        )
+
+    def finished(self) -> None:
+        """The request is over, however it ended: drop the router's charge."""
+        if self._charge is not None:
+            self._fleet.request_finished(self.worker_id, self._charge)
+
+
 class FrontendAPI:
     """The request handler of the frontend's HTTP server.
 
@@ -346,52 +392,46 @@ class FrontendAPI:
         started: wire.Started,
         body: dict[str, Any],
     ) -> None:
-        charge = self._fleet.request_sent(worker_id, started.prompt_tokens)
+        progress = _Progress(
+            self._fleet,
+            self._metrics,
+            exchange,
+            worker_id,
+            self._fleet.request_sent(worker_id, started.prompt_tokens),
+        )
         try:
             if exchange.endpoint == "embeddings":
-                await self._serve_embeddings(responder, exchange, stream, body)
+                await self._serve_embeddings(responder, progress, stream, body)
             elif body.get("stream") is True:
-                await self._serve_stream(responder, exchange, stream, worker_id, charge, body)
+                await self._serve_stream(responder, progress, stream, body)
             else:
-                await self._serve_whole(responder, exchange, stream, worker_id, charge, body)
+                await self._serve_whole(responder, progress, stream, body)
         finally:
-            if charge is not None:
-                self._fleet.request_finished(worker_id, charge)
+            progress.finished()
             self._completions.record(trio.current_time())
-
-    def _first_token(self, exchange: _Exchange) -> None:
-        self._metrics.observe_ttft(exchange.label, trio.current_time() - exchange.arrival)
 
     async def _serve_stream(
         self,
         responder: HTTPResponder,
-        exchange: _Exchange,
+        progress: _Progress,
         stream: RequestStream,
-        worker_id: str,
-        charge: InFlight | None,
         body: dict[str, Any],
     ) -> None:
+        exchange = progress.exchange
         shape = _ResponseShape(exchange.endpoint, body)
         exchange.status = 200
         await responder.start_stream(200, list(_SSE_HEADERS))
-        first = True
         async for reply in stream:
             if isinstance(reply, wire.Chunk):
-                if first:
-                    self._first_token(exchange)
-                if charge is not None and reply.tokens:
-                    self._fleet.request_output(worker_id, charge, reply.tokens)
+                first = progress.chunk(reply)
                 await responder.send_chunk(_sse(shape.chunk(reply, first)))
-                first = False
             elif isinstance(reply, wire.End):
                 tail = b""
                 if shape.include_usage:
                     tail = _sse(shape.usage_chunk(reply))
                 await responder.send_chunk(tail + _DONE)
                 await responder.end_stream()
-                self._metrics.observe_duration(
-                    exchange.label, trio.current_time() - exchange.arrival
-                )
+                progress.completed()
                 return
             else:
                 _log.warning("request failed after it started: %s", reply.message)
@@ -405,30 +445,24 @@ class FrontendAPI:
     async def _serve_whole(
         self,
         responder: HTTPResponder,
-        exchange: _Exchange,
+        progress: _Progress,
         stream: RequestStream,
-        worker_id: str,
-        charge: InFlight | None,
         body: dict[str, Any],
     ) -> None:
+        exchange = progress.exchange
         shape = _ResponseShape(exchange.endpoint, body)
         pieces: list[str] = []
         finish_reason: str | None = None
         async for reply in stream:
             if isinstance(reply, wire.Chunk):
-                if not pieces:
-                    self._first_token(exchange)
-                if charge is not None and reply.tokens:
-                    self._fleet.request_output(worker_id, charge, reply.tokens)
+                progress.chunk(reply)
                 pieces.append(reply.text)
                 finish_reason = reply.finish_reason or finish_reason
             elif isinstance(reply, wire.End):
                 exchange.status = 200
                 payload = shape.whole("".join(pieces), finish_reason, reply)
                 await responder.send(200, json_headers(), payload)
-                self._metrics.observe_duration(
-                    exchange.label, trio.current_time() - exchange.arrival
-                )
+                progress.completed()
                 return
             else:
                 await self._send_failure(responder, exchange, reply)
@@ -437,10 +471,11 @@ class FrontendAPI:
     async def _serve_embeddings(
         self,
         responder: HTTPResponder,
-        exchange: _Exchange,
+        progress: _Progress,
         stream: RequestStream,
         body: dict[str, Any],
     ) -> None:
+        exchange = progress.exchange
         vectors: list[dict[str, Any]] = []
         async for reply in stream:
             if isinstance(reply, wire.Chunk):
@@ -461,9 +496,7 @@ class FrontendAPI:
                     },
                 }
                 await responder.send(200, json_headers(), _json_encode(payload))
-                self._metrics.observe_duration(
-                    exchange.label, trio.current_time() - exchange.arrival
-                )
+                progress.completed()
                 return
             else:
                 await self._send_failure(responder, exchange, reply)
