@@ -165,68 +165,73 @@ async def _drain_outbox(plane: _RequestPlane) -> list[bytes]:
 async def test_request_table_routes_replies_and_forgets_finished_requests() -> None:
     stats = LinkStats()
     plane = _RequestPlane(FAST, stats)
-    first_id, first = await plane.open("completions", {"prompt": "a"})
-    second_id, second = await plane.open("completions", {"prompt": "b"})
-    assert _generate_ids(await _drain_outbox(plane)) == [
-        ("Generate", first_id),
-        ("Generate", second_id),
-    ]
-    plane.deliver(wire.Rejected(request_id=second_id, reason=wire.REASON_OVERLOADED))
-    plane.deliver(wire.Started(request_id=first_id, prompt_tokens=1))
-    plane.deliver(wire.End(request_id=first_id, prompt_tokens=1, completion_tokens=0))
-    assert plane.open_requests == 0
-    assert isinstance(await second.get(), wire.Rejected)
-    assert isinstance(await first.get(), wire.Started)
-    assert isinstance(await first.get(), wire.End)
-    plane.deliver(_chunk("late", rid=first_id))
-    assert stats.late_replies == 1
-    plane.cancel(first_id)  # already ended: nothing to send
-    assert await _drain_outbox(plane) == []
+    with trio.fail_after(5):
+        first_id, first = await plane.open("completions", {"prompt": "a"})
+        second_id, second = await plane.open("completions", {"prompt": "b"})
+        assert _generate_ids(await _drain_outbox(plane)) == [
+            ("Generate", first_id),
+            ("Generate", second_id),
+        ]
+        plane.deliver(wire.Rejected(request_id=second_id, reason=wire.REASON_OVERLOADED))
+        plane.deliver(wire.Started(request_id=first_id, prompt_tokens=1))
+        plane.deliver(wire.End(request_id=first_id, prompt_tokens=1, completion_tokens=0))
+        assert plane.open_requests == 0
+        assert isinstance(await second.get(), wire.Rejected)
+        assert isinstance(await first.get(), wire.Started)
+        assert isinstance(await first.get(), wire.End)
+        plane.deliver(_chunk("late", rid=first_id))
+        assert stats.late_replies == 1
+        plane.cancel(first_id)  # already ended: nothing to send
+        assert await _drain_outbox(plane) == []
 
 
 async def test_cancel_before_the_generate_left_sends_nothing() -> None:
     plane = _RequestPlane(FAST, LinkStats())
-    request_id, _ = await plane.open("completions", {"prompt": "a"})
-    plane.cancel(request_id)
-    assert await _drain_outbox(plane) == []
+    with trio.fail_after(5):
+        request_id, _ = await plane.open("completions", {"prompt": "a"})
+        plane.cancel(request_id)
+        assert await _drain_outbox(plane) == []
 
 
 async def test_cancel_after_the_generate_left_sends_cancel() -> None:
     plane = _RequestPlane(FAST, LinkStats())
-    request_id, _ = await plane.open("completions", {"prompt": "a"})
-    await _drain_outbox(plane)
-    plane.cancel(request_id)
-    plane.cancel(request_id)  # idempotent
-    assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", request_id)]
+    with trio.fail_after(5):
+        request_id, _ = await plane.open("completions", {"prompt": "a"})
+        await _drain_outbox(plane)
+        plane.cancel(request_id)
+        plane.cancel(request_id)  # idempotent
+        assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", request_id)]
 
 
 async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker() -> None:
     stats = LinkStats()
     plane = _RequestPlane(LinkSettings(request_buffer=1), stats)
-    slow_id, slow = await plane.open("embeddings", {"input": ["a", "b"]})
-    other_id, other = await plane.open("embeddings", {"input": ["c"]})
-    await _drain_outbox(plane)
-    plane.deliver(wire.Started(request_id=slow_id, prompt_tokens=2))
-    plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=0))
-    plane.deliver(wire.Started(request_id=other_id, prompt_tokens=1))
-    assert stats.requests_overflowed == 1
-    assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", slow_id)]
-    assert isinstance(await slow.get(), wire.Started)
-    failure = await slow.get()
-    assert isinstance(failure, wire.Failed)
-    assert failure.kind == "cancelled"
-    assert "too slowly" in failure.message
-    assert isinstance(await other.get(), wire.Started)  # the other request is untouched
+    with trio.fail_after(5):
+        slow_id, slow = await plane.open("embeddings", {"input": ["a", "b"]})
+        other_id, other = await plane.open("embeddings", {"input": ["c"]})
+        await _drain_outbox(plane)
+        plane.deliver(wire.Started(request_id=slow_id, prompt_tokens=2))
+        plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=0))
+        plane.deliver(wire.Started(request_id=other_id, prompt_tokens=1))
+        assert stats.requests_overflowed == 1
+        assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", slow_id)]
+        assert isinstance(await slow.get(), wire.Started)
+        failure = await slow.get()
+        assert isinstance(failure, wire.Failed)
+        assert failure.kind == "cancelled"
+        assert "too slowly" in failure.message
+        assert isinstance(await other.get(), wire.Started)  # the other request is untouched
 
 
 async def test_closing_the_session_fails_every_open_request() -> None:
     plane = _RequestPlane(FAST, LinkStats())
-    ids = [(await plane.open("completions", {"prompt": "x"}))[0] for _ in range(3)]
-    await _drain_outbox(plane)
-    plane.deliver(wire.Started(request_id=ids[0], prompt_tokens=1))
-    assert plane.close("connection closed") == 3
-    late_id, late = await plane.open("completions", {"prompt": "x"})
-    assert isinstance(await late.get(), wire.Failed)
+    with trio.fail_after(5):  # open waits for room in the outbox
+        ids = [(await plane.open("completions", {"prompt": "x"}))[0] for _ in range(3)]
+        await _drain_outbox(plane)
+        plane.deliver(wire.Started(request_id=ids[0], prompt_tokens=1))
+        assert plane.close("connection closed") == 3
+        late_id, late = await plane.open("completions", {"prompt": "x"})
+        assert isinstance(await late.get(), wire.Failed)
     assert late_id not in ids
 
 
