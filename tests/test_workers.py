@@ -11,7 +11,9 @@ import base64
 import contextlib
 import functools
 import hashlib
+import ipaddress
 import random
+import socket
 import struct
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
@@ -643,31 +645,73 @@ async def test_a_silent_worker_is_dropped_by_the_keepalive(nursery: trio.Nursery
 # ----------------------------------------------------------------------------- the pool
 
 
-async def test_localhost_resolves_to_loopback_only() -> None:
-    with trio.fail_after(5):
-        addresses = await resolve_addresses("localhost", 9100)
-    assert "127.0.0.1" in addresses or "::1" in addresses
-    assert set(addresses) <= {"127.0.0.1", "::1"}
+async def test_ip_literals_are_returned_without_a_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_lookup(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an IP literal was looked up")
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", no_lookup)
+    assert await resolve_addresses("127.0.0.1", 1) == ["127.0.0.1"]
     assert await resolve_addresses("::1", 1) == ["::1"]
+    assert await resolve_addresses("0:0:0:0:0:0:0:1", 1) == ["::1"]  # in its canonical form
+
+
+async def test_a_lookup_keeps_ip_addresses_in_order_without_repeats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looked_up: list[tuple[str, int]] = []
+
+    async def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
+        looked_up.append((host, port))
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port)),
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_UNIX, socket.SOCK_STREAM, 0, "", "/not/an/ip"),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ]
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", fake_getaddrinfo)
+    assert await resolve_addresses("workers.test", 9100) == ["127.0.0.2", "::1", "127.0.0.1"]
+    assert looked_up == [("workers.test", 9100)]
+
+
+async def test_localhost_resolves_to_loopback_addresses_only() -> None:
+    with trio.fail_after(5):
+        try:
+            addresses = await resolve_addresses("localhost", 9100)
+        except OSError as exc:
+            pytest.skip(f"this host cannot resolve localhost: {exc}")
+    if not addresses:
+        pytest.skip("this host has no address for localhost")
+    assert all(ipaddress.ip_address(address).is_loopback for address in addresses), addresses
 
 
 async def test_a_host_name_becomes_one_link_per_address(nursery: trio.Nursery) -> None:
+    async def resolver(host: str, port: int) -> list[str]:
+        assert host == "workers.test"
+        return ["127.0.0.1", "127.0.0.2"]
+
     with trio.fail_after(10):
-        _, address, _ = await start_worker(nursery)
-        port = int(address.ws_url.rsplit(":", 1)[1])
-        pool = WorkerPool([f"ws://localhost:{port}"], settings=FAST)
+        _, first, _ = await start_worker(nursery, worker_id="w-first")
+        port = int(first.ws_url.rsplit(":", 1)[1])
+        try:
+            await start_worker(nursery, worker_id="w-second", host="127.0.0.2", port=port)
+        except OSError as exc:
+            pytest.skip(f"127.0.0.2 is not a local address here: {exc}")
+        pool = WorkerPool([f"ws://workers.test:{port}"], settings=FAST, resolver=resolver)
         listener = RecordingListener()
         await nursery.start(pool.run, listener)
-        expected = {
-            f"ws://{a if ':' not in a else f'[{a}]'}:{port}"
-            for a in await resolve_addresses("localhost", port)
-        }
-        assert set(pool.links) == expected
-        link = pool.link(f"ws://127.0.0.1:{port}")
-        if link is not None:  # the worker listens on 127.0.0.1 only
+        keys = {f"ws://127.0.0.1:{port}", f"ws://127.0.0.2:{port}"}
+        assert set(pool.links) == keys
+        for key in keys:
+            link = pool.links[key]
             await link.wait_connected()
             async with link.request("completions", PROMPT) as stream:
                 assert isinstance(await stream.first(), wire.Started)
+        # Each address reached its own worker.
+        await listener.wait_until(lambda: listener.count("up") == 2)
+        assert {key for call, key in listener.calls if call == "up"} == keys
+        assert sorted(config.worker_id for config in listener.configs) == ["w-first", "w-second"]
         assert pool.link("ws://192.0.2.1:1") is None
         nursery.cancel_scope.cancel()
 
