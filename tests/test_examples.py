@@ -13,7 +13,6 @@ import json
 import random
 import re
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from email.utils import format_datetime
 from pathlib import Path
@@ -348,7 +347,6 @@ async def test_load_generator_stops_at_its_duration_when_nothing_listens() -> No
         port = listeners[0].socket.getsockname()[1]
         for listener in listeners:
             await listener.aclose()
-        started = time.monotonic()
         report = await loadgen.run_load(
             loadgen.Target("127.0.0.1", port, "/v1/completions"),
             {"model": "m", "prompt": "hi"},
@@ -357,7 +355,7 @@ async def test_load_generator_stops_at_its_duration_when_nothing_listens() -> No
             max_requests=1000,
             request_timeout=1.0,
         )
-    assert time.monotonic() - started < 5.0  # an order of magnitude above the 0.3 s asked
+    # Stopped by its 0.3 s duration (fail_after bounds the wait), not by max_requests.
     assert report.statuses[200] == 0
     assert 0 < report.total < 1000
 
