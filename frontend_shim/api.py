@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
+import itertools
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 
@@ -669,6 +670,12 @@ def _threshold_entry(model: str, thresholds: Thresholds) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- response bodies
 
 
+# Response ids: unique per process start (random prefix) and cheap per request (a counter);
+# a uuid4 per request cost an os.urandom call on the hot path.
+_ID_PREFIX: Final = secrets.token_hex(8)
+_id_counter = itertools.count()
+
+
 def _sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
@@ -684,7 +691,7 @@ class _ResponseShape:
 
     def __init__(self, endpoint: wire.Endpoint, body: dict[str, Any]) -> None:
         self.chat = endpoint == "chat_completions"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{_ID_PREFIX}{next(_id_counter):08x}"
         self.created = int(time.time())
         self.model: str = body["model"]
         options = body.get("stream_options")
