@@ -25,10 +25,10 @@ worker request's context then sends ``Cancel``, which frees the slot or queue pl
 
 from __future__ import annotations
 
-import logging
-import time
 import itertools
+import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 
