@@ -405,6 +405,11 @@ async def test_oversize_message_closes_with_1009() -> None:
 
 async def test_silent_peer_is_dropped_by_keepalive() -> None:
     worker = new_worker(make_settings(), ping_interval=0.05, ping_timeout=0.2, close_timeout=0.2)
+
+    def connection_errors() -> float | None:
+        return worker.metrics.registry.get_sample_value("dynamo_worker_connection_errors_total")
+
+    assert connection_errors() == 0
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address:
             # A raw TCP peer completes the handshake, then never reads again: no pongs.
@@ -412,6 +417,8 @@ async def test_silent_peer_is_dropped_by_keepalive() -> None:
             await stream.send_all(upgrade_request(REQUESTS_PATH))
             await wait_for(lambda: len(worker._connections) == 1, "the connection")
             await wait_for(lambda: not worker._connections, "the silent peer dropped")
+            # Dropped for the missed pong, and counted as a connection the peer broke.
+            assert (connection_errors() or 0) >= 1
             await stream.aclose()
 
 
