@@ -13,10 +13,11 @@ Life of the children (:func:`run_local_workers`):
    URLs are reported through ``task_status``.
 3. Serve: the rest of each child's stdout is copied to our stderr line by line, so a chatty
    child never blocks on a full pipe (our stdout carries only the frontend's own ready line).
-4. A child that dies while the frontend runs is logged at ERROR with its exit status and not
-   restarted: its port would have to be taken again and a crash loop would hide the cause.
-   The frontend's link to it keeps retrying and the router sees it as down (HTTP 503 when no
-   worker is left), which an operator notices.
+4. A child that dies while the frontend runs is logged at ERROR with its exit status and
+   started again on the same two ports, so the frontend's link to it (which keeps retrying)
+   finds it at the same URL. Restarts back off from ``RESTART_DELAY`` seconds, doubling up to
+   ``RESTART_DELAY_CAP``; a child that stayed up for ``RESTART_DELAY_RESET`` seconds starts the
+   backoff over. Every exit is logged, so a crash loop stays visible.
 5. Stop (cancellation of the caller): SIGTERM to every child, so each drains; up to
    ``stop_timeout`` seconds for all to exit; SIGKILL for any still running. Shielded, so a
    cancelled frontend never leaves orphans behind.
@@ -30,6 +31,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from typing import Final
 
@@ -51,6 +53,12 @@ READY_LINE: Final = re.compile(r"^worker-ingress ready ws=(?P<ws>\S+) system=(?P
 
 #: A stdout line longer than this is cut (a child cannot make us buffer without limit).
 MAX_LINE_BYTES: Final = 64 * 1024
+
+#: Seconds before the first restart of a child that died; doubled per restart up to the cap.
+RESTART_DELAY: Final = 0.5
+RESTART_DELAY_CAP: Final = 30.0
+#: A child that ran this long before dying is restarted after RESTART_DELAY again.
+RESTART_DELAY_RESET: Final = 60.0
 
 
 class LocalWorkerError(RuntimeError):
@@ -75,9 +83,28 @@ def parse_ready_line(line: str) -> tuple[str, str] | None:
     return match["ws"], match["system"]
 
 
-def worker_command(worker_args: Sequence[str], python: str = sys.executable) -> list[str]:
-    """The command line of one child: free ports, then the worker flags given to the frontend."""
-    return [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0", *worker_args]
+def worker_command(
+    worker_args: Sequence[str],
+    python: str = sys.executable,
+    *,
+    port: int = 0,
+    system_port: int = 0,
+) -> list[str]:
+    """The command line of one child: its ports (0: free ones), then the frontend's worker flags."""
+    return [
+        python,
+        "-m",
+        "worker_ingress",
+        "--port",
+        str(port),
+        "--system-port",
+        str(system_port),
+        *worker_args,
+    ]
+
+
+def _port_of(url: str) -> int:
+    return urllib.parse.urlsplit(url).port or 0
 
 
 class _LineReader:
@@ -110,14 +137,25 @@ class _LineReader:
 
 
 class _Child:
-    """One child process and what we know of it."""
+    """One child worker: its current process, and how to start it again."""
 
-    def __init__(self, index: int, process: trio.Process) -> None:
+    def __init__(
+        self,
+        index: int,
+        process: trio.Process,
+        worker_args: Sequence[str],
+        python: str,
+        ready_timeout: float,
+    ) -> None:
         self.index = index
         self.process = process
         assert process.stdout is not None
         self.lines = _LineReader(process.stdout)
         self.stopping = False
+        self._worker_args = worker_args
+        self._python = python
+        self._ready_timeout = ready_timeout
+        self._ready: LocalWorker | None = None
 
     async def wait_ready(self) -> LocalWorker:
         while True:
@@ -130,21 +168,68 @@ class _Child:
                 )
             urls = parse_ready_line(line)
             if urls is not None:
-                return LocalWorker(self.index, self.process.pid, urls[0], urls[1])
+                self._ready = LocalWorker(self.index, self.process.pid, urls[0], urls[1])
+                return self._ready
             _copy_line(self.index, line)
 
     async def watch(self) -> None:
-        """Copy the rest of stdout; report the exit if it was not asked for."""
-        while (line := await self.lines.readline()) is not None:
-            _copy_line(self.index, line)
-        status = await self.process.wait()
-        if not self.stopping:
+        """Copy stdout until the child exits; restart it unless its exit was asked for."""
+        delay = RESTART_DELAY
+        started = trio.current_time()
+        while True:
+            while (line := await self.lines.readline()) is not None:
+                _copy_line(self.index, line)
+            status = await self.process.wait()
+            if self.stopping:
+                return
+            if trio.current_time() - started >= RESTART_DELAY_RESET:
+                delay = RESTART_DELAY
             logger.error(
-                "local worker %d (pid %d) exited with status %d; it is not restarted",
+                "local worker %d (pid %d) exited with status %d; restarting it in %.1f s",
                 self.index,
                 self.process.pid,
                 status,
+                delay,
             )
+            await trio.sleep(delay)
+            delay = min(delay * 2, RESTART_DELAY_CAP)
+            started = trio.current_time()
+            await self._restart()
+
+    async def _restart(self) -> None:
+        """Start the child again on the ports it had; a failure is logged (and retried)."""
+        assert self._ready is not None
+        command = worker_command(
+            self._worker_args,
+            self._python,
+            port=_port_of(self._ready.ws_url),
+            system_port=_port_of(self._ready.system_url),
+        )
+        if self.process.stdout is not None:
+            await self.process.stdout.aclose()
+        self.process = await trio.lowlevel.open_process(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
+        )
+        assert self.process.stdout is not None
+        self.lines = _LineReader(self.process.stdout)
+        with trio.move_on_after(self._ready_timeout) as deadline:
+            try:
+                worker = await self.wait_ready()
+            except LocalWorkerError as exc:
+                logger.error("%s", exc)
+                return
+        if deadline.cancelled_caught:
+            logger.error(
+                "restarted local worker %d (pid %d) printed no ready line within %s s: killing it",
+                self.index,
+                self.process.pid,
+                self._ready_timeout,
+            )
+            self.process.kill()
+            return
+        logger.info(
+            "local worker %d restarted (pid %d) at %s", self.index, worker.pid, worker.ws_url
+        )
 
 
 def _copy_line(index: int, line: str) -> None:
@@ -185,7 +270,7 @@ async def run_local_workers(
             process = await trio.lowlevel.open_process(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
             )
-            children.append(_Child(index, process))
+            children.append(_Child(index, process, worker_args, python, ready_timeout))
         # The children start in parallel; reading their ready lines one after the other costs
         # nothing (the pipes hold what the later ones print meanwhile) and keeps errors plain.
         workers: list[LocalWorker] = []

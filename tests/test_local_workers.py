@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import os
 import random
+import signal
 import stat
 from pathlib import Path
 
@@ -124,23 +125,33 @@ async def test_a_child_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     assert not alive(pids(tmp_path)[0])
 
 
-async def test_a_child_that_dies_later_is_logged(
+async def test_a_child_that_dies_later_is_restarted_on_its_ports(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # The first run dies after its ready line; the restarted one stays up.
     python = fake_python(
         tmp_path,
-        'echo "worker-ingress ready ws=ws://127.0.0.1:1 system=http://127.0.0.1:2"\n'
-        "sleep 0.1\nexit 7",
+        f'echo "$@" >> "{tmp_path}/args"\n'
+        'echo "worker-ingress ready ws=ws://127.0.0.1:41 system=http://127.0.0.1:42"\n'
+        f'if [ -e "{tmp_path}/ran" ]; then exec sleep 30; fi\n'
+        f'touch "{tmp_path}/ran"\nsleep 0.1\nexit 7',
     )
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(run_local_workers, 1, [], python=python))
+            await nursery.start(functools.partial(run_local_workers, 1, ["--x"], python=python))
             for _ in range(500):
-                if "exited with status 7" in caplog.text:
+                if "restarted (pid" in caplog.text:
                     break
                 await trio.sleep(0.01)
+            children = pids(tmp_path)
+            assert len(children) == 2
+            assert alive(children[1])
             nursery.cancel_scope.cancel()
-    assert "it is not restarted" in caplog.text
+    assert "exited with status 7; restarting it" in caplog.text
+    first, second = (tmp_path / "args").read_text().splitlines()
+    assert first.split() == ["-m", "worker_ingress", "--port", "0", "--system-port", "0", "--x"]
+    assert second.split() == ["-m", "worker_ingress", "--port", "41", "--system-port", "42", "--x"]
+    assert not alive(children[1])
 
 
 @pytest.mark.e2e
@@ -169,6 +180,52 @@ async def test_a_real_child_worker_serves_and_stops() -> None:
         host, port = urls[0].removeprefix("ws://").rsplit(":", 1)
         with pytest.raises(OSError, match="connect"):
             await trio.open_tcp_stream(host, int(port))
+
+
+@pytest.mark.e2e
+async def test_a_killed_real_child_comes_back_at_the_same_url() -> None:
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(run_local_workers, 1, ["--speedup-ratio", "1000"])
+            link = WorkerLink(url, _NullListener(), LinkSettings(), rng=random.Random(0))
+            async with trio.open_nursery() as inner:
+                await inner.start(link.run)
+                await link.wait_connected()
+                first_id = link.config.worker_id if link.config else None
+                pid = _pid_listening(url)
+                os.kill(pid, signal.SIGKILL)
+                # The link notices, the child is started again on its port, the link is back.
+                for _ in range(1000):
+                    if link.connected and link.config and link.config.worker_id != first_id:
+                        break
+                    await trio.sleep(0.01)
+                assert link.connected
+                assert link.config is not None
+                assert link.config.worker_id != first_id
+                async with link.request("completions", {"prompt": "a", "max_tokens": 2}) as s:
+                    assert isinstance(await s.first(), wire.Started)
+                inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+
+def _pid_listening(url: str) -> int:
+    """The pid of the local child listening on ``url``'s port (from /proc)."""
+    port = int(url.rsplit(":", 1)[1])
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(fields[9])
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes:
+                    return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process listens on {url}")
 
 
 class _NullListener:
