@@ -776,10 +776,10 @@ class WorkerLink:
         reason = "connection lost"
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_events, events_ws)
+                nursery.start_soon(self._read_events, events_ws, config.heartbeat_interval)
                 nursery.start_soon(self._read_replies, requests_ws, plane)
                 nursery.start_soon(self._send_requests, requests_ws, plane)
-                nursery.start_soon(self._keepalive, events_ws)
+                # The event plane needs no ping: its heartbeats prove the worker alive.
                 nursery.start_soon(self._keepalive, requests_ws)
         except BaseException as exc:
             reason = _reason_of(exc)
@@ -839,11 +839,20 @@ class WorkerLink:
         self._up_event = trio.Event()
         self._listener.worker_down(self.key, trio.current_time())
 
-    async def _read_events(self, ws: trio_websocket.WebSocketConnection) -> None:
+    async def _read_events(
+        self, ws: trio_websocket.WebSocketConnection, heartbeat_interval: float
+    ) -> None:
         # Tight: decode and hand over, nothing else, so the socket reader keeps answering pings.
+        # A worker sends a heartbeat every interval, so silence for several intervals means it
+        # is gone or wedged; that replaces a ping on this plane (half the pings of a large fleet).
+        silence = max(self._settings.keepalive_timeout, 3 * heartbeat_interval)
         listener = self._listener
         while True:
-            data = await ws.get_message()
+            with trio.move_on_after(silence) as quiet:
+                data = await ws.get_message()
+            if quiet.cancelled_caught:
+                self.stats.keepalive_timeouts += 1
+                raise _KeepaliveTimeout(f"no event or heartbeat within {silence} s on {ws.path}")
             message = self._decode(data, wire.decode_event_message)
             if isinstance(message, wire.Hello):
                 self.stats.protocol_errors += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import ipaddress
@@ -585,6 +586,25 @@ async def test_a_wrong_protocol_version_is_refused(nursery: trio.Nursery) -> Non
         link, listener = await start_link(nursery, f"ws://127.0.0.1:{server.port}")
         await poll_until(lambda: link.stats.connect_failures >= 2)
         assert listener.calls == []
+
+
+async def test_a_worker_whose_heartbeats_stop_is_dropped(nursery: trio.Nursery) -> None:
+    """The event plane has no ping of its own: silence past 3 heartbeats ends the session."""
+
+    async def answer_pings_only(ws: trio_websocket.WebSocketConnection) -> None:
+        while True:  # the request plane stays healthy (pongs are automatic)
+            await ws.get_message()
+
+    settings = dataclasses.replace(
+        FAST, keepalive_timeout=0.3, backoff_initial=5.0, backoff_cap=5.0
+    )
+    with trio.fail_after(10):
+        # The fake's event plane sends its hello (heartbeat interval 0.05 s), then nothing.
+        port = await serve_fake(nursery, answer_pings_only)
+        link, listener = await start_link(nursery, f"ws://127.0.0.1:{port}", settings)
+        await link.wait_connected()
+        await listener.wait_until(lambda: listener.count("down") == 1)
+        assert link.stats.keepalive_timeouts == 1
 
 
 def _accept_key(key: bytes) -> bytes:
