@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import struct
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -314,6 +315,50 @@ async def test_early_response_before_a_large_or_chunked_body_closes_the_connecti
                 assert raw.count(b"HTTP/1.1") == 1
                 assert raw.startswith(b"HTTP/1.1 529 ")
                 assert b"connection: close" in raw.lower()
+
+
+async def test_early_response_to_content_length_plus_chunked_closes_the_connection() -> None:
+    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(529, json_headers(), b"{}")
+
+    with trio.fail_after(10):
+        async with running_server(refuse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                # Both framings at once (a smuggling shape): never kept alive, never discarded.
+                await stream.send_all(
+                    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n4\r\nbody\r\n0\r\n\r\n"
+                    b"GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.count(b"HTTP/1.1") == 1
+    assert b"connection: close" in raw.lower()
+
+
+def _send_part_of_a_body_then_leave(port: int) -> None:
+    # A blocking socket, so that the last byte and the FIN leave back to back.
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 529 ")
+        sock.sendall(b"c")
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):
+            pass
+
+
+async def test_a_client_leaving_mid_discard_is_not_a_server_error() -> None:
+    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(529, json_headers(), b"{}")
+
+    errors: list[BaseException] = []
+    with trio.fail_after(10):
+        async with running_server(refuse, on_error=errors.append) as port:
+            # The last byte and the EOF arrive together while the server drops the body: h11
+            # then finds the body incomplete, which is the client leaving, not a server fault.
+            for _ in range(40):
+                await trio.to_thread.run_sync(_send_part_of_a_body_then_leave, port)
+    assert errors == []
 
 
 async def test_body_over_the_limit_by_content_length_gets_413_before_100_continue() -> None:

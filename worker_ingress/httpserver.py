@@ -241,7 +241,7 @@ class HTTPResponder:
         """
         conn = self._connection
         all_headers = [*headers, (b"content-length", b"%d" % len(body))]
-        if conn.closes_after_response():
+        if conn.closes_after_response() and not _says_close(headers):
             all_headers.append((b"connection", b"close"))
         head = _response(status, all_headers)  # validates: bad headers leave nothing started
         self._claim()
@@ -265,7 +265,7 @@ class HTTPResponder:
             ClientDisconnected: the client is gone.
         """
         conn = self._connection
-        if conn.closes_after_response():
+        if conn.closes_after_response() and not _says_close(headers):
             headers = [*headers, (b"connection", b"close")]
         head = _response(status, headers)  # validates: bad headers leave nothing started
         self._claim()
@@ -301,6 +301,10 @@ class HTTPResponder:
         if self.started:
             raise RuntimeError("a response was already started for this request")
         self.started = True
+
+
+def _says_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    return (b"connection", b"close") in headers
 
 
 def _response(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
@@ -514,10 +518,13 @@ class _Connection:
             end = self.h11.next_event()
             assert isinstance(end, h11.EndOfMessage), end
         declared = _declared_length(h11_request)
+        # Only a plain Content-Length body: a request that also says Transfer-Encoding is
+        # framed by the latter, and RFC 9112 (6.1) wants the connection closed after it.
         self._body_discardable = (
             declared is not None
             and declared <= min(self.limits.discard_body_bytes, self.limits.max_body_bytes)
             and not self.h11.client_is_waiting_for_100_continue
+            and not _has_transfer_encoding(h11_request)
         )
         request = HTTPRequest(self, h11_request)
         responder = HTTPResponder(self, h11_request.method == b"HEAD")
@@ -622,12 +629,19 @@ class _Connection:
         it must, the wait is bounded by ``body_timeout``.
         """
         conn = self.h11
+        dropped = 0
         # Bounded: each pass consumes body bytes (at most discard_body_bytes) or ends.
         while True:
-            event = conn.next_event()
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False  # the client left or broke the framing mid-body: just close
             if isinstance(event, h11.EndOfMessage):
                 return True
             if isinstance(event, h11.Data):
+                dropped += len(event.data)
+                if dropped > self.limits.discard_body_bytes:
+                    return False
                 continue
             if event is not h11.NEED_DATA or self._eof:
                 return False
@@ -663,6 +677,10 @@ def _declares_no_body(request: h11.Request) -> bool:
         if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
             return False
     return True
+
+
+def _has_transfer_encoding(request: h11.Request) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in request.headers)
 
 
 def _declared_length(request: h11.Request) -> int | None:
