@@ -292,26 +292,30 @@ class FrontendAPI:
             finally:
                 self._count(exchange)
             return
-        try:
-            body = _parse_body(await request.read_body(), endpoint)
-        except BadRequest as exc:
-            self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
-            raise
-        except BodyTooLarge:
-            self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, 413)
-            raise
-        model: str = body["model"]
-        label = model if self._fleet.is_known_model(model) else UNKNOWN_MODEL_LABEL
-        exchange = _Exchange(endpoint, label, arrival)
-        inflight = self._metrics.inflight(label)
-        inflight.inc()
+        # Counted from here, before the body is read: a drain must wait for a request that is
+        # still uploading its prompt, not cut it off.
         self._in_flight += 1
         try:
-            await self._route(responder, exchange, model, body)
+            try:
+                body = _parse_body(await request.read_body(), endpoint)
+            except BadRequest as exc:
+                self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
+                raise
+            except BodyTooLarge:
+                self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, 413)
+                raise
+            model: str = body["model"]
+            label = model if self._fleet.is_known_model(model) else UNKNOWN_MODEL_LABEL
+            exchange = _Exchange(endpoint, label, arrival)
+            inflight = self._metrics.inflight(label)
+            inflight.inc()
+            try:
+                await self._route(responder, exchange, model, body)
+            finally:
+                inflight.dec()
+                self._count(exchange)
         finally:
             self._in_flight -= 1
-            inflight.dec()
-            self._count(exchange)
             self.on_fleet_change()
             if self._in_flight == 0:
                 self._idle.set()

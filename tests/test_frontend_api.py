@@ -811,3 +811,29 @@ async def test_sigterm_drains_requests_in_flight_and_refuses_new_ones() -> None:
                 f.engines[0].release.set()
             # The request in flight finished normally during the drain.
             assert [reply.status for reply in replies] == [200]
+
+
+async def test_drain_waits_for_a_request_still_uploading_its_body() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            host, port = _address(f.url)
+            data = json.dumps(completion_body()).encode()
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(data)}\r\n\r\n"
+            ).encode()
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                await stream.send_all(head + data[:5])
+                await trio.sleep(0.1)  # the handler is reading the body now
+                os.kill(os.getpid(), signal.SIGTERM)
+
+                async def draining() -> bool:
+                    return (await f.get("/health")).status == 503
+
+                await wait_until_async(draining, "/health to say draining")
+                await stream.send_all(data[5:])
+                conn = h11.Connection(h11.CLIENT)
+                conn.send(h11.Request(method="POST", target="/", headers=[("host", "x")]))
+                reply = await _read_reply(stream, conn)
+            assert reply.status == 200
