@@ -13,11 +13,12 @@ Life of the children (:func:`run_local_workers`):
    URLs are reported through ``task_status``.
 3. Serve: the rest of each child's stdout is copied to our stderr line by line, so a chatty
    child never blocks on a full pipe (our stdout carries only the frontend's own ready line).
-4. A child that dies while the frontend runs is logged at ERROR with its exit status and
-   started again on the same two ports, so the frontend's link to it (which keeps retrying)
-   finds it at the same URL. Restarts back off from ``RESTART_DELAY`` seconds, doubling up to
-   ``RESTART_DELAY_CAP``; a child that stayed up for ``RESTART_DELAY_RESET`` seconds starts the
-   backoff over. Every exit is logged, so a crash loop stays visible.
+4. A child that dies while the frontend runs (a non-zero exit; 0 means it drained after a
+   signal, e.g. a Ctrl-C that reached the whole process group) is logged at ERROR with its
+   exit status and started again on the same two ports, so the frontend's link to it (which
+   keeps retrying) finds it at the same URL. Restarts back off from ``RESTART_DELAY`` seconds,
+   doubling up to ``RESTART_DELAY_CAP``; a child that stayed up for ``RESTART_DELAY_RESET``
+   seconds starts the backoff over. Every exit is logged, so a crash loop stays visible.
 5. Stop (cancellation of the caller): SIGTERM to every child, so each drains; up to
    ``stop_timeout`` seconds for all to exit; SIGKILL for any still running. Shielded, so a
    cancelled frontend never leaves orphans behind.
@@ -182,6 +183,15 @@ class _Child:
             status = await self.process.wait()
             if self.stopping:
                 return
+            if status == 0:
+                # A worker exits 0 only after a drain it was asked for (a Ctrl-C reaches the
+                # whole process group, children included): a stop, not a crash.
+                logger.info(
+                    "local worker %d (pid %d) stopped (status 0); not restarted",
+                    self.index,
+                    self.process.pid,
+                )
+                return
             if trio.current_time() - started >= RESTART_DELAY_RESET:
                 delay = RESTART_DELAY
             logger.error(
@@ -207,9 +217,15 @@ class _Child:
         )
         if self.process.stdout is not None:
             await self.process.stdout.aclose()
-        self.process = await trio.lowlevel.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
-        )
+        try:
+            process = await trio.lowlevel.open_process(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
+            )
+        except OSError as exc:
+            # The old process is reaped and its output closed: watch() backs off and retries.
+            logger.error("cannot restart local worker %d: %s", self.index, exc)
+            return
+        self.process = process
         assert self.process.stdout is not None
         self.lines = _LineReader(self.process.stdout)
         with trio.move_on_after(self._ready_timeout) as deadline:

@@ -19,9 +19,11 @@ Rules of a session (the state machine of a link):
 1. ``down`` -> connect both planes (bounded by ``connect_timeout``) -> read one :class:`wire.Hello`
    on each; the protocol versions must be :data:`wire.PROTOCOL_VERSION` and the worker ids must
    agree -> ``up`` (``worker_up``, the backoff is reset).
-2. While ``up``, five tasks run in one nursery: a tight reader per plane, one sender for the
-   request plane, and one keepalive per plane (a ping answered within ``keepalive_timeout``,
-   every ``keepalive_interval``), so a worker that dies silently is noticed too.
+2. While ``up``, four tasks run in one nursery: a tight reader per plane, one sender for the
+   request plane, and a keepalive on the request plane (a ping answered within
+   ``keepalive_timeout``, every ``keepalive_interval``). The event plane needs no ping: its
+   reader ends the session when no event or heartbeat came for three heartbeat intervals (at
+   least ``keepalive_timeout``). So a worker that dies silently is noticed too.
 3. Any of these ends the session: a closed connection, a failed ping, a message that does not
    decode (logged and counted in :class:`LinkStats`), a second hello. Every request still open on
    the session then ends at once with ``Failed(kind="unavailable")``; nothing is left hanging.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import random
 import signal
@@ -152,6 +153,48 @@ async def test_a_child_that_dies_later_is_restarted_on_its_ports(
     assert first.split() == ["-m", "worker_ingress", "--port", "0", "--system-port", "0", "--x"]
     assert second.split() == ["-m", "worker_ingress", "--port", "41", "--system-port", "42", "--x"]
     assert not alive(children[1])
+
+
+async def test_a_child_that_exits_0_is_not_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Exit 0 is a drain the worker was asked for (a Ctrl-C reaches the whole group).
+    python = fake_python(
+        tmp_path,
+        'echo "worker-ingress ready ws=ws://127.0.0.1:41 system=http://127.0.0.1:42"\n'
+        "sleep 0.1\nexit 0",
+    )
+    with trio.fail_after(10), caplog.at_level(logging.INFO):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_local_workers, 1, [], python=python))
+            for _ in range(500):
+                if "not restarted" in caplog.text:
+                    break
+                await trio.sleep(0.01)
+            await trio.sleep(1.0)  # longer than the first restart delay
+            nursery.cancel_scope.cancel()
+    assert "stopped (status 0); not restarted" in caplog.text
+    assert len(pids(tmp_path)) == 1
+
+
+async def test_a_restart_that_cannot_spawn_is_logged_and_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The interpreter disappears after the first start (an upgraded venv, say).
+    python = fake_python(
+        tmp_path,
+        'echo "worker-ingress ready ws=ws://127.0.0.1:41 system=http://127.0.0.1:42"\n'
+        'rm -f "$0"\nsleep 0.1\nexit 3',
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_local_workers, 1, [], python=python))
+            for _ in range(500):
+                if "cannot restart local worker 0" in caplog.text:
+                    break
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert "cannot restart local worker 0" in caplog.text
 
 
 @pytest.mark.e2e
