@@ -315,7 +315,8 @@ async def test_streaming_ends_with_done(path: str, body: dict[str, Any]) -> None
             assert events[-1] == b"data: [DONE]"
             chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
             assert chunks[-1]["usage"]["completion_tokens"] == body["max_tokens"]
-            assert len([c for c in chunks if c["choices"]]) == body["max_tokens"]
+            # At most one event per token: tokens that queued up may share an event.
+            assert 1 <= len([c for c in chunks if c["choices"]]) <= body["max_tokens"]
 
 
 async def test_failure_mid_stream_sends_error_event_and_no_done() -> None:
@@ -776,8 +777,9 @@ async def test_openai_sdk_streams_a_chat_completion() -> None:
                     return [chunk.choices[0].delta.content or "" for chunk in stream]
 
             pieces = await trio.to_thread.run_sync(chat)
-            assert len(pieces) == 5
+            assert 1 <= len(pieces) <= 5
             assert all(pieces)
+            assert len("".join(pieces).split()) == 5  # the instant engine: one word a token
 
 
 # ----------------------------------------------------------------------------- drain

@@ -19,6 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
@@ -29,7 +31,14 @@ from worker_ingress import wire
 from worker_ingress.config import MockerSettings, WorkerSettings
 from worker_ingress.engines.base import EngineOutput, PreparedRequest
 from worker_ingress.engines.instant import InstantEngine, create
-from worker_ingress.server import EVENTS_PATH, REQUESTS_PATH, Worker, WorkerAddress, run_worker
+from worker_ingress.server import (
+    EVENTS_PATH,
+    REQUESTS_PATH,
+    Worker,
+    WorkerAddress,
+    coalesce_chunks,
+    run_worker,
+)
 from worker_ingress.wire import (
     Cancel,
     Chunk,
@@ -220,8 +229,10 @@ async def test_completion_streams_started_chunks_end() -> None:
             frames = (await collect_until_final(ws, {7}))[7]
     assert frames[0] == Started(request_id=7, prompt_tokens=5)
     chunks = frames[1:-1]
-    assert len(chunks) == 3
-    assert all(isinstance(chunk, Chunk) and chunk.tokens == 1 for chunk in chunks)
+    # One chunk per token, unless tokens queued up and were merged (they arrive at once here).
+    assert 1 <= len(chunks) <= 3
+    assert all(isinstance(chunk, Chunk) for chunk in chunks)
+    assert sum(chunk.tokens for chunk in chunks if isinstance(chunk, Chunk)) == 3
     assert isinstance(chunks[-1], Chunk)
     assert chunks[-1].finish_reason == "length"
     assert frames[-1] == End(request_id=7, prompt_tokens=5, completion_tokens=3)
@@ -614,3 +625,77 @@ async def test_run_worker_drains_on_sigterm_and_returns() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
                 assert await closed_code(ws) == 1001
         # run_worker returned by itself once drained.
+
+
+# -- merging queued chunks ------------------------------------------------------------------
+
+
+def test_coalesce_merges_each_requests_queued_text_and_keeps_order() -> None:
+    frames = [
+        Started(request_id=1, prompt_tokens=2),
+        Chunk(request_id=1, text="a", tokens=1),
+        Chunk(request_id=2, text="x", tokens=1),
+        Chunk(request_id=1, text=" b", tokens=1),
+        Chunk(request_id=2, text=" y", tokens=1, finish_reason="length"),
+        End(request_id=2, prompt_tokens=1, completion_tokens=2),
+        Chunk(request_id=1, text=" c", tokens=1, finish_reason="length"),
+        End(request_id=1, prompt_tokens=2, completion_tokens=3),
+    ]
+    assert coalesce_chunks(frames) == [
+        Started(request_id=1, prompt_tokens=2),
+        Chunk(request_id=1, text="a b c", tokens=3, finish_reason="length"),
+        Chunk(request_id=2, text="x y", tokens=2, finish_reason="length"),
+        End(request_id=2, prompt_tokens=1, completion_tokens=2),
+        End(request_id=1, prompt_tokens=2, completion_tokens=3),
+    ]
+
+
+def test_coalesce_never_merges_embeddings_or_across_a_requests_other_frames() -> None:
+    vector = Chunk(request_id=1, embedding=[0.5], index=0)
+    frames = [
+        vector,
+        Chunk(request_id=1, embedding=[0.25], index=1),
+        Chunk(request_id=3, text="a", tokens=1),
+        Failed(request_id=3, kind="engine", message="boom"),
+        Chunk(request_id=3, text="late", tokens=1),
+    ]
+    assert coalesce_chunks(frames) == frames
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(min_value=1, max_value=3), st.text(max_size=3), st.booleans()),
+        max_size=30,
+    )
+)
+def test_coalesce_keeps_every_requests_text_and_token_count(
+    pieces: list[tuple[int, str, bool]],
+) -> None:
+    frames: list[msgspec.Struct] = [
+        Chunk(request_id=rid, text=text, tokens=1)
+        if is_chunk
+        else Started(request_id=rid, prompt_tokens=0)
+        for rid, text, is_chunk in pieces
+    ]
+    merged = coalesce_chunks(frames)
+
+    def per_request(items: list[msgspec.Struct]) -> dict[int, list[str | int]]:
+        # Each request's frames as a list: the text between two other frames joined, and the
+        # token count of that text, so only chunk boundaries may differ, never order or content.
+        seen: dict[int, list[str | int]] = {}
+        for item in items:
+            assert isinstance(item, Chunk | Started)
+            parts = seen.setdefault(item.request_id, [])
+            if isinstance(item, Chunk):
+                if len(parts) >= 2 and isinstance(parts[-2], str):
+                    text, tokens = parts[-2], parts[-1]
+                    assert isinstance(tokens, int)
+                    parts[-2:] = [text + item.text, tokens + item.tokens]
+                else:
+                    parts += [item.text, item.tokens]
+            else:
+                parts.append(-1)  # a Started frame
+        return seen
+
+    assert per_request(merged) == per_request(frames)
+    assert len(merged) <= len(frames)

@@ -103,7 +103,7 @@ CLOSE_TEXT_MESSAGE: Final = 1003
 CLOSE_UNDECODABLE: Final = 1007
 CLOSE_DUPLICATE_REQUEST_ID: Final = 1008
 
-#: Encoded frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
+#: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
 #: request tasks wait, which is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
 #: Messages trio-websocket buffers per connection before its reader pauses (memory bound:
@@ -128,18 +128,64 @@ def _url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
+def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
+    """Merge the text chunks of each request that queued up behind a busy connection.
+
+    When the sender falls behind, a request's tokens wait in the queue as separate frames; one
+    frame carrying them all costs the worker and the frontend one websocket message instead of
+    many. Rules, so that what a client receives is unchanged but for chunk boundaries:
+
+    - only :class:`Chunk` frames without an embedding merge; text is concatenated, token counts
+      are added, and the finish reason is the later one's;
+    - a chunk merges into the request's earliest pending chunk, and any other frame of the same
+      request (its end, say) closes that chunk, so each request's frames keep their order;
+    - frames of different requests keep their relative order otherwise.
+
+    Args:
+        messages: frames in queue order.
+
+    Returns:
+        The frames to send, in order.
+    """
+    out: list[msgspec.Struct] = []
+    pending: dict[int, int] = {}  # request id -> index in out of its open text chunk
+    for message in messages:
+        if isinstance(message, Chunk) and message.embedding is None:
+            at = pending.get(message.request_id)
+            if at is None:
+                pending[message.request_id] = len(out)
+                out.append(message)
+            else:
+                earlier = out[at]
+                assert isinstance(earlier, Chunk)
+                out[at] = Chunk(
+                    request_id=message.request_id,
+                    text=earlier.text + message.text,
+                    tokens=earlier.tokens + message.tokens,
+                    finish_reason=message.finish_reason or earlier.finish_reason,
+                    index=earlier.index,
+                )
+            continue
+        request_id = getattr(message, "request_id", None)
+        if request_id is not None:
+            pending.pop(request_id, None)
+        out.append(message)
+    return out
+
+
 class _FrameSender:
-    """The only writer of one websocket: drains a bounded channel of encoded frames."""
+    """The only writer of one websocket: drains a bounded queue of frames, merging text chunks
+    that piled up (see :func:`coalesce_chunks`)."""
 
     def __init__(self, ws: WebSocketConnection) -> None:
         self._ws = ws
-        self._send_tx, self._send_rx = trio.open_memory_channel[bytes](SEND_QUEUE_FRAMES)
+        self._send_tx, self._send_rx = trio.open_memory_channel[msgspec.Struct](SEND_QUEUE_FRAMES)
 
     async def send(self, message: msgspec.Struct) -> None:
         """Queue a message; waits while the queue is full; drops it once the sender has closed."""
         # Closed: the connection is going away; its peer learns that from the close.
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            await self._send_tx.send(encode(message))
+            await self._send_tx.send(message)
 
     def close(self) -> None:
         """Accept no more frames; the sender sends what is queued, then returns."""
@@ -151,9 +197,18 @@ class _FrameSender:
         Raises:
             ConnectionClosed: The websocket closed under it.
         """
-        async with self._send_rx:
-            async for frame in self._send_rx:
-                await self._ws.send_message(frame)
+        receive = self._send_rx
+        async with receive:
+            async for first in receive:
+                batch = [first]
+                # Whatever queued meanwhile, bounded by the queue's size.
+                while len(batch) < SEND_QUEUE_FRAMES:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                for message in coalesce_chunks(batch) if len(batch) > 1 else batch:
+                    await self._ws.send_message(encode(message))
 
 
 class _PongTimeout(Exception):
