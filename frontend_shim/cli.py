@@ -10,7 +10,6 @@ also inherit the ``DYN_*`` environment.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from frontend_shim.config import (
     admin_api_disabled,
     overload_status_from_env,
 )
-from worker_ingress.cli import CliError, exit_invalid, invoke, strict_int
+from worker_ingress.cli import CliError, exit_invalid, finite, invoke, strict_int
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -44,11 +43,6 @@ ADMISSION_CONTROL_ENV_WARNING = (
 )
 
 _log = logging.getLogger("frontend_shim")
-
-
-def _finite(type_: type, value: float | None) -> None:
-    if value is not None and not math.isfinite(value):
-        raise ValueError("Must be a finite number.")
 
 
 app = App(
@@ -91,7 +85,7 @@ def _frontend(
         float | None,
         Parameter(
             env_var="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-            validator=(validators.Number(gte=0, lte=1), _finite),
+            validator=(validators.Number(gte=0, lte=1), finite),
         ),
     ] = None,
     active_prefill_tokens_threshold: Annotated[
@@ -106,7 +100,7 @@ def _frontend(
         float | None,
         Parameter(
             env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
-            validator=(validators.Number(gte=0), _finite),
+            validator=(validators.Number(gte=0), finite),
         ),
     ] = None,
     router_track_output_blocks: Annotated[
@@ -115,7 +109,7 @@ def _frontend(
     router_queue_threshold: Annotated[
         float | None,
         Parameter(
-            env_var="DYN_ROUTER_QUEUE_THRESHOLD", validator=(validators.Number(gt=0), _finite)
+            env_var="DYN_ROUTER_QUEUE_THRESHOLD", validator=(validators.Number(gt=0), finite)
         ),
     ] = None,
     router_queue_capacity: Annotated[
@@ -147,7 +141,7 @@ def _frontend(
         float | None,
         Parameter(
             env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
-            validator=(validators.Number(gte=0), _finite),
+            validator=(validators.Number(gte=0), finite),
         ),
     ] = None,
     log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",

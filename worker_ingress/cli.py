@@ -25,6 +25,7 @@ __all__ = [
     "QUEUE_LIMIT_ENV",
     "CliError",
     "exit_invalid",
+    "finite",
     "invoke",
     "main",
     "parse_args",
@@ -41,7 +42,8 @@ class CliError(Exception):
     """An invalid flag or variable; the message is the one line printed before exit 2."""
 
 
-def _finite(type_: type, value: float | None) -> None:
+def finite(type_: type, value: float | None) -> None:
+    """A cyclopts validator refusing NaN and infinities (which pass range checks unnoticed)."""
     if value is not None and not math.isfinite(value):
         raise ValueError("Must be a finite number.")
 
@@ -93,21 +95,21 @@ def _worker(
         float | None,
         Parameter(
             env_var="DYN_REQUEST_QUEUE_TIMEOUT",
-            validator=(validators.Number(gt=0), _finite),
+            validator=(validators.Number(gt=0), finite),
         ),
     ] = None,
     graceful_shutdown_timeout: Annotated[
         float,
         Parameter(
             env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
-            validator=(validators.Number(gte=0), _finite),
+            validator=(validators.Number(gte=0), finite),
         ),
     ] = 30.0,
     heartbeat_interval: Annotated[
         float,
         Parameter(
             env_var="DYN_HEARTBEAT_INTERVAL",
-            validator=(validators.Number(gt=0, lte=60), _finite),
+            validator=(validators.Number(gt=0, lte=60), finite),
         ),
     ] = 1.0,
     num_gpu_blocks: Annotated[
@@ -135,7 +137,7 @@ def _worker(
     ] = 1,
     speedup_ratio: Annotated[
         float,
-        Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), _finite)),
+        Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), finite)),
     ] = 1.0,
     log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
 ) -> tuple[WorkerSettings, LogLevel]:
