@@ -155,6 +155,11 @@ async def echo(request: HTTPRequest, responder: HTTPResponder) -> None:
     await responder.send(200, json_headers(), json.dumps(answer).encode())
 
 
+async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
+    """Answer 529 at once, never reading the body (the frontend's early shed)."""
+    await responder.send(529, json_headers(), b"{}")
+
+
 async def hello(request: HTTPRequest, responder: HTTPResponder) -> None:
     await responder.send(200, json_headers(), b'{"hello":true}')
 
@@ -276,9 +281,6 @@ async def test_no_100_continue_when_the_handler_answers_without_the_body() -> No
 
 
 async def test_early_response_drops_a_small_unread_body_and_keeps_the_connection() -> None:
-    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
-        await responder.send(529, json_headers(), b"{}")
-
     with trio.fail_after(10):
         async with running_server(refuse) as port:
             stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -297,9 +299,6 @@ async def test_early_response_drops_a_small_unread_body_and_keeps_the_connection
 
 
 async def test_early_response_before_a_large_or_chunked_body_closes_the_connection() -> None:
-    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
-        await responder.send(529, json_headers(), b"{}")
-
     limits = HTTPLimits(discard_body_bytes=3)
     with trio.fail_after(10):
         async with running_server(refuse, limits=limits) as port:
@@ -318,9 +317,6 @@ async def test_early_response_before_a_large_or_chunked_body_closes_the_connecti
 
 
 async def test_early_response_to_content_length_plus_chunked_closes_the_connection() -> None:
-    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
-        await responder.send(529, json_headers(), b"{}")
-
     with trio.fail_after(10):
         async with running_server(refuse) as port:
             stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -348,9 +344,6 @@ def _send_part_of_a_body_then_leave(port: int) -> None:
 
 
 async def test_a_client_leaving_mid_discard_is_not_a_server_error() -> None:
-    async def refuse(request: HTTPRequest, responder: HTTPResponder) -> None:
-        await responder.send(529, json_headers(), b"{}")
-
     errors: list[BaseException] = []
     with trio.fail_after(10):
         async with running_server(refuse, on_error=errors.append) as port:
