@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.testing
 
-from worker_ingress.admission import AdmissionGate, Rejection
-from worker_ingress.watch import ChangeSignal
+from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._watch import ChangeSignal
 
 
 async def _engine() -> None:

@@ -138,7 +138,7 @@ def main() -> None:
         wrk = Wrk(options.seconds, options.connections, lua)
         with (
             _process([*worker, "--speedup-ratio", "0.02"], env) as (mock_ws, _),
-            _process([*worker, "--engine", "worker_ingress.engines.instant:create"], env) as (
+            _process([*worker, "--engine", "instant"], env) as (
                 instant_ws,
                 instant_system,
             ),

@@ -27,7 +27,7 @@ import time
 import h11
 import trio
 
-from worker_ingress.httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
 
 HELLO_BODY = b'{"message":"hello"}'
 REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"

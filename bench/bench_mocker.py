@@ -27,8 +27,8 @@ from contextlib import aclosing
 
 import trio
 
-from worker_ingress.config import MockerSettings
-from worker_ingress.engines.mocker import MockerEngine
+from worker_ingress._config import MockerSettings
+from worker_ingress.engines._mocker import MockerEngine
 
 
 class _Result:

@@ -36,10 +36,10 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from worker_ingress import wire
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import EngineOutput, PreparedRequest
-from worker_ingress.engines.instant import InstantEngine, create
+from shim_common import wire
+from worker_ingress._config import WorkerSettings
+from worker_ingress.engines._base import EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 WINDOW: Final = 64
 REQUEST_BODY: Final = {"prompt": "bench the planes", "max_tokens": 1}
@@ -110,7 +110,7 @@ def _config() -> wire.RuntimeConfig:
 
 
 async def _serve_worker(scenario: str) -> None:
-    from worker_ingress.server import Worker
+    from worker_ingress._server import Worker
 
     settings = WorkerSettings(worker_id="bench", port=0, system_port=0)
     if scenario == "reject":

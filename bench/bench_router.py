@@ -20,9 +20,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from frontend_shim.load import Fleet, Thresholds
-from frontend_shim.router import Routed, Router, RouterMode
-from worker_ingress import wire
+from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._router import Routed, Router, RouterMode
+from shim_common import wire
 
 MODEL = "bench-model"
 TOTAL_BLOCKS = 16384

@@ -8,7 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from worker_ingress.admission import (
+from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
     Rejected,
@@ -16,8 +17,7 @@ from worker_ingress.admission import (
     Ticket,
     TicketStatus,
 )
-from worker_ingress.config import WorkerSettings
-from worker_ingress.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from worker_ingress._config import WorkerSettings
 
 # -- AdmissionState (no Trio) -------------------------------------------------------------------
 

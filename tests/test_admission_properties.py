@@ -19,7 +19,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from worker_ingress.admission import (
+from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
     Rejected,
@@ -27,7 +28,6 @@ from worker_ingress.admission import (
     Ticket,
     TicketStatus,
 )
-from worker_ingress.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
 
 
 @dataclasses.dataclass

@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
-from worker_ingress.config import MockerSettings
-from worker_ingress.engines.base import (
+from shim_common.wire import Endpoint
+from worker_ingress._config import MockerSettings
+from worker_ingress._upstream_http import Origin
+from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
     Engine,
     EngineConfig,
@@ -18,11 +20,9 @@ from worker_ingress.engines.base import (
     prompt_words,
     requested_max_tokens,
 )
-from worker_ingress.engines.instant import InstantEngine
-from worker_ingress.engines.mocker import MockerEngine
-from worker_ingress.engines.openai_upstream import OpenAIUpstreamEngine
-from worker_ingress.upstream_http import Origin
-from worker_ingress.wire import Endpoint
+from worker_ingress.engines._instant import InstantEngine
+from worker_ingress.engines._mocker import MockerEngine
+from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine
 
 CONFIG = EngineConfig(
     kv_total_blocks=1000,

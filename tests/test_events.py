@@ -9,9 +9,9 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker_ingress.events import EventPublisher, LoadTracker, Mailbox, open_event_publisher
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from shim_common.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from worker_ingress._events import EventPublisher, LoadTracker, Mailbox, open_event_publisher
+from worker_ingress._watch import ChangeSignal
 
 
 def rank(dp_rank: int, blocks: int = 0, prefill: int = 0) -> RankLoad:

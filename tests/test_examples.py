@@ -24,10 +24,10 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend_shim.metrics import FrontendMetrics, RankLoadSample
-from worker_ingress.admission import AdmissionGate
-from worker_ingress.httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
-from worker_ingress.metrics import WorkerMetrics
+from frontend_shim._metrics import FrontendMetrics, RankLoadSample
+from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+from worker_ingress._admission import AdmissionGate
+from worker_ingress._metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

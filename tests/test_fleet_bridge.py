@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from frontend_shim.app import FleetBridge
-from frontend_shim.load import Fleet
-from worker_ingress import wire
+from frontend_shim._app import FleetBridge
+from frontend_shim._load import Fleet
+from shim_common import wire
 
 
 def _config(worker_id: str = "w-1") -> wire.RuntimeConfig:

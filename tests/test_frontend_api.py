@@ -1,9 +1,9 @@
 """The frontend's HTTP API, in one process: ``run_frontend`` against real in-process workers.
 
-Each test starts :class:`~worker_ingress.server.Worker` instances on loopback (port 0) with a
+Each test starts :class:`~worker_ingress._server.Worker` instances on loopback (port 0) with a
 :class:`ControlledEngine` (the instant engine, plus a switch that holds requests before their
 first token, one that fails a stream after its first chunk, and a settable load), then the
-frontend itself with :func:`~frontend_shim.app.run_frontend`, and talks HTTP to it with a small
+frontend itself with :func:`~frontend_shim._app.run_frontend`, and talks HTTP to it with a small
 h11 client. Wall-clock time is real (sockets), so every test runs under ``trio.fail_after`` and
 every wait is a bounded poll.
 """
@@ -26,16 +26,16 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from frontend_shim.api import UNAVAILABLE_BODY, overload_body
-from frontend_shim.app import run_frontend
-from frontend_shim.config import FrontendSettings
-from worker_ingress import wire
-from worker_ingress.admission import AdmissionGate
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import EngineOutput, PreparedRequest
-from worker_ingress.engines.instant import InstantEngine, create
-from worker_ingress.server import Worker, WorkerAddress
-from worker_ingress.wire import RankLoad
+from frontend_shim._api import UNAVAILABLE_BODY, overload_body
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
+from shim_common import wire
+from shim_common.wire import RankLoad
+from worker_ingress._admission import AdmissionGate
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._server import Worker, WorkerAddress
+from worker_ingress.engines._base import EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 TIMEOUT = 20.0
 MODEL = "mock-model"

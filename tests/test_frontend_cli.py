@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from frontend_shim.cli import (
+from frontend_shim._cli import (
     ADMISSION_CONTROL_ENV_WARNING,
     ADMISSION_CONTROL_FLAG_WARNING,
     CliError,
     parse_args,
 )
-from frontend_shim.config import admin_api_disabled, overload_status_from_env
+from frontend_shim._config import admin_api_disabled, overload_status_from_env
 
 VARIABLES = [
     "DYN_HTTP_HOST",

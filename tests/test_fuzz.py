@@ -18,9 +18,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_shim.api import BadRequest, _parse_body, _parse_threshold_update
-from worker_ingress import wire
-from worker_ingress.httpserver import HTTPLimits, HTTPRequest, HTTPResponder, serve_connection
+from frontend_shim._api import BadRequest, _parse_body, _parse_threshold_update
+from shim_common import wire
+from shim_common._httpserver import HTTPLimits, HTTPRequest, HTTPResponder, serve_connection
 
 # Pieces of HTTP that make generated input reach deep into the parser, not stop at byte 1.
 _FRAGMENTS = [

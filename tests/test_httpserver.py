@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from worker_ingress.httpserver import (
+from shim_common._httpserver import (
     BodyTooLarge,
     ClientDisconnected,
     Handler,

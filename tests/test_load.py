@@ -1,4 +1,4 @@
-"""The frontend's load state and busy rules (frontend_shim.load), without I/O."""
+"""The frontend's load state and busy rules (frontend_shim._load), without I/O."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from frontend_shim.load import (
+from frontend_shim._load import (
     Fleet,
     RankGauge,
     ThresholdError,
@@ -20,7 +20,7 @@ from frontend_shim.load import (
     validate_active_prefill_tokens_threshold,
     validate_active_prefill_tokens_threshold_frac,
 )
-from worker_ingress import wire
+from shim_common import wire
 
 MODEL = "m"
 

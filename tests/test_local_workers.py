@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from frontend_shim.local import (
+from frontend_shim._local import (
     LocalWorkerError,
     parse_ready_line,
     run_local_workers,
     worker_command,
 )
-from frontend_shim.workers import LinkSettings, WorkerLink
-from worker_ingress import wire
+from frontend_shim._workers import LinkSettings, WorkerLink
+from shim_common import wire
 
 READY = "worker-ingress ready ws=ws://127.0.0.1:{port} system=http://127.0.0.1:{system}"
 
@@ -199,7 +199,7 @@ async def test_a_restart_that_cannot_spawn_is_logged_and_retried(
 
 @pytest.mark.e2e
 @pytest.mark.skipif(
-    importlib.util.find_spec("worker_ingress.cli") is None, reason="worker CLI not present"
+    importlib.util.find_spec("worker_ingress._cli") is None, reason="worker CLI not present"
 )
 async def test_a_real_child_worker_serves_and_stops() -> None:
     with trio.fail_after(30):

@@ -17,9 +17,9 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import Engine, EngineInputError, EngineOutput, PreparedRequest
-from worker_ingress.engines.mocker import (
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress.engines._base import Engine, EngineInputError, EngineOutput, PreparedRequest
+from worker_ingress.engines._mocker import (
     DEFAULT_MAX_TOKENS,
     EMBEDDING_DIMENSIONS,
     GpuStepModel,

@@ -23,9 +23,16 @@ import pytest
 import trio
 from hypothesis import given, settings
 
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import EngineConfig, EngineInputError, EngineOutput
-from worker_ingress.engines.openai_upstream import (
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._upstream_http import (
+    HTTPClient,
+    Origin,
+    SSEDecoder,
+    UpstreamConnectionError,
+    parse_base_url,
+)
+from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
+from worker_ingress.engines._openai_upstream import (
     InFlightLoad,
     OpenAIUpstreamEngine,
     UpstreamError,
@@ -33,13 +40,6 @@ from worker_ingress.engines.openai_upstream import (
     parse_llamacpp_props,
     parse_metrics_text,
     parse_sglang_server_info,
-)
-from worker_ingress.upstream_http import (
-    HTTPClient,
-    Origin,
-    SSEDecoder,
-    UpstreamConnectionError,
-    parse_base_url,
 )
 
 TIMEOUT = 10.0

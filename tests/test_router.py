@@ -1,4 +1,4 @@
-"""Routing decisions (frontend_shim.router), without I/O."""
+"""Routing decisions (frontend_shim._router), without I/O."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from frontend_shim.load import Fleet, Thresholds
-from frontend_shim.router import (
+from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._router import (
     AllBusy,
     CompletionRate,
     FrontendQueue,
@@ -21,7 +21,7 @@ from frontend_shim.router import (
     classify_rejection,
     retry_after_seconds,
 )
-from worker_ingress import wire
+from shim_common import wire
 
 MODEL = "m"
 

@@ -27,19 +27,8 @@ from trio_websocket import (
     open_websocket_url,
 )
 
-from worker_ingress import wire
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import EngineOutput, PreparedRequest
-from worker_ingress.engines.instant import InstantEngine, create
-from worker_ingress.server import (
-    EVENTS_PATH,
-    REQUESTS_PATH,
-    Worker,
-    WorkerAddress,
-    coalesce_chunks,
-    run_worker,
-)
-from worker_ingress.wire import (
+from shim_common import wire
+from shim_common.wire import (
     Cancel,
     Chunk,
     End,
@@ -52,6 +41,17 @@ from worker_ingress.wire import (
     Rejected,
     Started,
 )
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._server import (
+    EVENTS_PATH,
+    REQUESTS_PATH,
+    Worker,
+    WorkerAddress,
+    coalesce_chunks,
+    run_worker,
+)
+from worker_ingress.engines._base import EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 TIMEOUT = 5.0
 
@@ -475,7 +475,7 @@ async def test_two_subscribers_get_heartbeats_with_increasing_seq() -> None:
 
 
 async def test_events_follow_the_mockers_load() -> None:
-    from worker_ingress.engines.mocker import create as create_mocker
+    from worker_ingress.engines._mocker import create as create_mocker
 
     settings = make_settings(
         heartbeat_interval=0.5, mocker=MockerSettings(speedup_ratio=1000.0, block_size=4)
@@ -522,7 +522,7 @@ async def read_until_idle(ws: WebSocketConnection) -> int:
 
 
 async def test_slow_subscriber_catches_up_with_the_latest_state() -> None:
-    from worker_ingress.engines.mocker import create as create_mocker
+    from worker_ingress.engines._mocker import create as create_mocker
 
     settings = make_settings(heartbeat_interval=10.0, mocker=MockerSettings(speedup_ratio=1000.0))
     worker = new_worker(settings, create_mocker(settings))

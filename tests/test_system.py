@@ -12,7 +12,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import choose_encoder
 
-from worker_ingress.system import serve_system
+from worker_ingress._system import serve_system
 
 MAX_READS = 1000
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker_ingress import wire
-from worker_ingress.wire import (
+from shim_common import wire
+from shim_common.wire import (
     PROTOCOL_VERSION,
     Cancel,
     Chunk,

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from worker_ingress.cli import CliError, parse_args
-from worker_ingress.config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
+from worker_ingress._cli import CliError, parse_args
+from worker_ingress._config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
 
 ALL_VARIABLES = [
     "DYN_WORKER_HOST",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from worker_ingress.admission import AdmissionGate, Rejection
-from worker_ingress.config import WorkerSettings
-from worker_ingress.metrics import WorkerMetrics
-from worker_ingress.wire import REASON_OVERLOADED
+from shim_common.wire import REASON_OVERLOADED
+from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._config import WorkerSettings
+from worker_ingress._metrics import WorkerMetrics
 
 CONTRACT_NAMES = [
     "dynamo_rejection_request_total",

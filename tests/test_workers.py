@@ -1,7 +1,7 @@
 """The frontend's worker links: backoff, the request table, and real loopback sessions.
 
 The pure parts (backoff, URL parsing, the per-request buffer, the request table) are tested
-without sockets. The rest runs a real :class:`worker_ingress.server.Worker` (or, for protocol
+without sockets. The rest runs a real :class:`worker_ingress._server.Worker` (or, for protocol
 faults, a small fake) on 127.0.0.1 with port 0, every test under ``trio.fail_after``.
 """
 
@@ -26,7 +26,7 @@ import trio_websocket
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend_shim.workers import (
+from frontend_shim._workers import (
     Backoff,
     LinkSettings,
     LinkStats,
@@ -39,12 +39,12 @@ from frontend_shim.workers import (
     parse_worker_url,
     resolve_addresses,
 )
-from worker_ingress import wire
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import EngineOutput, PreparedRequest
-from worker_ingress.engines.instant import InstantEngine, create
-from worker_ingress.server import Worker, WorkerAddress
-from worker_ingress.watch import ChangeSignal
+from shim_common import wire
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._server import Worker, WorkerAddress
+from worker_ingress._watch import ChangeSignal
+from worker_ingress.engines._base import EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 # Fast timings for loopback tests; the keepalive is far longer than any loopback round trip.
 FAST = LinkSettings(

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import trio
 
-from worker_ingress.httpserver import (
+from shim_common._httpserver import (
     HTTPLimits,
     HTTPRequest,
     HTTPResponder,

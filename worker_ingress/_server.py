@@ -3,7 +3,7 @@
 Paths on the websocket port (anything else: the handshake is rejected with HTTP 404):
 
 - ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
-  websocket message, from a latest-wins :class:`~worker_ingress.events.Subscription`. What a
+  websocket message, from a latest-wins :class:`~worker_ingress._events.Subscription`. What a
   subscriber sends is read (so pings keep being answered) and ignored.
 - ``/v1/requests``: the worker sends a :class:`~wire.Hello`; the client multiplexes
   :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
@@ -56,14 +56,7 @@ from trio_websocket import (
     serve_websocket,
 )
 
-from worker_ingress import admission
-from worker_ingress.admission import AdmissionGate, Rejection
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import Engine, EngineInputError, PreparedRequest
-from worker_ingress.events import EventPublisher
-from worker_ingress.metrics import WorkerMetrics
-from worker_ingress.system import serve_system
-from worker_ingress.wire import (
+from shim_common.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Cancel,
@@ -79,6 +72,13 @@ from worker_ingress.wire import (
     decode_client_message,
     encode,
 )
+from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._admission import Rejected as GateRejected
+from worker_ingress._config import WorkerSettings
+from worker_ingress._events import EventPublisher
+from worker_ingress._metrics import WorkerMetrics
+from worker_ingress._system import serve_system
+from worker_ingress.engines._base import Engine, EngineInputError, PreparedRequest
 
 __all__ = [
     "CLOSE_DRAINING",
@@ -347,7 +347,7 @@ class _RequestConnection:
             # The gate will reject this one for sure (draining, or N running and Q waiting):
             # ask it here, synchronously, so shedding costs no task (it must stay cheap).
             decision = gate.state.arrive()
-            if not isinstance(decision, admission.Rejected):
+            if not isinstance(decision, GateRejected):
                 raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the

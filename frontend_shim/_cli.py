@@ -18,14 +18,14 @@ from typing import Annotated, Literal, cast
 from cyclopts import App, Parameter, validators
 
 from frontend_shim import __version__
-from frontend_shim.config import (
+from frontend_shim._config import (
     DEFAULT_MAX_BODY_BYTES,
     FrontendSettings,
     RouterMode,
     admin_api_disabled,
     overload_status_from_env,
 )
-from worker_ingress.cli import CliError, exit_invalid, finite, invoke, strict_int
+from worker_ingress._cli import CliError, exit_invalid, finite, invoke, strict_int
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -270,7 +270,7 @@ def _frontend(
 
 
 def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
-    from frontend_shim.workers import parse_worker_url
+    from frontend_shim._workers import parse_worker_url
 
     urls: list[str] = []
     for item in given:
@@ -287,7 +287,7 @@ def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_worker_args(worker_args: Sequence[str]) -> None:
-    from worker_ingress.cli import parse_args as parse_worker_args
+    from worker_ingress._cli import parse_args as parse_worker_args
 
     try:
         parse_worker_args(list(worker_args))
@@ -326,6 +326,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import trio
 
-    from frontend_shim.app import run_frontend
+    from frontend_shim._app import run_frontend
 
     trio.run(run_frontend, settings)

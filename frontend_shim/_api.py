@@ -11,7 +11,7 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
 2. Read the body (413 over the cap), parse it once with msgspec (400 when malformed), check the
    few fields the frontend itself needs (``model``, ``stream``).
 3. Frontend queue (``--router-queue-threshold``): park while every free worker is saturated.
-4. Route (:class:`~frontend_shim.router.Router`): 529 all busy, 503 no worker, 404 unknown model.
+4. Route (:class:`~frontend_shim._router.Router`): 529 all busy, 503 no worker, 404 unknown model.
 5. Send to the worker and wait for its first answer. ``Rejected`` marks the worker and, within
    ``--migration-limit``, tries another free worker; otherwise 529 (``Server overloaded:``) or 503
    (``Server unavailable:``). ``Failed`` before the start is a 400 (bad input) or a 5xx.
@@ -35,10 +35,10 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from frontend_shim.config import FrontendSettings
-from frontend_shim.load import Fleet, InFlight, ThresholdError, Thresholds
-from frontend_shim.metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
-from frontend_shim.router import (
+from frontend_shim._config import FrontendSettings
+from frontend_shim._load import Fleet, InFlight, ThresholdError, Thresholds
+from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
+from frontend_shim._router import (
     AllBusy,
     CompletionRate,
     FrontendQueue,
@@ -49,9 +49,9 @@ from frontend_shim.router import (
     classify_rejection,
     retry_after_seconds,
 )
-from frontend_shim.workers import RequestStream, WorkerKey, WorkerPool
-from worker_ingress import wire
-from worker_ingress.httpserver import (
+from frontend_shim._workers import RequestStream, WorkerKey, WorkerPool
+from shim_common import wire
+from shim_common._httpserver import (
     BodyTooLarge,
     HTTPRequest,
     HTTPResponder,
@@ -221,7 +221,7 @@ class FrontendAPI:
     # ------------------------------------------------------------------ dispatch
 
     async def handle(self, request: HTTPRequest, responder: HTTPResponder) -> None:
-        """Answer one HTTP request (the :data:`~worker_ingress.httpserver.Handler`)."""
+        """Answer one HTTP request (the :data:`~shim_common._httpserver.Handler`)."""
         endpoint = _ENDPOINTS.get(request.path)
         try:
             if endpoint is not None:

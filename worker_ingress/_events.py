@@ -21,7 +21,7 @@ Rules:
    slows neither the engine nor the other subscribers.
 
 The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that watches the engine's
-:class:`~worker_ingress.watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
+:class:`~worker_ingress._watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Final, Literal
 
 import trio
 
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from shim_common.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from worker_ingress._watch import ChangeSignal
 
 __all__ = [
     "DEFAULT_COALESCE_INTERVAL",

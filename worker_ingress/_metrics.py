@@ -31,7 +31,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker_ingress.admission import AdmissionGate
+from worker_ingress._admission import AdmissionGate
 
 __all__ = ["KvBlocks", "WorkerMetrics"]
 

@@ -1,4 +1,4 @@
-"""Routing decisions over a :class:`~frontend_shim.load.Fleet` (pure: no I/O, time passed in).
+"""Routing decisions over a :class:`~frontend_shim._load.Fleet` (pure: no I/O, time passed in).
 
 What the I/O side does for one request, and which piece here answers each question::
 
@@ -16,7 +16,7 @@ What the I/O side does for one request, and which piece here answers each questi
 Rules:
 
 1. Only *free* workers are picked: registered for the model, fresh, not draining, not busy, not
-   marked (see :mod:`frontend_shim.load`), and not in ``exclude``.
+   marked (see :mod:`frontend_shim._load`), and not in ``exclude``.
 2. Outcomes, checked in this order: no worker connected at all -> :class:`NoWorkers` (503; the
    frontend cannot tell an unknown model from one whose workers are down); a model no worker
    ever announced -> :class:`UnknownModel` (404); no available worker for the model ->
@@ -25,7 +25,7 @@ Rules:
 3. Modes: ``round-robin`` cycles a cursor over the free set (O(1); the set is an array with
    swap-remove, so the cycle order changes as workers come and go, but no free worker is
    skipped for long); ``random`` draws uniformly from the free set (O(1)); ``kv`` scans the free
-   set for the lowest :attr:`~frontend_shim.load.WorkerLoad.load_cost` (mean over ranks of
+   set for the lowest :attr:`~frontend_shim._load.WorkerLoad.load_cost` (mean over ranks of
    ``blocks/kv_total_blocks + prefill_tokens/max_num_batched_tokens``, the router's own count
    included), starting the scan at the cursor so that ties rotate. ``kv`` is O(free workers)
    per pick: about 1,024 attribute reads for a 1,024-worker model (see bench/bench_router.py).
@@ -56,9 +56,8 @@ import random
 from collections.abc import Collection, Hashable, Iterable
 from typing import Final, Generic, TypeVar
 
-from worker_ingress import wire
-
-from .load import Fleet, FreeSet, WorkerLoad
+from frontend_shim._load import Fleet, FreeSet, WorkerLoad
+from shim_common import wire
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_CAP",
@@ -145,7 +144,7 @@ _UNAVAILABLE_PREFIX: Final = wire.REASON_DRAINING.split(":", 1)[0] + ":"
 
 
 def classify_rejection(reason: str) -> RejectionKind:
-    """Classify a :class:`~worker_ingress.wire.Rejected` reason by its prefix.
+    """Classify a :class:`~shim_common.wire.Rejected` reason by its prefix.
 
     Args:
         reason: the reason text.
@@ -268,7 +267,7 @@ class Router:
 
         Args:
             worker_id: the worker that rejected.
-            reason: the :class:`~worker_ingress.wire.Rejected` reason.
+            reason: the :class:`~shim_common.wire.Rejected` reason.
             now: current time.
 
         Returns:

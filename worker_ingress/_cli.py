@@ -19,7 +19,7 @@ import cyclopts
 from cyclopts import App, Parameter, Token, validators
 
 from worker_ingress import __version__
-from worker_ingress.config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
+from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 
 __all__ = [
     "QUEUE_LIMIT_ENV",
@@ -247,13 +247,13 @@ def _check_engine(settings: WorkerSettings) -> None:
         if not settings.upstream_url:
             raise CliError("--engine openai needs --upstream-url (DYN_UPSTREAM_URL).")
         return
-    if settings.engine == "mocker":
+    if settings.engine in ("mocker", "instant"):
         return
     module, sep, factory = settings.engine.partition(":")
     if not sep or not module or not factory.isidentifier():
         raise CliError(
             f'Invalid value "{settings.engine}" for --engine. '
-            'Choose "mocker", "openai" or "package.module:factory".'
+            'Choose "mocker", "openai", "instant" or "package.module:factory".'
         )
 
 
@@ -306,13 +306,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Imported late so that --help and argument errors never pay for (or trip over) the engine.
     import trio
 
-    from worker_ingress.engines.loader import EngineLoadError, load_engine
+    from worker_ingress.engines._loader import EngineLoadError, load_engine
 
     try:
         engine = load_engine(settings)
     except EngineLoadError as exc:
         exit_invalid("worker-ingress", str(exc))
 
-    from worker_ingress.server import run_worker
+    from worker_ingress._server import run_worker
 
     trio.run(run_worker, settings, engine)

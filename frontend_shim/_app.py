@@ -10,7 +10,7 @@ Task tree of :func:`run_frontend` (one nursery, everything owned)::
 
 The worker links speak of workers by address (``ws://host:port``), the load state by the id a
 worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
-turns link news into :class:`~frontend_shim.load.Fleet` calls.
+turns link news into :class:`~frontend_shim._load.Fleet` calls.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import prometheus_client
 import trio
 
-from frontend_shim.api import FrontendAPI
-from frontend_shim.config import FrontendSettings
-from frontend_shim.load import Fleet, Thresholds
-from frontend_shim.local import run_local_workers
-from frontend_shim.metrics import FrontendMetrics, RankLoadSample
-from frontend_shim.router import Router, RouterMode
-from frontend_shim.workers import WorkerKey, WorkerPool
-from worker_ingress import wire
-from worker_ingress.httpserver import HTTPLimits, serve_http
+from frontend_shim._api import FrontendAPI
+from frontend_shim._config import FrontendSettings
+from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._local import run_local_workers
+from frontend_shim._metrics import FrontendMetrics, RankLoadSample
+from frontend_shim._router import Router, RouterMode
+from frontend_shim._workers import WorkerKey, WorkerPool
+from shim_common import wire
+from shim_common._httpserver import HTTPLimits, serve_http
 
 __all__ = ["FleetBridge", "run_frontend"]
 

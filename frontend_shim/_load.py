@@ -1,7 +1,7 @@
 """Per-worker, per-rank load state and the busy rules (pure: no I/O, time passed in as ``now``).
 
 A :class:`Fleet` holds what this frontend knows about every connected worker: its announced
-:class:`~worker_ingress.wire.RuntimeConfig`, the latest load of each data-parallel rank, the
+:class:`~shim_common.wire.RuntimeConfig`, the latest load of each data-parallel rank, the
 router's own count of what it sent there, an overload mark, and whether the worker is stale or
 draining. From that it keeps, per model, the set of *free* workers incrementally, so applying one
 event costs O(1) (O(ranks in the event) for a heartbeat), never a scan of the fleet.
@@ -54,7 +54,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Final, Generic, NamedTuple, TypeVar
 
-from worker_ingress import wire
+from shim_common import wire
 
 __all__ = [
     "DEFAULT_MARK_LEASE",
@@ -571,8 +571,8 @@ class Fleet:
 
         Args:
             worker_id: the worker the event came from.
-            event: a :class:`~worker_ingress.wire.LoadEvent` or
-                :class:`~worker_ingress.wire.Heartbeat`.
+            event: a :class:`~shim_common.wire.LoadEvent` or
+                :class:`~shim_common.wire.Heartbeat`.
             now: current time.
 
         Returns:
@@ -597,7 +597,7 @@ class Fleet:
         return True
 
     def apply_batch(self, worker_id: str, events: Iterable[wire.WorkerEvent], now: float) -> int:
-        """Apply the events of one :class:`~worker_ingress.wire.EventBatch`, oldest first.
+        """Apply the events of one :class:`~shim_common.wire.EventBatch`, oldest first.
 
         Returns:
             How many were applied.

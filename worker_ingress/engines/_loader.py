@@ -1,7 +1,7 @@
 """Turn ``--engine`` into an engine object: ``mocker``, ``openai`` or ``package.module:factory``.
 
-A factory is a callable taking the :class:`~worker_ingress.config.WorkerSettings` and returning an
-object that follows :class:`~worker_ingress.engines.base.Engine`. Loading happens before the worker
+A factory is a callable taking the :class:`~worker_ingress._config.WorkerSettings` and returning an
+object that follows :class:`~worker_ingress.engines._base.Engine`. Loading happens before the worker
 binds any port, so a wrong path stops the process with exit code 2 and a clear line.
 """
 
@@ -11,14 +11,15 @@ import importlib
 from collections.abc import Callable
 from typing import cast
 
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import Engine
+from worker_ingress._config import WorkerSettings
+from worker_ingress.engines._base import Engine
 
 __all__ = ["EngineLoadError", "load_engine"]
 
 _BUILT_IN = {
-    "mocker": "worker_ingress.engines.mocker:create",
-    "openai": "worker_ingress.engines.openai_upstream:create",
+    "mocker": "worker_ingress.engines._mocker:create",
+    "instant": "worker_ingress.engines._instant:create",
+    "openai": "worker_ingress.engines._openai_upstream:create",
 }
 
 

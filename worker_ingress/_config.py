@@ -1,6 +1,6 @@
 """Validated worker settings: what the CLI produces and every other module consumes.
 
-The CLI (:mod:`worker_ingress.cli`) parses flags and ``DYN_*`` variables into these structs; the
+The CLI (:mod:`worker_ingress._cli`) parses flags and ``DYN_*`` variables into these structs; the
 rules that depend on several values (N unset means 10000 slots and 40000 queued) live here, once.
 """
 

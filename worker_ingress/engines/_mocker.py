@@ -56,8 +56,10 @@ from typing import Any, Final
 import msgspec
 import trio
 
-from worker_ingress.config import MockerSettings, WorkerSettings
-from worker_ingress.engines.base import (
+from shim_common.wire import Endpoint, RankLoad
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._watch import ChangeSignal
+from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
     EngineConfig,
     EngineInputError,
@@ -67,8 +69,6 @@ from worker_ingress.engines.base import (
     prompt_texts,
     requested_max_tokens,
 )
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Endpoint, RankLoad
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -547,7 +547,7 @@ class RankScheduler:
 
 
 # ----------------------------------------------------------------------------- request parsing
-# Bodies are read by the helpers shared with the other engines (worker_ingress.engines.base).
+# Bodies are read by the helpers shared with the other engines (worker_ingress.engines._base).
 
 
 class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
@@ -560,7 +560,7 @@ class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MockerEngine:
-    """The simulated engine: the :class:`~worker_ingress.engines.base.Engine` protocol over
+    """The simulated engine: the :class:`~worker_ingress.engines._base.Engine` protocol over
     one :class:`RankScheduler` per data-parallel rank.
 
     Args:

@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
-from worker_ingress.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
 
 if TYPE_CHECKING:
-    from worker_ingress.config import WorkerSettings
+    from worker_ingress._config import WorkerSettings
 
 __all__ = [
     "AdmissionGate",

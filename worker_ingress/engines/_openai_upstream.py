@@ -8,8 +8,8 @@ worker).
 Requests:
 
 - :meth:`OpenAIUpstreamEngine.prepare` checks the prompt and the token limit with the helpers
-  every engine shares (:func:`~worker_ingress.engines.base.prompt_words`, which here also accepts
-  token ids, and :func:`~worker_ingress.engines.base.requested_max_tokens`) and
+  every engine shares (:func:`~worker_ingress.engines._base.prompt_words`, which here also accepts
+  token ids, and :func:`~worker_ingress.engines._base.requested_max_tokens`) and
   encodes the body as JSON, so a body JSON cannot carry is refused before it takes a slot. Prompt
   tokens are *estimated* as whitespace-separated words (token ids count one each): the worker does
   not have the model's tokenizer, and the real count comes back in the upstream's ``usage``. The
@@ -20,10 +20,10 @@ Requests:
   the final output of each choice (the one with ``finish_reason``) is held back until the usage
   chunk arrives, and it absorbs the difference between the upstream's ``completion_tokens`` and
   the deltas counted, so the token total matches the upstream. Only text is forwarded (content,
-  not tool calls, reasoning or logprobs: :class:`~worker_ingress.engines.base.EngineOutput` carries
+  not tool calls, reasoning or logprobs: :class:`~worker_ingress.engines._base.EngineOutput` carries
   text). Embeddings are one plain POST and one output per vector (``base64`` vectors are decoded).
 - Errors: an upstream 4xx other than 408 and 429 raises
-  :class:`~worker_ingress.engines.base.EngineInputError` with the upstream's message (the worker
+  :class:`~worker_ingress.engines._base.EngineInputError` with the upstream's message (the worker
   answers 400). 408, 429, 5xx, a broken connection, a silent upstream, an error event in the
   stream, or a stream that ends before a finish reason raise :class:`UpstreamError`.
 - Cancellation: closing the generator closes the upstream connection (it is never returned to the
@@ -74,17 +74,9 @@ from typing import Any, Final
 import msgspec
 import trio
 
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import (
-    DEFAULT_MAX_TOKENS,
-    EngineConfig,
-    EngineInputError,
-    EngineOutput,
-    PreparedRequest,
-    prompt_words,
-    requested_max_tokens,
-)
-from worker_ingress.upstream_http import (
+from shim_common.wire import Endpoint, RankLoad
+from worker_ingress._config import WorkerSettings
+from worker_ingress._upstream_http import (
     DEFAULT_READ_TIMEOUT,
     HTTPClient,
     Origin,
@@ -93,8 +85,16 @@ from worker_ingress.upstream_http import (
     UpstreamConnectionError,
     parse_base_url,
 )
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Endpoint, RankLoad
+from worker_ingress._watch import ChangeSignal
+from worker_ingress.engines._base import (
+    DEFAULT_MAX_TOKENS,
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+    PreparedRequest,
+    prompt_words,
+    requested_max_tokens,
+)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -493,7 +493,7 @@ def _decode_vector(value: list[float] | str) -> list[float]:
 
 
 class OpenAIUpstreamEngine:
-    """An :class:`~worker_ingress.engines.base.Engine` that forwards to an OpenAI-compatible server.
+    """An :class:`~worker_ingress.engines.Engine` that forwards to an OpenAI-compatible server.
 
     See the module docstring for what is forwarded, read and assumed.
 
@@ -556,7 +556,7 @@ class OpenAIUpstreamEngine:
         """The load of the upstream as one rank (see the module docstring).
 
         Returns:
-            One :class:`~worker_ingress.wire.RankLoad`, rank 0.
+            One :class:`~shim_common.wire.RankLoad`, rank 0.
         """
         return [self._published]
 

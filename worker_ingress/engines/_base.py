@@ -29,8 +29,8 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Endpoint, RankLoad
+from shim_common.wire import Endpoint, RankLoad
+from worker_ingress._watch import ChangeSignal
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

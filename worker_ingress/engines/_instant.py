@@ -1,9 +1,9 @@
 """A zero-work engine: answers at once, for tests and for measuring the ingress itself.
 
-``--engine worker_ingress.engines.instant:create`` selects it. A completion streams exactly
+``--engine instant`` selects it. A completion streams exactly
 ``max_tokens`` chunks (16 when absent) of one token each with no delay; an embedding request
 answers one small vector per input. Bodies are read by the helpers of
-:mod:`worker_ingress.engines.base`, like the mocker reads them: one prompt token per
+:mod:`worker_ingress.engines._base`, like the mocker reads them: one prompt token per
 whitespace-separated word of the prompt (all message contents, for chat). The engine holds no KV
 cache, so its load is always zero and :attr:`InstantEngine.load_changed` never moves.
 """
@@ -15,8 +15,10 @@ from typing import Any, Final
 
 import trio
 
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import (
+from shim_common.wire import Endpoint, RankLoad
+from worker_ingress._config import WorkerSettings
+from worker_ingress._watch import ChangeSignal
+from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
     EngineConfig,
     EngineOutput,
@@ -25,8 +27,6 @@ from worker_ingress.engines.base import (
     prompt_texts,
     requested_max_tokens,
 )
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Endpoint, RankLoad
 
 __all__ = ["DEFAULT_MAX_TOKENS", "EMBEDDING_SIZE", "InstantEngine", "create"]
 
@@ -34,7 +34,7 @@ EMBEDDING_SIZE: Final = 8
 
 
 class InstantEngine:
-    """An :class:`~worker_ingress.engines.base.Engine` that does no work.
+    """An :class:`~worker_ingress.engines._base.Engine` that does no work.
 
     Args:
         config: The limits it announces (nothing enforces them).
@@ -76,7 +76,7 @@ class InstantEngine:
 
         Raises:
             EngineInputError: The body lacks its prompt or has a bad ``max_tokens``
-                (see :func:`~worker_ingress.engines.base.requested_max_tokens`).
+                (see :func:`~worker_ingress.engines._base.requested_max_tokens`).
         """
         texts = prompt_texts(endpoint, body)
         return PreparedRequest(

@@ -67,7 +67,7 @@ import msgspec
 import trio
 import trio_websocket
 
-from worker_ingress import wire
+from shim_common import wire
 
 __all__ = [
     "Backoff",

@@ -1,0 +1,11 @@
+"""What the worker ingress and the frontend shim both speak.
+
+- :mod:`shim_common.wire`: the msgpack protocol of record between frontends and workers
+  (messages, plane paths, close codes, chunk merging); public.
+- the HTTP/1.1 server both sides serve on (private ``_httpserver``), its shared status routes
+  (``_status``), the CLI helpers of both console scripts (``_cli``) and small network helpers
+  (``_net``).
+
+Both sides import this package; neither imports the other's internals (``scripts/check`` enforces
+the boundary with import-linter).
+"""
