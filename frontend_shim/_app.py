@@ -32,6 +32,7 @@ from frontend_shim._router import Router, RouterMode
 from frontend_shim._workers import WorkerKey, WorkerPool
 from shim_common import wire
 from shim_common._httpserver import HTTPLimits, serve_http
+from shim_common._net import base_url
 
 __all__ = ["FleetBridge", "run_frontend"]
 
@@ -193,8 +194,7 @@ async def run_frontend(
                 task_status=task_status,
             )
         )
-        host = settings.http_host if ":" not in settings.http_host else f"[{settings.http_host}]"
-        url = f"http://{host}:{port}"
+        url = base_url("http", settings.http_host, port)
         print(f"frontend-shim ready http={url}", flush=True)
         task_status.started(url)
         nursery.start_soon(_tick, api)

@@ -38,6 +38,8 @@ from typing import Final
 
 import trio
 
+from shim_common._net import Backoff
+
 __all__ = [
     "READY_LINE",
     "LocalWorker",
@@ -175,7 +177,7 @@ class _Child:
 
     async def watch(self) -> None:
         """Copy stdout until the child exits; restart it unless its exit was asked for."""
-        delay = RESTART_DELAY
+        backoff = Backoff(initial=RESTART_DELAY, cap=RESTART_DELAY_CAP)
         started = trio.current_time()
         while True:
             while (line := await self.lines.readline()) is not None:
@@ -193,7 +195,8 @@ class _Child:
                 )
                 return
             if trio.current_time() - started >= RESTART_DELAY_RESET:
-                delay = RESTART_DELAY
+                backoff.reset()
+            delay = backoff.next_delay()
             logger.error(
                 "local worker %d (pid %d) exited with status %d; restarting it in %.1f s",
                 self.index,
@@ -202,7 +205,6 @@ class _Child:
                 delay,
             )
             await trio.sleep(delay)
-            delay = min(delay * 2, RESTART_DELAY_CAP)
             started = trio.current_time()
             await self._restart()
 

@@ -68,9 +68,9 @@ import trio
 import trio_websocket
 
 from shim_common import wire
+from shim_common._net import Backoff, host_for_url
 
 __all__ = [
-    "Backoff",
     "FirstReply",
     "FleetListener",
     "LinkSettings",
@@ -161,44 +161,6 @@ class LinkStats:
     late_replies: int = 0
 
 
-class Backoff:
-    """Capped exponential backoff with jitter; pure, so tests can check its sequence.
-
-    The n-th delay since the last :meth:`reset` (n = 0, 1, ...) is drawn uniformly from
-    ``[(1 - jitter) * d, d]`` where ``d = min(cap, initial * 2**n)``.
-    """
-
-    def __init__(
-        self, *, initial: float, cap: float, jitter: float, rng: random.Random | None = None
-    ) -> None:
-        self._initial = initial
-        self._cap = cap
-        self._jitter = jitter
-        self._rng = rng if rng is not None else random.Random()
-        self._attempt = 0
-
-    @classmethod
-    def from_settings(cls, settings: LinkSettings, rng: random.Random | None = None) -> Backoff:
-        """A backoff with the link settings' initial delay, cap and jitter."""
-        return cls(
-            initial=settings.backoff_initial,
-            cap=settings.backoff_cap,
-            jitter=settings.backoff_jitter,
-            rng=rng,
-        )
-
-    def next_delay(self) -> float:
-        """The delay before the next attempt (seconds); each call counts one attempt."""
-        # Cap the exponent so 2**n never overflows a float on a link that is down for days.
-        ceiling = min(self._cap, self._initial * 2.0 ** min(self._attempt, 64))
-        self._attempt += 1
-        return ceiling * (1.0 - self._jitter * self._rng.random())
-
-    def reset(self) -> None:
-        """Start again from the initial delay (after a success)."""
-        self._attempt = 0
-
-
 # ----------------------------------------------------------------------------- addresses
 
 
@@ -213,8 +175,7 @@ class WorkerUrl:
 
     def key_for(self, address: str) -> WorkerKey:
         """The key (and base URL) of the worker at ``address`` (an IP address string)."""
-        shown = f"[{address}]" if ":" in address else address
-        return f"ws://{shown}:{self.port}{self.path}"
+        return f"ws://{host_for_url(address)}:{self.port}{self.path}"
 
 
 def parse_worker_url(url: str) -> WorkerUrl:
@@ -659,7 +620,12 @@ class WorkerLink:
         self.stats = LinkStats()
         self._listener = listener
         self._settings = settings if settings is not None else LinkSettings()
-        self._backoff = Backoff.from_settings(self._settings, rng)
+        self._backoff = Backoff(
+            initial=self._settings.backoff_initial,
+            cap=self._settings.backoff_cap,
+            jitter=self._settings.backoff_jitter,
+            rng=rng,
+        )
         self._plane: _RequestPlane | None = None
         self._up_event = trio.Event()
         self._reached_up = False

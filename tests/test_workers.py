@@ -27,7 +27,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from frontend_shim._workers import (
-    Backoff,
     LinkSettings,
     LinkStats,
     RequestStream,
@@ -40,6 +39,7 @@ from frontend_shim._workers import (
     resolve_addresses,
 )
 from shim_common import wire
+from shim_common._net import Backoff
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import Worker, WorkerAddress
 from worker_ingress._watch import ChangeSignal

@@ -56,6 +56,7 @@ from trio_websocket import (
     serve_websocket,
 )
 
+from shim_common._net import base_url
 from shim_common.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -120,12 +121,6 @@ class WorkerAddress(NamedTuple):
 
     ws_url: str
     system_url: str
-
-
-def _url(scheme: str, host: str, port: int) -> str:
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
 
 
 def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
@@ -624,8 +619,8 @@ class Worker:
                 )
             )
             address = WorkerAddress(
-                ws_url=_url("ws", settings.host, ws_server.port),
-                system_url=_url("http", settings.host, system_port),
+                ws_url=base_url("ws", settings.host, ws_server.port),
+                system_url=base_url("http", settings.host, system_port),
             )
             self._status = "ready"
             print(

@@ -1,0 +1,66 @@
+"""Small network helpers both sides use: URL host formatting and reconnect backoff."""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["Backoff", "base_url", "host_for_url"]
+
+
+def host_for_url(host: str) -> str:
+    """``host`` as it appears in a URL or a ``Host`` header: an IPv6 literal in brackets.
+
+    ``"::1"`` becomes ``"[::1]"``; names, IPv4 addresses and already bracketed literals are
+    returned unchanged.
+    """
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def base_url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port`` with ``host`` formatted by :func:`host_for_url`."""
+    return f"{scheme}://{host_for_url(host)}:{port}"
+
+
+class Backoff:
+    """Capped exponential backoff with jitter; pure, so tests can check its sequence.
+
+    The n-th delay since the last :meth:`reset` (n = 0, 1, ...) is drawn uniformly from
+    ``[(1 - jitter) * d, d]`` where ``d = min(cap, initial * 2**n)``.
+
+    Args:
+        initial: The first delay (seconds), > 0.
+        cap: The largest delay (seconds), >= ``initial``.
+        jitter: The share of each delay that is random, in [0, 1]; 0 gives exact doubling.
+        rng: The random source (a seeded one in tests).
+
+    Raises:
+        ValueError: for bounds out of range.
+    """
+
+    def __init__(
+        self, *, initial: float, cap: float, jitter: float = 0.0, rng: random.Random | None = None
+    ) -> None:
+        if not 0.0 < initial <= cap:
+            raise ValueError(f"backoff needs 0 < initial <= cap, got {initial} and {cap}")
+        if not 0.0 <= jitter <= 1.0:
+            raise ValueError(f"backoff jitter must be in [0, 1], got {jitter}")
+        self._initial = initial
+        self._cap = cap
+        self._jitter = jitter
+        self._rng = rng if rng is not None else random.Random()
+        self._attempt = 0
+
+    def next_delay(self) -> float:
+        """The delay before the next attempt (seconds); each call counts one attempt."""
+        # Cap the exponent so 2**n never overflows a float on a link that is down for days.
+        ceiling = min(self._cap, self._initial * 2.0 ** min(self._attempt, 64))
+        self._attempt += 1
+        if self._jitter == 0.0:
+            return ceiling
+        return ceiling * (1.0 - self._jitter * self._rng.random())
+
+    def reset(self) -> None:
+        """Start again from the initial delay (after a success)."""
+        self._attempt = 0
