@@ -19,6 +19,14 @@ Rules:
    :class:`End` or :class:`Failed`. Many requests share one connection.
 4. Fields are only ever added, never renamed or repurposed; decoders ignore unknown fields, so
    an older peer reads a newer one's messages. A breaking change bumps :data:`PROTOCOL_VERSION`.
+   An addition that needs both sides to agree is a *feature*: the worker lists the features it
+   speaks in its hello (:attr:`Hello.features`) and a client uses one only when it is listed, so
+   a new frontend works with an old worker and the other way round.
+5. Event-plane publishing is bounded per subscriber: at most one batch every
+   :attr:`RuntimeConfig.load_publish_interval` seconds, each holding the latest load of the ranks
+   that changed. With the :data:`FEATURE_BUSY_EDGES` feature a subscriber sends a
+   :class:`Subscribe` with the thresholds it routes by; a change that turns one of the worker's
+   ranks busy or free under them is then sent at once instead of waiting out the interval.
 """
 
 from __future__ import annotations
@@ -29,11 +37,21 @@ import msgspec
 
 __all__ = [
     "CANCEL_REASON_CLIENT",
+    "CLOSE_DRAINING",
+    "CLOSE_DUPLICATE_REQUEST_ID",
+    "CLOSE_PROTOCOL_ERROR",
+    "CLOSE_TEXT_MESSAGE",
+    "CLOSE_TOO_BIG",
+    "CLOSE_UNDECODABLE",
+    "EVENTS_PATH",
+    "FEATURE_BUSY_EDGES",
+    "REQUESTS_PATH",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "REASON_DRAINING",
     "REASON_OVERLOADED",
     "REASON_QUEUE_TIMEOUT",
+    "BusyThresholds",
     "Cancel",
     "Chunk",
     "ClientMessage",
@@ -50,15 +68,33 @@ __all__ = [
     "Rejected",
     "RuntimeConfig",
     "Started",
+    "Subscribe",
     "WorkerEvent",
     "WorkerMessage",
     "decode_client_message",
     "decode_event_message",
+    "decode_subscriber_message",
     "decode_worker_message",
     "encode",
+    "merge_text_chunks",
 ]
 
 PROTOCOL_VERSION: Final = 1
+
+#: Websocket paths of the two planes on a worker's port.
+EVENTS_PATH: Final = "/v1/events"
+REQUESTS_PATH: Final = "/v1/requests"
+
+#: Close codes a worker sends (RFC 6455 numbers, with the meaning this protocol gives them).
+CLOSE_DRAINING: Final = 1001
+CLOSE_PROTOCOL_ERROR: Final = 1002
+CLOSE_TEXT_MESSAGE: Final = 1003
+CLOSE_UNDECODABLE: Final = 1007
+CLOSE_DUPLICATE_REQUEST_ID: Final = 1008
+CLOSE_TOO_BIG: Final = 1009
+
+#: Hello feature: the worker reads :class:`Subscribe` and pushes busy/free edges at once.
+FEATURE_BUSY_EDGES: Final = "busy-edges"
 
 #: Largest websocket message either side accepts (bytes). A request body travels in one message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
@@ -92,11 +128,16 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_queue_limit: int
     #: Seconds between heartbeats on the event plane.
     heartbeat_interval: float
+    #: Seconds between two event batches to one subscriber at most (0: a worker from before
+    #: the bound, which publishes on every change).
+    load_publish_interval: float = 0.0
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="type"):
     protocol_version: int
     config: RuntimeConfig
+    #: Optional protocol additions this worker speaks (``FEATURE_*``); empty for older workers.
+    features: list[str] = []
 
 
 # ----------------------------------------------------------------------------- event plane
@@ -143,6 +184,30 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_fi
     """Everything that piled up since the last websocket message, oldest first."""
 
     events: list[WorkerEvent]
+    #: Wall-clock seconds since the epoch when the worker wrote the batch (0.0 from older
+    #: workers). A subscriber compares it with its own clock to see how far behind it reads.
+    sent: float = 0.0
+
+
+class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
+    """The busy thresholds a subscriber routes by; ``None`` means that check is off.
+
+    A rank is busy when any configured check is exceeded (strict ``>``): decode blocks over
+    ``active_decode_blocks`` of the rank's KV blocks, prefill tokens over
+    ``active_prefill_tokens``, or prefill tokens over ``active_prefill_tokens_frac`` of
+    ``max_num_batched_tokens``. ``shim_common._busy.rank_busy`` is the one implementation.
+    """
+
+    active_decode_blocks: float | None = None
+    active_prefill_tokens: int | None = None
+    active_prefill_tokens_frac: float | None = None
+
+
+class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_field="type"):
+    """Sent by a subscriber on the event plane, to a worker that lists
+    :data:`FEATURE_BUSY_EDGES`; a later one replaces the earlier."""
+
+    thresholds: BusyThresholds
 
 
 # ----------------------------------------------------------------------------- request plane
@@ -186,7 +251,8 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="t
     #: For ``chat_completions``/``completions``: ``None`` until the last chunk.
     finish_reason: str | None = None
     embedding: list[float] | None = None
-    #: For embeddings with several inputs: which input this vector belongs to.
+    #: Which choice this text belongs to (a request with ``n`` > 1), or for embeddings with
+    #: several inputs which input this vector belongs to.
     index: int = 0
 
 
@@ -213,6 +279,7 @@ _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 _event_decoder = msgspec.msgpack.Decoder(Hello | EventBatch)
+_subscriber_decoder = msgspec.msgpack.Decoder(Subscribe)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -238,3 +305,33 @@ def decode_worker_message(data: bytes) -> WorkerMessage:
 def decode_event_message(data: bytes) -> Hello | EventBatch:
     """Decode what a worker sends on the event plane (raises like the above)."""
     return _event_decoder.decode(data)
+
+
+def decode_subscriber_message(data: bytes) -> Subscribe:
+    """Decode what a subscriber sends on the event plane (raises like the above)."""
+    return _subscriber_decoder.decode(data)
+
+
+def merge_text_chunks(earlier: Chunk, later: Chunk) -> Chunk | None:
+    """One chunk carrying both, or ``None`` when the two must stay apart.
+
+    The one rule of chunk merging, for whichever side has chunks of a request queued up: only
+    text chunks of the same request and the same choice (``index``) merge, an embedding never
+    does, and nothing follows a chunk that carries a finish reason. Text is concatenated, token
+    counts add up, and the later finish reason is kept.
+    """
+    if (
+        earlier.embedding is not None
+        or later.embedding is not None
+        or earlier.finish_reason is not None
+        or earlier.request_id != later.request_id
+        or earlier.index != later.index
+    ):
+        return None
+    return Chunk(
+        request_id=later.request_id,
+        text=earlier.text + later.text,
+        tokens=earlier.tokens + later.tokens,
+        finish_reason=later.finish_reason,
+        index=later.index,
+    )

@@ -9,7 +9,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim_common.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
 from worker_ingress._events import EventPublisher, LoadTracker, Mailbox, open_event_publisher
 from worker_ingress._watch import ChangeSignal
 
@@ -159,12 +159,16 @@ class FakeLoad:
     def gauges(self) -> tuple[int, int]:
         return self.running, self.queued
 
-    def publisher(self, heartbeat_interval: float = 1.0) -> EventPublisher:
+    def publisher(
+        self, heartbeat_interval: float = 1.0, publish_interval: float = 0.1
+    ) -> EventPublisher:
         return EventPublisher(
             load=self.load,
             load_changed=self.changed,
             gauges=self.gauges,
             heartbeat_interval=heartbeat_interval,
+            publish_interval=publish_interval,
+            limits=lambda: (100, 1000),
         )
 
 
@@ -264,3 +268,85 @@ async def test_unsubscribed_subscriber_receives_nothing(
         assert publisher.subscriber_count == 0
         await trio.sleep(5)
         assert subscription.pending == 1  # only the initial heartbeat, never taken
+
+
+# ----------------------------------------------------------------------------- rate and edges
+
+
+async def _step_load(source: FakeLoad, steps: int, every: float, blocks: int = 10) -> None:
+    """An engine stepping fast: the load of rank 0 changes ``steps`` times, ``every`` apart."""
+    for step in range(steps):
+        source.loads = [rank(0, blocks=blocks + step % 2), rank(1)]
+        source.changed.bump()
+        await trio.sleep(every)
+
+
+async def test_publishing_rate_is_bounded_however_fast_the_engine_steps(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    batches = 0
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=0.1)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_step_load, source, 2000, 0.001)
+                with trio.move_on_after(2.0):
+                    while True:
+                        await subscription.next_batch()
+                        batches += 1
+                nursery.cancel_scope.cancel()
+            elapsed = trio.current_time() - start
+    # 2,000 changes in 2 s; at most one batch per 0.1 s (+1 for the first one).
+    assert 10 <= batches <= elapsed / 0.1 + 1
+
+
+async def test_a_busy_edge_under_the_subscribers_thresholds_skips_the_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=5.0)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            subscription.set_thresholds(BusyThresholds(active_decode_blocks=0.5))
+            await subscription.next_batch()  # the first heartbeat: rank 0 free (0 of 100)
+            # A change that keeps rank 0 free waits out the 5 s interval ...
+            source.loads = [rank(0, blocks=20), rank(1)]
+            source.changed.bump()
+            start = trio.current_time()
+            await subscription.next_batch()
+            assert trio.current_time() - start >= 4.9
+            # ... one that turns it busy (60 of 100 > 0.5) goes at once.
+            source.loads = [rank(0, blocks=60), rank(1)]
+            source.changed.bump()
+            start = trio.current_time()
+            (event,) = await subscription.next_batch()
+            assert isinstance(event, LoadEvent)
+            assert event.load.active_decode_blocks == 60
+            assert trio.current_time() - start <= 5.0 / 20 + 0.01
+            # And turning free again is an edge too.
+            source.loads = [rank(0, blocks=10), rank(1)]
+            source.changed.bump()
+            start = trio.current_time()
+            await subscription.next_batch()
+            assert trio.current_time() - start <= 5.0 / 20 + 0.01
+
+
+async def test_without_thresholds_a_busy_change_waits_for_the_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=5.0)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            source.loads = [rank(0, blocks=90), rank(1)]
+            source.changed.bump()
+            start = trio.current_time()
+            await subscription.next_batch()
+    assert trio.current_time() - start >= 4.9

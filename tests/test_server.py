@@ -29,6 +29,8 @@ from trio_websocket import (
 
 from shim_common import wire
 from shim_common.wire import (
+    EVENTS_PATH,
+    REQUESTS_PATH,
     Cancel,
     Chunk,
     End,
@@ -43,8 +45,6 @@ from shim_common.wire import (
 )
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import (
-    EVENTS_PATH,
-    REQUESTS_PATH,
     Worker,
     WorkerAddress,
     coalesce_chunks,

@@ -112,6 +112,13 @@ def _worker(
             validator=(validators.Number(gt=0, lte=60), finite),
         ),
     ] = 1.0,
+    load_publish_interval: Annotated[
+        float,
+        Parameter(
+            env_var="DYN_LOAD_PUBLISH_INTERVAL",
+            validator=(validators.Number(gte=0, lte=10), finite),
+        ),
+    ] = 0.1,
     num_gpu_blocks: Annotated[
         int,
         Parameter(converter=strict_int, env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=_positive()),
@@ -175,6 +182,10 @@ def _worker(
         Seconds running and queued requests get to finish after SIGTERM or SIGINT.
     heartbeat_interval
         Seconds between event-plane heartbeats (frontends treat a silent worker as stale).
+    load_publish_interval
+        Seconds between two load-event batches to one frontend at most: a changing load costs
+        a bounded number of messages however fast the engine steps. A rank turning busy or free
+        under a frontend's thresholds is sent at once. 0 sends every change.
     num_gpu_blocks
         Mocker: KV cache blocks per data-parallel rank.
     block_size
@@ -205,6 +216,7 @@ def _worker(
         queue_timeout=queue_timeout,
         drain_grace=graceful_shutdown_timeout,
         heartbeat_interval=heartbeat_interval,
+        load_publish_interval=load_publish_interval,
         mocker=MockerSettings(
             num_gpu_blocks=num_gpu_blocks,
             block_size=block_size,

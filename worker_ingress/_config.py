@@ -59,6 +59,8 @@ class WorkerSettings:
     drain_grace: float = 30.0
     #: Seconds between event-plane heartbeats.
     heartbeat_interval: float = 1.0
+    #: Seconds between two event batches to one subscriber at most.
+    load_publish_interval: float = 0.1
     mocker: MockerSettings = dataclasses.field(default_factory=MockerSettings)
 
     @property

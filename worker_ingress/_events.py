@@ -19,6 +19,13 @@ Rules:
    :class:`~wire.EventBatch`, oldest first: that is the coalescing.
 6. Publishing never blocks: producers write into mailboxes synchronously, so a slow subscriber
    slows neither the engine nor the other subscribers.
+7. A subscriber gets at most one batch every ``publish_interval`` seconds, however fast the
+   engine steps: what changes in between waits in its mailbox, latest-wins, so a change waits at
+   most one interval. Two kinds of events do not wait: a status heartbeat (``draining``), and,
+   for a subscriber that sent its thresholds (:meth:`Subscription.set_thresholds`), a load event
+   that turns a rank busy or free under them compared with what the subscriber was last sent.
+   Those still keep ``publish_interval / 20`` apart, so a load flapping around a threshold
+   costs at most ``21 / publish_interval`` batches a second.
 
 The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that watches the engine's
 :class:`~worker_ingress._watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
@@ -27,17 +34,21 @@ The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that wa
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Final, Literal
 
 import trio
 
-from shim_common.wire import Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from shim_common._busy import rank_busy
+from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
 from worker_ingress._watch import ChangeSignal
 
 __all__ = [
     "DEFAULT_COALESCE_INTERVAL",
+    "DEFAULT_PUBLISH_INTERVAL",
+    "RankLimits",
     "open_event_publisher",
     "EventPublisher",
     "LoadTracker",
@@ -51,6 +62,13 @@ WorkerStatus = Literal["ready", "draining"]
 #: After publishing a change the publisher waits this long before looking again, so a burst of
 #: changes (every admission moves a gauge) becomes one event per rank instead of hundreds.
 DEFAULT_COALESCE_INTERVAL: Final = 0.001
+#: Seconds between two batches to one subscriber at most (``--load-publish-interval``).
+DEFAULT_PUBLISH_INTERVAL: Final = 0.1
+#: Urgent batches (busy/free edges) keep this share of the publish interval apart.
+EDGE_GAP_SHARE: Final = 1 / 20
+
+#: ``(kv_total_blocks, max_num_batched_tokens)`` of one rank, what the busy rule needs.
+RankLimits = tuple[int, int]
 
 
 class LoadTracker:
@@ -173,16 +191,49 @@ def _seq_of(event: WorkerEvent) -> int:
 
 
 class Subscription:
-    """A subscriber's handle: wait for the next batch of events."""
+    """A subscriber's handle: wait for the next batch of events (rule 7 bounds their rate).
 
-    def __init__(self) -> None:
+    Args:
+        publish_interval: Seconds between two batches at most; 0 sends every change at once.
+        limits: The rank limits the busy rule needs, for edge detection.
+        clock: The monotonic clock the interval is measured on (``trio.current_time``).
+    """
+
+    def __init__(
+        self,
+        *,
+        publish_interval: float = 0.0,
+        limits: RankLimits = (0, 0),
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self._mailbox = Mailbox()
         self._signal = ChangeSignal()
         self._seen = 0
+        self._interval = publish_interval
+        self._edge_gap = publish_interval * EDGE_GAP_SHARE
+        self._limits = limits
+        self._clock = clock
+        self._last_sent = -math.inf
+        self._urgent = False
+        self._thresholds: BusyThresholds | None = None
+        # Busy state of each rank as of the last batch taken, under the subscriber's thresholds.
+        self._sent_busy: dict[int, bool] = {}
 
-    def deliver(self, event: WorkerEvent) -> None:
-        """Put an event in the mailbox and wake the subscriber (synchronous, never blocks)."""
+    def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
+        """Route-relevant edges under ``thresholds`` skip the interval from now on."""
+        self._thresholds = thresholds
+        self._sent_busy.clear()
+
+    def deliver(self, event: WorkerEvent, *, urgent: bool = False) -> None:
+        """Put an event in the mailbox and wake the subscriber (synchronous, never blocks).
+
+        Args:
+            event: The event.
+            urgent: Send it without waiting out the publish interval.
+        """
         self._mailbox.put(event)
+        if urgent or (isinstance(event, LoadEvent) and self._is_edge(event.load)):
+            self._urgent = True
         self._signal.bump()
 
     @property
@@ -191,16 +242,52 @@ class Subscription:
         return len(self._mailbox)
 
     async def next_batch(self) -> list[WorkerEvent]:
-        """Wait until something is pending and take all of it.
+        """Wait until something is pending and may be sent (rule 7), and take all of it.
 
         Returns:
             A non-empty list of events, oldest first.
         """
         while True:
-            events = self._mailbox.take()
-            if events:
-                return events
+            if len(self._mailbox):
+                gap = self._edge_gap if self._urgent else self._interval
+                send_at = self._last_sent + gap
+                if self._clock() >= send_at:
+                    return self._take()
+                # Sleep out the interval, unless an urgent event comes first.
+                with trio.move_on_at(send_at):
+                    while not self._urgent:
+                        self._seen = await self._signal.wait_past(self._seen)
+                    await trio.sleep_until(self._last_sent + self._edge_gap)
+                continue
             self._seen = await self._signal.wait_past(self._seen)
+
+    def _take(self) -> list[WorkerEvent]:
+        events = self._mailbox.take()
+        self._last_sent = self._clock()
+        self._urgent = False
+        if self._thresholds is not None:
+            for event in events:
+                loads = event.loads if isinstance(event, Heartbeat) else [event.load]
+                for load in loads:
+                    self._sent_busy[load.dp_rank] = self._busy(load)
+        return events
+
+    def _is_edge(self, load: RankLoad) -> bool:
+        if self._thresholds is None:
+            return False
+        before = self._sent_busy.get(load.dp_rank)
+        return before is not None and before != self._busy(load)
+
+    def _busy(self, load: RankLoad) -> bool:
+        assert self._thresholds is not None
+        kv_total_blocks, max_num_batched_tokens = self._limits
+        return rank_busy(
+            self._thresholds,
+            blocks=max(load.kv_used_blocks, load.active_decode_blocks),
+            prefill_tokens=load.active_prefill_tokens,
+            kv_total_blocks=kv_total_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
 
 
 class EventPublisher:
@@ -211,6 +298,9 @@ class EventPublisher:
         load_changed: Bumped by the engine when ``load()`` changes.
         gauges: Returns ``(engine_requests, queued_requests)`` of the ingress now.
         heartbeat_interval: Seconds between heartbeats.
+        publish_interval: Seconds between two batches to one subscriber at most (rule 7).
+        limits: Returns the rank limits for busy/free edge detection (read at each subscribe,
+            so an engine that learns its limits at start-up is read after it has).
         coalesce_interval: Seconds to wait after publishing before looking for the next change.
         wall_clock: Timestamps of the events.
     """
@@ -222,6 +312,8 @@ class EventPublisher:
         load_changed: ChangeSignal,
         gauges: Callable[[], tuple[int, int]],
         heartbeat_interval: float,
+        publish_interval: float = DEFAULT_PUBLISH_INTERVAL,
+        limits: Callable[[], RankLimits] = lambda: (0, 0),
         coalesce_interval: float = DEFAULT_COALESCE_INTERVAL,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -230,7 +322,11 @@ class EventPublisher:
         self._load = load
         self._engine_changed = load_changed
         self._gauges = gauges
+        if publish_interval < 0:
+            raise ValueError(f"publish_interval must be >= 0, got {publish_interval!r}")
         self._heartbeat_interval = heartbeat_interval
+        self._publish_interval = publish_interval
+        self._limits = limits
         self._coalesce_interval = coalesce_interval
         self._tracker = LoadTracker(wall_clock=wall_clock)
         self._changed = ChangeSignal()
@@ -268,17 +364,17 @@ class EventPublisher:
         Yields:
             The subscription to take batches from.
         """
-        subscription = Subscription()
-        subscription.deliver(self._tracker.heartbeat(self._status))
+        subscription = Subscription(publish_interval=self._publish_interval, limits=self._limits())
+        subscription.deliver(self._tracker.heartbeat(self._status), urgent=True)
         self._subscribers.add(subscription)
         try:
             yield subscription
         finally:
             self._subscribers.discard(subscription)
 
-    def _publish(self, event: WorkerEvent) -> None:
+    def _publish(self, event: WorkerEvent, *, urgent: bool = False) -> None:
         for subscription in self._subscribers:
-            subscription.deliver(event)
+            subscription.deliver(event, urgent=urgent)
 
     def _observe(self) -> None:
         engine_requests, queued_requests = self._gauges()
@@ -312,12 +408,14 @@ class EventPublisher:
 
     async def _heartbeats(self) -> None:
         while True:
+            status_changed = False
             with trio.move_on_after(self._heartbeat_interval):
                 await self._status_changed.wait()
                 self._status_changed = trio.Event()
+                status_changed = True
             # Observe first, so the heartbeat never repeats a state older than the last event.
             self._observe()
-            self._publish(self._tracker.heartbeat(self._status))
+            self._publish(self._tracker.heartbeat(self._status), urgent=status_changed)
 
 
 @contextlib.asynccontextmanager

@@ -3,8 +3,9 @@
 Paths on the websocket port (anything else: the handshake is rejected with HTTP 404):
 
 - ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
-  websocket message, from a latest-wins :class:`~worker_ingress._events.Subscription`. What a
-  subscriber sends is read (so pings keep being answered) and ignored.
+  websocket message, from a latest-wins, rate-bounded
+  :class:`~worker_ingress._events.Subscription`. A subscriber may send :class:`~wire.Subscribe`
+  (its thresholds, for busy/free edges sent at once); anything else closes the connection.
 - ``/v1/requests``: the worker sends a :class:`~wire.Hello`; the client multiplexes
   :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Final, Literal, NamedTuple
 
@@ -58,8 +60,15 @@ from trio_websocket import (
 
 from shim_common._net import base_url
 from shim_common.wire import (
+    CLOSE_DRAINING,
+    CLOSE_DUPLICATE_REQUEST_ID,
+    CLOSE_TEXT_MESSAGE,
+    CLOSE_UNDECODABLE,
+    EVENTS_PATH,
+    FEATURE_BUSY_EDGES,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    REQUESTS_PATH,
     Cancel,
     Chunk,
     End,
@@ -71,23 +80,19 @@ from shim_common.wire import (
     RuntimeConfig,
     Started,
     decode_client_message,
+    decode_subscriber_message,
     encode,
+    merge_text_chunks,
 )
 from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._admission import Rejected as GateRejected
 from worker_ingress._config import WorkerSettings
-from worker_ingress._events import EventPublisher
+from worker_ingress._events import EventPublisher, Subscription
 from worker_ingress._metrics import WorkerMetrics
 from worker_ingress._system import serve_system
 from worker_ingress.engines._base import Engine, EngineInputError, PreparedRequest
 
 __all__ = [
-    "CLOSE_DRAINING",
-    "CLOSE_DUPLICATE_REQUEST_ID",
-    "CLOSE_TEXT_MESSAGE",
-    "CLOSE_UNDECODABLE",
-    "EVENTS_PATH",
-    "REQUESTS_PATH",
     "HealthStatus",
     "Worker",
     "WorkerAddress",
@@ -95,14 +100,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-EVENTS_PATH: Final = "/v1/events"
-REQUESTS_PATH: Final = "/v1/requests"
-
-CLOSE_DRAINING: Final = 1001
-CLOSE_TEXT_MESSAGE: Final = 1003
-CLOSE_UNDECODABLE: Final = 1007
-CLOSE_DUPLICATE_REQUEST_ID: Final = 1008
 
 #: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
 #: request tasks wait, which is the backpressure we want.
@@ -128,13 +125,10 @@ def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
 
     When the sender falls behind, a request's tokens wait in the queue as separate frames; one
     frame carrying them all costs the worker and the frontend one websocket message instead of
-    many. Rules, so that what a client receives is unchanged but for chunk boundaries:
-
-    - only :class:`Chunk` frames without an embedding merge; text is concatenated, token counts
-      are added, and the finish reason is the later one's;
-    - a chunk merges into the request's earliest pending chunk, and any other frame of the same
-      request (its end, say) closes that chunk, so each request's frames keep their order;
-    - frames of different requests keep their relative order otherwise.
+    many. A chunk merges into the request's latest pending chunk when
+    :func:`~shim_common.wire.merge_text_chunks` allows; any other frame of the same request (its
+    end, say) closes that chunk, so each request's frames keep their order, and frames of
+    different requests keep their relative order otherwise.
 
     Args:
         messages: frames in queue order.
@@ -145,21 +139,17 @@ def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
     out: list[msgspec.Struct] = []
     pending: dict[int, int] = {}  # request id -> index in out of its open text chunk
     for message in messages:
-        if isinstance(message, Chunk) and message.embedding is None:
+        if isinstance(message, Chunk):
             at = pending.get(message.request_id)
-            if at is None:
-                pending[message.request_id] = len(out)
-                out.append(message)
-            else:
+            if at is not None:
                 earlier = out[at]
                 assert isinstance(earlier, Chunk)
-                out[at] = Chunk(
-                    request_id=message.request_id,
-                    text=earlier.text + message.text,
-                    tokens=earlier.tokens + message.tokens,
-                    finish_reason=message.finish_reason or earlier.finish_reason,
-                    index=earlier.index,
-                )
+                merged = merge_text_chunks(earlier, message)
+                if merged is not None:
+                    out[at] = merged
+                    continue
+            pending[message.request_id] = len(out)
+            out.append(message)
             continue
         request_id = getattr(message, "request_id", None)
         if request_id is not None:
@@ -451,24 +441,35 @@ class _EventConnection:
             await self._ws.send_message(encode(self._worker.hello))
             with self._worker.publisher.subscribe() as subscription:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._discard_incoming, nursery.cancel_scope)
+                    nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
                     nursery.start_soon(
                         _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
                     )
                     with contextlib.suppress(ConnectionClosed), self._send_scope:
                         while True:
                             events = await subscription.next_batch()
-                            await self._ws.send_message(encode(EventBatch(events=events)))
+                            batch = EventBatch(events=events, sent=time.time())
+                            await self._ws.send_message(encode(batch))
                     nursery.cancel_scope.cancel()
             if self._send_scope.cancelled_caught:
                 # close() stopped the sender: the worker is draining.
                 await self._ws.aclose(CLOSE_DRAINING, "worker draining")
 
-    async def _discard_incoming(self, stop: trio.CancelScope) -> None:
-        # Reading keeps trio-websocket's reader going (pongs, close frames); content is ignored.
+    async def _read_subscriber(self, subscription: Subscription, stop: trio.CancelScope) -> None:
+        # Reading also keeps trio-websocket's reader going (pongs, close frames). A subscriber
+        # sends only its thresholds; anything else ends the connection with the usual codes.
         with contextlib.suppress(ConnectionClosed):
             while True:
-                await self._ws.get_message()
+                data = await self._ws.get_message()
+                if isinstance(data, str):
+                    await self._ws.aclose(CLOSE_TEXT_MESSAGE, "the protocol is binary msgpack")
+                    break
+                try:
+                    message = decode_subscriber_message(data)
+                except msgspec.DecodeError as exc:
+                    await self._ws.aclose(CLOSE_UNDECODABLE, f"undecodable message: {exc}"[:120])
+                    break
+                subscription.set_thresholds(message.thresholds)
         stop.cancel()
 
     async def close(self) -> None:
@@ -520,6 +521,8 @@ class Worker:
             load_changed=engine.load_changed,
             gauges=self._gauges,
             heartbeat_interval=settings.heartbeat_interval,
+            publish_interval=settings.load_publish_interval,
+            limits=self._rank_limits,
         )
         self.metrics = metrics if metrics is not None else self._default_metrics()
         self._hello: Hello | None = None
@@ -553,7 +556,9 @@ class Worker:
                     engine_request_limit=self.settings.engine_request_limit,
                     request_queue_limit=self.settings.queue_limit,
                     heartbeat_interval=self.settings.heartbeat_interval,
+                    load_publish_interval=self.settings.load_publish_interval,
                 ),
+                features=[FEATURE_BUSY_EDGES],
             )
         return self._hello
 
@@ -564,6 +569,10 @@ class Worker:
         config = self.engine.config
         used = sum(load.kv_used_blocks for load in self.engine.load())
         return config.kv_total_blocks * config.data_parallel_size, used
+
+    def _rank_limits(self) -> tuple[int, int]:
+        config = self.engine.config
+        return config.kv_total_blocks, config.max_num_batched_tokens
 
     def _gauges(self) -> tuple[int, int]:
         return self.gate.running, self.gate.queued
