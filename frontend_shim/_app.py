@@ -156,6 +156,7 @@ async def run_frontend(
         track_output_blocks=settings.router_track_output_blocks,
         queue_threshold=settings.router_queue_threshold,
         stale_after_intervals=settings.stale_after_heartbeats,
+        mark_lease=settings.overload_mark_lease,
     )
     router = Router(
         fleet, RouterMode(settings.router_mode), migration_limit=settings.migration_limit

@@ -509,8 +509,9 @@ async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
     # Worker A never sends an event on its own (long heartbeat): only the lease lifts its mark.
     full = worker_settings(engine_request_limit=1, request_queue_limit=2, heartbeat_interval=30)
     free = worker_settings(worker_id="w-b", heartbeat_interval=30)
+    lease = 0.4  # shorter than the 1 s default, still long enough for six local requests
     with trio.fail_after(TIMEOUT):
-        async with fleet([full, free]) as f, filled_directly(f):
+        async with fleet([full, free], overload_mark_lease=lease) as f, filled_directly(f):
             gate = f.workers[0].gate
             statuses = []
             for _ in range(4):
@@ -523,7 +524,7 @@ async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
             for _ in range(6):
                 assert (await f.post("/v1/completions", completion_body())).status == 200
             assert gate.rejected_total == 1
-            await trio.sleep(1.1)  # the mark lease (1 s) has run out
+            await trio.sleep(lease + 0.1)  # the mark lease has run out
             for _ in range(4):
                 await f.post("/v1/completions", completion_body())
                 if gate.rejected_total > 1:
