@@ -58,6 +58,7 @@ from shim_common._httpserver import (
     error_body,
     json_headers,
 )
+from shim_common._status import READY, STATUS_PATHS, HealthReport, StatusRoutes
 
 __all__ = ["FrontendAPI", "overload_body", "UNAVAILABLE_BODY"]
 
@@ -103,11 +104,15 @@ class WorkerDirectory(Protocol):
 class BadRequest(Exception):
     """Client input the frontend refuses; ``status`` is 400, 404, 413 or 422."""
 
-    def __init__(self, status: int, message: str, *, admin: bool = False) -> None:
+    def __init__(
+        self, status: int, message: str, *, admin: bool = False, allow: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         #: The admin API answers ``{"error": "..."}``, the OpenAI API its nested error object.
         self.admin = admin
+        #: The ``Allow`` header of a 405: the methods the path accepts.
+        self.allow = allow
 
 
 class _Exchange:
@@ -209,11 +214,9 @@ class FrontendAPI:
             else None
         )
         self._routes: dict[tuple[str, str], Callable[[HTTPRequest, HTTPResponder], Awaitable[None]]]
+        self._status = StatusRoutes(metrics.render, self._health)
         self._routes = {
             ("GET", "/v1/models"): self._models,
-            ("GET", "/metrics"): self._metrics_endpoint,
-            ("GET", "/health"): self._health,
-            ("GET", "/live"): self._live,
             ("GET", "/busy_threshold"): self._get_thresholds,
             ("POST", "/busy_threshold"): self._post_thresholds,
         }
@@ -226,14 +229,18 @@ class FrontendAPI:
         try:
             if endpoint is not None:
                 if request.method != "POST":
-                    raise BadRequest(405, f"{request.path} accepts POST only")
+                    raise BadRequest(405, f"{request.path} accepts POST only", allow="POST")
                 await self._completion(request, responder, endpoint)
+                return
+            if request.path in STATUS_PATHS:
+                await self._status(request, responder)
                 return
             route = self._routes.get((request.method, request.path))
             if route is None:
-                known = any(path == request.path for _, path in self._routes)
-                if known:
-                    raise BadRequest(405, f"{request.method} is not allowed on {request.path}")
+                allowed = [method for method, path in self._routes if path == request.path]
+                if allowed:
+                    message = f"{request.method} is not allowed on {request.path}"
+                    raise BadRequest(405, message, allow=", ".join(allowed))
                 raise BadRequest(404, f"no such endpoint: {request.path}")
             await route(request, responder)
         except BadRequest as exc:
@@ -244,7 +251,10 @@ class FrontendAPI:
                 if exc.admin
                 else error_body(str(exc), exc.status, _error_type(exc.status))
             )
-            await responder.send(exc.status, json_headers(), body)
+            headers = json_headers()
+            if exc.allow is not None:
+                headers.append((b"allow", exc.allow.encode("ascii")))
+            await responder.send(exc.status, headers, body)
 
     def begin_drain(self) -> None:
         """Stop taking completions (503, ``Connection: close``); requests in flight go on.
@@ -555,23 +565,9 @@ class FrontendAPI:
         ]
         await responder.send(200, json_headers(), _json_encode({"object": "list", "data": data}))
 
-    async def _metrics_endpoint(self, request: HTTPRequest, responder: HTTPResponder) -> None:
-        body, content_type = self._metrics.render(
-            (request.header(b"accept") or b"").decode("latin-1")
-        )
-        await responder.send(200, [(b"content-type", content_type.encode("latin-1"))], body)
-
-    async def _health(self, request: HTTPRequest, responder: HTTPResponder) -> None:
-        payload = {
-            "status": "draining" if self._draining else "ready",
-            "workers_connected": self._fleet.connected_count,
-            "models": self._fleet.models(),
-        }
-        status = 503 if self._draining else 200
-        await responder.send(status, json_headers(), _json_encode(payload))
-
-    async def _live(self, request: HTTPRequest, responder: HTTPResponder) -> None:
-        await responder.send(200, json_headers(), b'{"status":"live"}')
+    def _health(self) -> HealthReport:
+        details = {"workers_connected": self._fleet.connected_count, "models": self._fleet.models()}
+        return HealthReport("draining" if self._draining else READY, details)
 
     def _check_admin(self) -> None:
         if self._settings.admin_api_disabled:

@@ -758,6 +758,31 @@ async def test_metrics_names_and_labels() -> None:
             assert health["workers_connected"] == 1
 
 
+async def test_status_routes_take_head_name_allowed_methods_and_are_not_cached() -> None:
+    # The same routes as the worker's system port (shim_common._status).
+    with trio.fail_after(TIMEOUT):
+        async with fleet([]) as f:
+            for path in ("/health", "/live"):
+                got = await f.get(path)
+                assert got.status == 200
+                assert got.headers[b"cache-control"] == b"no-store"
+                head = await call(f.url, "HEAD", path)
+                assert head.status == 200
+                assert head.body == b""
+                assert head.headers[b"content-length"] == str(len(got.body)).encode()
+            assert (await call(f.url, "HEAD", "/metrics")).status == 200
+            for method, path, allow in [
+                ("POST", "/health", b"GET, HEAD"),
+                ("DELETE", "/metrics", b"GET, HEAD"),
+                ("GET", "/v1/completions", b"POST"),
+                ("DELETE", "/busy_threshold", b"GET, POST"),
+            ]:
+                refused = await call(f.url, method, path)
+                assert refused.status == 405, (method, path)
+                assert refused.headers[b"allow"] == allow
+                assert refused.json()["error"]["code"] == 405
+
+
 # ----------------------------------------------------------------------------- the OpenAI SDK
 
 
