@@ -36,7 +36,8 @@ import msgspec
 import trio
 
 from frontend_shim._config import FrontendSettings
-from frontend_shim._load import Fleet, InFlight, ThresholdError, Thresholds
+from frontend_shim._free_sets import InFlight
+from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
 from frontend_shim._router import (
     AllBusy,
@@ -49,6 +50,7 @@ from frontend_shim._router import (
     classify_rejection,
     retry_after_seconds,
 )
+from frontend_shim._thresholds import ThresholdError, Thresholds
 from frontend_shim._workers import RequestStream, WorkerKey, WorkerPool
 from shim_common import wire
 from shim_common._httpserver import (

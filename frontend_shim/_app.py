@@ -25,10 +25,11 @@ import trio
 
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import FrontendSettings
-from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
 from frontend_shim._metrics import FrontendMetrics, RankLoadSample
 from frontend_shim._router import Router, RouterMode
+from frontend_shim._thresholds import Thresholds
 from frontend_shim._workers import WorkerKey, WorkerPool
 from shim_common import wire
 from shim_common._httpserver import HTTPLimits, serve_http
