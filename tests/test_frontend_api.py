@@ -26,9 +26,9 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from frontend_shim._api import UNAVAILABLE_BODY, overload_body
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
+from frontend_shim._responses import UNAVAILABLE_BODY, overload_body
 from shim_common import wire
 from shim_common.wire import RankLoad
 from worker_ingress._admission import AdmissionGate
