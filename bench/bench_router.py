@@ -20,8 +20,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
+from frontend_shim._thresholds import Thresholds
 from shim_common import wire
 
 MODEL = "bench-model"

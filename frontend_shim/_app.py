@@ -8,9 +8,9 @@ Task tree of :func:`run_frontend` (one nursery, everything owned)::
     ├── serve_http            the OpenAI API, admin and metrics endpoints (FrontendAPI)
     └── _tick                 periodic expiry: staleness, mark leases, frontend-queue release
 
-The worker links speak of workers by address (``ws://host:port``), the load state by the id a
-worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
-turns link news into :class:`~frontend_shim._load.Fleet` calls.
+Construction follows the dependencies, so nothing is wired up after the fact: the fleet, then
+the waiting room (the frontend queue), then the :class:`~frontend_shim._fleet_bridge.FleetBridge`
+that releases parked requests on every fleet change, then the links and the API.
 """
 
 from __future__ import annotations
@@ -18,89 +18,30 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import prometheus_client
 import trio
 
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import FrontendSettings
-from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._fleet_bridge import FleetBridge
+from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
 from frontend_shim._metrics import FrontendMetrics, RankLoadSample
 from frontend_shim._router import Router, RouterMode
-from frontend_shim._workers import WorkerKey, WorkerPool
-from shim_common import wire
+from frontend_shim._thresholds import Thresholds
+from frontend_shim._waiting import WaitingRoom
+from frontend_shim._workers import WorkerPool
 from shim_common._httpserver import HTTPLimits, serve_http
 from shim_common._net import base_url
 
-__all__ = ["FleetBridge", "run_frontend"]
+__all__ = ["run_frontend"]
 
 _log = logging.getLogger(__name__)
 
 #: Seconds between expiry passes (staleness, mark leases) when no event arrives.
 TICK_INTERVAL = 0.25
-
-
-class FleetBridge:
-    """Turns what the worker links report into :class:`Fleet` updates (a ``FleetListener``).
-
-    A worker id announced by two addresses at once (one worker reachable twice, e.g. over IPv4
-    and IPv6) is counted once: the first address to come up owns it, the others stand by, and
-    when the owner goes down a standby that is still up takes over at once.
-
-    Args:
-        fleet: the load state to update.
-        on_change: called after every change of the fleet (to release parked requests).
-    """
-
-    def __init__(self, fleet: Fleet, on_change: Callable[[], None]) -> None:
-        self._fleet = fleet
-        self._on_change = on_change
-        #: Every link that is up, with the config of its latest hello.
-        self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
-        #: The link that speaks for each registered worker id.
-        self._owner: dict[str, WorkerKey] = {}
-
-    def key_of(self, worker_id: str) -> WorkerKey | None:
-        """The link address of a registered worker."""
-        return self._owner.get(worker_id)
-
-    def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
-        self._up[key] = config
-        owner = self._owner.get(config.worker_id)
-        if owner is not None and owner != key:
-            _log.warning(
-                "worker %s at %s is already connected at %s; standing by on the second address",
-                config.worker_id,
-                key,
-                owner,
-            )
-            return
-        self._owner[config.worker_id] = key
-        self._fleet.register(config, now)
-        _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
-        self._on_change()
-
-    def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
-        config = self._up.get(key)
-        if config is None or self._owner.get(config.worker_id) != key:
-            return  # a standby link: its owner reports the same worker
-        if self._fleet.apply_batch(config.worker_id, events, now):
-            self._on_change()
-
-    def worker_down(self, key: WorkerKey, now: float) -> None:
-        config = self._up.pop(key, None)
-        if config is None or self._owner.get(config.worker_id) != key:
-            return
-        del self._owner[config.worker_id]
-        self._fleet.remove(config.worker_id)
-        _log.info("worker %s at %s down", config.worker_id, key)
-        standby = next((k for k, c in self._up.items() if c.worker_id == config.worker_id), None)
-        if standby is not None:
-            self.worker_up(standby, self._up[standby], now)
-        else:
-            self._on_change()
 
 
 def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:
@@ -156,18 +97,17 @@ async def run_frontend(
         track_output_blocks=settings.router_track_output_blocks,
         queue_threshold=settings.router_queue_threshold,
         stale_after_intervals=settings.stale_after_heartbeats,
+        mark_lease=settings.overload_mark_lease,
     )
     router = Router(
         fleet, RouterMode(settings.router_mode), migration_limit=settings.migration_limit
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
-    api: FrontendAPI | None = None
-
-    def on_fleet_change() -> None:
-        if api is not None:
-            api.on_fleet_change()
-
-    bridge = FleetBridge(fleet, on_change=on_fleet_change)
+    capacity = (
+        settings.router_queue_capacity if settings.router_queue_threshold is not None else None
+    )
+    waiting = WaitingRoom(fleet, capacity)
+    bridge = FleetBridge(fleet, on_change=waiting.release)
     async with trio.open_nursery() as nursery:
         local_urls: list[str] = []
         if settings.local_workers:
@@ -180,7 +120,13 @@ async def run_frontend(
             [*settings.workers, *local_urls], resolve_interval=settings.resolve_interval
         )
         api = FrontendAPI(
-            settings=settings, fleet=fleet, router=router, pool=pool, bridge=bridge, metrics=metrics
+            settings=settings,
+            fleet=fleet,
+            router=router,
+            pool=pool,
+            directory=bridge,
+            waiting=waiting,
+            metrics=metrics,
         )
         await nursery.start(pool.run, bridge)
         handler = api.handle
@@ -197,7 +143,7 @@ async def run_frontend(
         url = base_url("http", settings.http_host, port)
         print(f"frontend-shim ready http={url}", flush=True)
         task_status.started(url)
-        nursery.start_soon(_tick, api)
+        nursery.start_soon(_tick, waiting)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 _log.info(
@@ -234,7 +180,8 @@ async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) ->
     _log.info("stopping")
 
 
-async def _tick(api: FrontendAPI) -> None:
+async def _tick(waiting: WaitingRoom) -> None:
+    # Time alone frees room too (staleness, mark leases): look again now and then.
     while True:
         await trio.sleep(TICK_INTERVAL)
-        api.on_fleet_change()
+        waiting.release()

@@ -25,7 +25,7 @@ from frontend_shim._config import (
     admin_api_disabled,
     overload_status_from_env,
 )
-from worker_ingress._cli import CliError, exit_invalid, finite, invoke, strict_int
+from shim_common._cli import CliError, exit_invalid, finite, invoke, strict_int, valid_port
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -66,7 +66,7 @@ def _frontend(
         Parameter(
             converter=strict_int,
             env_var="DYN_HTTP_PORT",
-            validator=validators.Number(gte=0, lte=65535),
+            validator=valid_port(),
         ),
     ] = 8000,
     worker: Annotated[
@@ -287,10 +287,10 @@ def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_worker_args(worker_args: Sequence[str]) -> None:
-    from worker_ingress._cli import parse_args as parse_worker_args
+    from worker_ingress import validate_worker_args
 
     try:
-        parse_worker_args(list(worker_args))
+        validate_worker_args(worker_args)
     except CliError as exc:
         raise CliError(f"worker flag for --local-workers: {exc}") from None
 

@@ -59,6 +59,9 @@ class FrontendSettings:
     resolve_interval: float = 10.0
     #: Load older than this many heartbeat intervals is stale.
     stale_after_heartbeats: float = 3.0
+    #: Seconds an overload mark lasts at most without a load event from the worker. Not a flag:
+    #: the documented behaviour is 1 s; tests shorten it rather than wait.
+    overload_mark_lease: float = 1.0
 
 
 def overload_status_from_env(environ: Mapping[str, str] | None = None) -> int:

@@ -12,8 +12,9 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from shim_common._status import render_registry
 
 __all__ = ["FrontendMetrics", "RankLoadSample", "UNKNOWN_MODEL_LABEL"]
 
@@ -157,5 +158,4 @@ class FrontendMetrics:
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, as the scraper asked for it."""
-        encoder, content_type = choose_encoder(accept_header or "")
-        return encoder(self.registry), content_type
+        return render_registry(self.registry, accept_header)

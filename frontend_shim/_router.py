@@ -16,7 +16,7 @@ What the I/O side does for one request, and which piece here answers each questi
 Rules:
 
 1. Only *free* workers are picked: registered for the model, fresh, not draining, not busy, not
-   marked (see :mod:`frontend_shim._load`), and not in ``exclude``.
+   marked (see :mod:`frontend_shim._free_sets`), and not in ``exclude``.
 2. Outcomes, checked in this order: no worker connected at all -> :class:`NoWorkers` (503; the
    frontend cannot tell an unknown model from one whose workers are down); a model no worker
    ever announced -> :class:`UnknownModel` (404); no available worker for the model ->
@@ -25,7 +25,7 @@ Rules:
 3. Modes: ``round-robin`` cycles a cursor over the free set (O(1); the set is an array with
    swap-remove, so the cycle order changes as workers come and go, but no free worker is
    skipped for long); ``random`` draws uniformly from the free set (O(1)); ``kv`` scans the free
-   set for the lowest :attr:`~frontend_shim._load.WorkerLoad.load_cost` (mean over ranks of
+   set for the lowest :attr:`~frontend_shim._free_sets.WorkerLoad.load_cost` (mean over ranks of
    ``blocks/kv_total_blocks + prefill_tokens/max_num_batched_tokens``, the router's own count
    included), starting the scan at the cursor so that ties rotate. ``kv`` is O(free workers)
    per pick: about 1,024 attribute reads for a 1,024-worker model (see bench/bench_router.py).
@@ -56,7 +56,8 @@ import random
 from collections.abc import Collection, Hashable, Iterable
 from typing import Final, Generic, TypeVar
 
-from frontend_shim._load import Fleet, FreeSet, WorkerLoad
+from frontend_shim._free_sets import FreeSet, WorkerLoad
+from frontend_shim._load import Fleet
 from shim_common import wire
 
 __all__ = [

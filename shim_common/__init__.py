@@ -6,6 +6,6 @@
   (``_status``), the CLI helpers of both console scripts (``_cli``) and small network helpers
   (``_net``).
 
-Both sides import this package; neither imports the other's internals (``scripts/check`` enforces
-the boundary with import-linter).
+Both sides import this package; neither imports the other's internals (``tests/test_layout.py``
+checks the boundary).
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frontend_shim._app import FleetBridge
+from frontend_shim._fleet_bridge import FleetBridge
 from frontend_shim._load import Fleet
 from shim_common import wire
 

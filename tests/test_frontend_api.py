@@ -26,9 +26,9 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from frontend_shim._api import UNAVAILABLE_BODY, overload_body
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
+from frontend_shim._responses import UNAVAILABLE_BODY, overload_body
 from shim_common import wire
 from shim_common.wire import RankLoad
 from worker_ingress._admission import AdmissionGate
@@ -509,8 +509,9 @@ async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
     # Worker A never sends an event on its own (long heartbeat): only the lease lifts its mark.
     full = worker_settings(engine_request_limit=1, request_queue_limit=2, heartbeat_interval=30)
     free = worker_settings(worker_id="w-b", heartbeat_interval=30)
+    lease = 0.4  # shorter than the 1 s default, still long enough for six local requests
     with trio.fail_after(TIMEOUT):
-        async with fleet([full, free]) as f, filled_directly(f):
+        async with fleet([full, free], overload_mark_lease=lease) as f, filled_directly(f):
             gate = f.workers[0].gate
             statuses = []
             for _ in range(4):
@@ -523,7 +524,7 @@ async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
             for _ in range(6):
                 assert (await f.post("/v1/completions", completion_body())).status == 200
             assert gate.rejected_total == 1
-            await trio.sleep(1.1)  # the mark lease (1 s) has run out
+            await trio.sleep(lease + 0.1)  # the mark lease has run out
             for _ in range(4):
                 await f.post("/v1/completions", completion_body())
                 if gate.rejected_total > 1:
@@ -755,6 +756,31 @@ async def test_metrics_names_and_labels() -> None:
             health = (await f.get("/health")).json()
             assert health["status"] == "ready"
             assert health["workers_connected"] == 1
+
+
+async def test_status_routes_take_head_name_allowed_methods_and_are_not_cached() -> None:
+    # The same routes as the worker's system port (shim_common._status).
+    with trio.fail_after(TIMEOUT):
+        async with fleet([]) as f:
+            for path in ("/health", "/live"):
+                got = await f.get(path)
+                assert got.status == 200
+                assert got.headers[b"cache-control"] == b"no-store"
+                head = await call(f.url, "HEAD", path)
+                assert head.status == 200
+                assert head.body == b""
+                assert head.headers[b"content-length"] == str(len(got.body)).encode()
+            assert (await call(f.url, "HEAD", "/metrics")).status == 200
+            for method, path, allow in [
+                ("POST", "/health", b"GET, HEAD"),
+                ("DELETE", "/metrics", b"GET, HEAD"),
+                ("GET", "/v1/completions", b"POST"),
+                ("DELETE", "/busy_threshold", b"GET, POST"),
+            ]:
+                refused = await call(f.url, method, path)
+                assert refused.status == 405, (method, path)
+                assert refused.headers[b"allow"] == allow
+                assert refused.json()["error"]["code"] == 405
 
 
 # ----------------------------------------------------------------------------- the OpenAI SDK

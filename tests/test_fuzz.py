@@ -18,7 +18,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend_shim._api import BadRequest, _parse_body, _parse_threshold_update
+from frontend_shim._admin import parse_threshold_update
+from frontend_shim._api import _parse_body
+from frontend_shim._responses import BadRequest
 from shim_common import wire
 from shim_common._httpserver import HTTPLimits, HTTPRequest, HTTPResponder, serve_connection
 
@@ -126,7 +128,7 @@ def test_completion_bodies_are_accepted_or_refused_with_400(raw: bytes) -> None:
 @given(st.one_of(_bodies.map(_encode), st.binary(max_size=64)))
 def test_threshold_updates_are_accepted_or_refused_with_400_or_422(raw: bytes) -> None:
     try:
-        model, update = _parse_threshold_update(raw)
+        model, update = parse_threshold_update(raw)
     except BadRequest as refused:
         status = refused.status
     else:

@@ -1,4 +1,5 @@
-"""The frontend's load state and busy rules (frontend_shim._load), without I/O."""
+"""The frontend's load state, free sets and busy rules (frontend_shim._load, _free_sets,
+_thresholds), without I/O."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from frontend_shim._load import (
-    Fleet,
-    RankGauge,
+from frontend_shim._free_sets import WorkerLoad
+from frontend_shim._load import Fleet, RankGauge
+from frontend_shim._thresholds import (
     ThresholdError,
     Thresholds,
-    WorkerLoad,
     validate_active_decode_blocks_threshold,
     validate_active_prefill_tokens_threshold,
     validate_active_prefill_tokens_threshold_frac,

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from frontend_shim._load import Fleet, Thresholds
+from frontend_shim._load import Fleet
 from frontend_shim._router import (
     AllBusy,
     CompletionRate,
@@ -21,6 +21,7 @@ from frontend_shim._router import (
     classify_rejection,
     retry_after_seconds,
 )
+from frontend_shim._thresholds import Thresholds
 from shim_common import wire
 
 MODEL = "m"

@@ -8,61 +8,32 @@ port, with exit code 2 and one line on stderr that names the flag or variable an
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, NoReturn, cast
+from typing import Annotated, Literal, cast
 
-import cyclopts
-from cyclopts import App, Parameter, Token, validators
+from cyclopts import App, Parameter, validators
 
+from shim_common._cli import (
+    CliError,
+    exit_invalid,
+    finite,
+    invoke,
+    positive,
+    strict_int,
+    valid_port,
+)
 from worker_ingress import __version__
 from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 
-__all__ = [
-    "QUEUE_LIMIT_ENV",
-    "CliError",
-    "exit_invalid",
-    "finite",
-    "invoke",
-    "main",
-    "parse_args",
-    "strict_int",
-]
+__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
 
 #: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
 
 LogLevel = Literal["debug", "info", "warning", "error"]
-
-
-class CliError(Exception):
-    """An invalid flag or variable; the message is the one line printed before exit 2."""
-
-
-def finite(type_: type, value: float | None) -> None:
-    """A cyclopts validator refusing NaN and infinities (which pass range checks unnoticed)."""
-    if value is not None and not math.isfinite(value):
-        raise ValueError("Must be a finite number.")
-
-
-def strict_int(type_: object, tokens: Sequence[Token]) -> int:
-    """A cyclopts converter for whole numbers that refuses "1.5" instead of rounding it."""
-    raw = tokens[0].value
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f'"{raw}" is not a whole number') from None
-
-
-def _port() -> validators.Number:
-    return validators.Number(gte=0, lte=65535)
-
-
-def _positive() -> validators.Number:
-    return validators.Number(gte=1)
 
 
 app = App(
@@ -78,10 +49,10 @@ def _worker(
     *,
     host: Annotated[str, Parameter(env_var="DYN_WORKER_HOST")] = "127.0.0.1",
     port: Annotated[
-        int, Parameter(converter=strict_int, env_var="DYN_WORKER_PORT", validator=_port())
+        int, Parameter(converter=strict_int, env_var="DYN_WORKER_PORT", validator=valid_port())
     ] = 9100,
     system_port: Annotated[
-        int, Parameter(converter=strict_int, env_var="DYN_SYSTEM_PORT", validator=_port())
+        int, Parameter(converter=strict_int, env_var="DYN_SYSTEM_PORT", validator=valid_port())
     ] = 9101,
     model: Annotated[str, Parameter(env_var="DYN_MODEL_NAME")] = "mock-model",
     worker_id: Annotated[str | None, Parameter(env_var="DYN_WORKER_ID")] = None,
@@ -89,7 +60,7 @@ def _worker(
     upstream_url: Annotated[str | None, Parameter(env_var="DYN_UPSTREAM_URL")] = None,
     engine_request_limit: Annotated[
         int | None,
-        Parameter(converter=strict_int, env_var="DYN_ENGINE_REQUEST_LIMIT", validator=_positive()),
+        Parameter(converter=strict_int, env_var="DYN_ENGINE_REQUEST_LIMIT", validator=positive()),
     ] = None,
     queue_timeout: Annotated[
         float | None,
@@ -121,25 +92,25 @@ def _worker(
     ] = 0.1,
     num_gpu_blocks: Annotated[
         int,
-        Parameter(converter=strict_int, env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=_positive()),
+        Parameter(converter=strict_int, env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=positive()),
     ] = 16384,
     block_size: Annotated[
-        int, Parameter(converter=strict_int, env_var="DYN_MOCKER_BLOCK_SIZE", validator=_positive())
+        int, Parameter(converter=strict_int, env_var="DYN_MOCKER_BLOCK_SIZE", validator=positive())
     ] = 16,
     max_num_seqs: Annotated[
         int,
-        Parameter(converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_SEQS", validator=_positive()),
+        Parameter(converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_SEQS", validator=positive()),
     ] = 256,
     max_num_batched_tokens: Annotated[
         int,
         Parameter(
-            converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_BATCHED_TOKENS", validator=_positive()
+            converter=strict_int, env_var="DYN_MOCKER_MAX_NUM_BATCHED_TOKENS", validator=positive()
         ),
     ] = 8192,
     data_parallel_size: Annotated[
         int,
         Parameter(
-            converter=strict_int, env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=_positive()
+            converter=strict_int, env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=positive()
         ),
     ] = 1,
     speedup_ratio: Annotated[
@@ -267,32 +238,6 @@ def _check_engine(settings: WorkerSettings) -> None:
             f'Invalid value "{settings.engine}" for --engine. '
             'Choose "mocker", "openai", "instant" or "package.module:factory".'
         )
-
-
-def invoke(command_app: App, argv: Sequence[str]) -> object:
-    """Run a cyclopts app's command on ``argv`` and return what the command returned.
-
-    Shared by both commands so that they report errors the same way.
-
-    Raises:
-        CliError: an invalid flag or variable (cyclopts' message, on one line).
-        SystemExit: with code 0, after ``--help`` or ``--version`` printed.
-    """
-    try:
-        result = command_app(
-            list(argv), exit_on_error=False, print_error=False, result_action="return_value"
-        )
-    except cyclopts.CycloptsError as exc:
-        raise CliError(str(exc).strip().replace("\n", " ")) from None
-    if result is None:  # --help or --version ran and printed
-        raise SystemExit(0)
-    return result
-
-
-def exit_invalid(program: str, message: str) -> NoReturn:
-    """Print ``PROGRAM: error: MESSAGE`` on stderr and exit with code 2."""
-    print(f"{program}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogLevel]:

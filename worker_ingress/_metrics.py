@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shim_common._status import render_registry
 from worker_ingress._admission import AdmissionGate
 
 __all__ = ["KvBlocks", "WorkerMetrics"]
@@ -158,5 +158,4 @@ class WorkerMetrics:
             The body and its ``Content-Type`` (Prometheus text 0.0.4 unless OpenMetrics is
             accepted; the type always matches the encoder that produced the body).
         """
-        encoder, content_type = choose_encoder(accept_header or "")
-        return encoder(self.registry), content_type
+        return render_registry(self.registry, accept_header)

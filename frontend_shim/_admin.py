@@ -1,0 +1,115 @@
+"""The admin API: ``GET`` and ``POST /busy_threshold``.
+
+- ``GET``: ``{"thresholds": [entry, ...]}``, one entry per model ever announced, unset thresholds
+  as ``null``.
+- ``POST {"model": M, <thresholds>...}``: sets the non-null values given and answers the model's
+  entry (a body with no threshold returns it unchanged). A value out of range is 400, a wrong
+  type or a missing ``model`` 422, a model no connected worker serves 404; these errors are
+  ``{"error": "..."}``, not the OpenAI shape.
+- With the admin API disabled (``DYN_DISABLE_FRONTEND_ADMIN_API``) both answer 404 as an
+  unknown path would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+from frontend_shim._load import Fleet
+from frontend_shim._responses import BadRequest
+from frontend_shim._thresholds import ThresholdError, Thresholds
+from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers
+
+__all__ = ["AdminRoutes", "parse_threshold_update"]
+
+_THRESHOLD_FIELDS: Final = (
+    "active_decode_blocks_threshold",
+    "active_prefill_tokens_threshold",
+    "active_prefill_tokens_threshold_frac",
+)
+_json_encode = msgspec.json.Encoder().encode
+
+
+class AdminRoutes:
+    """The handlers of ``/busy_threshold``.
+
+    Args:
+        fleet: the load state whose thresholds are read and set.
+        disabled: answer 404 to both methods.
+    """
+
+    __slots__ = ("_disabled", "_fleet")
+
+    def __init__(self, fleet: Fleet, *, disabled: bool) -> None:
+        self._fleet = fleet
+        self._disabled = disabled
+
+    def _check_enabled(self) -> None:
+        if self._disabled:
+            raise BadRequest(404, "no such endpoint: /busy_threshold")
+
+    async def get(self, request: HTTPRequest, responder: HTTPResponder) -> None:
+        """``GET /busy_threshold``."""
+        self._check_enabled()
+        entries = [_threshold_entry(model, t) for model, t in self._fleet.all_thresholds()]
+        await responder.send(200, json_headers(), _json_encode({"thresholds": entries}))
+
+    async def post(self, request: HTTPRequest, responder: HTTPResponder) -> None:
+        """``POST /busy_threshold``."""
+        self._check_enabled()
+        model, update = parse_threshold_update(await request.read_body())
+        if not any(True for _ in self._fleet.workers(model)):
+            message = (
+                f"Model '{model}' not found. Thresholds can only be set for discovered models."
+            )
+            raise BadRequest(404, message, admin=True)
+        current = (
+            self._fleet.set_thresholds(model, update)
+            if update.configured
+            else self._fleet.thresholds(model)
+        )
+        await responder.send(200, json_headers(), _json_encode(_threshold_entry(model, current)))
+
+
+def parse_threshold_update(raw: bytes) -> tuple[str, Thresholds]:
+    """The ``POST /busy_threshold`` body: 400 out of range, 422 wrong type or missing model."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(400, f"request body is not valid JSON: {exc}", admin=True) from None
+    if not isinstance(body, dict):
+        raise BadRequest(422, "request body must be a JSON object", admin=True)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest(422, "missing field `model` (a string)", admin=True)
+    decode = body.get("active_decode_blocks_threshold")
+    tokens = body.get("active_prefill_tokens_threshold")
+    frac = body.get("active_prefill_tokens_threshold_frac")
+    for name, value in zip(_THRESHOLD_FIELDS, (decode, tokens, frac), strict=True):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(422, f"`{name}` must be a number, got {value!r}", admin=True)
+    if tokens is not None and not isinstance(tokens, int):
+        raise BadRequest(
+            422, f"`{_THRESHOLD_FIELDS[1]}` must be an integer, got {tokens}", admin=True
+        )
+    try:
+        update = Thresholds(
+            active_decode_blocks=None if decode is None else float(decode),
+            active_prefill_tokens=tokens,
+            active_prefill_tokens_frac=None if frac is None else float(frac),
+        )
+    except ThresholdError as exc:
+        raise BadRequest(400, str(exc), admin=True) from None
+    return model, update
+
+
+def _threshold_entry(model: str, thresholds: Thresholds) -> dict[str, Any]:
+    return {
+        "model": model,
+        "active_decode_blocks_threshold": thresholds.active_decode_blocks,
+        "active_prefill_tokens_threshold": thresholds.active_prefill_tokens,
+        "active_prefill_tokens_threshold_frac": thresholds.active_prefill_tokens_frac,
+    }

@@ -1,0 +1,80 @@
+"""Link news to load state: the worker links speak of addresses, the fleet of worker ids.
+
+The worker links speak of workers by address (``ws://host:port``), the load state by the id a
+worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
+turns link news into :class:`~frontend_shim._load.Fleet` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from frontend_shim._load import Fleet
+from frontend_shim._workers import WorkerKey
+from shim_common import wire
+
+__all__ = ["FleetBridge"]
+
+_log = logging.getLogger(__name__)
+
+
+class FleetBridge:
+    """Turns what the worker links report into :class:`Fleet` updates (a ``FleetListener``).
+
+    A worker id announced by two addresses at once (one worker reachable twice, e.g. over IPv4
+    and IPv6) is counted once: the first address to come up owns it, the others stand by, and
+    when the owner goes down a standby that is still up takes over at once.
+
+    Args:
+        fleet: the load state to update.
+        on_change: called after every change of the fleet (to release parked requests).
+    """
+
+    def __init__(self, fleet: Fleet, on_change: Callable[[], None]) -> None:
+        self._fleet = fleet
+        self._on_change = on_change
+        #: Every link that is up, with the config of its latest hello.
+        self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
+        #: The link that speaks for each registered worker id.
+        self._owner: dict[str, WorkerKey] = {}
+
+    def key_of(self, worker_id: str) -> WorkerKey | None:
+        """The link address of a registered worker."""
+        return self._owner.get(worker_id)
+
+    def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
+        self._up[key] = config
+        owner = self._owner.get(config.worker_id)
+        if owner is not None and owner != key:
+            _log.warning(
+                "worker %s at %s is already connected at %s; standing by on the second address",
+                config.worker_id,
+                key,
+                owner,
+            )
+            return
+        self._owner[config.worker_id] = key
+        self._fleet.register(config, now)
+        _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
+        self._on_change()
+
+    def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
+        config = self._up.get(key)
+        if config is None or self._owner.get(config.worker_id) != key:
+            return  # a standby link: its owner reports the same worker
+        if self._fleet.apply_batch(config.worker_id, events, now):
+            self._on_change()
+
+    def worker_down(self, key: WorkerKey, now: float) -> None:
+        config = self._up.pop(key, None)
+        if config is None or self._owner.get(config.worker_id) != key:
+            return
+        del self._owner[config.worker_id]
+        self._fleet.remove(config.worker_id)
+        _log.info("worker %s at %s down", config.worker_id, key)
+        standby = next((k for k, c in self._up.items() if c.worker_id == config.worker_id), None)
+        if standby is not None:
+            self.worker_up(standby, self._up[standby], now)
+        else:
+            self._on_change()

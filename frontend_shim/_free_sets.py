@@ -1,0 +1,311 @@
+"""What the frontend keeps per worker, and the free sets it maintains incrementally (pure).
+
+Per worker (:class:`WorkerLoad`): its announced configuration, one :class:`RankState` per
+data-parallel rank (the reported load, the router's own count, and the busy and saturated bits of
+:mod:`frontend_shim._thresholds`), and its :class:`InFlight` charges. Per model
+(:class:`ModelPool`): its thresholds, its workers and its :class:`FreeSet`. :class:`FreeSets`
+holds every pool and the two fleet-wide counts the fast shed reads.
+
+Rules:
+
+1. A worker is busy when all its ranks that have *reported* (a load event or a heartbeat entry)
+   are busy. A rank that never reported does not count; a worker with no reported rank is not
+   busy. *Saturated* is the same AND over the frontend-queue check.
+2. A worker is *available* when it is registered, not stale and not draining; it is *free* when
+   it is available, not busy and not marked overloaded. Only free workers are routed to.
+3. Incremental: a change to one rank updates that rank's bits and its worker's counts
+   (:meth:`FreeSets.recompute_rank`), then :meth:`FreeSets.update_membership` moves the worker in
+   or out of its model's free set and fixes the counts. Both are O(1): applying one event never
+   scans the fleet.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from frontend_shim._thresholds import Thresholds, max_batched, rank_busy
+from shim_common import wire
+
+__all__ = ["FreeSet", "FreeSets", "InFlight", "ModelPool", "RankState", "WorkerLoad"]
+
+_T = TypeVar("_T")
+
+
+class RankState:
+    """One data-parallel rank of a worker."""
+
+    __slots__ = (
+        "busy",
+        "effective_blocks",
+        "effective_prefill",
+        "own_blocks",
+        "own_prefill",
+        "reported",
+        "reported_blocks",
+        "reported_prefill",
+        "saturated",
+    )
+
+    def __init__(self) -> None:
+        self.reported = False
+        self.reported_blocks = 0
+        self.reported_prefill = 0
+        self.own_blocks = 0
+        self.own_prefill = 0
+        self.effective_blocks = 0
+        self.effective_prefill = 0
+        self.busy = False
+        #: Prefill over the frontend-queue threshold (meaningful only when it is set).
+        self.saturated = False
+
+
+class InFlight:
+    """The router's own charge for one request sent to a worker (a handle, opaque to callers)."""
+
+    __slots__ = ("blocks", "finished", "output_tokens", "prefill_tokens", "prompt_tokens", "rank")
+
+    def __init__(self, rank: int, prompt_tokens: int, blocks: int) -> None:
+        self.rank = rank
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = 0
+        self.blocks = blocks
+        #: Prompt tokens still charged as prefill (0 once output arrived).
+        self.prefill_tokens = prompt_tokens
+        self.finished = False
+
+
+class WorkerLoad:
+    """What the fleet knows about one connected worker (read-only for callers)."""
+
+    __slots__ = (
+        "available",
+        "busy_ranks",
+        "charges",
+        "config",
+        "counted_unsaturated",
+        "draining",
+        "free",
+        "last_seen",
+        "last_seq",
+        "load_cost",
+        "mark_until",
+        "pool",
+        "queued_for_mark",
+        "queued_for_stale",
+        "ranks",
+        "removed",
+        "reported_ranks",
+        "saturated_ranks",
+        "stale",
+        "stale_after",
+        "sum_blocks",
+        "sum_prefill",
+    )
+
+    def __init__(self, config: wire.RuntimeConfig, pool: ModelPool, now: float, stale: float):
+        self.config = config
+        self.pool = pool
+        self.ranks = [RankState() for _ in range(max(1, config.data_parallel_size))]
+        self.reported_ranks = 0
+        self.busy_ranks = 0
+        self.saturated_ranks = 0
+        self.sum_blocks = 0
+        self.sum_prefill = 0
+        #: The ``kv`` router's cost: mean over ranks of ``blocks/kv_total_blocks +
+        #: prefill_tokens/max_num_batched_tokens`` (both with the router's own count). Both
+        #: terms are fractions of a rank's capacity, so a full KV cache and a full prefill
+        #: batch weigh the same (1.0); an idle worker costs 0. Kept current by every rank
+        #: update, so a pick reads it without computing.
+        self.load_cost = 0.0
+        self.last_seen = now
+        self.last_seq = -1
+        self.stale_after = stale
+        self.stale = False
+        self.draining = False
+        self.mark_until: float | None = None
+        self.queued_for_mark = False
+        self.queued_for_stale = False
+        self.available = False
+        self.free = False
+        #: Counted in its pool's ``unsaturated_free`` (remembered: saturation changes later).
+        self.counted_unsaturated = False
+        self.removed = False
+        #: The router's charges for the requests in flight to this worker.
+        self.charges: set[InFlight] = set()
+
+    @property
+    def worker_id(self) -> str:
+        """The id the worker announced."""
+        return self.config.worker_id
+
+    @property
+    def model(self) -> str:
+        """The model the worker serves."""
+        return self.config.model
+
+    @property
+    def busy(self) -> bool:
+        """All reported ranks are busy (and at least one reported)."""
+        return self.reported_ranks > 0 and self.busy_ranks == self.reported_ranks
+
+    @property
+    def saturated(self) -> bool:
+        """All reported ranks exceed the frontend-queue threshold (and at least one reported)."""
+        return self.reported_ranks > 0 and self.saturated_ranks == self.reported_ranks
+
+    @property
+    def marked(self) -> bool:
+        """An overload mark is in force (until the fleet's ``expire`` drops it)."""
+        return self.mark_until is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the router has charged to this worker and not yet finished."""
+        return len(self.charges)
+
+
+def load_cost(worker: WorkerLoad) -> float:
+    """See :attr:`WorkerLoad.load_cost`."""
+    config = worker.config
+    cost = worker.sum_prefill / max_batched(config)
+    if config.kv_total_blocks > 0:
+        cost += worker.sum_blocks / config.kv_total_blocks
+    return cost / len(worker.ranks)
+
+
+class FreeSet(Generic[_T]):
+    """A set with O(1) add, discard and indexing (swap-remove), for picking by position.
+
+    The order is arbitrary and changes when an item is removed; read it, never keep it.
+    """
+
+    __slots__ = ("_items", "_positions")
+
+    def __init__(self) -> None:
+        self._items: list[_T] = []
+        self._positions: dict[_T, int] = {}
+
+    def add(self, item: _T) -> None:
+        if item not in self._positions:
+            self._positions[item] = len(self._items)
+            self._items.append(item)
+
+    def discard(self, item: _T) -> None:
+        position = self._positions.pop(item, None)
+        if position is None:
+            return
+        last = self._items.pop()
+        if position < len(self._items):
+            self._items[position] = last
+            self._positions[last] = position
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, position: int) -> _T:
+        return self._items[position]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._positions
+
+    def __iter__(self) -> Iterator[_T]:
+        return iter(self._items)
+
+    def rotated(self, start: int) -> Iterator[_T]:
+        """The items from position ``start`` (mod size) to the end, then from the beginning."""
+        if not self._items:
+            return iter(())
+        start %= len(self._items)
+        return itertools.chain(self._items[start:], self._items[:start])
+
+
+class ModelPool:
+    """The workers of one model and its thresholds."""
+
+    __slots__ = ("available", "free", "name", "thresholds", "unsaturated_free", "workers")
+
+    def __init__(self, name: str, thresholds: Thresholds) -> None:
+        self.name = name
+        self.thresholds = thresholds
+        self.workers: dict[str, WorkerLoad] = {}
+        self.free: FreeSet[WorkerLoad] = FreeSet()
+        #: Workers registered, fresh and not draining.
+        self.available = 0
+        #: Free workers under the frontend-queue threshold.
+        self.unsaturated_free = 0
+
+
+class FreeSets:
+    """Every model's :class:`ModelPool`, with the fleet-wide counts, kept current in O(1).
+
+    Args:
+        queue_threshold: ``--router-queue-threshold`` (``None``: no rank is ever saturated).
+    """
+
+    __slots__ = ("_models_available", "_models_with_free", "pools", "queue_threshold")
+
+    def __init__(self, queue_threshold: float | None) -> None:
+        self.queue_threshold = queue_threshold
+        #: Every model ever announced, in order of first announcement.
+        self.pools: dict[str, ModelPool] = {}
+        self._models_available = 0
+        self._models_with_free = 0
+
+    def pool(self, model: str, thresholds: Thresholds) -> ModelPool:
+        """The pool of ``model``, created with ``thresholds`` when the model is new."""
+        pool = self.pools.get(model)
+        if pool is None:
+            pool = self.pools[model] = ModelPool(model, thresholds)
+        return pool
+
+    def all_busy(self) -> bool:
+        """Every known model has available workers and none of them is free."""
+        models = len(self.pools)
+        return models > 0 and self._models_available == models and self._models_with_free == 0
+
+    def recompute_rank(self, worker: WorkerLoad, rank: RankState) -> None:
+        """Refresh one rank's effective figures and busy bit, keeping the worker's counts."""
+        blocks = max(rank.reported_blocks, rank.own_blocks)
+        prefill = max(rank.reported_prefill, rank.own_prefill)
+        worker.sum_blocks += blocks - rank.effective_blocks
+        worker.sum_prefill += prefill - rank.effective_prefill
+        rank.effective_blocks = blocks
+        rank.effective_prefill = prefill
+        worker.load_cost = load_cost(worker)
+        if not rank.reported:
+            return
+        busy = rank_busy(worker.config, worker.pool.thresholds, blocks, prefill)
+        if busy != rank.busy:
+            rank.busy = busy
+            worker.busy_ranks += 1 if busy else -1
+        saturated = self.queue_threshold is not None and prefill > int(
+            self.queue_threshold * max_batched(worker.config)
+        )
+        if saturated != rank.saturated:
+            rank.saturated = saturated
+            worker.saturated_ranks += 1 if saturated else -1
+
+    def update_membership(self, worker: WorkerLoad) -> None:
+        """Put the worker in or out of its model's free set and fix the counts (O(1))."""
+        pool = worker.pool
+        available = not (worker.removed or worker.stale or worker.draining)
+        free = available and not worker.busy and worker.mark_until is None
+        had_available = pool.available > 0
+        had_free = len(pool.free) > 0
+        if available != worker.available:
+            worker.available = available
+            pool.available += 1 if available else -1
+        if free != worker.free:
+            worker.free = free
+            if free:
+                pool.free.add(worker)
+            else:
+                pool.free.discard(worker)
+        unsaturated = free and not worker.saturated
+        if unsaturated != worker.counted_unsaturated:
+            worker.counted_unsaturated = unsaturated
+            pool.unsaturated_free += 1 if unsaturated else -1
+        self._models_available += (pool.available > 0) - had_available
+        self._models_with_free += (len(pool.free) > 0) - had_free

@@ -1,0 +1,380 @@
+"""From worker replies to HTTP answers: response objects, SSE framing, and error answers.
+
+The status line of a completion goes out only once the worker has started the request
+(:class:`~shim_common.wire.Started`); :func:`serve_started` takes over from there:
+
+1. Streaming (``"stream": true``): 200 with ``text/event-stream``, one ``data:`` event per chunk,
+   then the usage chunk when ``stream_options.include_usage`` asks for it, then ``data: [DONE]``.
+   A failure after the start ends the stream with an ``event: error`` and no ``[DONE]``; the
+   head already said 200, but the request is counted as 500.
+2. Whole: one JSON body once the worker ends the request; a failure before that is answered
+   400 (bad input), 503 (the worker became unavailable) or 500.
+3. Embeddings: one vector per input, in input order, once the worker ends the request.
+
+A streamed chunk differs from the last only in its choice, so :class:`ResponseShape` encodes the
+envelope around the choice once per request and each chunk encodes just its choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from typing import Any, Final
+
+import msgspec
+import trio
+
+from frontend_shim._free_sets import InFlight
+from frontend_shim._load import Fleet
+from frontend_shim._metrics import FrontendMetrics
+from frontend_shim._workers import RequestStream
+from shim_common import wire
+from shim_common._httpserver import HTTPResponder, error_body, json_headers
+
+__all__ = [
+    "CLIENT_CLOSED",
+    "UNAVAILABLE_BODY",
+    "BadRequest",
+    "Exchange",
+    "Progress",
+    "ResponseShape",
+    "error_type",
+    "overload_body",
+    "send_failure",
+    "send_unavailable",
+    "serve_started",
+]
+
+_log = logging.getLogger(__name__)
+
+UNAVAILABLE_BODY: Final = (
+    b'{"message":"Service temporarily unavailable","type":"Service Unavailable","code":503}'
+)
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+]
+_DONE: Final = b"data: [DONE]\n\n"
+#: Status counted for a request whose client left before an answer (nginx's convention).
+CLIENT_CLOSED: Final = 499
+_json_encode = msgspec.json.Encoder().encode
+
+
+def overload_body(status: int) -> bytes:
+    """The overload answer's body, byte for byte; ``code`` follows the configured status."""
+    return b'{"message":"Service temporarily overloaded","type":"Overloaded","code":%d}' % status
+
+
+class BadRequest(Exception):
+    """Client input the frontend refuses; ``status`` is 400, 404, 405, 413 or 422."""
+
+    def __init__(
+        self, status: int, message: str, *, admin: bool = False, allow: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        #: The admin API answers ``{"error": "..."}``, the OpenAI API its nested error object.
+        self.admin = admin
+        #: The ``Allow`` header of a 405: the methods the path accepts.
+        self.allow = allow
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type of a refusal with this status."""
+    return {404: "not_found_error", 405: "invalid_request_error"}.get(
+        status, "invalid_request_error"
+    )
+
+
+class Exchange:
+    """Book-keeping of one completion request for metrics."""
+
+    __slots__ = ("arrival", "endpoint", "label", "status")
+
+    def __init__(self, endpoint: wire.Endpoint, label: str, arrival: float) -> None:
+        self.endpoint = endpoint
+        self.label = label
+        self.arrival = arrival
+        self.status = CLIENT_CLOSED
+
+
+class Progress:
+    """Book-keeping of a started request as its output arrives: TTFT, the router's own count
+    of what the worker holds (:meth:`Fleet.request_output`), duration, and the final release.
+    """
+
+    __slots__ = ("_charge", "_fleet", "_metrics", "_waiting_first", "exchange", "worker_id")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: FrontendMetrics,
+        exchange: Exchange,
+        worker_id: str,
+        charge: InFlight | None,
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.exchange = exchange
+        self.worker_id = worker_id
+        self._charge = charge
+        self._waiting_first = True
+
+    def chunk(self, reply: wire.Chunk) -> bool:
+        """Account for one chunk; return whether it was the first."""
+        first = self._waiting_first
+        if first:
+            self._waiting_first = False
+            self._metrics.observe_ttft(
+                self.exchange.label, trio.current_time() - self.exchange.arrival
+            )
+        if self._charge is not None and reply.tokens:
+            self._fleet.request_output(self.worker_id, self._charge, reply.tokens)
+        return first
+
+    def completed(self) -> None:
+        """The response went out in full."""
+        self._metrics.observe_duration(
+            self.exchange.label, trio.current_time() - self.exchange.arrival
+        )
+
+    def finished(self) -> None:
+        """The request is over, however it ended: drop the router's charge."""
+        if self._charge is not None:
+            self._fleet.request_finished(self.worker_id, self._charge)
+
+
+async def serve_started(
+    responder: HTTPResponder, progress: Progress, stream: RequestStream, body: dict[str, Any]
+) -> None:
+    """Answer a request the worker has started, from its replies (see the module rules)."""
+    if progress.exchange.endpoint == "embeddings":
+        await _serve_embeddings(responder, progress, stream, body)
+    elif body.get("stream") is True:
+        await _serve_stream(responder, progress, stream, body)
+    else:
+        await _serve_whole(responder, progress, stream, body)
+
+
+async def _serve_stream(
+    responder: HTTPResponder,
+    progress: Progress,
+    stream: RequestStream,
+    body: dict[str, Any],
+) -> None:
+    exchange = progress.exchange
+    shape = ResponseShape(exchange.endpoint, body)
+    exchange.status = 200
+    await responder.start_stream(200, list(_SSE_HEADERS))
+    async for reply in stream:
+        if isinstance(reply, wire.Chunk):
+            first = progress.chunk(reply)
+            await responder.send_chunk(_sse(shape.chunk(reply, first)))
+        elif isinstance(reply, wire.End):
+            tail = b""
+            if shape.include_usage:
+                tail = _sse(shape.usage_chunk(reply))
+            await responder.send_chunk(tail + _DONE)
+            await responder.end_stream()
+            progress.completed()
+            return
+        else:
+            _log.warning("request failed after it started: %s", reply.message)
+            # The head said 200, but for the counters this request failed.
+            exchange.status = 500
+            error = {"error": {"message": reply.message, "type": reply.kind, "code": 500}}
+            await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
+            await responder.end_stream()
+            return
+
+
+async def _serve_whole(
+    responder: HTTPResponder,
+    progress: Progress,
+    stream: RequestStream,
+    body: dict[str, Any],
+) -> None:
+    exchange = progress.exchange
+    shape = ResponseShape(exchange.endpoint, body)
+    pieces: list[str] = []
+    finish_reason: str | None = None
+    async for reply in stream:
+        if isinstance(reply, wire.Chunk):
+            progress.chunk(reply)
+            pieces.append(reply.text)
+            finish_reason = reply.finish_reason or finish_reason
+        elif isinstance(reply, wire.End):
+            exchange.status = 200
+            payload = shape.whole("".join(pieces), finish_reason, reply)
+            await responder.send(200, json_headers(), payload)
+            progress.completed()
+            return
+        else:
+            await send_failure(responder, exchange, reply)
+            return
+
+
+async def _serve_embeddings(
+    responder: HTTPResponder,
+    progress: Progress,
+    stream: RequestStream,
+    body: dict[str, Any],
+) -> None:
+    exchange = progress.exchange
+    vectors: list[dict[str, Any]] = []
+    async for reply in stream:
+        if isinstance(reply, wire.Chunk):
+            if reply.embedding is not None:
+                vectors.append(
+                    {"object": "embedding", "index": reply.index, "embedding": reply.embedding}
+                )
+        elif isinstance(reply, wire.End):
+            vectors.sort(key=lambda item: item["index"])
+            exchange.status = 200
+            payload = {
+                "object": "list",
+                "data": vectors,
+                "model": body["model"],
+                "usage": {
+                    "prompt_tokens": reply.prompt_tokens,
+                    "total_tokens": reply.prompt_tokens,
+                },
+            }
+            await responder.send(200, json_headers(), _json_encode(payload))
+            progress.completed()
+            return
+        else:
+            await send_failure(responder, exchange, reply)
+            return
+
+
+async def send_unavailable(
+    responder: HTTPResponder, exchange: Exchange, *, close: bool = False
+) -> None:
+    """Answer 503 with ``Retry-After: 1``; ``close``: and end the connection (draining)."""
+    exchange.status = 503
+    headers = json_headers((b"retry-after", b"1"))
+    if close:  # draining: the client should reconnect, to another frontend
+        headers.append((b"connection", b"close"))
+    await responder.send(503, headers, UNAVAILABLE_BODY)
+
+
+async def send_failure(responder: HTTPResponder, exchange: Exchange, failed: wire.Failed) -> None:
+    """Answer a request the worker failed before it started."""
+    if failed.kind == "bad_request":
+        status, kind = 400, "invalid_request_error"
+    elif failed.kind == "unavailable":
+        await send_unavailable(responder, exchange)
+        return
+    else:
+        _log.warning("worker request failed: %s: %s", failed.kind, failed.message)
+        status, kind = 500, "internal_server_error"
+    exchange.status = status
+    await responder.send(status, json_headers(), error_body(failed.message, status, kind))
+
+
+# Response ids: unique per process start (random prefix) and cheap per request (a counter);
+# a uuid4 per request cost an os.urandom call on the hot path.
+_ID_PREFIX: Final = secrets.token_hex(8)
+_id_counter = itertools.count()
+
+
+def _sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class ResponseShape:
+    """The OpenAI response objects of one chat or text completion.
+
+    A streamed chunk differs from the last only in its choice, so the envelope around the
+    choice is encoded once per request and each chunk encodes just its choice.
+    """
+
+    __slots__ = ("_chunk_prefix", "chat", "created", "id", "include_usage", "model")
+
+    def __init__(self, endpoint: wire.Endpoint, body: dict[str, Any]) -> None:
+        self.chat = endpoint == "chat_completions"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{_ID_PREFIX}{next(_id_counter):08x}"
+        self.created = int(time.time())
+        self.model: str = body["model"]
+        options = body.get("stream_options")
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        envelope = _json_encode(
+            {
+                "id": self.id,
+                "object": self._object(chunk=True),
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+            }
+        )
+        self._chunk_prefix = envelope[: -len(b"]}")]
+
+    def _object(self, chunk: bool) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def chunk(self, reply: wire.Chunk, first: bool) -> bytes:
+        choice: dict[str, Any]
+        if self.chat:
+            delta: dict[str, Any] = {"content": reply.text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": reply.finish_reason}
+        else:
+            choice = {
+                "index": 0,
+                "text": reply.text,
+                "finish_reason": reply.finish_reason,
+                "logprobs": None,
+            }
+        return self._chunk_prefix + _json_encode(choice) + b"]}"
+
+    def usage_chunk(self, end: wire.End) -> bytes:
+        return _json_encode(
+            {
+                "id": self.id,
+                "object": self._object(chunk=True),
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": _usage(end),
+            }
+        )
+
+    def whole(self, text: str, finish_reason: str | None, end: wire.End) -> bytes:
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason or "stop",
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish_reason or "stop",
+                "logprobs": None,
+            }
+        return _json_encode(
+            {
+                "id": self.id,
+                "object": self._object(chunk=False),
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": _usage(end),
+            }
+        )
+
+
+def _usage(end: wire.End) -> dict[str, int]:
+    return {
+        "prompt_tokens": end.prompt_tokens,
+        "completion_tokens": end.completion_tokens,
+        "total_tokens": end.prompt_tokens + end.completion_tokens,
+    }

@@ -1,0 +1,115 @@
+"""The status routes both processes serve: ``/metrics``, ``/health`` and ``/live``.
+
+The worker serves them alone on its system port; the frontend serves them beside its API. Each
+side says what its health is (a :class:`HealthReport`) and how to render its metrics; the HTTP
+rules are the same on both:
+
+- ``GET /metrics``: 200, the Prometheus exposition with the content type the renderer chose for
+  the request's ``Accept`` header (so a scraper asking for OpenMetrics gets it).
+- ``GET /health``: ``{"status": <status>, <details>...}``; 200 when the status is ``ready``, 503
+  for any other (``starting``, ``draining``).
+- ``GET /live``: 200 ``{"status": "live"}`` for as long as the process serves at all.
+- ``HEAD`` is accepted wherever ``GET`` is (the server sends the head without the body).
+  Another method on one of these paths is 405 with ``Allow: GET, HEAD``; a path that is not
+  one of them is 404 (when :class:`StatusRoutes` is the whole handler); both in the OpenAI
+  error shape.
+- ``/health`` and ``/live`` carry ``Cache-Control: no-store``: a cached answer would hide the
+  very change a probe looks for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
+
+__all__ = [
+    "READY",
+    "STATUS_PATHS",
+    "HealthReport",
+    "RenderMetrics",
+    "StatusRoutes",
+    "render_registry",
+]
+
+#: The one health status answered 200.
+READY: Final = "ready"
+#: The paths :class:`StatusRoutes` answers.
+STATUS_PATHS: Final = frozenset({"/metrics", "/health", "/live"})
+
+#: Returns the metrics body and its content type for an ``Accept`` header (``None``: absent).
+RenderMetrics = Callable[[str | None], tuple[bytes, str]]
+
+_LIVE_BODY: Final = b'{"status":"live"}'
+_ALLOW: Final = (b"allow", b"GET, HEAD")
+_NO_STORE: Final = (b"cache-control", b"no-store")
+_json_encode = msgspec.json.Encoder().encode
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HealthReport:
+    """What ``/health`` says.
+
+    Attributes:
+        status: ``ready`` (answered 200) or anything else (answered 503), e.g. ``draining``.
+        details: further fields of the body, after ``status``.
+    """
+
+    status: str
+    details: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+
+def render_registry(registry: CollectorRegistry, accept_header: str | None) -> tuple[bytes, str]:
+    """The exposition of ``registry`` in the format the ``Accept`` header asks for.
+
+    Returns:
+        The body and its content type (Prometheus text unless OpenMetrics is accepted).
+    """
+    encoder, content_type = choose_encoder(accept_header or "")
+    return encoder(registry), content_type
+
+
+class StatusRoutes:
+    """The handler of the status paths (a :data:`~shim_common._httpserver.Handler`).
+
+    Args:
+        render_metrics: renders the metrics for an ``Accept`` header, e.g.
+            ``functools.partial(render_registry, registry)``.
+        health: returns the health as of now.
+    """
+
+    __slots__ = ("_health", "_render_metrics")
+
+    def __init__(self, render_metrics: RenderMetrics, health: Callable[[], HealthReport]) -> None:
+        self._render_metrics = render_metrics
+        self._health = health
+
+    async def __call__(self, request: HTTPRequest, responder: HTTPResponder) -> None:
+        """Answer one request; see the rules at the top of the module."""
+        path = request.path
+        if path not in STATUS_PATHS:
+            await responder.send(404, json_headers(), error_body(f"no route for {path}", 404))
+            return
+        if request.method not in ("GET", "HEAD"):
+            body = error_body(f"method {request.method} not allowed on {path}", 405)
+            await responder.send(405, json_headers(_ALLOW), body)
+            return
+        if path == "/live":
+            await responder.send(200, json_headers(_NO_STORE), _LIVE_BODY)
+        elif path == "/health":
+            report = self._health()
+            body = _json_encode({"status": report.status, **report.details})
+            code = 200 if report.status == READY else 503
+            await responder.send(code, json_headers(_NO_STORE), body)
+        else:
+            accept = request.header(b"accept")
+            metrics, content_type = self._render_metrics(
+                None if accept is None else accept.decode("latin-1")
+            )
+            await responder.send(200, [(b"content-type", content_type.encode("latin-1"))], metrics)
