@@ -1,14 +1,18 @@
-"""Requests per second of the project's HTTP server, side by side with a bare h11 loop.
+"""Requests per second of our HTTP server, side by side with a bare h11 loop and hypercorn.
 
 Each server runs in its own process (pinned to the first core when the machine has two or more),
 answering ``GET /`` with a small JSON body over keep-alive connections. The load comes from ``wrk``
 when it is on PATH (pinned to the second core), else from a Python client process holding many
-keep-alive connections. The bare loop is the floor of trio + h11 with none of the server's duties
-(no timeouts, no disconnect watcher, no error handling); the ratio shows what those duties cost.
+keep-alive connections (pinned to the second core too). The bare loop is the floor of trio + h11
+with none of the server's duties (no timeouts, no disconnect watcher, no error handling); the
+ratio shows what those duties cost. The hypercorn row is hypercorn's Trio worker serving a raw
+ASGI hello-world (no framework on top): the off-the-shelf server this project would otherwise
+use. It is measured when hypercorn is importable (``pip install hypercorn``; it is not a
+dependency of the project) and skipped otherwise.
 
 Usage::
 
-    python bench/bench_http.py                   # both servers, 64 connections, 5 s each
+    python bench/bench_http.py                   # every server, 64 connections, 5 s each
     python bench/bench_http.py --duration 10 --connections 16 --client python
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -23,11 +28,15 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import h11
 import trio
 
 from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
 HELLO_BODY = b'{"message":"hello"}'
 REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -73,6 +82,47 @@ async def serve_bare() -> None:
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     print(listeners[0].socket.getsockname()[1], flush=True)
     await trio.serve_listeners(connection, listeners)
+
+
+async def asgi_hello(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+    """The hello-world as a raw ASGI application: the least hypercorn can be asked to do."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"19")]
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": headers, "trailers": False}
+    )
+    await send({"type": "http.response.body", "body": HELLO_BODY, "more_body": False})
+
+
+async def serve_hypercorn() -> None:
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            lambda task_status: serve(asgi_hello, config, task_status=task_status)
+        )
+        print(binds[0].rsplit(":", 1)[1], flush=True)
+
+
+def hypercorn_installed() -> bool:
+    return importlib.util.find_spec("hypercorn") is not None
+
+
+SERVERS = {"ours": serve_ours, "bare": serve_bare, "hypercorn": serve_hypercorn}
 
 
 # -- the Python load generator (run in a child process) ---------------------------------------
@@ -169,14 +219,14 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per server")
     parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")
-    parser.add_argument("--serve", choices=["ours", "bare"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=sorted(SERVERS), help=argparse.SUPPRESS)
     parser.add_argument("--load", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.serve:
         _pin(0)
         with contextlib.suppress(KeyboardInterrupt):
-            trio.run(serve_ours if args.serve == "ours" else serve_bare)
+            trio.run(SERVERS[args.serve])
         return
     if args.load:
         _pin(1)
@@ -189,7 +239,12 @@ def main() -> None:
     client = args.client
     if client == "auto":
         client = "wrk" if shutil.which("wrk") else "python"
-    servers = {kind: _start_server(kind) for kind in ("ours", "bare")}
+    kinds = ["ours", "bare"]
+    if hypercorn_installed():
+        kinds.append("hypercorn")
+    else:
+        print("hypercorn is not installed (pip install hypercorn): its row is skipped")
+    servers = {kind: _start_server(kind) for kind in kinds}
     results: dict[str, list[float]] = {kind: [] for kind in servers}
     try:
         for _, port in servers.values():
@@ -206,8 +261,10 @@ def main() -> None:
     medians = {kind: statistics.median(values) for kind, values in results.items()}
     for kind, values in results.items():
         runs = ", ".join(f"{v:,.0f}" for v in values)
-        print(f"{kind:>5}: median {medians[kind]:,.0f} req/s  (runs: {runs})")
+        print(f"{kind:>9}: median {medians[kind]:,.0f} req/s  (runs: {runs})")
     print(f"ratio ours/bare: {medians['ours'] / medians['bare']:.2f}")
+    if "hypercorn" in medians:
+        print(f"ratio ours/hypercorn: {medians['ours'] / medians['hypercorn']:.2f}")
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
     result = cast(tuple[FrontendSettings, LogLevel], invoke(app, argv))
-    # Which spelling was used decides which names the warning gives (the anchor's two texts).
+    # Which spelling was used decides which names the warning gives (Dynamo's two texts).
     if any(arg.split("=")[0] == "--admission-control" for arg in argv):
         _log.warning(ADMISSION_CONTROL_FLAG_WARNING)
     elif "DYN_ADMISSION_CONTROL" in os.environ:

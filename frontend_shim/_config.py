@@ -67,7 +67,7 @@ class FrontendSettings:
 def overload_status_from_env(environ: Mapping[str, str] | None = None) -> int:
     """Read ``DYN_HTTP_OVERLOAD_STATUS_CODE``: any integer 200-599 is used, anything else is 529.
 
-    An unparseable or out-of-range value is not fatal (as the anchor behaves) but is logged.
+    An unparseable or out-of-range value is not fatal (as in Dynamo) but is logged.
     """
     raw = (os.environ if environ is None else environ).get(OVERLOAD_STATUS_ENV)
     if raw is None or not raw.strip():

@@ -51,7 +51,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The ready line of the worker process (see the contract), with its two URLs captured.
+#: The ready line of the worker process (docs/configuration.md), with its two URLs captured.
 READY_LINE: Final = re.compile(r"^worker-ingress ready ws=(?P<ws>\S+) system=(?P<system>\S+)\s*$")
 
 #: A stdout line longer than this is cut (a child cannot make us buffer without limit).

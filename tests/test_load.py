@@ -529,7 +529,7 @@ def test_queue_threshold_saturation() -> None:
 
 
 def reference_rank_busy(t: Thresholds, worker: WorkerLoad, blocks: int, prefill: int) -> bool:
-    """The busy rule of one rank, written out again from the contract."""
+    """The busy rule of one rank, written out again from docs/configuration.md."""
     total = worker.config.kv_total_blocks
     decode = (
         t.active_decode_blocks is not None and total > 0 and blocks / total > t.active_decode_blocks

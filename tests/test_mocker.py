@@ -1,4 +1,5 @@
-"""Tests of the mocker engine: the sans-IO rank scheduler first, then the Trio shell.
+"""Tests of the mocker engine: the sans-IO rank scheduler (_mock_scheduler) first, then the
+Trio shell (_mocker).
 
 Everything runs on trio's virtual clock (``autojump_clock`` or ``MockClock``), with tiny caches
 and prompts so that a request takes a handful of steps.
@@ -19,15 +20,17 @@ from hypothesis import strategies as st
 
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress.engines._base import Engine, EngineInputError, EngineOutput, PreparedRequest
-from worker_ingress.engines._mocker import (
-    DEFAULT_MAX_TOKENS,
-    EMBEDDING_DIMENSIONS,
+from worker_ingress.engines._mock_scheduler import (
     GpuStepModel,
-    MockerEngine,
     MockSequence,
     RankScheduler,
     ScheduledStep,
     SequenceState,
+)
+from worker_ingress.engines._mocker import (
+    DEFAULT_MAX_TOKENS,
+    EMBEDDING_DIMENSIONS,
+    MockerEngine,
     create,
     embedding_for,
     output_word,

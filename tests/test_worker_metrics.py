@@ -1,4 +1,4 @@
-"""Worker metrics: the contract's names and values, read from the gate at scrape time."""
+"""Worker metrics: the stable names of docs/metrics.md and their values, read at scrape time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._config import WorkerSettings
 from worker_ingress._metrics import WorkerMetrics
 
-CONTRACT_NAMES = [
+STABLE_NAMES = [
     "dynamo_rejection_request_total",
     "dynamo_engine_request",
     "dynamo_request_queue",
@@ -33,11 +33,11 @@ def _gauges(metrics: WorkerMetrics) -> tuple[float | None, float | None, float |
     )
 
 
-def test_every_contract_name_is_exposed_without_labels() -> None:
+def test_every_stable_name_is_exposed_without_labels() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
     body, _ = metrics.render(None)
     lines = body.decode().splitlines()
-    for name in CONTRACT_NAMES:
+    for name in STABLE_NAMES:
         assert f"{name} " in "\n".join(lines)
         assert _sample(metrics, name) is not None, name
     assert not any("{" in line for line in lines if not line.startswith("#"))

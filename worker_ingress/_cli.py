@@ -30,7 +30,7 @@ from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSe
 
 __all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
 
-#: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
+#: Q has no flag, on purpose (as in Dynamo): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
 
 LogLevel = Literal["debug", "info", "warning", "error"]

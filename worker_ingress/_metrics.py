@@ -4,7 +4,8 @@ Requests pay nothing for metrics: the gate keeps plain integer counters (it must
 custom collector turns them into samples only when ``/metrics`` is scraped. The connection-error
 count is a plain integer too (no lock, no ``_created`` series: everything runs on the Trio thread).
 
-Names of the contract (never change them; only add new ones):
+Stable names (the first table of docs/metrics.md: dashboards and alerts rely on them, so never
+change them; only add new ones):
 
 - ``dynamo_rejection_request_total`` (counter): overload rejections plus queue timeouts.
 - ``dynamo_engine_request`` (gauge): requests running in the engine.

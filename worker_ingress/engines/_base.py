@@ -18,7 +18,7 @@ Request reading shared by every engine, so all of them answer one body the same 
   name of ``max_tokens`` and wins when both are given; a completion reads ``max_tokens`` only; an
   embedding generates nothing. Absent or ``null`` means :data:`DEFAULT_MAX_TOKENS`.
 - :func:`prompt_texts` / :func:`prompt_words`: the prompt of a body and its token count, one token
-  per whitespace-separated word (all message contents, for chat), as CONTRACT section 1 counts them.
+  per whitespace-separated word (all message contents, for chat), as docs/mocker.md counts them.
 """
 
 from __future__ import annotations

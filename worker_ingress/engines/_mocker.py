@@ -4,52 +4,18 @@ It does no inference. It reproduces what the admission layer and the router care
 requests take, how many KV blocks they hold, and how many prompt tokens wait for prefill, with
 step times of a real GPU (see docs/mocker.md for the performance model and where it comes from).
 
-Shape: one :class:`RankScheduler` per data-parallel rank (the sans-IO core: plain objects, no
-clock, no I/O) and :class:`MockerEngine`, the thin Trio shell that runs one step loop per rank,
-sleeps for the simulated step time and wakes the request generators.
-
-Rules of a sequence (one request) inside a rank:
-
-1. Tokens. A sequence has ``num_tokens`` = prompt tokens + tokens generated so far, and
-   ``num_computed`` of them have their KV computed. A step computes ``num_tokens - num_computed``
-   tokens for it, at most what the step's token budget allows (chunked prefill); a decoding
-   sequence computes exactly one (the token it generated last). When a step brings
-   ``num_computed`` up to ``num_tokens``, the sequence emits its next token, as vLLM does: the
-   step that finishes a prefill also produces the first output token.
-2. States. WAITING (in the FIFO waiting queue, no blocks) -> RUNNING (in the batch, holds
-   blocks) -> FINISHED (all ``max_tokens`` emitted; blocks freed at once). ABORTED (the caller
-   closed the generator) can happen from any live state and frees the blocks at once. RUNNING ->
-   WAITING is a preemption.
-3. Prefill vs decode. A sequence is "prefilling" from admission (or re-admission after a
-   preemption) until the step that brings ``num_computed`` to ``num_tokens``; afterwards it is
-   "decoding". ``active_prefill_tokens`` sums ``num_tokens - num_computed`` over all prefilling
-   sequences, waiting ones included.
-4. KV blocks. A sequence holds ``ceil(tokens with KV / block_size)`` blocks; blocks are taken
-   when a step is scheduled for the tokens it will compute, so a step never runs without its
-   KV. At most ``prompt + max_tokens - 1`` tokens ever have KV (the last generated token is never
-   fed back), and a request needing more blocks than the rank has is refused before admission.
-5. One step of a rank. The token budget is ``max_num_batched_tokens``. First every decoding
-   running sequence gets its one token (oldest first, while budget lasts), then the partially
-   prefilled running sequences get chunks, then waiting sequences are admitted in FIFO order
-   while the batch has fewer than ``max_num_seqs`` sequences and budget is left.
-6. Out of blocks. A RUNNING sequence that needs a block that is not free preempts the newest
-   running sequence (LIFO, vLLM's default recompute preemption): its blocks are freed and it goes
-   to the head of the waiting queue, to be prefilled again (prompt and generated tokens) later.
-   This repeats until the block is free or the sequence preempted itself. A WAITING sequence
-   never preempts: when its first chunk does not fit, it and everyone behind it wait (FIFO, no
-   overtaking), and no waiting sequence is admitted in a step that preempted. The oldest running
-   sequence can therefore always progress, so the rank never deadlocks.
-7. Load. ``active_decode_blocks`` and ``kv_used_blocks`` are both the blocks held by running
-   sequences: the mocker has no prefix cache, so no block is in use without a running owner.
+This module is the Trio shell, :class:`MockerEngine`: one step loop per data-parallel rank that
+asks its :class:`~worker_ingress.engines._mock_scheduler.RankScheduler` for the next step, sleeps
+for the simulated step time, applies the step and wakes the request generators that progressed.
+The rules of a sequence inside a rank (tokens, states, chunked prefill, KV blocks, preemption)
+are at the top of :mod:`worker_ingress.engines._mock_scheduler`.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import math
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
 
@@ -69,17 +35,13 @@ from worker_ingress.engines._base import (
     prompt_texts,
     requested_max_tokens,
 )
+from worker_ingress.engines._mock_scheduler import GpuStepModel, MockSequence, RankScheduler
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "EMBEDDING_DIMENSIONS",
-    "GpuStepModel",
-    "MockSequence",
     "MockerEngine",
     "MockerPayload",
-    "RankScheduler",
-    "ScheduledStep",
-    "SequenceState",
     "create",
     "embedding_for",
     "output_word",
@@ -87,9 +49,6 @@ __all__ = [
 
 #: Length of the pseudo embedding vectors.
 EMBEDDING_DIMENSIONS: Final = 16
-#: Waiting entries of cancelled sequences are dropped lazily; the queue is rebuilt once this many
-#: (and at least as many as live ones) pile up, so a cancel costs O(1) amortised.
-_COMPACT_DEAD_WAITING: Final = 64
 #: How far behind its timeline a step loop may run and still catch up (wall seconds).
 _MAX_CATCH_UP_SECONDS: Final = 0.02
 
@@ -132,431 +91,10 @@ def embedding_for(text: str) -> list[float]:
     return [v / norm for v in raw]
 
 
-# ----------------------------------------------------------------------------- performance model
-
-
-class GpuStepModel(msgspec.Struct, frozen=True, kw_only=True):
-    """Wall time of one engine step on a real GPU, before the speedup ratio.
-
-    The defaults are the polynomial timing model of NVIDIA Dynamo's mocker (docs/mocker.md):
-    prefill milliseconds are a quadratic in the prompt tokens the step computes, decode
-    milliseconds a quadratic in the fraction of the KV cache in use, and a step that does both
-    costs the sum, as Dynamo's vLLM-style scheduler charges it.
-    """
-
-    prefill_ms_per_token_squared: float = 4.209989e-07
-    prefill_ms_per_token: float = 1.518344e-02
-    prefill_ms_base: float = 1.650142e01
-    decode_ms_per_kv_fraction_squared: float = -25.74
-    decode_ms_per_kv_fraction: float = 54.01
-    decode_ms_base: float = 5.74
-    #: No step is shorter than this, so a step always advances the clock.
-    min_step_ms: float = 1.0
-
-    def prefill_ms(self, prefill_tokens: int) -> float:
-        """Milliseconds to compute ``prefill_tokens`` prompt tokens in one step (0 for none)."""
-        if prefill_tokens <= 0:
-            return 0.0
-        t = float(prefill_tokens)
-        return (
-            self.prefill_ms_per_token_squared * t * t
-            + self.prefill_ms_per_token * t
-            + self.prefill_ms_base
-        )
-
-    def decode_ms(self, kv_fraction: float) -> float:
-        """Milliseconds of the token-emitting part of a step at a KV-cache use in [0, 1]."""
-        f = min(max(kv_fraction, 0.0), 1.0)
-        ms = (
-            self.decode_ms_per_kv_fraction_squared * f * f
-            + self.decode_ms_per_kv_fraction * f
-            + self.decode_ms_base
-        )
-        return max(ms, self.min_step_ms)
-
-    def step_seconds(self, *, prefill_tokens: int, emitting: int, kv_fraction: float) -> float:
-        """Seconds of one step that computes ``prefill_tokens`` and emits ``emitting`` tokens."""
-        ms = self.prefill_ms(prefill_tokens)
-        if emitting > 0:
-            ms += self.decode_ms(kv_fraction)
-        return max(ms, self.min_step_ms) / 1000.0
-
-
-# ----------------------------------------------------------------------------- sans-IO core
-
-
-class SequenceState(enum.Enum):
-    """Where a sequence is in its life (rule 2 of the module docstring)."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-class MockSequence:
-    """One request inside a rank: token counters, blocks held, and a wake-up for its reader."""
-
-    __slots__ = (
-        "_wakeup",
-        "blocks",
-        "generated",
-        "max_tokens",
-        "num_computed",
-        "num_tokens",
-        "preemptions",
-        "prefill_done",
-        "prompt_tokens",
-        "state",
-    )
-
-    def __init__(self, *, prompt_tokens: int, max_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.num_tokens = prompt_tokens
-        self.num_computed = 0
-        self.generated = 0
-        self.blocks = 0
-        self.prefill_done = False
-        self.preemptions = 0
-        self.state = SequenceState.WAITING
-        self._wakeup: trio.Event | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether the sequence has left the rank (finished or aborted)."""
-        return self.state is SequenceState.FINISHED or self.state is SequenceState.ABORTED
-
-    @property
-    def pending_prefill(self) -> int:
-        """Its share of ``active_prefill_tokens`` (rule 3)."""
-        if self.prefill_done or self.done:
-            return 0
-        return self.num_tokens - self.num_computed
-
-    def notify(self) -> None:
-        """Wake the task waiting in :meth:`wait_for_progress`, if any."""
-        if self._wakeup is not None:
-            self._wakeup.set()
-            self._wakeup = None
-
-    async def wait_for_progress(self) -> None:
-        """Sleep until the step loop reports progress (a token, the end) for this sequence."""
-        if self._wakeup is None:
-            self._wakeup = trio.Event()
-        await self._wakeup.wait()
-
-
-class ScheduledStep:
-    """What one step computes: ``(sequence, tokens)`` pairs and the step's simulated duration."""
-
-    __slots__ = ("decode_sequences", "duration", "emitting", "entries", "prefill_tokens")
-
-    def __init__(
-        self,
-        entries: list[tuple[MockSequence, int]],
-        *,
-        prefill_tokens: int,
-        decode_sequences: int,
-        emitting: int,
-        duration: float,
-    ) -> None:
-        self.entries = entries
-        #: Tokens computed for prefilling sequences (the chunked-prefill part of the budget).
-        self.prefill_tokens = prefill_tokens
-        #: Decoding sequences that get their one token.
-        self.decode_sequences = decode_sequences
-        #: Sequences that emit a token (or finish) when the step completes.
-        self.emitting = emitting
-        #: Simulated seconds on the modelled GPU, before the speedup ratio.
-        self.duration = duration
-
-
-def _blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-class RankScheduler:
-    """The scheduler and KV-block pool of one data-parallel rank (sans-IO; see module rules).
-
-    Drive it with :meth:`add` / :meth:`abort` as requests come and go, and with
-    :meth:`schedule` then :meth:`complete` for each step, sleeping for the step's duration in
-    between. Counters are kept incrementally so a step costs O(sequences it touches).
-    """
-
-    def __init__(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        model: GpuStepModel | None = None,
-    ) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.model = model if model is not None else GpuStepModel()
-        self.used_blocks = 0
-        self.prefill_tokens = 0
-        self.preemptions = 0
-        self.live_sequences = 0
-        self._running: list[MockSequence] = []
-        self._waiting: deque[MockSequence] = deque()
-        self._dead_waiting = 0
-
-    # --- inspection --------------------------------------------------------------------------
-
-    @property
-    def free_blocks(self) -> int:
-        """Blocks no sequence holds."""
-        return self.num_blocks - self.used_blocks
-
-    @property
-    def running(self) -> Sequence[MockSequence]:
-        """The batch, oldest admission first."""
-        return self._running
-
-    @property
-    def waiting(self) -> list[MockSequence]:
-        """The live waiting sequences, head first (a copy: O(queue), for inspection)."""
-        return [s for s in self._waiting if not s.done]
-
-    @property
-    def waiting_count(self) -> int:
-        """Live sequences in the waiting queue."""
-        return len(self._waiting) - self._dead_waiting
-
-    def load(self, dp_rank: int) -> RankLoad:
-        """This rank's load as the event plane publishes it."""
-        return RankLoad(
-            dp_rank=dp_rank,
-            active_decode_blocks=self.used_blocks,
-            active_prefill_tokens=self.prefill_tokens,
-            kv_used_blocks=self.used_blocks,
-        )
-
-    def recount(self) -> tuple[int, int]:
-        """Blocks in use and prefill tokens counted from scratch (to check the counters)."""
-        live = [s for s in self._waiting if not s.done] + self._running
-        return sum(s.blocks for s in live), sum(s.pending_prefill for s in live)
-
-    def max_kv_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Most tokens a request ever has KV for (rule 4)."""
-        return prompt_tokens + max(max_tokens - 1, 0)
-
-    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
-        """Whether a request can ever run on this rank (its peak KV fits the whole cache)."""
-        peak = self.max_kv_tokens(prompt_tokens, max_tokens)
-        return _blocks_for(peak, self.block_size) <= self.num_blocks
-
-    # --- requests coming and going -----------------------------------------------------------
-
-    def add(self, seq: MockSequence) -> None:
-        """Queue a new sequence at the tail of the waiting queue."""
-        seq.state = SequenceState.WAITING
-        self._waiting.append(seq)
-        self.prefill_tokens += seq.num_tokens
-        self.live_sequences += 1
-
-    def abort(self, seq: MockSequence) -> None:
-        """Drop a sequence at once, freeing its blocks; a no-op once it has left."""
-        if seq.done:
-            return
-        self.prefill_tokens -= seq.pending_prefill
-        was_running = seq.state is SequenceState.RUNNING
-        seq.state = SequenceState.ABORTED
-        self.live_sequences -= 1
-        if was_running:
-            self._running.remove(seq)
-            self._free(seq)
-        else:
-            # Left in the deque and skipped later: removing from the middle would cost O(queue).
-            self._dead_waiting += 1
-            self._maybe_compact_waiting()
-
-    # --- one step ----------------------------------------------------------------------------
-
-    def schedule(self) -> ScheduledStep | None:
-        """Choose the work of the next step and take its blocks; ``None`` when idle."""
-        budget = self.max_num_batched_tokens
-        scheduled: dict[MockSequence, int] = {}
-        preempted_any = False
-
-        # Pass 1: one token for every decoding sequence, oldest first (rule 5).
-        index = 0
-        while index < len(self._running) and budget > 0:
-            seq = self._running[index]
-            index += 1
-            if not seq.prefill_done:
-                continue
-            granted, preempted_now, budget = self._grow(seq, 1, scheduled, budget)
-            preempted_any |= preempted_now
-            if granted:
-                scheduled[seq] = 1
-                budget -= 1
-
-        # Pass 2: chunks for the partially prefilled running sequences, in batch order.
-        index = 0
-        while index < len(self._running):
-            seq = self._running[index]
-            index += 1
-            if seq.prefill_done or seq in scheduled:
-                continue
-            chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if chunk <= 0 and seq.num_tokens > seq.num_computed:
-                break
-            granted, preempted_now, budget = self._grow(seq, chunk, scheduled, budget)
-            preempted_any |= preempted_now
-            if granted:
-                scheduled[seq] = chunk
-                budget -= chunk
-
-        # Pass 3: admit waiting sequences in FIFO order, unless this step preempted (rule 6).
-        if not preempted_any:
-            self._admit_waiting(scheduled, budget)
-
-        if not scheduled:
-            return None
-        prefill_tokens = 0
-        decode_sequences = 0
-        emitting = 0
-        for seq, tokens in scheduled.items():
-            if seq.prefill_done:
-                decode_sequences += 1
-            else:
-                prefill_tokens += tokens
-            if seq.num_computed + tokens == seq.num_tokens:
-                emitting += 1
-        duration = self.model.step_seconds(
-            prefill_tokens=prefill_tokens,
-            emitting=emitting,
-            kv_fraction=self.used_blocks / self.num_blocks,
-        )
-        return ScheduledStep(
-            list(scheduled.items()),
-            prefill_tokens=prefill_tokens,
-            decode_sequences=decode_sequences,
-            emitting=emitting,
-            duration=duration,
-        )
-
-    def complete(self, step: ScheduledStep) -> list[MockSequence]:
-        """Apply a step whose time has passed; return the sequences that emitted or finished.
-
-        Sequences aborted while the step ran are skipped: their blocks are already free.
-        """
-        progressed: list[MockSequence] = []
-        finished_any = False
-        for seq, tokens in step.entries:
-            if seq.state is not SequenceState.RUNNING:
-                continue
-            seq.num_computed += tokens
-            if not seq.prefill_done:
-                self.prefill_tokens -= tokens
-            if seq.num_computed < seq.num_tokens:
-                continue
-            seq.prefill_done = True
-            if seq.generated < seq.max_tokens:
-                seq.generated += 1
-                seq.num_tokens += 1
-            if seq.generated >= seq.max_tokens:
-                seq.state = SequenceState.FINISHED
-                self._free(seq)
-                self.live_sequences -= 1
-                finished_any = True
-            progressed.append(seq)
-        if finished_any:
-            self._running = [s for s in self._running if s.state is SequenceState.RUNNING]
-        return progressed
-
-    # --- internals ---------------------------------------------------------------------------
-
-    def _grow(
-        self,
-        seq: MockSequence,
-        tokens: int,
-        scheduled: dict[MockSequence, int],
-        budget: int,
-    ) -> tuple[bool, bool, int]:
-        """Take the blocks ``seq`` needs to compute ``tokens`` more, preempting if needed.
-
-        Returns whether ``seq`` got them (it may have preempted itself), whether anyone was
-        preempted, and the budget after returning the tokens of preempted, already-scheduled
-        sequences.
-        """
-        need = _blocks_for(seq.num_computed + tokens, self.block_size) - seq.blocks
-        preempted = False
-        while need > self.free_blocks:
-            victim = self._running.pop()
-            returned = scheduled.pop(victim, 0)
-            budget += returned
-            self._preempt(victim)
-            preempted = True
-            if victim is seq:
-                return False, True, budget
-        if need > 0:
-            seq.blocks += need
-            self.used_blocks += need
-        return True, preempted, budget
-
-    def _admit_waiting(self, scheduled: dict[MockSequence, int], budget: int) -> None:
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
-            if seq.done:
-                self._waiting.popleft()
-                self._dead_waiting -= 1
-                continue
-            remaining = seq.num_tokens - seq.num_computed
-            chunk = min(remaining, budget)
-            if chunk <= 0 and remaining > 0:
-                return
-            need = _blocks_for(seq.num_computed + chunk, self.block_size) - seq.blocks
-            if need > self.free_blocks:
-                return
-            self._waiting.popleft()
-            seq.state = SequenceState.RUNNING
-            self._running.append(seq)
-            seq.blocks += need
-            self.used_blocks += need
-            scheduled[seq] = chunk
-            budget -= chunk
-
-    def _preempt(self, seq: MockSequence) -> None:
-        # Recompute preemption: everything computed is thrown away and prefilled again.
-        self.prefill_tokens += seq.num_tokens - seq.pending_prefill
-        self._free(seq)
-        seq.num_computed = 0
-        seq.prefill_done = False
-        seq.preemptions += 1
-        seq.state = SequenceState.WAITING
-        self._waiting.appendleft(seq)
-        self.preemptions += 1
-
-    def _free(self, seq: MockSequence) -> None:
-        self.used_blocks -= seq.blocks
-        seq.blocks = 0
-
-    def _maybe_compact_waiting(self) -> None:
-        if self._dead_waiting >= _COMPACT_DEAD_WAITING and self._dead_waiting * 2 >= len(
-            self._waiting
-        ):
-            self._waiting = deque(s for s in self._waiting if not s.done)
-            self._dead_waiting = 0
-
-
-# ----------------------------------------------------------------------------- request parsing
-# Bodies are read by the helpers shared with the other engines (worker_ingress.engines._base).
-
-
 class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
     """What :meth:`MockerEngine.prepare` keeps of a body: the embedding inputs, if any."""
 
     embedding_inputs: list[str] | None = None
-
-
-# ----------------------------------------------------------------------------- Trio shell
 
 
 class MockerEngine:
@@ -603,6 +141,8 @@ class MockerEngine:
             for _ in range(settings.data_parallel_size)
         )
         self._work_arrived: list[trio.Event | None] = [None] * len(self._ranks)
+        #: The wake-up of each sequence whose generator waits for its next token or its end.
+        self._progress: dict[MockSequence, trio.Event] = {}
         self._load_changed = ChangeSignal()
         self._loads = [rank.load(i) for i, rank in enumerate(self._ranks)]
         #: Steps run and wall seconds spent computing them (not sleeping), for benchmarks.
@@ -675,7 +215,7 @@ class MockerEngine:
             inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
             if request.endpoint == "embeddings":
                 while not seq.done:
-                    await seq.wait_for_progress()
+                    await self._wait_for_progress(seq)
                 for index, text in enumerate(inputs or []):
                     yield EngineOutput(embedding=embedding_for(text), index=index)
                 return
@@ -689,12 +229,13 @@ class MockerEngine:
                     sent += 1
                 if seq.done:
                     break
-                await seq.wait_for_progress()
+                await self._wait_for_progress(seq)
             if seq.max_tokens == 0:
                 yield EngineOutput(finish_reason="length")
         finally:
             # Runs on completion, error and aclose() alike; synchronous, so nothing can
             # interrupt it between the abort and the load update.
+            self._progress.pop(seq, None)
             if not seq.done:
                 rank.abort(seq)
                 self._loads_may_have_changed()
@@ -734,11 +275,21 @@ class MockerEngine:
             )
             await trio.sleep_until(deadline)
             started = time.perf_counter()
+            progress = self._progress
             for seq in rank.complete(step):
-                seq.notify()
+                waiting = progress.pop(seq, None)
+                if waiting is not None:
+                    waiting.set()
             self._loads_may_have_changed()
             self.steps += 1
             self.step_cpu_seconds += computed + time.perf_counter() - started
+
+    async def _wait_for_progress(self, seq: MockSequence) -> None:
+        """Sleep until the step loop reports progress (a token, the end) for ``seq``."""
+        event = self._progress.get(seq)
+        if event is None:
+            event = self._progress[seq] = trio.Event()
+        await event.wait()
 
     def _wake_rank(self, rank_index: int) -> None:
         arrived = self._work_arrived[rank_index]

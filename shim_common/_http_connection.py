@@ -1,0 +1,445 @@
+"""One HTTP/1.1 connection of the server: its two tasks and the loop of request/response cycles.
+
+h11 does the protocol (parsing, framing, keep-alive bookkeeping); :class:`Connection` only moves
+bytes between a :class:`trio.abc.Stream` and h11, owns the tasks and enforces the limits.
+
+Rules of one connection (a loop of request/response cycles):
+
+1. Reading a request head is bounded in time and size. The first head must arrive within
+   ``header_timeout`` of the accept; between requests the connection may sit idle for
+   ``keepalive_timeout``, and once the next request's first bytes are in, its head must complete
+   within ``header_timeout``. A head still incomplete past ``max_head_bytes`` is answered 431, a
+   malformed one 400 (from ``h11.RemoteProtocolError``), and the connection is closed.
+2. The body is read only when the handler asks (:meth:`HTTPRequest.read_body`). That is when
+   ``100 Continue`` is sent to a client that waits for it, after the ``Content-Length`` has been
+   checked against ``max_body_bytes``; a chunked body is counted as it arrives. Over the cap:
+   :class:`BodyTooLarge`, answered 413 unless the handler answers itself.
+3. A reader task owns every read for the life of the connection: it feeds h11 and so notices
+   EOF at any time. EOF or a broken socket means the client left: the reader cancels the
+   connection's main task, so a handler that writes nothing for a while (a long prefill) is
+   cancelled all the same, its ``finally:`` blocks run, and the connection closes without a
+   response. The reader runs ahead of what the main task asked h11 for by at most
+   ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
+   has not asked for yet); then it stops reading, TCP flow control holds the client back, and
+   a disconnect is noticed at the next write instead.
+4. A handler answers exactly once: :meth:`HTTPResponder.send` (one complete response with
+   ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
+   ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response may go out
+   while the request body is still unread (an early 529 decides without it). When the body is
+   declared with a ``Content-Length`` of at most ``discard_body_bytes`` and the client is not
+   waiting for ``100 Continue``, the server reads and drops the body after the response and
+   keeps the connection (a shed client keeps its connection, so shedding stays cheap);
+   otherwise the response carries ``Connection: close`` and the connection closes after it,
+   because h11 cannot start the next cycle before the client's side is done.
+5. One bad peer or one failing handler never takes the server down. A handler exception is
+   passed to ``on_error`` (to be counted) and logged, answered 500 when nothing was sent yet, and
+   that connection is closed; a stream that had begun is cut short so the client sees it
+   incomplete. A handler that returns without answering gets 500 too; one that returns with a
+   stream still open has the stream ended for it.
+6. Keep-alive: when both sides of a cycle are done, h11 starts the next cycle; otherwise the
+   connection closes gracefully (send EOF, drain the client's last bytes for a moment, close), so a
+   client still writing a body it was refused reads the answer instead of a TCP reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import h11
+import trio
+
+from shim_common._http_exchange import (
+    JSON_CONTENT_TYPE,
+    BodyTooLarge,
+    ClientDisconnected,
+    Handler,
+    HTTPLimits,
+    HTTPRequest,
+    HTTPResponder,
+    RequestTimeout,
+    error_body,
+    h11_bytes,
+    response_head,
+)
+
+__all__ = ["Connection"]
+
+# The server's logger, whichever of its modules writes.
+logger = logging.getLogger("shim_common._httpserver")
+
+
+class Connection:
+    """The request/response cycles of one connection: see the rules at the top of the module.
+
+    Two tasks share the connection. The reader task owns every read: it feeds h11, wakes the main
+    task, and notices EOF at any time (cancelling a running handler). It stops reading when
+    ``pipeline_buffer_bytes`` were fed that the main task has not asked h11 for yet. The main task
+    runs the cycles and does every write.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        handler: Handler,
+        limits: HTTPLimits,
+        on_error: Callable[[BaseException], None] | None,
+    ) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        self.handler = handler
+        self.limits = limits
+        self.on_error = on_error
+        # Set when the client is known to be gone (EOF, reset, or a failed write).
+        self.client_gone = False
+        self._eof = False
+        # Bytes fed to h11 since the main task last found h11 needing more (the reader's budget).
+        self._unconsumed = 0
+        self._data_arrived = trio.lowlevel.ParkingLot()  # the main task waits here for bytes
+        self._budget_freed = trio.lowlevel.ParkingLot()  # the reader waits here for budget
+        self._discarding = False  # closing: the reader drops what it reads
+        # The main task's scope, one for the connection's life (entering a fresh scope per
+        # request costs more): the reader cancels it when the client leaves, the timer when a
+        # request head is late.
+        self._scope = trio.CancelScope()
+        # When the awaited request head is due; infinite while no head is awaited. A plain float
+        # that the timer task polls, because moving a cancel scope's deadline twice per request
+        # costs several percent of the request rate.
+        self._head_deadline = math.inf
+        # Whether the request being handled may have its unread body dropped (rule 4).
+        self._body_discardable = False
+
+    def closes_after_response(self) -> bool:
+        """Whether a response sent now must end the connection (rule 4)."""
+        return self.h11.their_state is not h11.DONE and not self._body_discardable
+
+    # -- moving bytes -------------------------------------------------------------------------
+
+    async def send_all(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.client_gone = True
+            raise ClientDisconnected("the client closed the connection") from exc
+
+    async def _read_forever(self) -> None:
+        """The reader task: socket to h11, bounded, until EOF (or cancelled with the connection)."""
+        limits = self.limits
+        drained = 0
+        while True:
+            if self._unconsumed >= limits.pipeline_buffer_bytes and not self._discarding:
+                await self._budget_freed.park()
+                continue
+            try:
+                received = await self.stream.receive_some(limits.receive_bytes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                received = b""
+            if not received:
+                break
+            if self._discarding:
+                drained += len(received)
+                if drained >= limits.linger_bytes:
+                    break
+                continue
+            # Socket streams give bytes; other streams may give a bytearray.
+            self.h11.receive_data(received if isinstance(received, bytes) else bytes(received))
+            self._unconsumed += len(received)
+            self._data_arrived.unpark_all()
+        self._eof = True
+        self.client_gone = True
+        if not self._discarding:
+            self.h11.receive_data(b"")
+        # The client left: stop whatever the main task does, a running handler included.
+        self._scope.cancel()
+        self._data_arrived.unpark_all()
+
+    async def _wait_for_data(self) -> None:
+        """Wait until the reader fed h11 more bytes (or saw EOF); h11 has just said NEED_DATA."""
+        # NEED_DATA means h11 holds at most a partial event, capped by max_head_bytes or a
+        # partial chunk header: what the reader fed before is consumed, so its budget renews.
+        self._unconsumed = 0
+        self._budget_freed.unpark_all()
+        if not self._eof:
+            await self._data_arrived.park()
+
+    # -- the connection loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_forever)
+            nursery.start_soon(self._enforce_head_deadline)
+            with self._scope:
+                await self._run_cycles()
+            nursery.cancel_scope.cancel()
+
+    async def _run_cycles(self) -> None:
+        first = True
+        while True:
+            request = await self._read_head(first)
+            if request is None:
+                return
+            first = False
+            keep_alive = await self._handle(request)
+            if not keep_alive:
+                return
+            if (
+                self.h11.our_state is h11.DONE
+                and self.h11.their_state is not h11.DONE
+                and self._body_discardable
+            ):
+                keep_alive = await self._discard_body()
+            if keep_alive and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
+                self.h11.start_next_cycle()
+            else:
+                await self._close_gracefully()
+                return
+
+    async def _read_head(self, first: bool) -> h11.Request | None:
+        """Wait for the next request head; ``None`` when the connection should just end."""
+        limits = self.limits
+        idle = not first and not self.h11.trailing_data[0]
+        # Past this deadline the timer cancels the connection's main task: a client that idles
+        # or dribbles is simply disconnected.
+        self._head_deadline = trio.current_time() + (
+            limits.keepalive_timeout if idle else limits.header_timeout
+        )
+        # Each pass either returns or waits for more bytes into a buffer h11 caps at
+        # max_head_bytes, so the loop is bounded by that size (and by the deadline).
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                await self._answer_protocol_error(exc)
+                return None
+            if isinstance(event, h11.Request):
+                self._head_deadline = math.inf
+                return event
+            if event is not h11.NEED_DATA:
+                # ConnectionClosed (a clean close between requests), or PAUSED, which cannot
+                # happen here as every cycle that reaches this point was restarted.
+                return None
+            await self._wait_for_data()
+            if idle:
+                idle = False
+                self._head_deadline = trio.current_time() + limits.header_timeout
+
+    async def _enforce_head_deadline(self) -> None:
+        """The timer task: cancel the main task once an awaited request head is overdue.
+
+        It wakes at the recorded deadline, or after the shorter of the two head timeouts while
+        none is recorded (no deadline set later can be due sooner), so it costs nothing per
+        request and one wake-up per timeout period.
+        """
+        poll = min(self.limits.header_timeout, self.limits.keepalive_timeout)
+        while True:
+            now = trio.current_time()
+            deadline = self._head_deadline
+            if deadline <= now:
+                self._scope.cancel()
+                return
+            await trio.sleep_until(min(deadline, now + poll))
+
+    async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+        if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        status = exc.error_status_hint
+        try:
+            await self._send_error(status, f"malformed request: {exc}")
+        except ClientDisconnected:
+            return
+        await self._close_gracefully()
+
+    async def _send_error(self, status: int, message: str) -> None:
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+        body = error_body(message, status, error_type)
+        headers = [
+            JSON_CONTENT_TYPE,
+            (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close"),
+        ]
+        data = h11_bytes(self.h11.send(response_head(status, headers)))
+        data += h11_bytes(self.h11.send(h11.Data(data=body)))
+        data += h11_bytes(self.h11.send(h11.EndOfMessage()))
+        await self.send_all(data)
+
+    async def _handle(self, h11_request: h11.Request) -> bool:
+        """Run the handler for one request; ``True`` when the connection may go on."""
+        if _declares_no_body(h11_request):
+            # h11 reports the end of an empty body only when asked; ask now (no I/O happens) so
+            # the client's side is DONE and a response need not close the connection.
+            end = self.h11.next_event()
+            assert isinstance(end, h11.EndOfMessage), end
+        declared = _declared_length(h11_request)
+        # Only a plain Content-Length body: a request that also says Transfer-Encoding is
+        # framed by the latter, and RFC 9112 (6.1) wants the connection closed after it.
+        self._body_discardable = (
+            declared is not None
+            and declared <= min(self.limits.discard_body_bytes, self.limits.max_body_bytes)
+            and not self.h11.client_is_waiting_for_100_continue
+            and not _has_transfer_encoding(h11_request)
+        )
+        request = HTTPRequest(self, h11_request)
+        responder = HTTPResponder(self, h11_request.method == b"HEAD")
+        failure: Exception | None = None
+        if self._eof:
+            return False  # the client left before its request could start
+        try:
+            # The reader cancels this when the client leaves (see _read_forever).
+            await self.handler(request, responder)
+        except Exception as exc:
+            failure = exc
+
+        if self.client_gone:
+            return False
+        if failure is not None:
+            return await self._after_failure(failure, responder)
+        if not responder.started:
+            error = RuntimeError(f"handler returned without a response to {request.path}")
+            self.report(error)
+            await self._send_error_and_close(500, "internal error")
+            return False
+        if not responder.finished:
+            await responder.end_stream()
+        return True
+
+    async def _after_failure(self, failure: Exception, responder: HTTPResponder) -> bool:
+        if isinstance(failure, ClientDisconnected):
+            return False
+        if isinstance(failure, BodyTooLarge):
+            status, message = 413, f"request body too large (limit {self.limits.max_body_bytes})"
+        elif isinstance(failure, RequestTimeout):
+            status, message = 408, "request body timed out"
+        elif isinstance(failure, h11.RemoteProtocolError):
+            status, message = failure.error_status_hint, f"malformed request: {failure}"
+        else:
+            self.report(failure)
+            status, message = 500, "internal error"
+        if responder.started:
+            # Cut the response short: without the final chunk the client sees it incomplete.
+            return False
+        await self._send_error_and_close(status, message)
+        return False
+
+    async def _send_error_and_close(self, status: int, message: str) -> None:
+        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return  # h11 cannot send a response any more (e.g. after a local protocol error)
+        try:
+            await self._send_error(status, message)
+        except ClientDisconnected:
+            return
+        await self._close_gracefully()
+
+    def report(self, error: BaseException) -> None:
+        """Log an unexpected exception and pass it to ``on_error`` (rule 5)."""
+        logger.error("HTTP handler failed", exc_info=error)
+        if self.on_error is not None:
+            try:
+                self.on_error(error)
+            except Exception:
+                logger.exception("on_error callback failed")
+
+    # -- reading the body and watching for disconnects -----------------------------------------
+
+    async def read_body(self, request: h11.Request) -> bytes:
+        conn = self.h11
+        limits = self.limits
+        if conn.their_state is h11.DONE:
+            return b""
+        declared = _declared_length(request)
+        if declared is not None and declared > limits.max_body_bytes:
+            raise BodyTooLarge(f"declared body of {declared} bytes")
+        if conn.client_is_waiting_for_100_continue:
+            await self.send_all(
+                h11_bytes(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            )
+        parts: list[bytes] = []
+        size = 0
+        # Every pass consumes at least one byte of a body capped at max_body_bytes, or ends.
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limits.max_body_bytes:
+                    raise BodyTooLarge(f"body over {limits.max_body_bytes} bytes")
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif event is h11.NEED_DATA:
+                if self._eof:
+                    raise ClientDisconnected("the client left during the request body")
+                with trio.move_on_after(limits.body_timeout) as scope:
+                    await self._wait_for_data()
+                if scope.cancelled_caught:
+                    raise RequestTimeout(f"no body data for {limits.body_timeout} s")
+            else:  # pragma: no cover - h11 yields only Data/EndOfMessage/NEED_DATA here
+                raise RuntimeError(f"unexpected h11 event {event!r}")
+        return b"".join(parts)
+
+    async def _discard_body(self) -> bool:
+        """Read and drop the rest of a small declared body; ``True`` when the cycle completed.
+
+        The body of an early response usually came in with the head, so this rarely waits; when
+        it must, the wait is bounded by ``body_timeout``.
+        """
+        conn = self.h11
+        dropped = 0
+        # Bounded: each pass consumes body bytes (at most discard_body_bytes) or ends.
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return False  # the client left or broke the framing mid-body: just close
+            if isinstance(event, h11.EndOfMessage):
+                return True
+            if isinstance(event, h11.Data):
+                dropped += len(event.data)
+                if dropped > self.limits.discard_body_bytes:
+                    return False
+                continue
+            if event is not h11.NEED_DATA or self._eof:
+                return False
+            with trio.move_on_after(self.limits.body_timeout) as scope:
+                await self._wait_for_data()
+            if scope.cancelled_caught:
+                return False
+
+    async def _close_gracefully(self) -> None:
+        """Half-close, let the reader drain what the client still sends (bounded), then close.
+
+        Closing a socket with unread bytes makes the kernel send a reset, which can destroy the
+        response before the client reads it; draining until the client's EOF avoids that.
+        """
+        self._discarding = True
+        self._budget_freed.unpark_all()
+        stream = self.stream
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            try:
+                await stream.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+        with trio.move_on_after(self.limits.linger_timeout):
+            # The reader wakes this task only at EOF (or after linger_bytes): one pass or two.
+            while not self._eof:
+                await self._data_arrived.park()
+
+
+def _declares_no_body(request: h11.Request) -> bool:
+    # The framing rules h11 applies to requests: no Transfer-Encoding and no (or a zero)
+    # Content-Length means an empty body.
+    for name, value in request.headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return False
+    return True
+
+
+def _has_transfer_encoding(request: h11.Request) -> bool:
+    return any(name == b"transfer-encoding" for name, _ in request.headers)
+
+
+def _declared_length(request: h11.Request) -> int | None:
+    # h11 has already validated Content-Length (digits, one consistent value).
+    for name, value in request.headers:
+        if name == b"content-length":
+            return int(value)
+    return None
