@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -37,13 +38,21 @@ class AdminRoutes:
     Args:
         fleet: the load state whose thresholds are read and set.
         disabled: answer 404 to both methods.
+        on_change: told a model's new thresholds after a change (to pass them to its workers).
     """
 
-    __slots__ = ("_disabled", "_fleet")
+    __slots__ = ("_disabled", "_fleet", "_on_change")
 
-    def __init__(self, fleet: Fleet, *, disabled: bool) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        disabled: bool,
+        on_change: Callable[[str, Thresholds], None] = lambda _model, _thresholds: None,
+    ) -> None:
         self._fleet = fleet
         self._disabled = disabled
+        self._on_change = on_change
 
     def _check_enabled(self) -> None:
         if self._disabled:
@@ -64,11 +73,11 @@ class AdminRoutes:
                 f"Model '{model}' not found. Thresholds can only be set for discovered models."
             )
             raise BadRequest(404, message, admin=True)
-        current = (
-            self._fleet.set_thresholds(model, update)
-            if update.configured
-            else self._fleet.thresholds(model)
-        )
+        if update.configured:
+            current = self._fleet.set_thresholds(model, update)
+            self._on_change(model, current)
+        else:
+            current = self._fleet.thresholds(model)
         await responder.send(200, json_headers(), _json_encode(_threshold_entry(model, current)))
 
 

@@ -130,7 +130,13 @@ class FrontendAPI:
         self._draining = False
         self._idle = trio.Event()
         self._status = StatusRoutes(metrics.render, self._health)
-        admin = AdminRoutes(fleet, disabled=settings.admin_api_disabled)
+        admin = AdminRoutes(
+            fleet,
+            disabled=settings.admin_api_disabled,
+            on_change=lambda model, thresholds: pool.thresholds_changed(
+                model, thresholds.to_wire()
+            ),
+        )
         self._routes: dict[tuple[str, str], Callable[[HTTPRequest, HTTPResponder], Awaitable[None]]]
         self._routes = {
             ("GET", "/v1/models"): self._models,

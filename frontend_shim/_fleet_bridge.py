@@ -66,6 +66,17 @@ class FleetBridge:
         if self._fleet.apply_batch(config.worker_id, events, now):
             self._on_change()
 
+    def worker_lagging(self, key: WorkerKey, lagging: bool, now: float) -> None:
+        config = self._up.get(key)
+        if config is None or self._owner.get(config.worker_id) != key:
+            return
+        if self._fleet.set_lagging(config.worker_id, lagging):
+            self._on_change()
+
+    def thresholds(self, model: str) -> wire.BusyThresholds | None:
+        thresholds = self._fleet.thresholds(model)
+        return thresholds.to_wire() if thresholds.configured else None
+
     def worker_down(self, key: WorkerKey, now: float) -> None:
         config = self._up.pop(key, None)
         if config is None or self._owner.get(config.worker_id) != key:

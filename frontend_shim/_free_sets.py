@@ -11,8 +11,9 @@ Rules:
 1. A worker is busy when all its ranks that have *reported* (a load event or a heartbeat entry)
    are busy. A rank that never reported does not count; a worker with no reported rank is not
    busy. *Saturated* is the same AND over the frontend-queue check.
-2. A worker is *available* when it is registered, not stale and not draining; it is *free* when
-   it is available, not busy and not marked overloaded. Only free workers are routed to.
+2. A worker is *available* when it is registered, not stale, not lagging and not draining; it
+   is *free* when it is available, not busy and not marked overloaded. Only free workers are
+   routed to.
 3. Incremental: a change to one rank updates that rank's bits and its worker's counts
    (:meth:`FreeSets.recompute_rank`), then :meth:`FreeSets.update_membership` moves the worker in
    or out of its model's free set and fixes the counts. Both are O(1): applying one event never
@@ -87,6 +88,7 @@ class WorkerLoad:
         "counted_unsaturated",
         "draining",
         "free",
+        "lagging",
         "last_seen",
         "last_seq",
         "load_cost",
@@ -123,6 +125,8 @@ class WorkerLoad:
         self.last_seq = -1
         self.stale_after = stale
         self.stale = False
+        #: This frontend reads the worker's events too far behind to route on them.
+        self.lagging = False
         self.draining = False
         self.mark_until: float | None = None
         self.queued_for_mark = False
@@ -290,7 +294,7 @@ class FreeSets:
     def update_membership(self, worker: WorkerLoad) -> None:
         """Put the worker in or out of its model's free set and fix the counts (O(1))."""
         pool = worker.pool
-        available = not (worker.removed or worker.stale or worker.draining)
+        available = not (worker.removed or worker.stale or worker.lagging or worker.draining)
         free = available and not worker.busy and worker.mark_until is None
         had_available = pool.available > 0
         had_free = len(pool.free) > 0

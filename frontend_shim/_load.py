@@ -14,7 +14,10 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    output yet).
 2. Stale: no event or heartbeat for longer than ``stale_after_intervals * heartbeat_interval``.
    The next event makes it fresh again. Dynamo has no staleness: a silent worker keeps its last
-   load forever; here a worker that stopped talking stops receiving requests.
+   load forever; here a worker that stopped talking stops receiving requests. Likewise a worker
+   whose events this frontend reads too far behind (:meth:`Fleet.set_lagging`, from the link's
+   lag measurement) is not routed to until the link has caught up: a frontend that cannot keep
+   up says so instead of routing on old load.
 3. Overload mark (a worker answered ``Server overloaded:``): the worker is not free until its next
    load event or heartbeat, or until the lease (1 s by default) runs out, whichever comes first.
    A mark can never stick (Dynamo issue #14213).
@@ -261,7 +264,9 @@ class Fleet:
             worker.queued_for_stale = False
             if worker.removed or worker.stale:
                 continue
-            if now - worker.last_seen > worker.stale_after:
+            # The same sum as the heap key: written as a difference, float rounding could call
+            # a worker due here and not stale there, and the loop would never end.
+            if worker.last_seen + worker.stale_after < now:
                 worker.stale = True
                 self._sets.update_membership(worker)
             else:
@@ -304,6 +309,23 @@ class Fleet:
         if not worker.queued_for_mark:
             self._push(self._mark_heap, worker.mark_until, worker)
             worker.queued_for_mark = True
+        self._sets.update_membership(worker)
+        return True
+
+    def set_lagging(self, worker_id: str, lagging: bool) -> bool:
+        """Take a worker out of routing while its events are read too far behind, or back.
+
+        Its link measures the lag of its event stream; routing on load that old would be
+        routing blind, so the worker counts as unavailable (like a stale one) until the link
+        has caught up.
+
+        Returns:
+            Whether the worker is known.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.lagging = lagging
         self._sets.update_membership(worker)
         return True
 

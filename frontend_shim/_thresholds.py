@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Final, TypeVar
+from typing import TypeVar
 
 from shim_common import wire
+from shim_common._busy import UNKNOWN_MAX_BATCHED_TOKENS
+from shim_common._busy import rank_busy as shared_rank_busy
 
 __all__ = [
     "UNKNOWN_MAX_BATCHED_TOKENS",
@@ -34,7 +36,6 @@ __all__ = [
 ]
 
 #: ``max_num_batched_tokens`` assumed when a worker announces none (Dynamo's default).
-UNKNOWN_MAX_BATCHED_TOKENS: Final = 10_000_000
 
 
 class ThresholdError(ValueError):
@@ -136,6 +137,14 @@ class Thresholds:
             or self.active_prefill_tokens_frac is not None
         )
 
+    def to_wire(self) -> wire.BusyThresholds:
+        """These thresholds as a worker reads them (:class:`wire.Subscribe`)."""
+        return wire.BusyThresholds(
+            active_decode_blocks=self.active_decode_blocks,
+            active_prefill_tokens=self.active_prefill_tokens,
+            active_prefill_tokens_frac=self.active_prefill_tokens_frac,
+        )
+
     def merged(self, update: Thresholds) -> Thresholds:
         """These thresholds with every non-``None`` value of ``update`` put in (the POST rule).
 
@@ -164,7 +173,7 @@ def _first_set(new: _T | None, old: _T | None) -> _T | None:
 
 
 def rank_busy(config: wire.RuntimeConfig, t: Thresholds, blocks: int, prefill: int) -> bool:
-    """The busy rule of one rank (see the module docstring).
+    """The busy rule of one rank (the one shared with the workers' edge detection).
 
     Args:
         config: the worker's announced configuration (its per-rank capacities).
@@ -172,16 +181,12 @@ def rank_busy(config: wire.RuntimeConfig, t: Thresholds, blocks: int, prefill: i
         blocks: the KV blocks the rank holds.
         prefill: the prompt tokens waiting for prefill on the rank.
     """
-    if (
-        t.active_decode_blocks is not None
-        and config.kv_total_blocks > 0
-        and blocks / config.kv_total_blocks > t.active_decode_blocks
-    ):
-        return True
-    if t.active_prefill_tokens is not None and prefill > t.active_prefill_tokens:
-        return True
-    return t.active_prefill_tokens_frac is not None and prefill > int(
-        t.active_prefill_tokens_frac * max_batched(config)
+    return shared_rank_busy(
+        t,
+        blocks=blocks,
+        prefill_tokens=prefill,
+        kv_total_blocks=config.kv_total_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
 
 

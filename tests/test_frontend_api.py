@@ -506,8 +506,14 @@ async def test_migration_retries_on_a_free_worker() -> None:
 
 
 async def test_overload_mark_skips_the_worker_then_its_lease_ends() -> None:
-    # Worker A never sends an event on its own (long heartbeat): only the lease lifts its mark.
-    full = worker_settings(engine_request_limit=1, request_queue_limit=2, heartbeat_interval=30)
+    # Worker A never sends an event on its own (long heartbeat, and every change published at
+    # once, so no event of the filling arrives after the mark): only the lease lifts its mark.
+    full = worker_settings(
+        engine_request_limit=1,
+        request_queue_limit=2,
+        heartbeat_interval=30,
+        load_publish_interval=0.0,
+    )
     free = worker_settings(worker_id="w-b", heartbeat_interval=30)
     lease = 0.4  # shorter than the 1 s default, still long enough for six local requests
     with trio.fail_after(TIMEOUT):

@@ -110,7 +110,7 @@ def test_worker_flags_pass_through_to_local_workers() -> None:
         (["--local-workers", "-1"], {}, "--local-workers"),
         (["--worker", "http://a:1"], {}, "--worker"),
         (["--worker", "ws://127.0.0.1"], {}, "--worker"),
-        (["--worker", "wss://127.0.0.1:5"], {}, "--worker"),
+        (["--worker", "http://127.0.0.1:5"], {}, "--worker"),
         ([], {"DYN_WORKERS": "ws://a:1,ws://b"}, "--worker"),
         (["--max-body-bytes", "0"], {}, "--max-body-bytes"),
         (

@@ -278,5 +278,11 @@ class _NullListener:
     def worker_events(self, key: str, events: object, now: float) -> None:
         pass
 
+    def worker_lagging(self, key: str, lagging: bool, now: float) -> None:
+        pass
+
     def worker_down(self, key: str, now: float) -> None:
         pass
+
+    def thresholds(self, model: str) -> wire.BusyThresholds | None:
+        return None

@@ -26,18 +26,10 @@ import trio_websocket
 from hypothesis import given
 from hypothesis import strategies as st
 
-from frontend_shim._workers import (
-    LinkSettings,
-    LinkStats,
-    RequestStream,
-    WorkerLink,
-    WorkerPool,
-    WorkerUrl,
-    _RequestPlane,
-    _ResponseBuffer,
-    parse_worker_url,
-    resolve_addresses,
-)
+from frontend_shim._discovery import WorkerUrl, parse_worker_url, resolve_addresses
+from frontend_shim._links import LinkSettings, WorkerLink
+from frontend_shim._pool import WorkerPool
+from frontend_shim._request_plane import LinkStats, RequestPlane, RequestStream, ResponseBuffer
 from shim_common import wire
 from shim_common._net import Backoff
 from worker_ingress._config import MockerSettings, WorkerSettings
@@ -102,7 +94,6 @@ def test_parse_worker_url_accepts(url: str, expected: WorkerUrl) -> None:
     "url",
     [
         "http://127.0.0.1:9100",
-        "wss://127.0.0.1:9100",
         "ws://127.0.0.1",
         "ws://:9100",
         "ws://127.0.0.1:99999",
@@ -127,7 +118,7 @@ def _chunk(text: str, *, finish: str | None = None, rid: int = 1) -> wire.Chunk:
 
 
 async def test_full_buffer_merges_text_chunks_and_keeps_room_for_the_end() -> None:
-    buffer = _ResponseBuffer(2)
+    buffer = ResponseBuffer(2)
     assert buffer.push(wire.Started(request_id=1, prompt_tokens=3)) == "ok"
     assert buffer.push(_chunk("a")) == "ok"
     assert buffer.push(_chunk("b")) == "merged"
@@ -142,7 +133,7 @@ async def test_full_buffer_merges_text_chunks_and_keeps_room_for_the_end() -> No
 
 
 async def test_full_buffer_refuses_embeddings() -> None:
-    buffer = _ResponseBuffer(1)
+    buffer = ResponseBuffer(1)
     vector = wire.Chunk(request_id=1, embedding=[0.5], index=0)
     assert buffer.push(vector) == "ok"
     assert buffer.push(wire.Chunk(request_id=1, embedding=[0.5], index=1)) == "full"
@@ -156,7 +147,7 @@ def _generate_ids(data: Sequence[bytes]) -> list[tuple[str, int]]:
     return out
 
 
-async def _drain_outbox(plane: _RequestPlane) -> list[bytes]:
+async def _drain_outbox(plane: RequestPlane) -> list[bytes]:
     sent: list[bytes] = []
     while True:
         with trio.move_on_after(0) as scope:
@@ -165,9 +156,13 @@ async def _drain_outbox(plane: _RequestPlane) -> list[bytes]:
             return sent
 
 
+def fast_plane(stats: LinkStats) -> RequestPlane:
+    return RequestPlane(request_buffer=FAST.request_buffer, send_queue=FAST.send_queue, stats=stats)
+
+
 async def test_request_table_routes_replies_and_forgets_finished_requests() -> None:
     stats = LinkStats()
-    plane = _RequestPlane(FAST, stats)
+    plane = fast_plane(stats)
     with trio.fail_after(5):
         first_id, first = await plane.open("completions", {"prompt": "a"})
         second_id, second = await plane.open("completions", {"prompt": "b"})
@@ -189,7 +184,7 @@ async def test_request_table_routes_replies_and_forgets_finished_requests() -> N
 
 
 async def test_cancel_before_the_generate_left_sends_nothing() -> None:
-    plane = _RequestPlane(FAST, LinkStats())
+    plane = fast_plane(LinkStats())
     with trio.fail_after(5):
         request_id, _ = await plane.open("completions", {"prompt": "a"})
         plane.cancel(request_id)
@@ -197,7 +192,7 @@ async def test_cancel_before_the_generate_left_sends_nothing() -> None:
 
 
 async def test_cancel_after_the_generate_left_sends_cancel() -> None:
-    plane = _RequestPlane(FAST, LinkStats())
+    plane = fast_plane(LinkStats())
     with trio.fail_after(5):
         request_id, _ = await plane.open("completions", {"prompt": "a"})
         await _drain_outbox(plane)
@@ -208,7 +203,7 @@ async def test_cancel_after_the_generate_left_sends_cancel() -> None:
 
 async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker() -> None:
     stats = LinkStats()
-    plane = _RequestPlane(LinkSettings(request_buffer=1), stats)
+    plane = RequestPlane(request_buffer=1, send_queue=256, stats=stats)
     with trio.fail_after(5):
         slow_id, slow = await plane.open("embeddings", {"input": ["a", "b"]})
         other_id, other = await plane.open("embeddings", {"input": ["c"]})
@@ -227,7 +222,7 @@ async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker()
 
 
 async def test_closing_the_session_fails_every_open_request() -> None:
-    plane = _RequestPlane(FAST, LinkStats())
+    plane = fast_plane(LinkStats())
     with trio.fail_after(5):  # open waits for room in the outbox
         ids = [(await plane.open("completions", {"prompt": "x"}))[0] for _ in range(3)]
         await _drain_outbox(plane)
@@ -239,7 +234,7 @@ async def test_closing_the_session_fails_every_open_request() -> None:
 
 
 async def test_generate_waits_for_room_in_the_outbox() -> None:
-    plane = _RequestPlane(LinkSettings(send_queue=2), LinkStats())
+    plane = RequestPlane(request_buffer=256, send_queue=2, stats=LinkStats())
     await plane.open("completions", {"prompt": "x"})
     await plane.open("completions", {"prompt": "x"})
     with trio.move_on_after(0.01) as scope:
@@ -251,7 +246,7 @@ async def test_generate_waits_for_room_in_the_outbox() -> None:
 
 
 async def test_stream_hands_out_replies_in_order() -> None:
-    buffer = _ResponseBuffer(8)
+    buffer = ResponseBuffer(8)
     for reply in (
         wire.Started(request_id=1, prompt_tokens=2),
         _chunk("a"),
@@ -278,6 +273,7 @@ class RecordingListener:
         self.configs: list[wire.RuntimeConfig] = []
         self.events: list[wire.WorkerEvent] = []
         self.changed = ChangeSignal()
+        self.busy_thresholds: wire.BusyThresholds | None = None
 
     def worker_up(self, key: str, config: wire.RuntimeConfig, now: float) -> None:
         self.calls.append(("up", key))
@@ -288,9 +284,16 @@ class RecordingListener:
         self.events.extend(events)
         self.changed.bump()
 
+    def worker_lagging(self, key: str, lagging: bool, now: float) -> None:
+        self.calls.append(("lagging" if lagging else "caught up", key))
+        self.changed.bump()
+
     def worker_down(self, key: str, now: float) -> None:
         self.calls.append(("down", key))
         self.changed.bump()
+
+    def thresholds(self, model: str) -> wire.BusyThresholds | None:
+        return self.busy_thresholds
 
     def count(self, what: str) -> int:
         return sum(1 for call, _ in self.calls if call == what)
@@ -797,8 +800,8 @@ def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[An
 
     async def main() -> None:
         stats = LinkStats()
-        plane = _RequestPlane(LinkSettings(request_buffer=3), stats)
-        buffers: list[_ResponseBuffer] = []
+        plane = RequestPlane(request_buffer=3, send_queue=256, stats=stats)
+        buffers: list[ResponseBuffer] = []
         ids: list[int] = []
         sent: set[int] = set()
         cancelled: set[int] = set()

@@ -1,0 +1,226 @@
+"""One websocket connection from the frontend to a worker plane: a Trio stream and the lean codec.
+
+A :class:`PlaneConnection` is opened by :func:`open_plane` (TCP, TLS for ``wss://``, the upgrade
+with any extra headers) and read by exactly one task through :meth:`PlaneConnection.messages`,
+which returns every whole binary message that one read brought: no task hop, no channel and no
+cancel scope per message, so a frontend following thousands of workers pays for bytes, not for
+bookkeeping. Liveness is judged from :attr:`PlaneConnection.last_received` by the link's
+watchdog, not by a timeout around every read.
+
+Rules:
+
+1. Writes go through :meth:`send_message`, :meth:`send_ping` and the reader's automatic pong,
+   serialised by one lock, so frames never interleave.
+2. The reader answers a ping with a pong and notes a pong (any bytes at all prove the peer
+   alive: :attr:`last_received` moves and an outstanding ping is cleared).
+3. A close frame from the worker is answered and raises :class:`PlaneClosed` with its code and
+   reason; EOF raises it with 1006. A text message, a frame breaking the rules or a message
+   over the size cap raises :class:`~frontend_shim._request_plane.ProtocolError`.
+4. :meth:`aclose` sends a close frame when it can (bounded by ``close_timeout``) and always
+   closes the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import ssl
+from collections.abc import Sequence
+from typing import Final
+
+import trio
+
+from frontend_shim._request_plane import ProtocolError
+from shim_common._net import host_for_url
+from shim_common._websocket import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    FrameReader,
+    HandshakeReader,
+    WebSocketProtocolError,
+    close_payload,
+    encode_frame,
+    handshake_request,
+    parse_close,
+)
+
+__all__ = ["EVENTS_RECEIVE_BUFFER", "PlaneClosed", "PlaneConnection", "open_plane"]
+
+#: Bytes asked of the socket per read: many small event batches fit in one read.
+RECEIVE_BYTES: Final = 64 * 1024
+#: Receive buffer asked of the kernel for event-plane sockets. Small on purpose: a frontend that
+#: falls behind should hold seconds of old events, not a backlog of minutes, so the worker's
+#: latest-wins mailbox engages (its sends block) and the lag stays bounded.
+EVENTS_RECEIVE_BUFFER: Final = 64 * 1024
+
+
+#: What a write to a connection that is going away raises.
+_SEND_ERRORS: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class PlaneClosed(Exception):
+    """The worker closed the connection (``code`` 1006: without a close frame)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(f"connection closed ({code}{' ' + reason if reason else ''})")
+        self.code = code
+        self.reason = reason
+
+
+class PlaneConnection:
+    """A client websocket on one plane of a worker (see the module rules).
+
+    Attributes:
+        path: the plane's path (for messages).
+        last_received: ``trio.current_time()`` of the last bytes read.
+        ping_sent_at: when the outstanding keepalive ping was sent; ``None`` when none is.
+    """
+
+    def __init__(
+        self, stream: trio.abc.Stream, path: str, first_bytes: bytes, max_message_bytes: int
+    ) -> None:
+        self.path = path
+        self.last_received = trio.current_time()
+        self.ping_sent_at: float | None = None
+        self._stream = stream
+        self._reader = FrameReader(max_message_bytes)
+        self._first_bytes = first_bytes
+        self._unread: list[bytes] = []
+        self._send_lock = trio.StrictFIFOLock()
+        self._closed = False
+
+    async def messages(self) -> list[bytes]:
+        """Wait for bytes from the worker and return the whole binary messages among them.
+
+        Returns:
+            One or more messages, in order.
+
+        Raises:
+            PlaneClosed: the worker closed the connection.
+            ProtocolError: a text message or a broken frame (rule 3).
+            trio.BrokenResourceError: the socket failed.
+        """
+        if self._unread:
+            unread, self._unread = self._unread, []
+            return unread
+        while True:
+            if self._first_bytes:
+                data, self._first_bytes = self._first_bytes, b""
+            else:
+                data = bytes(await self._stream.receive_some(RECEIVE_BYTES))
+                if not data:
+                    raise PlaneClosed(1006, "")
+            self.last_received = trio.current_time()
+            self.ping_sent_at = None
+            try:
+                frames = self._reader.receive(data)
+            except WebSocketProtocolError as exc:
+                raise ProtocolError(f"{exc} on {self.path}") from exc
+            messages: list[bytes] = []
+            for opcode, payload in frames:
+                if opcode == OP_BINARY:
+                    messages.append(payload)
+                elif opcode == OP_PING:
+                    await self._send_frame(encode_frame(OP_PONG, payload))
+                elif opcode == OP_CLOSE:
+                    code, reason = parse_close(payload)
+                    await self._reply_close(code)
+                    raise PlaneClosed(code, reason)
+                elif opcode != OP_PONG:
+                    raise ProtocolError(f"a text message on {self.path} (the protocol is binary)")
+            if messages:
+                return messages
+
+    def unread(self, messages: list[bytes]) -> None:
+        """Give messages back, to be returned first by the next :meth:`messages`."""
+        self._unread = messages + self._unread
+
+    async def send_message(self, data: bytes) -> None:
+        """Send one binary message (waits while the socket is full: backpressure)."""
+        await self._send_frame(encode_frame(OP_BINARY, data))
+
+    async def send_ping(self) -> None:
+        """Send a keepalive ping and note when (rule 2 clears it)."""
+        self.ping_sent_at = trio.current_time()
+        await self._send_frame(encode_frame(OP_PING))
+
+    async def aclose(self, close_timeout: float) -> None:
+        """Send a close frame unless the caller is being cancelled, then close the stream.
+
+        Never raises; runs shielded, so it finishes even under cancellation (the close frame
+        is skipped then: the peer may be the reason, and waiting on it would only delay).
+        """
+        polite = not self._closed and trio.current_effective_deadline() != -math.inf
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            if polite:
+                with trio.move_on_after(close_timeout), contextlib.suppress(*_SEND_ERRORS):
+                    await self._send_frame(encode_frame(OP_CLOSE, close_payload(1000)))
+            await trio.aclose_forcefully(self._stream)
+
+    async def _reply_close(self, code: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        reply = close_payload(code if code not in (1005, 1006) else 1000)
+        with trio.move_on_after(1.0), contextlib.suppress(*_SEND_ERRORS):
+            await self._send_frame(encode_frame(OP_CLOSE, reply))
+
+    async def _send_frame(self, frame: bytes) -> None:
+        async with self._send_lock:
+            await self._stream.send_all(frame)
+
+
+async def open_plane(
+    *,
+    host: str,
+    port: int,
+    path: str,
+    headers: Sequence[tuple[str, str]] = (),
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    max_message_bytes: int,
+    receive_buffer: int | None = None,
+) -> PlaneConnection:
+    """Connect to ``host:port``, upgrade ``path`` and return the open connection.
+
+    The caller bounds the time (a cancel scope around the whole session start).
+
+    Args:
+        host: The IP address to connect to.
+        port: The port.
+        path: The full request target (path prefix plus plane path).
+        headers: Extra upgrade headers (the bearer token).
+        ssl_context: TLS for ``wss://``; ``None`` for plain ``ws://``.
+        server_hostname: The name the certificate must carry (default: ``host``).
+        max_message_bytes: The size cap of one message.
+        receive_buffer: ``SO_RCVBUF`` to ask of the kernel (``None``: the default).
+
+    Raises:
+        OSError: the TCP connection failed.
+        trio.BrokenResourceError: TLS failed (its cause says why) or the socket broke.
+        HandshakeError: the upgrade was refused (``HandshakeRejected``) or malformed.
+    """
+    tcp = await trio.open_tcp_stream(host, port)
+    if receive_buffer is not None:
+        tcp.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, receive_buffer)
+    stream: trio.abc.Stream = tcp
+    try:
+        if ssl_context is not None:
+            tls = trio.SSLStream(
+                tcp, ssl_context, server_hostname=server_hostname or host, https_compatible=True
+            )
+            await tls.do_handshake()
+            stream = tls
+        request, key = handshake_request(f"{host_for_url(host)}:{port}", path, headers)
+        await stream.send_all(request)
+        answer = HandshakeReader(key)
+        while True:
+            first_bytes = answer.receive(bytes(await stream.receive_some(RECEIVE_BYTES)))
+            if first_bytes is not None:
+                return PlaneConnection(stream, path, first_bytes, max_message_bytes)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise

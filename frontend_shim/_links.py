@@ -1,0 +1,600 @@
+"""The frontend's link to one worker: a session of two planes, kept up for as long as it runs.
+
+A :class:`WorkerLink` owns the two websocket connections to one worker, ``/v1/events`` and
+``/v1/requests``, opened and lost together (a *session*). It reports the worker to a
+:class:`FleetListener`: ``worker_up`` on each new session's hello, ``worker_events`` for every
+event batch, ``worker_lagging`` when its event stream falls behind or catches up, and
+``worker_down`` when the session ends. It reconnects forever with capped exponential backoff and
+jitter. :meth:`WorkerLink.request` runs one request on the request plane
+(:mod:`frontend_shim._request_plane`).
+
+Rules of a session (the state machine of a link):
+
+1. ``down`` -> connect both planes and read one :class:`wire.Hello` on each, within
+   ``connect_timeout`` and holding one place of the pool's connect limiter (so a fleet of
+   thousands starts without thousands of handshakes at once); the protocol versions must be
+   :data:`wire.PROTOCOL_VERSION` and the worker ids must agree -> ``up`` (``worker_up``, the
+   backoff is reset). A worker that lists :data:`wire.FEATURE_BUSY_EDGES` is sent the
+   thresholds of its model (:class:`wire.Subscribe`), again whenever they change.
+2. While ``up``, four tasks run: a tight reader per plane, the request plane's sender, and a
+   watchdog. Nothing runs per message but decoding and handing over (no timeout scope, no task
+   hop). The watchdog wakes a few times per keepalive interval and ends the session when the
+   event plane has been silent for three heartbeat intervals (at least ``keepalive_timeout``:
+   a worker sends a heartbeat every interval, so silence means it is gone or wedged), or when a
+   ping on the request plane went unanswered for ``keepalive_timeout``. It pings the request
+   plane only after ``keepalive_interval`` without any bytes from it, so a busy link is never
+   pinged and an idle fleet costs one small ping per worker per interval.
+3. Lag: each event batch carries the worker's wall-clock time of sending. The link keeps the
+   smallest ``arrival - sent`` seen in the last two windows of ``lag_window`` seconds (clock skew
+   and transit); the excess over it is how far behind this frontend reads that worker. Above
+   ``max_event_lag`` the listener hears ``worker_lagging(True)`` (routing skips the worker,
+   counted, logged once per episode); back under half of it, ``worker_lagging(False)``.
+4. Any of these ends the session: a closed connection, the watchdog, a message that does not
+   decode (logged and counted in :class:`LinkStats`), a second hello. Every request still open
+   on the session then ends at once with ``Failed(kind="unavailable")``; nothing is left hanging.
+   ``worker_down`` is called, then the link sleeps out its backoff and goes to 1.
+
+Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import ssl
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Final, Protocol, TypeVar
+
+import msgspec
+import trio
+
+from frontend_shim._connection import (
+    EVENTS_RECEIVE_BUFFER,
+    PlaneClosed,
+    PlaneConnection,
+    open_plane,
+)
+from frontend_shim._discovery import WorkerKey
+from frontend_shim._request_plane import (
+    LinkStats,
+    ProtocolError,
+    RequestPlane,
+    RequestStream,
+    ResponseBuffer,
+    unavailable,
+)
+from shim_common import wire
+from shim_common._net import Backoff
+from shim_common._websocket import HandshakeError
+
+__all__ = [
+    "FleetListener",
+    "LagMeter",
+    "LinkSettings",
+    "WorkerLink",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkSettings:
+    """Timeouts, sizes and credentials of a worker link. The defaults suit a LAN or loopback."""
+
+    #: Seconds to open both websockets and read both hellos.
+    connect_timeout: float = 5.0
+    #: Seconds to wait for the closing handshake when a session ends.
+    disconnect_timeout: float = 1.0
+    #: Seconds without any bytes on the request plane before it is pinged.
+    keepalive_interval: float = 5.0
+    #: Seconds a ping may wait for an answer before the session is declared dead.
+    keepalive_timeout: float = 5.0
+    #: First reconnect delay (seconds); it doubles per failed attempt ...
+    backoff_initial: float = 0.05
+    #: ... up to this cap (seconds).
+    backoff_cap: float = 2.0
+    #: Each delay is drawn uniformly from ``[(1 - jitter) * d, d]``.
+    backoff_jitter: float = 0.5
+    #: Messages buffered per request before text chunks are merged.
+    request_buffer: int = 256
+    #: ``Generate`` messages waiting for the sender before ``request()`` waits.
+    send_queue: int = 256
+    #: Seconds an event stream may lag (rule 3) before its worker is not routed to.
+    max_event_lag: float = 1.0
+    #: Seconds of each window of the smallest transit time (rule 3).
+    lag_window: float = 60.0
+    #: Extra headers of every upgrade request (the bearer token of the worker planes).
+    headers: tuple[tuple[str, str], ...] = ()
+    #: TLS for ``wss://`` worker URLs; ``None``: the system's trust store.
+    ssl_context: ssl.SSLContext | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_buffer < 1 or self.send_queue < 1:
+            raise ValueError("request_buffer and send_queue must be at least 1")
+        if not 0.0 <= self.backoff_jitter <= 1.0:
+            raise ValueError(f"backoff_jitter must be in [0, 1], got {self.backoff_jitter}")
+        if not 0.0 < self.backoff_initial <= self.backoff_cap:
+            raise ValueError("backoff needs 0 < backoff_initial <= backoff_cap")
+        if not self.max_event_lag > 0:
+            raise ValueError(f"max_event_lag must be > 0, got {self.max_event_lag}")
+
+
+# ----------------------------------------------------------------------------- listener
+
+
+class FleetListener(Protocol):
+    """What a link tells about its worker (the frontend's load state glue).
+
+    Calls are synchronous and come from the links' reader tasks: keep them short and
+    non-blocking. For one key the order is always ``worker_up``, any number of
+    ``worker_events`` and ``worker_lagging``, ``worker_down``, and so on; ``now`` is
+    ``trio.current_time()``.
+    """
+
+    def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
+        """A session to the worker at ``key`` started; ``config`` is from its hello."""
+
+    def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
+        """One event batch from the worker at ``key``, oldest first."""
+
+    def worker_lagging(self, key: WorkerKey, lagging: bool, now: float) -> None:
+        """The worker's event stream fell behind by more than the bound, or caught up."""
+
+    def worker_down(self, key: WorkerKey, now: float) -> None:
+        """The session ended (lost, or the link was stopped); its open requests have failed."""
+
+    def thresholds(self, model: str) -> wire.BusyThresholds | None:
+        """The busy thresholds of ``model`` to send to a worker that takes them."""
+
+
+# ----------------------------------------------------------------------------- lag
+
+
+class LagMeter:
+    """How far behind a worker's event stream is read (rule 3; sans-IO).
+
+    Args:
+        window: Seconds of each window of the smallest transit time.
+    """
+
+    __slots__ = ("_current_min", "_previous_min", "_window", "_window_end", "lag", "max_lag")
+
+    def __init__(self, window: float) -> None:
+        self._window = window
+        self._window_end = -math.inf
+        self._current_min = math.inf
+        self._previous_min = math.inf
+        #: The lag of the latest batch (seconds).
+        self.lag = 0.0
+        #: The largest lag seen.
+        self.max_lag = 0.0
+
+    def observe(self, arrival: float, sent: float, now: float) -> float:
+        """Record one batch: wall-clock ``arrival`` here, ``sent`` there; ``now`` is monotonic.
+
+        Returns:
+            The lag of this batch.
+        """
+        delay = arrival - sent
+        if now >= self._window_end:
+            self._previous_min = self._current_min
+            self._current_min = math.inf
+            self._window_end = now + self._window
+        if delay < self._current_min:
+            self._current_min = delay
+        base = self._current_min if self._current_min < self._previous_min else self._previous_min
+        lag = delay - base
+        self.lag = lag
+        if lag > self.max_lag:
+            self.max_lag = lag
+        return lag
+
+
+# ----------------------------------------------------------------------------- one worker
+
+
+class _KeepaliveTimeout(Exception):
+    """The event plane fell silent, or a ping went unanswered."""
+
+
+# Everything that ends a session in the ordinary course of things (not a bug of ours).
+_SESSION_ERRORS: Final = (
+    OSError,
+    trio.BrokenResourceError,
+    trio.TooSlowError,
+    PlaneClosed,
+    HandshakeError,
+    msgspec.DecodeError,
+    ProtocolError,
+    _KeepaliveTimeout,
+)
+
+_M = TypeVar("_M")
+
+
+class WorkerLink:
+    """The two websocket connections to one worker, kept up for as long as :meth:`run` runs.
+
+    Args:
+        key: the worker's key (its base URL with the host resolved).
+        listener: who hears about the worker.
+        settings: timeouts, sizes and credentials.
+        connect_limiter: bounds the connection attempts of a pool in flight at once.
+        server_hostname: the name a ``wss://`` worker's certificate must carry.
+        rng: the random source of the backoff jitter.
+
+    Attributes:
+        key: the worker's stable id and base URL, e.g. ``"ws://127.0.0.1:9100"``.
+        config: the worker's runtime configuration from its latest hello; ``None`` before the
+            first session. It stays set while the worker is down (the last known one).
+        connected: True while a session is up.
+        lagging: True while the event stream lags more than the bound (rule 3).
+        lag: the lag meter of the current session.
+        stats: counters (sessions, failures, protocol errors, ...).
+    """
+
+    def __init__(
+        self,
+        key: WorkerKey,
+        listener: FleetListener,
+        settings: LinkSettings | None = None,
+        *,
+        connect_limiter: trio.CapacityLimiter | None = None,
+        server_hostname: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.key = key
+        self.config: wire.RuntimeConfig | None = None
+        self.connected = False
+        self.lagging = False
+        self.stats = LinkStats()
+        self._listener = listener
+        self._settings = settings if settings is not None else LinkSettings()
+        self.lag = LagMeter(self._settings.lag_window)
+        self._limiter = connect_limiter
+        self._server_hostname = server_hostname
+        self._backoff = Backoff(
+            initial=self._settings.backoff_initial,
+            cap=self._settings.backoff_cap,
+            jitter=self._settings.backoff_jitter,
+            rng=rng,
+        )
+        parts = urllib.parse.urlsplit(key)
+        assert parts.hostname is not None  # keys are made by WorkerUrl.key_for
+        assert parts.port is not None
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path_prefix = parts.path
+        self._tls = parts.scheme == "wss"
+        self._plane: RequestPlane | None = None
+        self._events: PlaneConnection | None = None
+        self._edges = False
+        self._up_event = trio.Event()
+        self._reached_up = False
+
+    def __repr__(self) -> str:
+        state = "up" if self.connected else "down"
+        return f"<WorkerLink {self.key} {state}>"
+
+    @property
+    def open_requests(self) -> int:
+        """Requests in flight on the current session."""
+        return self._plane.open_requests if self._plane is not None else 0
+
+    async def wait_connected(self) -> None:
+        """Return once a session is up (at once if one is)."""
+        await self._up_event.wait()
+
+    def request(
+        self, endpoint: wire.Endpoint, body: dict[str, Any]
+    ) -> AbstractAsyncContextManager[RequestStream]:
+        """Run one request on the worker; use as ``async with link.request(...) as stream``.
+
+        Entering sends ``Generate`` (waiting only while the link's outbox is full). If the
+        worker is not connected, the stream's :meth:`RequestStream.first` is at once
+        ``Failed(kind="unavailable")``.
+
+        Leaving the block before the stream ended (the HTTP client went away, an exception, a
+        cancellation) sends ``Cancel`` for the request, so the worker frees its slot or queue
+        place. Leaving never waits, so it is safe under cancellation.
+
+        Args:
+            endpoint: which OpenAI endpoint the body is for.
+            body: the OpenAI request body, as the client sent it.
+
+        Returns:
+            An async context manager yielding the :class:`RequestStream`.
+        """
+        return self._request(endpoint, body)
+
+    @asynccontextmanager
+    async def _request(
+        self, endpoint: wire.Endpoint, body: dict[str, Any]
+    ) -> AsyncIterator[RequestStream]:
+        plane = self._plane
+        if plane is None:
+            buffer = ResponseBuffer(1)
+            buffer.finish(unavailable(0, f"{self.key} is not connected"))
+            yield RequestStream(0, buffer)
+            return
+        request_id, buffer = await plane.open(endpoint, body)
+        try:
+            yield RequestStream(request_id, buffer)
+        finally:
+            # A no-op when the request already ended or the session is gone.
+            plane.cancel(request_id)
+
+    async def send_thresholds(self, thresholds: wire.BusyThresholds | None) -> None:
+        """Tell the worker the thresholds its model is routed by (if it takes them)."""
+        events = self._events
+        if events is None or not self._edges or thresholds is None:
+            return
+        message = wire.encode(wire.Subscribe(thresholds=thresholds))
+        # A failure means the session is ending; the next one sends them again.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await events.send_message(message)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a session to the worker up until cancelled.
+
+        Calls ``task_status.started()`` at once: whether the worker is reachable is reported
+        through the listener (and :meth:`wait_connected`), never by blocking here. On
+        cancellation an up session ends with ``worker_down`` and its requests fail.
+        """
+        task_status.started()
+        # Log the first failure of a streak at WARNING and the repeats at DEBUG: a worker that is
+        # down for an hour must not fill the log with a line every two seconds.
+        quiet = False
+        while True:
+            try:
+                await self._session()
+            except* _SESSION_ERRORS as group:
+                if not self._reached_up:
+                    self.stats.connect_failures += 1
+                level = logging.DEBUG if quiet and not self._reached_up else logging.WARNING
+                logger.log(level, "worker %s: %s; reconnecting", self.key, _describe(group))
+            quiet = not self._reached_up
+            if self._reached_up:
+                self._backoff.reset()
+            await trio.sleep(self._backoff.next_delay())
+
+    async def _session(self) -> None:
+        """One session: connect, hello, serve until something ends it (always by raising)."""
+        self._reached_up = False
+        events: PlaneConnection | None = None
+        requests: PlaneConnection | None = None
+        try:
+            with trio.fail_after(self._settings.connect_timeout):
+                if self._limiter is not None:
+                    async with self._limiter:
+                        events, requests, hello = await self._connect()
+                else:
+                    events, requests, hello = await self._connect()
+            await self._serve(events, requests, hello)
+        finally:
+            for connection in (requests, events):
+                if connection is not None:
+                    await connection.aclose(self._settings.disconnect_timeout)
+
+    async def _connect(self) -> tuple[PlaneConnection, PlaneConnection, wire.Hello]:
+        events = await self._open(wire.EVENTS_PATH, EVENTS_RECEIVE_BUFFER)
+        try:
+            requests = await self._open(wire.REQUESTS_PATH, None)
+            try:
+                events_hello = await _read_hello(events, wire.decode_event_message)
+                hello = await _read_hello(requests, wire.decode_worker_message)
+                if events_hello.config.worker_id != hello.config.worker_id:
+                    raise ProtocolError(
+                        "the planes answer for different workers: "
+                        f"{events_hello.config.worker_id!r} and {hello.config.worker_id!r}"
+                    )
+            except BaseException:
+                await requests.aclose(0)
+                raise
+        except BaseException:
+            await events.aclose(0)
+            raise
+        return events, requests, hello
+
+    async def _open(self, path: str, receive_buffer: int | None) -> PlaneConnection:
+        settings = self._settings
+        ssl_context = None
+        if self._tls:
+            ssl_context = settings.ssl_context or ssl.create_default_context()
+        return await open_plane(
+            host=self._host,
+            port=self._port,
+            path=self._path_prefix + path,
+            headers=settings.headers,
+            ssl_context=ssl_context,
+            server_hostname=self._server_hostname,
+            max_message_bytes=wire.MAX_MESSAGE_BYTES,
+            receive_buffer=receive_buffer,
+        )
+
+    async def _serve(
+        self, events: PlaneConnection, requests: PlaneConnection, hello: wire.Hello
+    ) -> None:
+        config = hello.config
+        plane = RequestPlane(
+            request_buffer=self._settings.request_buffer,
+            send_queue=self._settings.send_queue,
+            stats=self.stats,
+        )
+        self._edges = wire.FEATURE_BUSY_EDGES in hello.features
+        self._events = events
+        self.lag = LagMeter(self._settings.lag_window)
+        self._up(config, plane)
+        reason = "connection lost"
+        try:
+            await self.send_thresholds(self._listener.thresholds(config.model))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_events, events)
+                nursery.start_soon(self._read_replies, requests, plane)
+                nursery.start_soon(self._send_requests, requests, plane)
+                nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
+        except BaseException as exc:
+            reason = _reason_of(exc)
+            raise
+        finally:
+            # Before the websockets close (which may wait for a dead peer): fail the open
+            # requests and tell the listener now.
+            self._down(plane, reason)
+
+    def _up(self, config: wire.RuntimeConfig, plane: RequestPlane) -> None:
+        self.config = config
+        self.connected = True
+        self._plane = plane
+        self._reached_up = True
+        self.stats.sessions += 1
+        self._up_event.set()
+        logger.info("worker %s up: id=%s model=%s", self.key, config.worker_id, config.model)
+        self._listener.worker_up(self.key, config, trio.current_time())
+
+    def _down(self, plane: RequestPlane, reason: str) -> None:
+        self.stats.requests_failed_by_disconnect += plane.close(reason)
+        self._plane = None
+        self._events = None
+        self.connected = False
+        self.lagging = False
+        self._up_event = trio.Event()
+        self._listener.worker_down(self.key, trio.current_time())
+
+    async def _read_events(self, events: PlaneConnection) -> None:
+        # Tight: decode and hand over, nothing else (rule 2).
+        listener = self._listener
+        key = self.key
+        decode = wire.decode_event_message
+        stats = self.stats
+        lag = self.lag
+        bound = self._settings.max_event_lag
+        while True:
+            messages = await events.messages()
+            arrival = time.time()
+            now = trio.current_time()
+            for data in messages:
+                message = self._decode(data, decode)
+                if isinstance(message, wire.Hello):
+                    stats.protocol_errors += 1
+                    raise ProtocolError("a second hello on the event plane")
+                batch = message.events
+                sent = message.sent or (batch[-1].ts if batch else 0.0)
+                if sent:
+                    behind = lag.observe(arrival, sent, now)
+                    if behind > bound if not self.lagging else behind < bound / 2:
+                        self._lag_edge(behind, now)
+                stats.event_batches += 1
+                listener.worker_events(key, batch, now)
+
+    def _lag_edge(self, behind: float, now: float) -> None:
+        self.lagging = not self.lagging
+        if self.lagging:
+            self.stats.lag_episodes += 1
+            logger.warning(
+                "worker %s: reading its events %.2f s behind (bound %.2f s); not routing to it "
+                "until this frontend catches up",
+                self.key,
+                behind,
+                self._settings.max_event_lag,
+            )
+        else:
+            logger.info("worker %s: events caught up (%.3f s behind)", self.key, behind)
+        self._listener.worker_lagging(self.key, self.lagging, now)
+
+    async def _read_replies(self, requests: PlaneConnection, plane: RequestPlane) -> None:
+        while True:
+            for data in await requests.messages():
+                message = self._decode(data, wire.decode_worker_message)
+                try:
+                    plane.deliver(message)
+                except ProtocolError:
+                    self.stats.protocol_errors += 1
+                    raise
+
+    async def _send_requests(self, requests: PlaneConnection, plane: RequestPlane) -> None:
+        while True:
+            await requests.send_message(await plane.next_outgoing())
+
+    async def _watch(
+        self, events: PlaneConnection, requests: PlaneConnection, heartbeat_interval: float
+    ) -> None:
+        """The watchdog of rule 2."""
+        settings = self._settings
+        silence = max(settings.keepalive_timeout, 3 * heartbeat_interval)
+        period = min(settings.keepalive_interval, settings.keepalive_timeout, silence) / 2
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            if now - events.last_received > silence:
+                self.stats.keepalive_timeouts += 1
+                raise _KeepaliveTimeout(f"no event or heartbeat within {silence} s")
+            if requests.ping_sent_at is not None:
+                if now - requests.ping_sent_at > settings.keepalive_timeout:
+                    self.stats.keepalive_timeouts += 1
+                    raise _KeepaliveTimeout(
+                        f"no pong within {settings.keepalive_timeout} s on {requests.path}"
+                    )
+            elif now - requests.last_received >= settings.keepalive_interval:
+                await requests.send_ping()
+
+    def _decode(self, data: bytes, decode: Callable[[bytes], _M]) -> _M:
+        try:
+            return decode(data)
+        except msgspec.DecodeError as exc:
+            self.stats.protocol_errors += 1
+            raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from exc
+
+
+async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:
+    messages = await connection.messages()
+    # What came with the hello in the same read is the reader's.
+    connection.unread(messages[1:])
+    try:
+        message = decode(messages[0])
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable hello: {exc}") from exc
+    if not isinstance(message, wire.Hello):
+        raise ProtocolError(f"expected a hello first, got {type(message).__name__}")
+    if message.protocol_version != wire.PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {message.protocol_version}, this frontend speaks "
+            f"{wire.PROTOCOL_VERSION}"
+        )
+    return message
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def _describe(exc: BaseException) -> str:
+    parts = []
+    for leaf in _leaves(exc):
+        text = str(leaf) or type(leaf).__name__
+        if isinstance(leaf, trio.BrokenResourceError) and leaf.__cause__ is not None:
+            text = f"{text or 'broken connection'}: {leaf.__cause__}"
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts)
+
+
+def _reason_of(exc: BaseException) -> str:
+    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
+    if not leaves:
+        return "link stopped"
+    return (
+        _describe(BaseExceptionGroup("session", leaves))
+        if len(leaves) > 1
+        else _describe(leaves[0])
+    )

@@ -1,0 +1,177 @@
+"""The frontend's worker links: one per resolved address of each ``--worker`` URL.
+
+:class:`WorkerPool` turns the ``--worker`` URLs (and the URLs of ``--local-workers``) into one
+:class:`~frontend_shim._links.WorkerLink` per resolved address. A host name is looked up with
+``getaddrinfo`` at start and every ``resolve_interval`` seconds: new addresses get a link,
+vanished ones are stopped. A lookup that fails keeps the addresses that name had before. The
+links share one connect limiter, so a fleet of thousands starts with a bounded number of
+handshakes in flight, and every link starts at once (none waits for another to connect).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+import trio
+
+from frontend_shim._discovery import (
+    Resolver,
+    WorkerKey,
+    WorkerUrl,
+    parse_worker_url,
+    resolve_addresses,
+)
+from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
+from shim_common import wire
+from shim_common._net import Backoff
+
+__all__ = ["DEFAULT_CONNECT_CONCURRENCY", "WorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+#: Connection attempts (TCP, TLS, upgrade, hellos) in flight at once across the pool.
+DEFAULT_CONNECT_CONCURRENCY: Final = 64
+
+
+class WorkerPool:
+    """The worker links of a frontend: one per resolved address of each worker URL.
+
+    Example::
+
+        pool = WorkerPool(["ws://workers.internal:9100"])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pool.run, listener)
+            link = pool.link("ws://10.0.0.7:9100")
+    """
+
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        settings: LinkSettings | None = None,
+        resolve_interval: float = 30.0,
+        resolver: Resolver = resolve_addresses,
+        connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY,
+    ) -> None:
+        """Parse the URLs; nothing is resolved or connected before :meth:`run`.
+
+        Args:
+            urls: ``ws://host:port`` values (``--worker``, ``DYN_WORKERS``, local workers).
+            settings: timeouts and sizes for every link.
+            resolve_interval: seconds between lookups of the host names.
+            resolver: the lookup (tests replace it); IP literals never reach it.
+            connect_concurrency: connection attempts in flight at once across all links.
+
+        Raises:
+            ValueError: a URL that :func:`parse_worker_url` refuses.
+        """
+        self._urls = [parse_worker_url(url) for url in urls]
+        self._settings = settings if settings is not None else LinkSettings()
+        self._resolve_interval = resolve_interval
+        self._resolver = resolver
+        self._links: dict[WorkerKey, WorkerLink] = {}
+        self._scopes: dict[WorkerKey, trio.CancelScope] = {}
+        # The keys each URL resolved to last time, kept when a later lookup fails.
+        self._resolved: dict[WorkerUrl, list[WorkerKey]] = {}
+        self._limiter = trio.CapacityLimiter(connect_concurrency)
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def links(self) -> Mapping[WorkerKey, WorkerLink]:
+        """The links now running, by key (a read-only view)."""
+        return self._links
+
+    def link(self, key: WorkerKey) -> WorkerLink | None:
+        """The link of the worker at ``key``, or ``None`` if there is none (any more)."""
+        return self._links.get(key)
+
+    async def run(
+        self,
+        listener: FleetListener,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Resolve, start and supervise the links until cancelled.
+
+        Calls ``task_status.started()`` after the first lookup of every URL, once the links of
+        the addresses found are running (not yet connected: see the listener). A URL whose
+        first lookup fails is retried with backoff, and every ``resolve_interval`` after.
+        """
+        backoff = Backoff(
+            initial=min(1.0, self._resolve_interval),
+            cap=self._resolve_interval,
+            jitter=0.2,
+        )
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            complete = await self._reconcile(nursery, listener)
+            task_status.started()
+            while True:
+                if complete:
+                    backoff.reset()
+                    await trio.sleep(self._resolve_interval)
+                else:
+                    await trio.sleep(backoff.next_delay())
+                complete = await self._reconcile(nursery, listener)
+
+    async def _reconcile(self, nursery: trio.Nursery, listener: FleetListener) -> bool:
+        """Look every URL up, start links for new addresses, stop the vanished ones.
+
+        Returns:
+            True when every lookup succeeded.
+        """
+        complete = True
+        for url in self._urls:
+            try:
+                addresses = await self._resolver(url.host, url.port)
+            except OSError as exc:
+                complete = False
+                logger.warning(
+                    "cannot resolve %s: %s (keeping %s)", url.host, exc, self._resolved.get(url, [])
+                )
+                continue
+            if not addresses:
+                complete = False
+                logger.warning("%s resolved to no address", url.host)
+                continue
+            self._resolved[url] = [url.key_for(address) for address in addresses]
+        wanted: dict[WorkerKey, str] = {}
+        for url, keys in self._resolved.items():
+            wanted.update(dict.fromkeys(keys, url.host))
+        for key in list(self._links):
+            if key not in wanted:
+                logger.info("worker %s no longer resolved: stopping its link", key)
+                del self._links[key]
+                self._scopes.pop(key).cancel()
+        for key, host in wanted.items():
+            if key not in self._links:
+                link = WorkerLink(
+                    key,
+                    listener,
+                    self._settings,
+                    connect_limiter=self._limiter,
+                    server_hostname=host,
+                )
+                self._links[key] = link
+                await nursery.start(self._run_link, link)
+        return complete
+
+    async def _run_link(
+        self, link: WorkerLink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[link.key] = scope
+            await link.run(task_status=task_status)
+
+    def thresholds_changed(self, model: str, thresholds: wire.BusyThresholds) -> None:
+        """Send new thresholds to every connected worker of ``model`` that takes them.
+
+        Synchronous (called from the admin API): the sends run in the pool's nursery.
+        """
+        if self._nursery is None:
+            return
+        for link in self._links.values():
+            if link.connected and link.config is not None and link.config.model == model:
+                self._nursery.start_soon(link.send_thresholds, thresholds)
