@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, cast
+from typing import Annotated, cast
 
 from cyclopts import App, Parameter, validators
 
@@ -25,11 +25,19 @@ from frontend_shim.config import (
     admin_api_disabled,
     overload_status_from_env,
 )
-from worker_ingress.cli import CliError, exit_invalid, finite, invoke, strict_int
+from worker_ingress.cli import (
+    DEFAULT_LOG_FILTER,
+    LOG_LEVEL_PARAMETER,
+    CliError,
+    LogFilter,
+    apply_log_filter,
+    exit_invalid,
+    finite,
+    invoke,
+    strict_int,
+)
 
 __all__ = ["CliError", "main", "parse_args"]
-
-LogLevel = Literal["debug", "info", "warning", "error"]
 
 ADMISSION_CONTROL_FLAG_WARNING = (
     "--admission-control is no longer supported and is ignored; configure "
@@ -144,7 +152,7 @@ def _frontend(
             validator=(validators.Number(gte=0), finite),
         ),
     ] = None,
-    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
+    log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
     model: Annotated[str | None, PASS] = None,
     engine: Annotated[str | None, PASS] = None,
     upstream_url: Annotated[str | None, PASS] = None,
@@ -157,7 +165,7 @@ def _frontend(
     max_num_batched_tokens: Annotated[int | None, PASS_INT] = None,
     data_parallel_size: Annotated[int | None, PASS_INT] = None,
     speedup_ratio: Annotated[float | None, PASS] = None,
-) -> tuple[FrontendSettings, LogLevel]:
+) -> tuple[FrontendSettings, LogFilter]:
     """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.
 
     Other environment: DYN_HTTP_OVERLOAD_STATUS_CODE (status of an overload answer, default 529;
@@ -200,7 +208,9 @@ def _frontend(
         Seconds requests in flight get to finish after SIGTERM or SIGINT (default 30); also
         passed to local workers when given on the command line.
     log_level
-        Log level of the messages written to stderr.
+        Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
+        warning and critical; any case. A Rust filter such as "info,my_module=debug" is
+        accepted: its first bare level applies, the rest is ignored with a warning.
     model
         Passed to local workers: the model they serve.
     engine
@@ -295,13 +305,13 @@ def _check_worker_args(worker_args: Sequence[str]) -> None:
         raise CliError(f"worker flag for --local-workers: {exc}") from None
 
 
-def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
+def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogFilter]:
     """Parse flags and environment into settings.
 
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    result = cast(tuple[FrontendSettings, LogLevel], invoke(app, argv))
+    result = cast(tuple[FrontendSettings, LogFilter], invoke(app, argv))
     # Which spelling was used decides which names the warning gives (the anchor's two texts).
     if any(arg.split("=")[0] == "--admission-control" for arg in argv):
         _log.warning(ADMISSION_CONTROL_FLAG_WARNING)
@@ -322,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
     except CliError as exc:
         exit_invalid("frontend-shim", str(exc))
-    logging.getLogger().setLevel(log_level.upper())
+    apply_log_filter(log_level, _log)
 
     import trio
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, NoReturn, cast
+from typing import Annotated, NamedTuple, NoReturn, cast
 
 import cyclopts
 from cyclopts import App, Parameter, Token, validators
@@ -22,20 +23,26 @@ from worker_ingress import __version__
 from worker_ingress.config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 
 __all__ = [
+    "DEFAULT_LOG_FILTER",
+    "LOG_LEVELS",
+    "LOG_LEVEL_PARAMETER",
+    "LOG_OFF",
     "QUEUE_LIMIT_ENV",
     "CliError",
+    "LogFilter",
+    "apply_log_filter",
     "exit_invalid",
     "finite",
     "invoke",
+    "log_filter_converter",
     "main",
     "parse_args",
+    "parse_log_filter",
     "strict_int",
 ]
 
 #: Q has no flag, on purpose (as in the anchor): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
-
-LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 class CliError(Exception):
@@ -55,6 +62,102 @@ def strict_int(type_: object, tokens: Sequence[Token]) -> int:
         return int(raw.strip())
     except ValueError:
         raise ValueError(f'"{raw}" is not a whole number') from None
+
+
+#: A level above every Python level: ``off`` logs nothing.
+LOG_OFF = logging.CRITICAL + 10
+
+#: The level names of ``--log-level`` / ``DYN_LOG``, matched in any case: those of Rust's
+#: tracing (what Dynamo reads ``DYN_LOG`` with) plus Python's ``warning`` and ``critical``.
+#: Python has no level below DEBUG, so ``trace`` logs as ``debug``.
+LOG_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "off": LOG_OFF,
+}
+
+
+class LogFilter(NamedTuple):
+    """The log level to use, and the parts of a Rust-style filter that could not be honoured.
+
+    Attributes:
+        level: A :mod:`logging` level (``LOG_OFF`` for ``off``).
+        ignored: Per-target directives (``module=debug``) and extra bare levels, as given. The
+            process has one log level, so these are reported once at start-up, then ignored.
+    """
+
+    level: int
+    ignored: tuple[str, ...] = ()
+
+
+#: ``info``, the default level, as Dynamo has it.
+DEFAULT_LOG_FILTER = LogFilter(logging.INFO)
+
+#: Commas that separate directives: not those inside a span filter ``target[span{a=1,b=2}]``.
+_DIRECTIVE_SEPARATOR = re.compile(r",(?![^\[]*\])")
+
+
+def parse_log_filter(raw: str) -> LogFilter:
+    """Read a log level the way Dynamo users write ``DYN_LOG``.
+
+    Accepted: one level name (see ``LOG_LEVELS``), or a Rust ``env-filter`` list such as
+    ``info,my_module=debug``. The first bare level of the list is the level (``info`` when there
+    is none, as in ``my_module=debug`` alone, or when the value is empty); every other directive
+    is returned in ``ignored``.
+
+    Raises:
+        ValueError: a directive that is neither a level name nor ``target=level`` with a level
+            name, e.g. ``loud`` or ``my_module=loud``; the message quotes the value.
+    """
+    level: int | None = None
+    ignored: list[str] = []
+    for directive in (part.strip() for part in _DIRECTIVE_SEPARATOR.split(raw)):
+        if not directive:
+            continue
+        bare = LOG_LEVELS.get(directive.lower())
+        if bare is not None and level is None:
+            level = bare
+            continue
+        target, _, name = directive.rpartition("=")
+        if bare is None and (not target.strip() or name.strip().lower() not in LOG_LEVELS):
+            raise ValueError(
+                f'"{raw}" is not a log level or a filter such as "info,my_module=debug" '
+                f'(at "{directive}"; levels, any case: {", ".join(LOG_LEVELS)})'
+            )
+        ignored.append(directive)
+    return LogFilter(DEFAULT_LOG_FILTER.level if level is None else level, tuple(ignored))
+
+
+def log_filter_converter(type_: object, tokens: Sequence[Token]) -> LogFilter:
+    """A cyclopts converter for ``--log-level`` / ``DYN_LOG`` (see :func:`parse_log_filter`)."""
+    return parse_log_filter(tokens[0].value)
+
+
+def apply_log_filter(log_filter: LogFilter, log: logging.Logger) -> None:
+    """Set the root logger's level, and warn once on ``log`` about the directives ignored."""
+    logging.getLogger().setLevel(log_filter.level)
+    if log_filter.ignored:
+        log.warning(
+            "--log-level/DYN_LOG: one level applies to the whole process; using %s, ignoring %s",
+            logging.getLevelName(log_filter.level).lower(),
+            ", ".join(log_filter.ignored),
+        )
+
+
+#: The annotation of ``--log-level`` in both commands.
+LOG_LEVEL_PARAMETER = Parameter(
+    env_var="DYN_LOG",
+    converter=log_filter_converter,
+    n_tokens=1,
+    accepts_keys=False,
+    show_default=lambda _: "info",
+    metavar="LEVEL",
+)
 
 
 def _port() -> validators.Number:
@@ -139,8 +242,8 @@ def _worker(
         float,
         Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), finite)),
     ] = 1.0,
-    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
-) -> tuple[WorkerSettings, LogLevel]:
+    log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
+) -> tuple[WorkerSettings, LogFilter]:
     """Serve one engine behind an admission gate: N engine slots plus Q queue places.
 
     Requests beyond N running and Q waiting are rejected at once with
@@ -188,7 +291,9 @@ def _worker(
     speedup_ratio
         Mocker: simulated step times are divided by this.
     log_level
-        Log level of the messages written to stderr.
+        Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
+        warning and critical; any case. A Rust filter such as "info,my_module=debug" is
+        accepted: its first bare level applies, the rest is ignored with a warning.
     """
     settings = WorkerSettings(
         host=host,
@@ -283,13 +388,13 @@ def exit_invalid(program: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogLevel]:
+def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogFilter]:
     """Parse flags and environment into settings.
 
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    return cast(tuple[WorkerSettings, LogLevel], invoke(app, argv))
+    return cast(tuple[WorkerSettings, LogFilter], invoke(app, argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -299,10 +404,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CliError as exc:
         exit_invalid("worker-ingress", str(exc))
     logging.basicConfig(
-        level=log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    apply_log_filter(log_level, logging.getLogger("worker_ingress"))
     # Imported late so that --help and argument errors never pay for (or trip over) the engine.
     import trio
 
