@@ -12,6 +12,8 @@ import importlib.util
 import json
 import random
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from email.utils import format_datetime
@@ -33,6 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 DASHBOARD = EXAMPLES / "grafana" / "dynamo-shim-dashboard.json"
 PROMETHEUS = EXAMPLES / "prometheus" / "prometheus.yml"
+ALERTS = EXAMPLES / "prometheus" / "alerts.yml"
+ALERTS_TEST = EXAMPLES / "prometheus" / "alerts_test.yml"
 
 #: The metric names of the contract (the external interface); the dashboard must show them all.
 CONTRACT_METRICS = frozenset(
@@ -476,6 +480,121 @@ def test_prometheus_config_scrapes_the_frontend_and_workers() -> None:
     assert all(
         job.get("metrics_path", "/metrics") == "/metrics" for job in config["scrape_configs"]
     )
+
+
+# ----------------------------------------------------------------------------- alert rules
+
+#: Series Prometheus makes itself for every target, which the rules may use too.
+PROMETHEUS_SERIES = frozenset({"up"})
+#: PromQL words that are neither functions nor metrics.
+_PROMQL_KEYWORDS = frozenset(
+    {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring"}
+    | {"group_left", "group_right", "inf", "nan"}
+)
+
+
+def _promql_metric_names(expr: str) -> set[str]:
+    """The metric names an expression selects (a small scanner, enough for these rules)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery durations
+    # Grouping and vector matching with their label lists: `by (a, b)`, `on ()`, `group_left (c)`,
+    # so that `sum by (a) (x)` reads as a call of `sum`.
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[A-Za-z_:][\w:]*", expr):
+        word = match.group()
+        is_call = re.match(r"\s*\(", expr[match.end() :]) is not None
+        if not is_call and word not in _PROMQL_KEYWORDS:
+            names.add(word)
+    return names
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_promql_scanner_finds_metrics_not_functions_or_labels() -> None:
+    expr = (
+        'sum by (job, model) (rate(a_total{x="y,z"}[5m])) / on () group_left (m) '
+        "count(up == 1) unless b > 0.05 and histogram_quantile(0.9, c_bucket)"
+    )
+    assert _promql_metric_names(expr) == {"a_total", "up", "b", "c_bucket"}
+
+
+def test_alert_rules_query_only_metrics_that_exist() -> None:
+    exposed = _exposed_metric_names()
+    rules = _alert_rules()
+    assert rules
+    for rule in rules:
+        names = _promql_metric_names(rule["expr"])
+        assert names, rule["alert"]
+        unknown = names - exposed - PROMETHEUS_SERIES
+        assert not unknown, f"{rule['alert']} queries metrics nobody exposes: {sorted(unknown)}"
+
+
+def test_alert_rules_cover_rejections_queues_and_lost_workers() -> None:
+    used = set().union(*(_promql_metric_names(rule["expr"]) for rule in _alert_rules()))
+    assert {
+        "dynamo_rejection_request_total",
+        "dynamo_frontend_model_rejection_total",
+        "dynamo_frontend_requests_total",
+        "dynamo_request_queue",
+        "dynamo_request_queue_limit",
+        "up",
+    } <= used
+
+
+def test_alert_rules_name_the_scrape_jobs_of_the_prometheus_config() -> None:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    assert config["rule_files"] == [ALERTS.name]
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    named = {job for rule in _alert_rules() for job in re.findall(r'job="([^"]*)"', rule["expr"])}
+    assert named == jobs
+
+
+def test_every_alert_is_shown_firing_by_the_rule_tests() -> None:
+    yaml = pytest.importorskip("yaml")
+    tests = yaml.safe_load(ALERTS_TEST.read_text())
+    assert tests["rule_files"] == [ALERTS.name]
+    fired = {
+        check["alertname"]
+        for case in tests["tests"]
+        for check in case["alert_rule_test"]
+        if check["exp_alerts"]
+    }
+    assert fired == {rule["alert"] for rule in _alert_rules()}
+    for rule in _alert_rules():
+        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["annotations"]["summary"], rule["alert"]
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (Debian package `prometheus`; .ci/run installs it)")
+    return subprocess.run(
+        [promtool, *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_alert_rules_pass_promtool_check() -> None:
+    result = _promtool("check", "rules", str(ALERTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_config_and_its_rule_file_pass_promtool_check() -> None:
+    result = _promtool("check", "config", str(PROMETHEUS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+def test_alert_rules_fire_as_their_unit_tests_expect() -> None:
+    result = _promtool("test", "rules", str(ALERTS_TEST))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("script", ["retrying_client", "load_generator"])
