@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import io
 import json
 import random
 import re
@@ -25,6 +26,7 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 
 from frontend_shim.metrics import FrontendMetrics, RankLoadSample
 from worker_ingress.admission import AdmissionGate
@@ -362,6 +364,100 @@ async def test_load_generator_stops_at_its_duration_when_nothing_listens() -> No
     # Stopped by its 0.3 s duration (fail_after bounds the wait), not by max_requests.
     assert report.statuses[200] == 0
     assert 0 < report.total < 1000
+
+
+async def test_load_generator_reports_progress_and_once_more_at_the_end() -> None:
+    server = _ScriptedServer(shed_every=4)
+    seen: list[tuple[int, float]] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            report = await loadgen.run_load(
+                loadgen.Target("127.0.0.1", port, "/v1/completions"),
+                {"model": "m", "prompt": "hi"},
+                clients=3,
+                duration=15.0,
+                max_requests=40,
+                request_timeout=5.0,
+                progress=lambda r, elapsed: seen.append((r.total, elapsed)),
+                progress_interval=0.01,
+            )
+            nursery.cancel_scope.cancel()
+    assert seen
+    assert seen[-1] == (40, report.elapsed)  # the last call sees the finished report
+    totals = [total for total, _ in seen]
+    assert totals == sorted(totals)
+
+
+def _render(renderable: Any) -> list[str]:
+    """Lines of a rich renderable as plain text, the way a pipe receives them."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=100, color_system=None, force_terminal=False).print(renderable)
+    text = buffer.getvalue()
+    assert "\x1b[" not in text
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def _cells(lines: list[str], first: str) -> list[str]:
+    """The cells of the table row whose first cell is ``first``."""
+    for line in lines:
+        cells = [cell.strip() for cell in re.split(r"[│┃|]", line)[1:-1]]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in:\n" + "\n".join(lines))
+
+
+def test_final_table_shows_answers_by_status_rate_and_latency_percentiles() -> None:
+    report = loadgen.LoadReport()
+    report.statuses.update({200: 90, 529: 9, 0: 1})
+    report.ok_latencies.extend(ms / 1000 for ms in range(90, 0, -1))  # 1..90 ms, unsorted
+    report.elapsed = 10.0
+    report.retry_after["2"] = 9
+    lines = _render(loadgen.final_table(report))
+    assert lines[0] == "100 requests in 10.00 s"
+    assert _cells(lines, "status") == ["status", "answers", "share", "rate (req/s)"]
+    assert _cells(lines, "no answer") == ["no answer", "1", "1.0%", "0.1"]
+    assert _cells(lines, "200") == ["200", "90", "90.0%", "9.0"]
+    assert _cells(lines, "529") == ["529", "9", "9.0%", "0.9"]
+    assert _cells(lines, "all") == ["all", "100", "100.0%", "10.0"]
+    # Nearest rank over 1..90 ms: p50 is the 45th value, p90 the 81st, p99 the 90th.
+    assert _cells(lines, "p50") == ["p50", "p90", "p99", "max"]
+    assert _cells(lines, "45.0") == ["45.0", "81.0", "90.0", "90.0"]
+    assert lines[-1] == "Retry-After seen: 2 s x9"
+
+
+def test_final_table_of_a_run_that_got_nothing() -> None:
+    lines = _render(loadgen.final_table(loadgen.LoadReport()))
+    assert lines[0] == "0 requests in 0.00 s"
+    assert _cells(lines, "all") == ["all", "0", "-", "-"]
+    assert _cells(lines, "-") == ["-", "-", "-", "-"]
+
+
+async def test_load_generator_prints_plain_lines_when_not_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE"):
+        monkeypatch.delenv(name, raising=False)
+    server = _ScriptedServer(shed_every=3)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            argv = [
+                *("--url", f"http://127.0.0.1:{port}", "--clients", "2"),
+                *("--duration", "15", "--max-requests", "30", "--timeout", "5"),
+            ]
+            code = await trio.to_thread.run_sync(loadgen.main, argv)
+            nursery.cancel_scope.cancel()
+    assert code == 0
+    out, err = capsys.readouterr()
+    assert "\x1b[" not in out + err  # no cursor movement or colour for a pipe
+    progress = err.splitlines()
+    assert progress
+    assert all(re.fullmatch(r"\[ *[\d.]+ s\] \d+ requests, .*", line) for line in progress)
+    assert progress[-1].endswith("200: 20  529: 10")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert _cells(lines, "all")[:2] == ["all", "30"]
+    assert _cells(lines, "529")[:3] == ["529", "10", "33.3%"]
 
 
 def test_percentile_is_nearest_rank() -> None:
