@@ -2,10 +2,15 @@
 
 Each client is a closed loop on one keep-alive HTTP/1.1 connection (trio + h11): send a request,
 read the whole answer, record its status and latency, send the next. A connection the server
-closes (the frontend closes after an early 529) is reopened. At the end it prints the count of
-each status, the achieved rate and the p50/p99 latency of the 200s::
+closes (the frontend closes after an early 529) is reopened. While it runs, a progress bar with
+the running count of each status is drawn on stderr (on a terminal; elsewhere, such as CI or a
+pipe, one plain line a second). At the end it prints a table to stdout: the count of each status,
+the achieved rate and the latency percentiles of the 200s::
 
     python examples/load_generator.py --url http://127.0.0.1:8000 --clients 64 --duration 10
+
+It needs the ``examples`` extra for the progress bar and the table: ``pip install -e '.[examples]'``
+(rich).
 
 Bounds, so a run always ends and never floods anything by mistake:
 
@@ -15,7 +20,8 @@ Bounds, so a run always ends and never floods anything by mistake:
 - place: only loopback addresses unless ``--allow-remote`` is given;
 - memory: latencies are kept only for 200s, one float each, and the count bound caps them.
 
-Status ``0`` in the table counts requests that got no answer (refused, reset, timed out).
+The status ``no answer`` (0 in ``LoadReport.statuses``) counts requests that got none: refused,
+reset or timed out.
 """
 
 from __future__ import annotations
@@ -28,20 +34,32 @@ import math
 import sys
 import urllib.parse
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import h11
 import trio
+from rich.console import Console, Group
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 __all__ = [
     "LoadReport",
     "Target",
+    "final_table",
     "main",
     "parse_target",
     "percentile",
+    "progress_line",
     "run_load",
 ]
+
+#: Called while the load runs with the report so far and the seconds since the start, every
+#: ``progress_interval`` seconds and once more at the end.
+ProgressCallback = Callable[["LoadReport", float], None]
+
+#: Latency percentiles of the final table.
+_PERCENTILES = (0.5, 0.9, 0.99)
 
 #: Bytes read from the socket per call.
 _READ_SIZE = 65536
@@ -145,7 +163,7 @@ class LoadReport:
         ok_rate = self.statuses[200] / self.elapsed if self.elapsed > 0 else 0.0
         lines.append(f"achieved rate: {rate:.1f} req/s ({ok_rate:.1f} req/s of 200)")
         for status in sorted(self.statuses):
-            name = "no answer" if status == 0 else str(status)
+            name = _status_name(status)
             share = self.statuses[status] / self.total
             lines.append(f"  {name:>9}: {self.statuses[status]:8d}  ({share:6.1%})")
         if self.ok_latencies:
@@ -158,6 +176,75 @@ class LoadReport:
             seen = ", ".join(f"{v} s x{n}" for v, n in sorted(self.retry_after.items()))
             lines.append(f"Retry-After seen: {seen}")
         return "\n".join(lines)
+
+
+def _status_name(status: int) -> str:
+    return "no answer" if status == 0 else str(status)
+
+
+def _counts(report: LoadReport) -> str:
+    return "  ".join(f"{_status_name(s)}: {report.statuses[s]}" for s in sorted(report.statuses))
+
+
+def progress_line(report: LoadReport, elapsed: float) -> str:
+    """One plain line of progress, for output that is not a terminal.
+
+    Args:
+        report: The report so far.
+        elapsed: Seconds since the run started.
+
+    Returns:
+        E.g. ``[  3.0 s] 1234 requests, 411.3 req/s  200: 1200  529: 34``.
+    """
+    rate = report.total / elapsed if elapsed > 0 else 0.0
+    return f"[{elapsed:5.1f} s] {report.total} requests, {rate:.1f} req/s  {_counts(report)}"
+
+
+def final_table(report: LoadReport) -> Group:
+    """The end-of-run report as rich tables: answers by status, then latency of the 200s.
+
+    Args:
+        report: The finished run.
+
+    Returns:
+        Something ``rich.console.Console.print`` renders (plain text when not on a terminal).
+    """
+    elapsed = report.elapsed
+    answers = Table(title=f"{report.total} requests in {elapsed:.2f} s", title_justify="left")
+    answers.add_column("status")
+    answers.add_column("answers", justify="right")
+    answers.add_column("share", justify="right")
+    answers.add_column("rate (req/s)", justify="right")
+    for status in sorted(report.statuses):
+        count = report.statuses[status]
+        answers.add_row(
+            _status_name(status),
+            str(count),
+            f"{count / report.total:.1%}",
+            f"{count / elapsed:.1f}" if elapsed > 0 else "-",
+        )
+    answers.add_section()
+    answers.add_row(
+        "all",
+        str(report.total),
+        "100.0%" if report.total else "-",
+        f"{report.total / elapsed:.1f}" if elapsed > 0 else "-",
+    )
+    latency = Table(title="latency of the 200s (ms)", title_justify="left")
+    names = [f"p{round(p * 100)}" for p in _PERCENTILES]
+    for name in [*names, "max"]:
+        latency.add_column(name, justify="right")
+    if report.ok_latencies:
+        ordered = sorted(report.ok_latencies)
+        values = [percentile(ordered, p) for p in _PERCENTILES] + [ordered[-1]]
+        latency.add_row(*(f"{v * 1e3:.1f}" for v in values))
+    else:
+        latency.add_row(*("-" for _ in range(len(names) + 1)))
+    parts: list[Any] = [answers, latency]
+    if report.retry_after:
+        seen = ", ".join(f"{v} s x{n}" for v, n in sorted(report.retry_after.items()))
+        parts.append(f"Retry-After seen: {seen}")
+    return Group(*parts)
 
 
 class _Budget:
@@ -277,6 +364,8 @@ async def run_load(
     duration: float,
     max_requests: int,
     request_timeout: float,
+    progress: ProgressCallback | None = None,
+    progress_interval: float = 1.0,
 ) -> LoadReport:
     """Run ``clients`` closed-loop clients against ``target`` and measure.
 
@@ -287,23 +376,80 @@ async def run_load(
         duration: Seconds during which new requests start.
         max_requests: Requests in total at most.
         request_timeout: Seconds one request may take.
+        progress: Called with the report so far every ``progress_interval`` seconds, and once
+            at the end with the finished report.
+        progress_interval: Seconds between progress calls.
 
     Returns:
         The report.
     """
     if clients < 1 or max_requests < 1 or not duration > 0 or not request_timeout > 0:
         raise ValueError("clients, max_requests, duration and request_timeout must be positive")
+    if progress is not None and not progress_interval > 0:
+        raise ValueError("progress_interval must be positive")
     report = LoadReport()
     payload = json.dumps(body).encode()
     start = trio.current_time()
     budget = _Budget(max_requests, start + duration)
     # The hard stop: even a server that never answers cannot hold the run past this.
     with trio.move_on_after(duration + request_timeout + 1.0):
-        async with trio.open_nursery() as nursery:
-            for _ in range(clients):
-                nursery.start_soon(_client, target, payload, budget, request_timeout, report)
+        async with trio.open_nursery() as outer:
+            if progress is not None:
+                outer.start_soon(_report_progress, progress, progress_interval, report, start)
+            async with trio.open_nursery() as nursery:
+                for _ in range(clients):
+                    nursery.start_soon(_client, target, payload, budget, request_timeout, report)
+            outer.cancel_scope.cancel()  # the clients are done: stop reporting progress
     report.elapsed = trio.current_time() - start
+    if progress is not None:
+        progress(report, report.elapsed)
     return report
+
+
+async def _report_progress(
+    progress: ProgressCallback, interval: float, report: LoadReport, start: float
+) -> None:
+    # Ends when run_load cancels it, at the latest at the run's hard stop.
+    while True:
+        await trio.sleep(interval)
+        progress(report, trio.current_time() - start)
+
+
+class _LiveBar:
+    """A rich progress bar on a terminal: time (or request count) used, and counts by status."""
+
+    def __init__(self, console: Console, duration: float, max_requests: int) -> None:
+        self._duration = duration
+        self._max_requests = max_requests
+        self.progress = Progress(
+            TextColumn("load"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("{task.fields[counts]}"),
+            console=console,
+            auto_refresh=False,  # refreshed from the trio loop, no thread of its own
+            transient=True,
+        )
+        self._task: TaskID = self.progress.add_task("load", total=1.0, rate="", counts="")
+
+    def __call__(self, report: LoadReport, elapsed: float) -> None:
+        done = max(elapsed / self._duration, report.total / self._max_requests)
+        rate = report.total / elapsed if elapsed > 0 else 0.0
+        self.progress.update(
+            self._task,
+            completed=min(1.0, done),
+            rate=f"{report.total} requests, {rate:.1f} req/s",
+            counts=_counts(report),
+        )
+        self.progress.refresh()
+
+
+def _plain_progress(console: Console) -> ProgressCallback:
+    def show(report: LoadReport, elapsed: float) -> None:
+        console.print(progress_line(report, elapsed), markup=False, highlight=False)
+
+    return show
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -328,14 +474,24 @@ def main(argv: list[str] | None = None) -> int:
         The exit status: 0 after a run, 2 for invalid arguments.
     """
     args = _parse_args(argv)
+    out = Console()
+    err = Console(stderr=True)
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     body: dict[str, Any] = {"model": args.model, "max_tokens": args.max_tokens}
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": args.prompt}]
     else:
         body["prompt"] = args.prompt
+    live: _LiveBar | None = None
+    progress: ProgressCallback
     try:
         target = parse_target(args.url, path, allow_remote=args.allow_remote)
+        if args.duration > 0 and args.max_requests > 0 and err.is_terminal:
+            live = _LiveBar(err, args.duration, args.max_requests)
+            live.progress.start()
+            progress, interval = live, 0.2
+        else:
+            progress, interval = _plain_progress(err), 1.0
         report = trio.run(
             lambda: run_load(
                 target,
@@ -344,12 +500,17 @@ def main(argv: list[str] | None = None) -> int:
                 duration=args.duration,
                 max_requests=args.max_requests,
                 request_timeout=args.timeout,
+                progress=progress,
+                progress_interval=interval,
             )
         )
     except ValueError as error:
         print(f"load_generator: {error}", file=sys.stderr)
         return 2
-    print(report.summary())
+    finally:
+        if live is not None:
+            live.progress.stop()
+    out.print(final_table(report))
     return 0
 
 

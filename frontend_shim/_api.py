@@ -40,8 +40,11 @@ import trio
 
 from frontend_shim._admin import AdminRoutes
 from frontend_shim._config import FrontendSettings
+from frontend_shim._discovery import WorkerKey
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
+from frontend_shim._pool import WorkerPool
+from frontend_shim._request_plane import RequestStream
 from frontend_shim._responses import (
     BadRequest,
     Exchange,
@@ -63,7 +66,6 @@ from frontend_shim._router import (
     retry_after_seconds,
 )
 from frontend_shim._waiting import WaitingRoom
-from frontend_shim._workers import RequestStream, WorkerKey, WorkerPool
 from shim_common import wire
 from shim_common._httpserver import (
     BodyTooLarge,

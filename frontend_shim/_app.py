@@ -16,6 +16,7 @@ that releases parked requests on every fleet change, then the links and the API.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -26,13 +27,14 @@ import trio
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
+from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
-from frontend_shim._metrics import FrontendMetrics, RankLoadSample
+from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
+from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._thresholds import Thresholds
 from frontend_shim._waiting import WaitingRoom
-from frontend_shim._workers import WorkerPool
 from shim_common._httpserver import HTTPLimits, serve_http
 from shim_common._net import base_url
 
@@ -117,8 +119,15 @@ async def run_frontend(
         elif not settings.workers:
             _log.warning("no --worker and no --local-workers: every request will get 503")
         pool = WorkerPool(
-            [*settings.workers, *local_urls], resolve_interval=settings.resolve_interval
+            [*settings.workers, *local_urls],
+            settings=LinkSettings(
+                max_event_lag=settings.max_event_lag,
+                headers=_worker_headers(),
+            ),
+            resolve_interval=settings.resolve_interval,
+            connect_concurrency=settings.connect_concurrency,
         )
+        metrics.watch_links(lambda: _link_samples(pool))
         api = FrontendAPI(
             settings=settings,
             fleet=fleet,
@@ -178,6 +187,27 @@ async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) ->
     if grace_scope.cancelled_caught:
         _log.warning("drain grace expired; cancelling the requests still in flight")
     _log.info("stopping")
+
+
+def _worker_headers() -> tuple[tuple[str, str], ...]:
+    """The upgrade headers of every worker link: the worker planes' bearer token, if set."""
+    token = os.environ.get("DYN_WORKER_TOKEN")
+    return (("Authorization", f"Bearer {token}"),) if token else ()
+
+
+def _link_samples(pool: WorkerPool) -> list[LinkSample]:
+    return [
+        LinkSample(
+            worker_id=link.config.worker_id if link.config is not None else link.key,
+            connected=link.connected,
+            lagging=link.lagging,
+            lag=link.lag.lag,
+            max_lag=link.lag.max_lag,
+            event_batches=link.stats.event_batches,
+            lag_episodes=link.stats.lag_episodes,
+        )
+        for link in list(pool.links.values())
+    ]
 
 
 async def _tick(waiting: WaitingRoom) -> None:

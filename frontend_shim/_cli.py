@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, cast
+from typing import Annotated, cast
 
 from cyclopts import App, Parameter, validators
 
@@ -25,11 +25,21 @@ from frontend_shim._config import (
     admin_api_disabled,
     overload_status_from_env,
 )
-from shim_common._cli import CliError, exit_invalid, finite, invoke, strict_int, valid_port
+from shim_common._cli import (
+    DEFAULT_LOG_FILTER,
+    LOG_LEVEL_PARAMETER,
+    CliError,
+    LogFilter,
+    apply_log_filter,
+    exit_invalid,
+    finite,
+    invoke,
+    strict_int,
+    valid_port,
+)
 
 __all__ = ["CliError", "main", "parse_args"]
 
-LogLevel = Literal["debug", "info", "warning", "error"]
 
 ADMISSION_CONTROL_FLAG_WARNING = (
     "--admission-control is no longer supported and is ignored; configure "
@@ -144,7 +154,22 @@ def _frontend(
             validator=(validators.Number(gte=0), finite),
         ),
     ] = None,
-    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
+    max_event_lag: Annotated[
+        float,
+        Parameter(
+            env_var="DYN_MAX_EVENT_LAG",
+            validator=(validators.Number(gt=0, lte=3600), finite),
+        ),
+    ] = 1.0,
+    worker_connect_concurrency: Annotated[
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_WORKER_CONNECT_CONCURRENCY",
+            validator=validators.Number(gte=1, lte=100_000),
+        ),
+    ] = 64,
+    log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
     model: Annotated[str | None, PASS] = None,
     engine: Annotated[str | None, PASS] = None,
     upstream_url: Annotated[str | None, PASS] = None,
@@ -157,7 +182,7 @@ def _frontend(
     max_num_batched_tokens: Annotated[int | None, PASS_INT] = None,
     data_parallel_size: Annotated[int | None, PASS_INT] = None,
     speedup_ratio: Annotated[float | None, PASS] = None,
-) -> tuple[FrontendSettings, LogLevel]:
+) -> tuple[FrontendSettings, LogFilter]:
     """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.
 
     Other environment: DYN_HTTP_OVERLOAD_STATUS_CODE (status of an overload answer, default 529;
@@ -199,8 +224,17 @@ def _frontend(
     graceful_shutdown_timeout
         Seconds requests in flight get to finish after SIGTERM or SIGINT (default 30); also
         passed to local workers when given on the command line.
+    max_event_lag
+        Seconds a worker's load events may be read behind (measured against the time the
+        worker sent them, robust to clock skew) before the worker is not routed to; it is
+        routed to again once the lag is under half of this.
+    worker_connect_concurrency
+        Worker connection attempts in flight at once, so a large fleet starts without a
+        stampede of handshakes.
     log_level
-        Log level of the messages written to stderr.
+        Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
+        warning and critical; any case. A Rust filter such as "info,my_module=debug" is
+        accepted: its first bare level applies, the rest is ignored with a warning.
     model
         Passed to local workers: the model they serve.
     engine
@@ -263,6 +297,8 @@ def _frontend(
         overload_status=overload_status_from_env(),
         admin_api_disabled=admin_api_disabled(),
         drain_grace=30.0 if graceful_shutdown_timeout is None else graceful_shutdown_timeout,
+        max_event_lag=max_event_lag,
+        connect_concurrency=worker_connect_concurrency,
     )
     if local_workers:
         _check_worker_args(worker_args)
@@ -270,7 +306,7 @@ def _frontend(
 
 
 def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
-    from frontend_shim._workers import parse_worker_url
+    from frontend_shim._discovery import parse_worker_url
 
     urls: list[str] = []
     for item in given:
@@ -295,13 +331,13 @@ def _check_worker_args(worker_args: Sequence[str]) -> None:
         raise CliError(f"worker flag for --local-workers: {exc}") from None
 
 
-def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogLevel]:
+def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogFilter]:
     """Parse flags and environment into settings.
 
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    result = cast(tuple[FrontendSettings, LogLevel], invoke(app, argv))
+    result = cast(tuple[FrontendSettings, LogFilter], invoke(app, argv))
     # Which spelling was used decides which names the warning gives (Dynamo's two texts).
     if any(arg.split("=")[0] == "--admission-control" for arg in argv):
         _log.warning(ADMISSION_CONTROL_FLAG_WARNING)
@@ -322,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings, log_level = parse_args(sys.argv[1:] if argv is None else argv)
     except CliError as exc:
         exit_invalid("frontend-shim", str(exc))
-    logging.getLogger().setLevel(log_level.upper())
+    apply_log_filter(log_level, _log)
 
     import trio
 

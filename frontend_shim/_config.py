@@ -59,6 +59,10 @@ class FrontendSettings:
     resolve_interval: float = 10.0
     #: Load older than this many heartbeat intervals is stale.
     stale_after_heartbeats: float = 3.0
+    #: Seconds a worker's event stream may be read behind before the worker is not routed to.
+    max_event_lag: float = 1.0
+    #: Worker connection attempts in flight at once (a large fleet starts without a stampede).
+    connect_concurrency: int = 64
     #: Seconds an overload mark lasts at most without a load event from the worker. Not a flag:
     #: the documented behaviour is 1 s; tests shorten it rather than wait.
     overload_mark_lease: float = 1.0

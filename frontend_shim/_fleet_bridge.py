@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from frontend_shim._discovery import WorkerKey
 from frontend_shim._load import Fleet
-from frontend_shim._workers import WorkerKey
 from shim_common import wire
 
 __all__ = ["FleetBridge"]

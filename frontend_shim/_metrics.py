@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from shim_common._status import render_registry
 
-__all__ = ["FrontendMetrics", "RankLoadSample", "UNKNOWN_MODEL_LABEL"]
+__all__ = ["FrontendMetrics", "LinkSample", "RankLoadSample", "UNKNOWN_MODEL_LABEL"]
 
 #: The ``model`` label of requests for a model no worker has announced: client input must not
 #: create series without bound.
@@ -35,6 +35,68 @@ class RankLoadSample(NamedTuple):
     active_decode_blocks: int
     active_prefill_tokens: int
     kv_total_blocks: int
+
+
+class LinkSample(NamedTuple):
+    """What one worker link says of itself, read at scrape time."""
+
+    #: The worker's announced id; its address until it has said hello.
+    worker_id: str
+    connected: bool
+    lagging: bool
+    #: Seconds behind of the latest event batch, and the most seen.
+    lag: float
+    max_lag: float
+    event_batches: int
+    lag_episodes: int
+
+
+class _LinkCollector(Collector):
+    def __init__(self, samples: Callable[[], Iterable[LinkSample]]) -> None:
+        self._samples = samples
+
+    def collect(self) -> Iterator[Metric]:
+        lag = GaugeMetricFamily(
+            "dynamo_frontend_worker_event_lag_seconds",
+            "How far behind this frontend reads the worker's load events (seconds, latest batch)",
+            labels=["worker_id"],
+        )
+        connected = lagging = batches = episodes = 0
+        max_lag = 0.0
+        for sample in self._samples():
+            connected += sample.connected
+            lagging += sample.lagging
+            batches += sample.event_batches
+            episodes += sample.lag_episodes
+            max_lag = max(max_lag, sample.max_lag)
+            if sample.connected:
+                lag.add_metric([sample.worker_id], sample.lag)
+        yield lag
+        yield GaugeMetricFamily(
+            "dynamo_frontend_worker_event_lag_max_seconds",
+            "The largest event lag seen on any worker link",
+            value=max_lag,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_workers_connected",
+            "Worker links with a session up",
+            value=connected,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_workers_lagging",
+            "Workers not routed to because their events are read too far behind",
+            value=lagging,
+        )
+        yield CounterMetricFamily(
+            "dynamo_frontend_event_batches",
+            "Load-event batches applied, over all worker links",
+            value=batches,
+        )
+        yield CounterMetricFamily(
+            "dynamo_frontend_worker_lag_episodes",
+            "Times a worker link's event lag went over the bound",
+            value=episodes,
+        )
 
 
 class _WorkerLoadCollector(Collector):
@@ -118,6 +180,10 @@ class FrontendMetrics:
         self._rejection_children: dict[tuple[str, str], Counter] = {}
         self._request_children: dict[tuple[str, str, int], Counter] = {}
         self._inflight_children: dict[str, Gauge] = {}
+
+    def watch_links(self, samples: Callable[[], Iterable[LinkSample]]) -> None:
+        """Export the worker links' own figures (connected, lag), read at scrape time."""
+        self.registry.register(_LinkCollector(samples))
 
     def count_rejection(self, model: str, endpoint: str) -> None:
         """One request answered with the overload status (all workers busy or rejecting)."""

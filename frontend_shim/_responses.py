@@ -29,7 +29,7 @@ import trio
 from frontend_shim._free_sets import InFlight
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import FrontendMetrics
-from frontend_shim._workers import RequestStream
+from frontend_shim._request_plane import RequestStream
 from shim_common import wire
 from shim_common._httpserver import HTTPResponder, error_body, json_headers
 

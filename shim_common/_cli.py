@@ -7,16 +7,26 @@ one line on stderr naming it and the value given. :func:`invoke` turns every cyc
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import cyclopts
-from cyclopts import App, Token, validators
+from cyclopts import App, Parameter, Token, validators
 
 __all__ = [
+    "DEFAULT_LOG_FILTER",
+    "LOG_LEVELS",
+    "LOG_LEVEL_PARAMETER",
+    "LOG_OFF",
     "CliError",
+    "LogFilter",
+    "apply_log_filter",
+    "log_filter_converter",
+    "parse_log_filter",
     "exit_invalid",
     "finite",
     "invoke",
@@ -77,3 +87,99 @@ def exit_invalid(program: str, message: str) -> NoReturn:
     """Print ``PROGRAM: error: MESSAGE`` on stderr and exit with code 2."""
     print(f"{program}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+#: A level above every Python level: ``off`` logs nothing.
+LOG_OFF = logging.CRITICAL + 10
+
+#: The level names of ``--log-level`` / ``DYN_LOG``, matched in any case: those of Rust's
+#: tracing (what Dynamo reads ``DYN_LOG`` with) plus Python's ``warning`` and ``critical``.
+#: Python has no level below DEBUG, so ``trace`` logs as ``debug``.
+LOG_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "off": LOG_OFF,
+}
+
+
+class LogFilter(NamedTuple):
+    """The log level to use, and the parts of a Rust-style filter that could not be honoured.
+
+    Attributes:
+        level: A :mod:`logging` level (``LOG_OFF`` for ``off``).
+        ignored: Per-target directives (``module=debug``) and extra bare levels, as given. The
+            process has one log level, so these are reported once at start-up, then ignored.
+    """
+
+    level: int
+    ignored: tuple[str, ...] = ()
+
+
+#: ``info``, the default level, as Dynamo has it.
+DEFAULT_LOG_FILTER = LogFilter(logging.INFO)
+
+#: Commas that separate directives: not those inside a span filter ``target[span{a=1,b=2}]``.
+_DIRECTIVE_SEPARATOR = re.compile(r",(?![^\[]*\])")
+
+
+def parse_log_filter(raw: str) -> LogFilter:
+    """Read a log level the way Dynamo users write ``DYN_LOG``.
+
+    Accepted: one level name (see ``LOG_LEVELS``), or a Rust ``env-filter`` list such as
+    ``info,my_module=debug``. The first bare level of the list is the level (``info`` when there
+    is none, as in ``my_module=debug`` alone, or when the value is empty); every other directive
+    is returned in ``ignored``.
+
+    Raises:
+        ValueError: a directive that is neither a level name nor ``target=level`` with a level
+            name, e.g. ``loud`` or ``my_module=loud``; the message quotes the value.
+    """
+    level: int | None = None
+    ignored: list[str] = []
+    for directive in (part.strip() for part in _DIRECTIVE_SEPARATOR.split(raw)):
+        if not directive:
+            continue
+        bare = LOG_LEVELS.get(directive.lower())
+        if bare is not None and level is None:
+            level = bare
+            continue
+        target, _, name = directive.rpartition("=")
+        if bare is None and (not target.strip() or name.strip().lower() not in LOG_LEVELS):
+            raise ValueError(
+                f'"{raw}" is not a log level or a filter such as "info,my_module=debug" '
+                f'(at "{directive}"; levels, any case: {", ".join(LOG_LEVELS)})'
+            )
+        ignored.append(directive)
+    return LogFilter(DEFAULT_LOG_FILTER.level if level is None else level, tuple(ignored))
+
+
+def log_filter_converter(type_: object, tokens: Sequence[Token]) -> LogFilter:
+    """A cyclopts converter for ``--log-level`` / ``DYN_LOG`` (see :func:`parse_log_filter`)."""
+    return parse_log_filter(tokens[0].value)
+
+
+def apply_log_filter(log_filter: LogFilter, log: logging.Logger) -> None:
+    """Set the root logger's level, and warn once on ``log`` about the directives ignored."""
+    logging.getLogger().setLevel(log_filter.level)
+    if log_filter.ignored:
+        log.warning(
+            "--log-level/DYN_LOG: one level applies to the whole process; using %s, ignoring %s",
+            logging.getLevelName(log_filter.level).lower(),
+            ", ".join(log_filter.ignored),
+        )
+
+
+#: The annotation of ``--log-level`` in both commands.
+LOG_LEVEL_PARAMETER = Parameter(
+    env_var="DYN_LOG",
+    converter=log_filter_converter,
+    n_tokens=1,
+    accepts_keys=False,
+    show_default=lambda _: "info",
+    metavar="LEVEL",
+)

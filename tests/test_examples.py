@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import io
 import json
 import random
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from email.utils import format_datetime
@@ -23,6 +26,7 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
+from rich.console import Console
 
 from frontend_shim._metrics import FrontendMetrics, RankLoadSample
 from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
@@ -33,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 DASHBOARD = EXAMPLES / "grafana" / "dynamo-shim-dashboard.json"
 PROMETHEUS = EXAMPLES / "prometheus" / "prometheus.yml"
+ALERTS = EXAMPLES / "prometheus" / "alerts.yml"
+ALERTS_TEST = EXAMPLES / "prometheus" / "alerts_test.yml"
 
 #: The metric names of the contract (the external interface); the dashboard must show them all.
 CONTRACT_METRICS = frozenset(
@@ -360,6 +366,100 @@ async def test_load_generator_stops_at_its_duration_when_nothing_listens() -> No
     assert 0 < report.total < 1000
 
 
+async def test_load_generator_reports_progress_and_once_more_at_the_end() -> None:
+    server = _ScriptedServer(shed_every=4)
+    seen: list[tuple[int, float]] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            report = await loadgen.run_load(
+                loadgen.Target("127.0.0.1", port, "/v1/completions"),
+                {"model": "m", "prompt": "hi"},
+                clients=3,
+                duration=15.0,
+                max_requests=40,
+                request_timeout=5.0,
+                progress=lambda r, elapsed: seen.append((r.total, elapsed)),
+                progress_interval=0.01,
+            )
+            nursery.cancel_scope.cancel()
+    assert seen
+    assert seen[-1] == (40, report.elapsed)  # the last call sees the finished report
+    totals = [total for total, _ in seen]
+    assert totals == sorted(totals)
+
+
+def _render(renderable: Any) -> list[str]:
+    """Lines of a rich renderable as plain text, the way a pipe receives them."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=100, color_system=None, force_terminal=False).print(renderable)
+    text = buffer.getvalue()
+    assert "\x1b[" not in text
+    return [line.rstrip() for line in text.splitlines()]
+
+
+def _cells(lines: list[str], first: str) -> list[str]:
+    """The cells of the table row whose first cell is ``first``."""
+    for line in lines:
+        cells = [cell.strip() for cell in re.split(r"[│┃|]", line)[1:-1]]
+        if cells and cells[0] == first:
+            return cells
+    raise AssertionError(f"no row {first!r} in:\n" + "\n".join(lines))
+
+
+def test_final_table_shows_answers_by_status_rate_and_latency_percentiles() -> None:
+    report = loadgen.LoadReport()
+    report.statuses.update({200: 90, 529: 9, 0: 1})
+    report.ok_latencies.extend(ms / 1000 for ms in range(90, 0, -1))  # 1..90 ms, unsorted
+    report.elapsed = 10.0
+    report.retry_after["2"] = 9
+    lines = _render(loadgen.final_table(report))
+    assert lines[0] == "100 requests in 10.00 s"
+    assert _cells(lines, "status") == ["status", "answers", "share", "rate (req/s)"]
+    assert _cells(lines, "no answer") == ["no answer", "1", "1.0%", "0.1"]
+    assert _cells(lines, "200") == ["200", "90", "90.0%", "9.0"]
+    assert _cells(lines, "529") == ["529", "9", "9.0%", "0.9"]
+    assert _cells(lines, "all") == ["all", "100", "100.0%", "10.0"]
+    # Nearest rank over 1..90 ms: p50 is the 45th value, p90 the 81st, p99 the 90th.
+    assert _cells(lines, "p50") == ["p50", "p90", "p99", "max"]
+    assert _cells(lines, "45.0") == ["45.0", "81.0", "90.0", "90.0"]
+    assert lines[-1] == "Retry-After seen: 2 s x9"
+
+
+def test_final_table_of_a_run_that_got_nothing() -> None:
+    lines = _render(loadgen.final_table(loadgen.LoadReport()))
+    assert lines[0] == "0 requests in 0.00 s"
+    assert _cells(lines, "all") == ["all", "0", "-", "-"]
+    assert _cells(lines, "-") == ["-", "-", "-", "-"]
+
+
+async def test_load_generator_prints_plain_lines_when_not_on_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE"):
+        monkeypatch.delenv(name, raising=False)
+    server = _ScriptedServer(shed_every=3)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
+            argv = [
+                *("--url", f"http://127.0.0.1:{port}", "--clients", "2"),
+                *("--duration", "15", "--max-requests", "30", "--timeout", "5"),
+            ]
+            code = await trio.to_thread.run_sync(loadgen.main, argv)
+            nursery.cancel_scope.cancel()
+    assert code == 0
+    out, err = capsys.readouterr()
+    assert "\x1b[" not in out + err  # no cursor movement or colour for a pipe
+    progress = err.splitlines()
+    assert progress
+    assert all(re.fullmatch(r"\[ *[\d.]+ s\] \d+ requests, .*", line) for line in progress)
+    assert progress[-1].endswith("200: 20  529: 10")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert _cells(lines, "all")[:2] == ["all", "30"]
+    assert _cells(lines, "529")[:3] == ["529", "10", "33.3%"]
+
+
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert loadgen.percentile(values, 0.5) == 50.0
@@ -476,6 +576,121 @@ def test_prometheus_config_scrapes_the_frontend_and_workers() -> None:
     assert all(
         job.get("metrics_path", "/metrics") == "/metrics" for job in config["scrape_configs"]
     )
+
+
+# ----------------------------------------------------------------------------- alert rules
+
+#: Series Prometheus makes itself for every target, which the rules may use too.
+PROMETHEUS_SERIES = frozenset({"up"})
+#: PromQL words that are neither functions nor metrics.
+_PROMQL_KEYWORDS = frozenset(
+    {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring"}
+    | {"group_left", "group_right", "inf", "nan"}
+)
+
+
+def _promql_metric_names(expr: str) -> set[str]:
+    """The metric names an expression selects (a small scanner, enough for these rules)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery durations
+    # Grouping and vector matching with their label lists: `by (a, b)`, `on ()`, `group_left (c)`,
+    # so that `sum by (a) (x)` reads as a call of `sum`.
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[A-Za-z_:][\w:]*", expr):
+        word = match.group()
+        is_call = re.match(r"\s*\(", expr[match.end() :]) is not None
+        if not is_call and word not in _PROMQL_KEYWORDS:
+            names.add(word)
+    return names
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_promql_scanner_finds_metrics_not_functions_or_labels() -> None:
+    expr = (
+        'sum by (job, model) (rate(a_total{x="y,z"}[5m])) / on () group_left (m) '
+        "count(up == 1) unless b > 0.05 and histogram_quantile(0.9, c_bucket)"
+    )
+    assert _promql_metric_names(expr) == {"a_total", "up", "b", "c_bucket"}
+
+
+def test_alert_rules_query_only_metrics_that_exist() -> None:
+    exposed = _exposed_metric_names()
+    rules = _alert_rules()
+    assert rules
+    for rule in rules:
+        names = _promql_metric_names(rule["expr"])
+        assert names, rule["alert"]
+        unknown = names - exposed - PROMETHEUS_SERIES
+        assert not unknown, f"{rule['alert']} queries metrics nobody exposes: {sorted(unknown)}"
+
+
+def test_alert_rules_cover_rejections_queues_and_lost_workers() -> None:
+    used = set().union(*(_promql_metric_names(rule["expr"]) for rule in _alert_rules()))
+    assert {
+        "dynamo_rejection_request_total",
+        "dynamo_frontend_model_rejection_total",
+        "dynamo_frontend_requests_total",
+        "dynamo_request_queue",
+        "dynamo_request_queue_limit",
+        "up",
+    } <= used
+
+
+def test_alert_rules_name_the_scrape_jobs_of_the_prometheus_config() -> None:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    assert config["rule_files"] == [ALERTS.name]
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    named = {job for rule in _alert_rules() for job in re.findall(r'job="([^"]*)"', rule["expr"])}
+    assert named == jobs
+
+
+def test_every_alert_is_shown_firing_by_the_rule_tests() -> None:
+    yaml = pytest.importorskip("yaml")
+    tests = yaml.safe_load(ALERTS_TEST.read_text())
+    assert tests["rule_files"] == [ALERTS.name]
+    fired = {
+        check["alertname"]
+        for case in tests["tests"]
+        for check in case["alert_rule_test"]
+        if check["exp_alerts"]
+    }
+    assert fired == {rule["alert"] for rule in _alert_rules()}
+    for rule in _alert_rules():
+        assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
+        assert rule["annotations"]["summary"], rule["alert"]
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not found (Debian package `prometheus`; .ci/run installs it)")
+    return subprocess.run(
+        [promtool, *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_alert_rules_pass_promtool_check() -> None:
+    result = _promtool("check", "rules", str(ALERTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_config_and_its_rule_file_pass_promtool_check() -> None:
+    result = _promtool("check", "config", str(PROMETHEUS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+def test_alert_rules_fire_as_their_unit_tests_expect() -> None:
+    result = _promtool("test", "rules", str(ALERTS_TEST))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("script", ["retrying_client", "load_generator"])

@@ -16,6 +16,7 @@ from frontend_shim._cli import (
     parse_args,
 )
 from frontend_shim._config import admin_api_disabled, overload_status_from_env
+from shim_common._cli import LogFilter
 
 VARIABLES = [
     "DYN_HTTP_HOST",
@@ -32,6 +33,7 @@ VARIABLES = [
     "DYN_HTTP_MAX_BODY_BYTES",
     "DYN_HTTP_OVERLOAD_STATUS_CODE",
     "DYN_DISABLE_FRONTEND_ADMIN_API",
+    "DYN_LOG",
 ]
 
 
@@ -119,6 +121,8 @@ def test_worker_flags_pass_through_to_local_workers() -> None:
             "--engine-request-limit",
         ),
         (["--local-workers", "1"], {"DYN_ENGINE_REQUEST_LIMIT": "x"}, "DYN_ENGINE_REQUEST_LIMIT"),
+        ([], {"DYN_LOG": "loud"}, "DYN_LOG"),
+        (["--log-level", "frontend_shim=verbose"], {}, "--log-level"),
     ],
 )
 def test_invalid_values_name_the_flag_or_variable(
@@ -130,6 +134,15 @@ def test_invalid_values_name_the_flag_or_variable(
         parse_args(argv)
     assert named in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_log_level_reads_what_dynamo_users_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([])[1] == LogFilter(logging.INFO)
+    monkeypatch.setenv("DYN_LOG", "warn")
+    assert parse_args([])[1] == LogFilter(logging.WARNING)
+    monkeypatch.setenv("DYN_LOG", "debug,frontend_shim::router=trace")
+    assert parse_args([])[1] == LogFilter(logging.DEBUG, ("frontend_shim::router=trace",))
+    assert parse_args(["--log-level", "Error"])[1] == LogFilter(logging.ERROR)
 
 
 def test_admission_control_is_accepted_ignored_and_warned_about(
@@ -190,6 +203,17 @@ def test_invalid_value_exits_2_and_help_names_every_variable() -> None:
     )
     assert result.returncode == 2
     assert "--router-mode" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = subprocess.run(
+        [sys.executable, "-m", "frontend_shim"],
+        env={**clean, "DYN_LOG": "loud"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert 'DYN_LOG: "loud"' in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = subprocess.run(
         [sys.executable, "-m", "frontend_shim", "--help"],

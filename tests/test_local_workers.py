@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._local import (
     LocalWorkerError,
     parse_ready_line,
     run_local_workers,
     worker_command,
 )
-from frontend_shim._workers import LinkSettings, WorkerLink
 from shim_common import wire
 
 READY = "worker-ingress ready ws=ws://127.0.0.1:{port} system=http://127.0.0.1:{system}"

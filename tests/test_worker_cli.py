@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
+from shim_common._cli import LOG_OFF, LogFilter, apply_log_filter, parse_log_filter
 from worker_ingress._cli import CliError, parse_args
 from worker_ingress._config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
 
@@ -59,7 +62,7 @@ def test_defaults() -> None:
     assert settings.mocker.max_num_batched_tokens == 8192
     assert settings.mocker.data_parallel_size == 1
     assert settings.mocker.speedup_ratio == 1.0
-    assert log_level == "info"
+    assert log_level == LogFilter(logging.INFO)
 
 
 def test_worker_id_is_random_but_given_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,6 +135,8 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
         ([], {"DYN_WORKER_ID": " "}, "--worker-id"),
         (["--engine", "openai"], {}, "--upstream-url"),
         (["--log-level", "loud"], {}, "--log-level"),
+        ([], {"DYN_LOG": "loud"}, "DYN_LOG"),
+        ([], {"DYN_LOG": "info,worker_ingress=loud"}, "DYN_LOG"),
     ],
 )
 def test_invalid_values_name_the_flag_or_variable(
@@ -144,6 +149,76 @@ def test_invalid_values_name_the_flag_or_variable(
     message = str(caught.value)
     assert named in message
     assert "\n" not in message
+
+
+# ----------------------------------------------------------------------------- DYN_LOG
+
+
+@pytest.mark.parametrize(
+    ("raw", "level", "ignored"),
+    [
+        ("info", logging.INFO, ()),
+        ("warn", logging.WARNING, ()),
+        ("WARN", logging.WARNING, ()),
+        ("Warning", logging.WARNING, ()),
+        ("error", logging.ERROR, ()),
+        ("critical", logging.CRITICAL, ()),
+        ("debug", logging.DEBUG, ()),
+        ("trace", logging.DEBUG, ()),
+        ("off", LOG_OFF, ()),
+        (" debug ", logging.DEBUG, ()),
+        ("", logging.INFO, ()),
+        ("info,worker_ingress=debug", logging.INFO, ("worker_ingress=debug",)),
+        ("worker_ingress=debug", logging.INFO, ("worker_ingress=debug",)),
+        ("a=trace,warn,b::c=ERROR", logging.WARNING, ("a=trace", "b::c=ERROR")),
+        ("error,debug", logging.ERROR, ("debug",)),
+        ("info,", logging.INFO, ()),
+        ("h2[conn{id=1,peer=x}]=debug,info", logging.INFO, ("h2[conn{id=1,peer=x}]=debug",)),
+    ],
+)
+def test_log_filter_reads_rust_levels_and_filters(
+    raw: str, level: int, ignored: tuple[str, ...]
+) -> None:
+    assert parse_log_filter(raw) == LogFilter(level, ignored)
+
+
+@pytest.mark.parametrize("raw", ["loud", "infos", "=debug", "a=loud", "info,a=", "info,a"])
+def test_log_filter_refuses_what_it_cannot_read(raw: str) -> None:
+    with pytest.raises(ValueError, match="is not a log level") as caught:
+        parse_log_filter(raw)
+    assert f'"{raw}"' in str(caught.value)
+
+
+def test_log_level_from_environment_and_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_LOG", "warn")
+    assert parse_args([])[1] == LogFilter(logging.WARNING)
+    monkeypatch.setenv("DYN_LOG", "info,worker_ingress=debug")
+    assert parse_args([])[1] == LogFilter(logging.INFO, ("worker_ingress=debug",))
+    assert parse_args(["--log-level", "TRACE"])[1] == LogFilter(logging.DEBUG)
+
+
+@pytest.fixture
+def _root_level() -> Iterator[None]:
+    root = logging.getLogger()
+    saved = root.level
+    yield
+    root.setLevel(saved)
+
+
+@pytest.mark.usefixtures("_root_level")
+def test_ignored_directives_are_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("worker_ingress")
+    with caplog.at_level(logging.DEBUG, logger="worker_ingress"):
+        apply_log_filter(parse_log_filter("a=debug,warn,b=trace"), log)
+    assert logging.getLogger().level == logging.WARNING
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "a=debug, b=trace" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="worker_ingress"):
+        apply_log_filter(parse_log_filter("error"), log)
+    assert logging.getLogger().level == logging.ERROR
+    assert not caplog.records
 
 
 def _run_command(argv: list[str], environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -166,6 +241,15 @@ def test_invalid_value_exits_2_with_one_line() -> None:
     assert "DYN_DYNAMO_REQUEST_QUEUE_LIMIT" in lines[0]
     assert '"1"' in lines[0]
     assert result.stdout == ""
+
+
+def test_invalid_log_level_exits_2_naming_the_variable() -> None:
+    result = _run_command([], {"DYN_LOG": "loud"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "DYN_LOG" in lines[0]
+    assert '"loud"' in lines[0]
 
 
 def test_unknown_engine_module_exits_2() -> None:

@@ -12,12 +12,16 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
-from typing import Annotated, Literal, cast
+from typing import Annotated, cast
 
 from cyclopts import App, Parameter, validators
 
 from shim_common._cli import (
+    DEFAULT_LOG_FILTER,
+    LOG_LEVEL_PARAMETER,
     CliError,
+    LogFilter,
+    apply_log_filter,
     exit_invalid,
     finite,
     invoke,
@@ -33,7 +37,6 @@ __all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
 #: Q has no flag, on purpose (as in Dynamo): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
 
-LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 app = App(
@@ -117,8 +120,8 @@ def _worker(
         float,
         Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), finite)),
     ] = 1.0,
-    log_level: Annotated[LogLevel, Parameter(env_var="DYN_LOG")] = "info",
-) -> tuple[WorkerSettings, LogLevel]:
+    log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
+) -> tuple[WorkerSettings, LogFilter]:
     """Serve one engine behind an admission gate: N engine slots plus Q queue places.
 
     Requests beyond N running and Q waiting are rejected at once with
@@ -170,7 +173,9 @@ def _worker(
     speedup_ratio
         Mocker: simulated step times are divided by this.
     log_level
-        Log level of the messages written to stderr.
+        Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
+        warning and critical; any case. A Rust filter such as "info,my_module=debug" is
+        accepted: its first bare level applies, the rest is ignored with a warning.
     """
     settings = WorkerSettings(
         host=host,
@@ -240,13 +245,13 @@ def _check_engine(settings: WorkerSettings) -> None:
         )
 
 
-def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogLevel]:
+def parse_args(argv: Sequence[str]) -> tuple[WorkerSettings, LogFilter]:
     """Parse flags and environment into settings.
 
     Raises:
         CliError: an invalid flag, variable or combination (message fit for one line).
     """
-    return cast(tuple[WorkerSettings, LogLevel], invoke(app, argv))
+    return cast(tuple[WorkerSettings, LogFilter], invoke(app, argv))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -256,10 +261,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CliError as exc:
         exit_invalid("worker-ingress", str(exc))
     logging.basicConfig(
-        level=log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    apply_log_filter(log_level, logging.getLogger("worker_ingress"))
     # Imported late so that --help and argument errors never pay for (or trip over) the engine.
     import trio
 
