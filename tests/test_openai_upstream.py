@@ -32,15 +32,10 @@ from worker_ingress._upstream_http import (
     parse_base_url,
 )
 from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
-from worker_ingress.engines._openai_upstream import (
-    InFlightLoad,
-    OpenAIUpstreamEngine,
-    UpstreamError,
-    create,
-    parse_llamacpp_props,
-    parse_metrics_text,
-    parse_sglang_server_info,
-)
+from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine, UpstreamError, create
+from worker_ingress.engines._upstream_load import InFlightLoad
+from worker_ingress.engines._upstream_metrics import parse_metrics_text
+from worker_ingress.engines._upstream_probes import parse_llamacpp_props, parse_sglang_server_info
 
 TIMEOUT = 10.0
 FALLBACK = EngineConfig(

@@ -30,7 +30,8 @@ Requests:
   pool with an unread body), so the upstream sees the disconnect and aborts the generation.
 
 Configuration announced (:attr:`OpenAIUpstreamEngine.config`), read once in :meth:`run` before it
-reports ready, first source that answers wins:
+reports ready, first source that answers wins (the parsers are in ``_upstream_probes`` and
+``_upstream_metrics``):
 
 1. vLLM: ``GET /metrics``, gauge ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and
    ``block_size`` (summed over data-parallel engines).
@@ -51,14 +52,12 @@ The upstream is announced as **one** data-parallel rank whatever its internal da
 it balances its ranks itself and the worker cannot see where a request lands, so the limits of a
 ``--data-parallel-size D`` upstream are multiplied by D and its load is reported on rank 0.
 
-Load (:meth:`OpenAIUpstreamEngine.load`) is estimated from what this engine has in flight:
-``active_prefill_tokens`` = prompt tokens of requests that have not received their first chunk;
-``active_decode_blocks`` = ``kv_used_blocks`` = the sum over running requests of
-ceil((prompt + generated tokens) / block_size). When the upstream's ``/metrics`` exposes a KV usage
-gauge (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``,
-``llamacpp:kv_cache_usage_ratio``), it is polled every second and the block counts reported are the
-larger of the estimate and usage x total blocks (it sees requests of other clients, prefix-cache
-sharing and preemption; the estimate reacts at once).
+Load (:meth:`OpenAIUpstreamEngine.load`) is the larger of two readings: the estimate of
+:class:`~worker_ingress.engines._upstream_load.InFlightLoad` (what this engine has in flight; it
+reacts at once) and, when the upstream's ``/metrics`` exposes a KV usage gauge
+(``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``), usage
+x total blocks, polled every second (it sees requests of other clients, prefix-cache sharing and
+preemption).
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import math
 import struct
 from collections.abc import AsyncGenerator
 from typing import Any, Final
@@ -95,18 +93,15 @@ from worker_ingress.engines._base import (
     prompt_words,
     requested_max_tokens,
 )
+from worker_ingress.engines._upstream_load import InFlightLoad
+from worker_ingress.engines._upstream_metrics import parse_metrics_text
+from worker_ingress.engines._upstream_probes import (
+    UpstreamFacts,
+    parse_llamacpp_props,
+    parse_sglang_server_info,
+)
 
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "InFlightLoad",
-    "OpenAIUpstreamEngine",
-    "UpstreamError",
-    "UpstreamFacts",
-    "create",
-    "parse_llamacpp_props",
-    "parse_metrics_text",
-    "parse_sglang_server_info",
-]
+__all__ = ["DEFAULT_MAX_TOKENS", "OpenAIUpstreamEngine", "UpstreamError", "create"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +127,6 @@ _PATHS: Final[dict[str, str]] = {
 }
 _JSON_HEADERS: Final = (("Content-Type", "application/json"),)
 _STREAM_HEADERS: Final = (("Content-Type", "application/json"), ("Accept", "text/event-stream"))
-_USAGE_GAUGES: Final = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-    "llamacpp:kv_cache_usage_ratio",
-)
-_CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"
 
 
 class UpstreamError(RuntimeError):
@@ -154,270 +142,6 @@ class _UpstreamCall(msgspec.Struct, frozen=True):
 
     path: str
     body: bytes
-
-
-# --------------------------------------------------------------------------------------------
-# Load estimate (sans-IO)
-
-
-class InFlightLoad:
-    """The load this engine has put on the upstream, kept as running totals.
-
-    Rules: a request counts its prompt tokens as *prefill* from :meth:`start` until
-    :meth:`first_output`; from :meth:`start` until :meth:`finish` it holds
-    ceil((prompt + generated) / block_size) blocks. Every method is O(1).
-
-    Args:
-        block_size: Tokens per KV block.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self._block_size = block_size
-        self._next_key = 0
-        # key -> [prompt_tokens, generated_tokens, still_prefilling]
-        self._requests: dict[int, list[int]] = {}
-        self.prefill_tokens = 0
-        self.blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def _blocks_of(self, entry: list[int]) -> int:
-        return -(-(entry[0] + entry[1]) // self._block_size)
-
-    def start(self, prompt_tokens: int) -> int:
-        """A request was sent upstream.
-
-        Args:
-            prompt_tokens: Its estimated prompt tokens.
-
-        Returns:
-            The key to pass to the other methods.
-        """
-        key = self._next_key
-        self._next_key += 1
-        entry = [prompt_tokens, 0, 1]
-        self._requests[key] = entry
-        self.prefill_tokens += prompt_tokens
-        self.blocks += self._blocks_of(entry)
-        return key
-
-    def first_output(self, key: int) -> bool:
-        """The request's first chunk arrived: its prompt is no longer prefilling.
-
-        Args:
-            key: From :meth:`start`.
-
-        Returns:
-            Whether anything changed (``False`` after the first call).
-        """
-        entry = self._requests[key]
-        if not entry[2]:
-            return False
-        entry[2] = 0
-        self.prefill_tokens -= entry[0]
-        return True
-
-    def generated(self, key: int, tokens: int) -> bool:
-        """The request produced ``tokens`` more tokens.
-
-        Args:
-            key: From :meth:`start`.
-            tokens: How many.
-
-        Returns:
-            Whether the block count changed.
-        """
-        entry = self._requests[key]
-        before = self._blocks_of(entry)
-        entry[1] += tokens
-        after = self._blocks_of(entry)
-        self.blocks += after - before
-        return after != before
-
-    def finish(self, key: int) -> None:
-        """The request ended (completed, failed or cancelled): release everything it held.
-
-        Args:
-            key: From :meth:`start`.
-        """
-        entry = self._requests.pop(key)
-        if entry[2]:
-            self.prefill_tokens -= entry[0]
-        self.blocks -= self._blocks_of(entry)
-
-
-# --------------------------------------------------------------------------------------------
-# What the upstream tells about itself (sans-IO parsers)
-
-
-class UpstreamFacts(msgspec.Struct, kw_only=True):
-    """Limits an upstream revealed; ``None`` where it said nothing."""
-
-    kv_total_blocks: int | None = None
-    block_size: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    #: Name of the KV usage gauge found in ``/metrics`` (worth polling), if any.
-    usage_gauge: str | None = None
-    #: Its current value, a fraction in [0, 1].
-    kv_usage: float | None = None
-
-
-def _positive_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value > 0 else None
-    if isinstance(value, str):
-        try:
-            number = int(value)
-        except ValueError:
-            return None
-        return number if number > 0 else None
-    return None
-
-
-def _parse_labels(text: str) -> dict[str, str]:
-    """Prometheus label set without the braces; tolerant of escapes, strict on nothing."""
-    labels: dict[str, str] = {}
-    index = 0
-    while index < len(text):
-        equals = text.find("=", index)
-        if equals < 0 or equals + 1 >= len(text) or text[equals + 1] != '"':
-            break
-        name = text[index:equals].strip().lstrip(",").strip()
-        cursor = equals + 2
-        value_chars: list[str] = []
-        while cursor < len(text) and text[cursor] != '"':
-            if text[cursor] == "\\" and cursor + 1 < len(text):
-                cursor += 1
-            value_chars.append(text[cursor])
-            cursor += 1
-        labels[name] = "".join(value_chars)
-        index = cursor + 1
-    return labels
-
-
-def parse_metrics_text(text: str) -> UpstreamFacts:
-    """Pick what we use out of a Prometheus text exposition.
-
-    Only lines that start with a known name are looked at, so a large ``/metrics`` page (vLLM's
-    has many histograms) costs one ``startswith`` per line.
-
-    Args:
-        text: The body of ``GET /metrics``.
-
-    Returns:
-        The cache shape (vLLM) and the KV usage gauge, when present. Several samples of a usage
-        gauge (one per data-parallel engine) are averaged.
-    """
-    facts = UpstreamFacts()
-    usage_samples: list[float] = []
-    total_blocks = 0
-    for line in text.splitlines():
-        if not line.startswith((_CACHE_CONFIG_INFO, *_USAGE_GAUGES)):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end < 0:
-            continue
-        name = line[:name_end]
-        labels: dict[str, str] = {}
-        rest = line[name_end:]
-        if rest.startswith("{"):
-            close = rest.rfind("}")
-            if close < 0:
-                continue
-            labels = _parse_labels(rest[1:close])
-            rest = rest[close + 1 :]
-        fields = rest.split()
-        if not fields:
-            continue
-        if name == _CACHE_CONFIG_INFO:
-            blocks = _positive_int(labels.get("num_gpu_blocks"))
-            block_size = _positive_int(labels.get("block_size"))
-            if blocks is not None:
-                total_blocks += blocks
-            if block_size is not None:
-                facts.block_size = block_size
-        elif name in _USAGE_GAUGES:
-            if facts.usage_gauge not in (None, name):
-                continue  # first gauge name found wins; never mix two engines' notions
-            try:
-                value = float(fields[0])
-            except ValueError:
-                continue
-            if math.isfinite(value):
-                facts.usage_gauge = name
-                usage_samples.append(value)
-    if total_blocks:
-        facts.kv_total_blocks = total_blocks
-    if usage_samples:
-        facts.kv_usage = min(1.0, max(0.0, sum(usage_samples) / len(usage_samples)))
-    return facts
-
-
-def parse_sglang_server_info(info: object) -> UpstreamFacts:
-    """Read SGLang's ``/get_server_info`` answer.
-
-    Args:
-        info: The decoded JSON.
-
-    Returns:
-        The limits found (KV tokens are turned into blocks of ``page_size``).
-    """
-    facts = UpstreamFacts()
-    if not isinstance(info, dict):
-        return facts
-    sources: list[dict[str, Any]] = [info]
-    internal = info.get("internal_states")
-    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
-        sources.append(internal[0])
-
-    def first(key: str) -> int | None:
-        for source in sources:
-            value = _positive_int(source.get(key))
-            if value is not None:
-                return value
-        return None
-
-    kv_tokens = first("max_total_num_tokens")
-    if kv_tokens is None:
-        return facts  # not SGLang
-    dp_size = first("dp_size") or 1
-    page_size = first("page_size") or 1
-    facts.block_size = page_size
-    facts.kv_total_blocks = -(-kv_tokens // page_size) * dp_size
-    running = first("max_running_requests")
-    facts.max_num_seqs = running * dp_size if running is not None else None
-    chunk = first("chunked_prefill_size")
-    facts.max_num_batched_tokens = chunk * dp_size if chunk is not None else None
-    return facts
-
-
-def parse_llamacpp_props(props: object, block_size: int) -> UpstreamFacts:
-    """Read llama.cpp's ``/props`` answer.
-
-    Args:
-        props: The decoded JSON.
-        block_size: Block size to count KV tokens in (llama.cpp has no paged blocks).
-
-    Returns:
-        The limits found.
-    """
-    facts = UpstreamFacts()
-    if not isinstance(props, dict):
-        return facts
-    slots = _positive_int(props.get("total_slots"))
-    settings = props.get("default_generation_settings")
-    n_ctx = _positive_int(settings.get("n_ctx")) if isinstance(settings, dict) else None
-    if slots is None or n_ctx is None:
-        return facts
-    facts.max_num_seqs = slots
-    facts.kv_total_blocks = -(-(slots * n_ctx) // block_size)
-    return facts
 
 
 # --------------------------------------------------------------------------------------------
