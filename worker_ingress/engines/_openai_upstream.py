@@ -69,20 +69,13 @@ import struct
 from collections.abc import AsyncGenerator
 from typing import Any, Final
 
+import httpx
 import msgspec
 import trio
 
+from shim_common._net import Backoff
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import WorkerSettings
-from worker_ingress._upstream_http import (
-    DEFAULT_READ_TIMEOUT,
-    HTTPClient,
-    Origin,
-    Response,
-    SSEDecoder,
-    UpstreamConnectionError,
-    parse_base_url,
-)
 from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
@@ -92,6 +85,14 @@ from worker_ingress.engines._base import (
     PreparedRequest,
     prompt_words,
     requested_max_tokens,
+)
+from worker_ingress.engines._upstream_client import (
+    DEFAULT_READ_TIMEOUT,
+    Origin,
+    SSEDecoder,
+    UpstreamClient,
+    UpstreamConnectionError,
+    parse_base_url,
 )
 from worker_ingress.engines._upstream_load import InFlightLoad
 from worker_ingress.engines._upstream_metrics import parse_metrics_text
@@ -246,11 +247,11 @@ class OpenAIUpstreamEngine:
         # read it (a worker builds its hello before the engine runs), discovery only advises.
         self._config_read = False
         self._model = model
-        self._client = HTTPClient(
+        self._client = UpstreamClient(
             origin, max_connections=max_connections, read_timeout=read_timeout
         )
         # Probes and polls get their own small pool: a full request pool must not starve them.
-        self._control = HTTPClient(
+        self._control = UpstreamClient(
             origin, max_connections=2, connect_timeout=CONTROL_TIMEOUT, read_timeout=CONTROL_TIMEOUT
         )
         self._metrics_poll_interval = metrics_poll_interval
@@ -261,7 +262,7 @@ class OpenAIUpstreamEngine:
         self._published = self._snapshot()
 
     @property
-    def client(self) -> HTTPClient:
+    def client(self) -> UpstreamClient:
         """The connection pool requests go through."""
         return self._client
 
@@ -368,7 +369,7 @@ class OpenAIUpstreamEngine:
             ) as response:
                 await self._check_status(response)
                 if request.endpoint == "embeddings":
-                    body = await response.read(MAX_EMBEDDINGS_BODY_BYTES)
+                    body = await self._client.read(response, MAX_EMBEDDINGS_BODY_BYTES)
                     self._in_flight.first_output(key)
                     self._refresh()
                     for output in _embedding_outputs(body):
@@ -383,26 +384,37 @@ class OpenAIUpstreamEngine:
             self._in_flight.finish(key)
             self._refresh()
 
-    async def _check_status(self, response: Response) -> None:
-        if response.status < 400:
+    async def _check_status(self, response: httpx.Response) -> None:
+        status = response.status_code
+        if status < 400:
             return
-        body = await response.read(MAX_ERROR_BODY_BYTES)
+        body = await self._client.read(response, MAX_ERROR_BODY_BYTES)
         message = _error_message(body)
-        if response.status < 500 and response.status not in (408, 429):
+        if status < 500 and status not in (408, 429):
             raise EngineInputError(message)
-        raise UpstreamError(f"upstream {self._origin} answered {response.status}: {message}")
+        raise UpstreamError(f"upstream {self._origin} answered {status}: {message}")
 
     async def _stream_outputs(
-        self, response: Response, key: int
+        self, response: httpx.Response, key: int
     ) -> AsyncGenerator[EngineOutput, None]:
         """Turn the SSE body into outputs (the token rules are in the module docstring)."""
+        async with (
+            contextlib.aclosing(self._client.iter_body(response)) as body,
+            contextlib.aclosing(self._outputs_of(body, key)) as outputs,
+        ):
+            async for output in outputs:
+                yield output
+
+    async def _outputs_of(
+        self, body: AsyncGenerator[bytes, None], key: int
+    ) -> AsyncGenerator[EngineOutput, None]:
         decoder = SSEDecoder()
         counted = 0
         held: list[EngineOutput] = []
         completion_tokens: int | None = None
         done = False
         while not done:
-            piece = await response.receive_some()
+            piece = await anext(body, b"")
             try:
                 events = decoder.feed(piece) if piece else decoder.close()
             except ValueError as exc:
@@ -435,8 +447,8 @@ class OpenAIUpstreamEngine:
                     yield output
             if not piece:
                 break
-        if done and not response.complete:
-            await _drain(response)
+        if done:
+            await _drain(body)
         if not held:
             if not done:
                 raise UpstreamError(f"upstream {self._origin} ended the stream before finishing")
@@ -490,11 +502,11 @@ class OpenAIUpstreamEngine:
                 await trio.sleep(self._metrics_poll_interval)
                 await self._poll_usage()
         finally:
-            self._client.close_idle()
-            self._control.close_idle()
+            await self._client.aclose()
+            await self._control.aclose()
 
     async def _wait_until_ready(self) -> None:
-        delay = READY_BACKOFF_FIRST
+        backoff = Backoff(initial=READY_BACKOFF_FIRST, cap=READY_BACKOFF_MAX)
         attempt = 0
         while True:
             attempt += 1
@@ -510,6 +522,7 @@ class OpenAIUpstreamEngine:
                     logger.info("upstream %s is ready (after %d attempts)", self._origin, attempt)
                     return
                 problem = f"GET /v1/models answered {status}"
+            delay = backoff.next_delay()
             logger.warning(
                 "upstream %s not ready (attempt %d): %s; retrying in %.1f s",
                 self._origin,
@@ -518,7 +531,6 @@ class OpenAIUpstreamEngine:
                 delay,
             )
             await trio.sleep(delay)
-            delay = min(delay * 2, READY_BACKOFF_MAX)
 
     def _check_model(self, body: bytes) -> None:
         try:
@@ -619,12 +631,12 @@ class OpenAIUpstreamEngine:
         self._refresh()
 
 
-async def _drain(response: Response) -> None:
+async def _drain(body: AsyncGenerator[bytes, None]) -> None:
     """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can be
     reused; give up after a moment or a few bytes, and the connection is closed instead."""
     with trio.move_on_after(DRAIN_TIMEOUT):
         drained = 0
-        while drained <= MAX_DRAIN_BYTES and (piece := await response.receive_some()):
+        while drained <= MAX_DRAIN_BYTES and (piece := await anext(body, b"")):
             drained += len(piece)
 
 
