@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import itertools
 import math
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -61,6 +62,7 @@ class Exchange:
         self.conn = conn
         self.method = request.method.decode()
         self.target = request.target.decode()
+        self.headers = {bytes(k).decode(): bytes(v).decode() for k, v in request.headers}
         self.body = body
         self.close_after = False
 
@@ -111,7 +113,8 @@ Handler = Callable[[Exchange], Awaitable[None]]
 class FakeUpstream:
     """A tiny OpenAI-compatible server; ``routes`` maps ``METHOD /path`` to a handler."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.routes: dict[str, Handler] = {}
         self.seen: list[Exchange] = []
         self.connections = 0
@@ -121,7 +124,7 @@ class FakeUpstream:
         self.port = 0
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        listeners = await trio.open_tcp_listeners(0, host=self.host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._connection, listeners)
@@ -129,7 +132,7 @@ class FakeUpstream:
 
     @property
     def origin(self) -> Origin:
-        return Origin(host="127.0.0.1", port=self.port)
+        return Origin(host=self.host, port=self.port)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -770,3 +773,32 @@ async def test_fresh_connection_dropped_is_not_retried(upstream: FakeUpstream) -
     with trio.fail_after(TIMEOUT), pytest.raises(UpstreamConnectionError):
         await client.request("POST", "/x")
     assert (client.connections_opened, len(upstream.seen)) == (1, 1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_ipv6_upstream_gets_a_bracketed_host_header(nursery: trio.Nursery) -> None:
+    if not _has_ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    upstream = FakeUpstream(host="::1")
+    await nursery.start(upstream.serve)
+
+    async def models(exchange: Exchange) -> None:
+        await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+    upstream.routes["GET /v1/models"] = models
+    engine = create(
+        WorkerSettings(worker_id="w", engine="openai", upstream_url=f"http://[::1]:{upstream.port}")
+    )
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as inner:
+            await inner.start(engine.run)
+            inner.cancel_scope.cancel()
+    assert upstream.seen[0].headers["host"] == f"[::1]:{upstream.port}"
