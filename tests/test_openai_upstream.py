@@ -355,6 +355,19 @@ def test_parse_vllm_metrics() -> None:
     assert facts.kv_usage == pytest.approx(0.5)
 
 
+def test_parse_metrics_reads_escaped_labels_and_skips_broken_lines() -> None:
+    text = (
+        "vllm:num_requests_running{engine=\"0\"} oops\n"  # not a wanted name: never parsed
+        'vllm:cache_config_info{note="a\\"b\\nc",block_size="32",num_gpu_blocks="10"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",num_gpu_blocks="5" 1.0\n'  # broken: skipped
+        "sglang:token_usage 0.5\n"
+        "vllm:gpu_cache_usage_perc 0.25\n"  # preferred to SGLang's gauge, wherever it stands
+    )
+    facts = parse_metrics_text(text)
+    assert (facts.kv_total_blocks, facts.block_size) == (10, 32)
+    assert (facts.usage_gauge, facts.kv_usage) == ("vllm:gpu_cache_usage_perc", 0.25)
+
+
 def test_parse_llamacpp_metrics_and_props() -> None:
     facts = parse_metrics_text("# TYPE x gauge\nllamacpp:kv_cache_usage_ratio 0.63\n")
     assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (
