@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import math
 import socket
 import struct
@@ -18,13 +19,17 @@ from contextlib import aclosing
 from typing import Any
 
 import h11
+import httpx
 import hypothesis.strategies as st
 import msgspec
 import pytest
 import trio
 from hypothesis import given, settings
 
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
 from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._server import Worker
 from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
 from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine, UpstreamError, create
 from worker_ingress.engines._upstream_client import (
@@ -815,3 +820,85 @@ async def test_ipv6_upstream_gets_a_bracketed_host_header(nursery: trio.Nursery)
             await inner.start(engine.run)
             inner.cancel_scope.cancel()
     assert upstream.seen[0].headers["host"] == f"[::1]:{upstream.port}"
+
+
+# ------------------------------------------------------------------------------------------
+# Through a worker and a frontend (in-process): several choices stay several choices
+
+
+async def _models_m(exchange: Exchange) -> None:
+    await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+
+async def _two_choices(exchange: Exchange) -> None:
+    """An upstream answering ``n: 2``: the deltas of both choices interleave, as vLLM sends them."""
+    chat = exchange.target.endswith("/chat/completions")
+
+    def piece(index: int, text: str | None, finish: str | None = None) -> object:
+        if chat:
+            return chat_chunk(text, finish, index)
+        return {"choices": [{"index": index, "text": text or "", "finish_reason": finish}]}
+
+    assert exchange.json["n"] == 2
+    await exchange.start_sse()
+    for first, second in (("alpha", "gamma"), (" beta", " delta")):
+        await exchange.event(piece(0, first))
+        await exchange.event(piece(1, second))
+    await exchange.event(piece(1, None, "length"))
+    await exchange.event(piece(0, None, "stop"))
+    await exchange.event(usage_chunk(3, 4))
+    await exchange.end_sse()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_choices_reach_the_client_apart(
+    upstream: FakeUpstream, path: str, stream: bool
+) -> None:
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["POST /v1/chat/completions"] = _two_choices
+    upstream.routes["POST /v1/completions"] = _two_choices
+    settings = WorkerSettings(worker_id="w", host="127.0.0.1", port=0, system_port=0, model="m")
+    engine = make_engine(upstream)
+    body: dict[str, Any] = {"model": "m", "n": 2, "stream": stream, "max_tokens": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(Worker(settings, engine).serve)
+            frontend = FrontendSettings(http_port=0, workers=(address.ws_url,))
+            url = await nursery.start(run_frontend, frontend)
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                for _ in range(500):  # until the frontend has the worker
+                    if (await client.get("/health")).json()["workers_connected"] == 1:
+                        break
+                    await trio.sleep(0.01)
+                if stream:
+                    async with client.stream("POST", path, json=body) as response:
+                        assert response.status_code == 200
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            for choice in json.loads(line[len("data: ") :])["choices"]:
+                                text = choice["delta"]["content"] if "delta" in choice else ""
+                                text = text or choice.get("text") or ""
+                                texts[choice["index"]] = texts.get(choice["index"], "") + text
+                                if choice["finish_reason"]:
+                                    finishes[choice["index"]] = choice["finish_reason"]
+                else:
+                    response = await client.post(path, json=body)
+                    assert response.status_code == 200, response.text
+                    answer = response.json()
+                    assert [choice["index"] for choice in answer["choices"]] == [0, 1]
+                    assert answer["usage"]["completion_tokens"] == 4
+                    for choice in answer["choices"]:
+                        message = choice.get("message")
+                        texts[choice["index"]] = message["content"] if message else choice["text"]
+                        finishes[choice["index"]] = choice["finish_reason"]
+            nursery.cancel_scope.cancel()
+    assert texts == {0: "alpha beta", 1: "gamma delta"}
+    assert finishes == {0: "stop", 1: "length"}
