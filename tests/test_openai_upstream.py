@@ -41,7 +41,12 @@ from worker_ingress.engines._upstream_client import (
 )
 from worker_ingress.engines._upstream_load import InFlightLoad
 from worker_ingress.engines._upstream_metrics import parse_metrics_text
-from worker_ingress.engines._upstream_probes import parse_llamacpp_props, parse_sglang_server_info
+from worker_ingress.engines._upstream_probes import (
+    SlotsReading,
+    parse_llamacpp_props,
+    parse_llamacpp_slots,
+    parse_sglang_server_info,
+)
 
 TIMEOUT = 10.0
 FALLBACK = EngineConfig(
@@ -373,13 +378,19 @@ def test_parse_metrics_reads_escaped_labels_and_skips_broken_lines() -> None:
     assert (facts.usage_gauge, facts.kv_usage) == ("vllm:gpu_cache_usage_perc", 0.25)
 
 
-def test_parse_llamacpp_metrics_and_props() -> None:
-    facts = parse_metrics_text("# TYPE x gauge\nllamacpp:kv_cache_usage_ratio 0.63\n")
-    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (
-        "llamacpp:kv_cache_usage_ratio",
-        0.63,
-        None,
-    )
+def test_parse_llamacpp_props_and_slots() -> None:
+    # llama.cpp's /metrics has request counts but no KV usage gauge.
+    facts = parse_metrics_text("llamacpp:requests_processing 1\nllamacpp:n_tokens_max 72\n")
+    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (None, None, None)
+    slots = [
+        {"id": 0, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 447},
+        {"id": 1, "n_ctx": 1024, "is_processing": False, "n_prompt_tokens": 913},  # cache only
+        {"id": 2, "is_processing": True, "next_token": [{"n_decoded": 5}]},  # an older version
+    ]
+    assert parse_llamacpp_slots(slots) == SlotsReading(processing=2, tokens=452)
+    assert parse_llamacpp_slots([]) is None
+    assert parse_llamacpp_slots({"error": "slots endpoint disabled"}) is None
+    assert parse_llamacpp_slots([{"id": 0}]) is None
     props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096}}
     facts = parse_llamacpp_props(props, block_size=16)
     assert (facts.kv_total_blocks, facts.max_num_seqs) == (1024, 4)
@@ -759,6 +770,43 @@ async def test_config_read_before_run_stays_fixed(
     # The usage fraction is scaled to the announced total, so the decode ratio stays right.
     assert engine.load()[0].kv_used_blocks == 250
     assert "--num-gpu-blocks 400 --block-size 8" in caplog.text
+
+
+@pytest.mark.parametrize("request_limit", [None, 2, 8])
+async def test_llamacpp_limits_load_and_request_limit(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture, request_limit: int | None
+) -> None:
+    processing = [True]
+
+    async def props(exchange: Exchange) -> None:
+        settings = {"n_ctx": 1024, "params": {}}
+        await exchange.send_json(200, {"total_slots": 2, "default_generation_settings": settings})
+
+    async def slots(exchange: Exchange) -> None:
+        held = {"is_processing": processing[0], "n_prompt_tokens": 30}
+        await exchange.send_json(200, [{"id": 0, **held}, {"id": 1, "is_processing": False}])
+
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["GET /props"] = props
+    upstream.routes["GET /slots"] = slots
+    engine = make_engine(upstream, metrics_poll_interval=0.01, request_limit=request_limit)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            # 2 slots of 1024 tokens in blocks of 4; 30 tokens held in one slot.
+            assert (engine.config.kv_total_blocks, engine.config.max_num_seqs) == (512, 2)
+            assert engine.load()[0].kv_used_blocks == 8
+            processing[0] = False
+            while engine.load()[0].kv_used_blocks != 0:
+                await engine.load_changed.wait_past(engine.load_changed.version)
+            nursery.cancel_scope.cancel()
+    warned = [r.getMessage() for r in caplog.records if "--engine-request-limit" in r.getMessage()]
+    if request_limit == 2:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert "runs at" in warned[0]
+        assert "set --engine-request-limit 2" in warned[0]
 
 
 async def test_reused_connection_dropped_under_us_is_retried_once(upstream: FakeUpstream) -> None:

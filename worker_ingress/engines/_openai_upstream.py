@@ -43,6 +43,11 @@ reports ready, first source that answers wins (the parsers are in ``_upstream_pr
 4. Otherwise, and for every value a source does not give, the mocker shape flags
    (``--num-gpu-blocks``, ``--block-size``, ``--max-num-batched-tokens``, ``--max-num-seqs``).
 
+What the upstream runs at once (SGLang's ``max_running_requests``, llama.cpp's ``total_slots``;
+vLLM does not publish its ``--max-num-seqs``) is announced as ``max_num_seqs`` and compared with
+N (``--engine-request-limit``): when N is unset or larger, a warning at start-up says so, because
+the excess would wait inside the upstream, where the gate can neither see nor shed it.
+
 The protocol wants the configuration fixed for the engine's life, so discovery changes it only if
 nobody has read it yet; a worker that builds its hello before starting the engine keeps the flag
 values, and a warning names the flags that would announce the upstream's real limits. The KV usage
@@ -54,10 +59,11 @@ it balances its ranks itself and the worker cannot see where a request lands, so
 
 Load (:meth:`OpenAIUpstreamEngine.load`) is the larger of two readings: the estimate of
 :class:`~worker_ingress.engines._upstream_load.InFlightLoad` (what this engine has in flight; it
-reacts at once) and, when the upstream's ``/metrics`` exposes a KV usage gauge
-(``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``), usage
-x total blocks, polled every second (it sees requests of other clients, prefix-cache sharing and
-preemption).
+reacts at once) and the upstream's own numbers, polled every second (they see requests of other
+clients, prefix-cache sharing and preemption): the KV usage gauge of its ``/metrics``
+(``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``) times
+the total blocks, or for llama.cpp, whose ``/metrics`` has no such gauge, the tokens its busy
+slots hold according to ``GET /slots``, in blocks.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ from worker_ingress.engines._upstream_metrics import parse_metrics_text
 from worker_ingress.engines._upstream_probes import (
     UpstreamFacts,
     parse_llamacpp_props,
+    parse_llamacpp_slots,
     parse_sglang_server_info,
 )
 
@@ -227,6 +234,8 @@ class OpenAIUpstreamEngine:
         fallback: Limits announced for whatever the upstream does not reveal.
         model: The model name the worker serves (checked against the upstream's ``/v1/models``).
         max_connections: Most requests forwarded at once (the worker's engine slots).
+        request_limit: N, the worker's ``--engine-request-limit`` (``None`` when unset), compared
+            at start-up with what the upstream says it runs at once.
         read_timeout: Seconds of upstream silence tolerated inside a request.
         metrics_poll_interval: Seconds between two reads of the upstream's ``/metrics``.
     """
@@ -238,6 +247,7 @@ class OpenAIUpstreamEngine:
         *,
         model: str,
         max_connections: int = 64,
+        request_limit: int | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         metrics_poll_interval: float = METRICS_POLL_INTERVAL,
     ) -> None:
@@ -255,9 +265,13 @@ class OpenAIUpstreamEngine:
             origin, max_connections=2, connect_timeout=CONTROL_TIMEOUT, read_timeout=CONTROL_TIMEOUT
         )
         self._metrics_poll_interval = metrics_poll_interval
+        self._request_limit = request_limit
         self._in_flight = InFlightLoad(fallback.block_size)
         self._upstream_used_blocks = 0
+        #: Where the upstream's own load is read: a KV usage gauge of ``/metrics`` (its name),
+        #: llama.cpp's ``/slots``, or nowhere (``None``: the estimate alone counts).
         self._usage_gauge: str | None = None
+        self._slots_load = False
         self._load_changed = ChangeSignal()
         self._published = self._snapshot()
 
@@ -496,11 +510,12 @@ class OpenAIUpstreamEngine:
             await self._wait_until_ready()
             await self._discover()
             task_status.started()
-            if self._usage_gauge is None:
+            if self._usage_gauge is None and not self._slots_load:
                 await trio.sleep_forever()
             while True:
                 await trio.sleep(self._metrics_poll_interval)
-                await self._poll_usage()
+                # Stale numbers are worse than none: without a fresh reading, the estimate counts.
+                self._set_upstream_used_blocks(await self._read_used_blocks() or 0)
         finally:
             await self._client.aclose()
             await self._control.aclose()
@@ -575,15 +590,13 @@ class OpenAIUpstreamEngine:
         self._usage_gauge = metrics.usage_gauge
         facts, source = metrics, "vLLM /metrics"
         if facts.kv_total_blocks is None:
-            facts, source = (
-                parse_sglang_server_info(await self._get_json("/get_server_info")),
-                ("SGLang /get_server_info"),
-            )
+            info = await self._get_json("/get_server_info")
+            facts, source = parse_sglang_server_info(info), "SGLang /get_server_info"
         if facts.kv_total_blocks is None:
-            facts, source = (
-                parse_llamacpp_props(await self._get_json("/props"), fallback.block_size),
-                "llama.cpp /props",
-            )
+            props = await self._get_json("/props")
+            facts, source = parse_llamacpp_props(props, fallback.block_size), "llama.cpp /props"
+            if facts.kv_total_blocks is not None and self._usage_gauge is None:
+                self._slots_load = parse_llamacpp_slots(await self._get_json("/slots")) is not None
         if facts.kv_total_blocks is None:
             source = "the --num-gpu-blocks/--block-size flags"
         discovered = EngineConfig(
@@ -610,24 +623,68 @@ class OpenAIUpstreamEngine:
             self._config = discovered
             if discovered.block_size != fallback.block_size:
                 self._in_flight = _rebuilt(self._in_flight, discovered.block_size)
+        if self._usage_gauge is not None:
+            load_source = f"its {self._usage_gauge} gauge"
+        elif self._slots_load:
+            load_source = "its /slots"
+        else:
+            load_source = "nothing: the estimate alone is reported"
         logger.info(
-            "upstream %s: %d KV blocks of %d tokens announced; KV usage gauge: %s",
+            "upstream %s: %d KV blocks of %d tokens announced (from %s); its load is read from %s",
             self._origin,
             self._config.kv_total_blocks,
             self._config.block_size,
-            self._usage_gauge or "none, the estimate alone is reported",
+            source,
+            load_source,
         )
-        if metrics.kv_usage is not None:
-            self._set_upstream_usage(metrics.kv_usage)
+        if facts.max_num_seqs is not None:
+            self._check_request_limit(facts.max_num_seqs, source)
+        self._set_upstream_used_blocks(await self._read_used_blocks() or 0)
 
-    async def _poll_usage(self) -> None:
-        facts = await self._get_metrics()
-        usage = facts.kv_usage if facts is not None else None
-        # Stale numbers are worse than none: without a fresh reading, the estimate alone counts.
-        self._set_upstream_usage(usage or 0.0)
+    def _check_request_limit(self, upstream_limit: int, source: str) -> None:
+        """Warn when the gate lets through more requests than the upstream runs at once."""
+        if self._request_limit is None:
+            logger.warning(
+                "upstream %s runs at most %d requests at once (from %s) but "
+                "--engine-request-limit is unset: requests past %d wait inside the upstream, "
+                "where the gate neither sees nor sheds them; set --engine-request-limit %d",
+                self._origin,
+                upstream_limit,
+                source,
+                upstream_limit,
+                upstream_limit,
+            )
+        elif self._request_limit > upstream_limit:
+            logger.warning(
+                "--engine-request-limit %d exceeds the %d requests upstream %s runs at once "
+                "(from %s): %d requests may wait inside the upstream, where the gate neither "
+                "sees nor sheds them; set --engine-request-limit %d",
+                self._request_limit,
+                upstream_limit,
+                self._origin,
+                source,
+                self._request_limit - upstream_limit,
+                upstream_limit,
+            )
 
-    def _set_upstream_usage(self, usage: float) -> None:
-        self._upstream_used_blocks = round(usage * self._config.kv_total_blocks)
+    async def _read_used_blocks(self) -> int | None:
+        """KV blocks in use upstream, from its own numbers, or ``None`` without a reading."""
+        total = self._config.kv_total_blocks
+        if self._usage_gauge is not None:
+            facts = await self._get_metrics()
+            if facts is None or facts.kv_usage is None:
+                return None
+            # A fraction: scaled to whatever total was announced, so the ratio stays right.
+            return round(facts.kv_usage * total)
+        if self._slots_load:
+            reading = parse_llamacpp_slots(await self._get_json("/slots"))
+            if reading is None:
+                return None
+            return min(total, -(-reading.tokens // self._config.block_size))
+        return None
+
+    def _set_upstream_used_blocks(self, blocks: int) -> None:
+        self._upstream_used_blocks = blocks
         self._refresh()
 
 
@@ -685,4 +742,5 @@ def create(settings: WorkerSettings) -> OpenAIUpstreamEngine:
         ),
         model=settings.model,
         max_connections=settings.engine_slots,
+        request_limit=settings.engine_request_limit,
     )

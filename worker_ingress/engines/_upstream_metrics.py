@@ -1,7 +1,8 @@
 """Reading an upstream's Prometheus ``/metrics`` (sans-IO).
 
-vLLM announces its KV cache shape there (``vllm:cache_config_info``), and the engines expose a KV
-usage gauge that the engine polls; :func:`parse_metrics_text` picks both out.
+vLLM announces its KV cache shape there (``vllm:cache_config_info``), and vLLM and SGLang expose a
+KV usage gauge that the engine polls (llama.cpp has none: its load comes from ``/slots``);
+:func:`parse_metrics_text` picks both out.
 
 The text format is parsed by ``prometheus_client``'s parser (label escapes and all). An engine's
 page is long (vLLM's has many histograms, one sample line per bucket) and only a handful of its
@@ -34,7 +35,6 @@ USAGE_GAUGES: Final = (
     "vllm:kv_cache_usage_perc",
     "vllm:gpu_cache_usage_perc",
     "sglang:token_usage",
-    "llamacpp:kv_cache_usage_ratio",
 )
 #: vLLM's cache shape: labels ``num_gpu_blocks`` and ``block_size``, one sample per engine.
 CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"

@@ -7,6 +7,9 @@ Each parser takes the decoded JSON of one endpoint and returns :class:`UpstreamF
 - llama.cpp ``GET /props``: :func:`parse_llamacpp_props`.
 
 vLLM says what we need in its ``/metrics`` (:mod:`worker_ingress.engines._upstream_metrics`).
+
+llama.cpp's ``/metrics`` has no KV usage gauge (only request counts), so its load is read from
+``GET /slots`` instead: :func:`parse_llamacpp_slots`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["UpstreamFacts", "parse_llamacpp_props", "parse_sglang_server_info", "positive_int"]
+__all__ = [
+    "SlotsReading",
+    "UpstreamFacts",
+    "parse_llamacpp_props",
+    "parse_llamacpp_slots",
+    "parse_sglang_server_info",
+    "positive_int",
+]
 
 
 class UpstreamFacts(msgspec.Struct, kw_only=True):
@@ -104,3 +114,50 @@ def parse_llamacpp_props(props: object, block_size: int) -> UpstreamFacts:
     facts.max_num_seqs = slots
     facts.kv_total_blocks = -(-(slots * n_ctx) // block_size)
     return facts
+
+
+class SlotsReading(msgspec.Struct, frozen=True):
+    """What llama.cpp's ``/slots`` says about the requests it runs now."""
+
+    #: Slots running a request.
+    processing: int
+    #: Tokens those slots hold in the KV cache (prompt and generated so far).
+    tokens: int
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def parse_llamacpp_slots(slots: object) -> SlotsReading | None:
+    """Read llama.cpp's ``/slots`` answer (a list with one object per slot).
+
+    A slot that runs a request (``is_processing``) holds ``n_prompt_tokens`` tokens in the KV
+    cache: llama.cpp counts the prompt and every token generated so far there. An idle slot keeps
+    its last prompt for reuse, but that is cache, not load, so it counts nothing. Versions without
+    ``n_prompt_tokens`` count the ``n_decoded`` of their ``next_token`` instead.
+
+    Args:
+        slots: The decoded JSON.
+
+    Returns:
+        The reading, or ``None`` when the answer is not a list of slots.
+    """
+    if not isinstance(slots, list) or not slots:
+        return None
+    processing = tokens = 0
+    for slot in slots:
+        if not isinstance(slot, dict) or "is_processing" not in slot:
+            return None
+        if slot["is_processing"] is not True:
+            continue
+        processing += 1
+        held = _count(slot.get("n_prompt_tokens"))
+        if held is None:
+            next_token = slot.get("next_token")
+            first = next_token[0] if isinstance(next_token, list) and next_token else next_token
+            held = _count(first.get("n_decoded")) if isinstance(first, dict) else None
+        tokens += held or 0
+    return SlotsReading(processing=processing, tokens=tokens)
