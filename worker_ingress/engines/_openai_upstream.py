@@ -30,8 +30,8 @@ Requests:
   pool with an unread body), so the upstream sees the disconnect and aborts the generation.
 
 Configuration announced (:attr:`OpenAIUpstreamEngine.config`), read once in :meth:`run` before it
-reports ready, first source that answers wins (the parsers are in ``_upstream_probes`` and
-``_upstream_metrics``):
+reports ready, first source that answers wins (asked by ``_upstream_discovery``, read by the
+parsers of ``_upstream_probes`` and ``_upstream_metrics``):
 
 1. vLLM: ``GET /metrics``, gauge ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and
    ``block_size`` (summed over data-parallel engines).
@@ -79,7 +79,6 @@ import httpx
 import msgspec
 import trio
 
-from shim_common._net import Backoff
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import WorkerSettings
 from worker_ingress._watch import ChangeSignal
@@ -100,14 +99,8 @@ from worker_ingress.engines._upstream_client import (
     UpstreamConnectionError,
     parse_base_url,
 )
+from worker_ingress.engines._upstream_discovery import UpstreamDiscovery
 from worker_ingress.engines._upstream_load import InFlightLoad
-from worker_ingress.engines._upstream_metrics import parse_metrics_text
-from worker_ingress.engines._upstream_probes import (
-    UpstreamFacts,
-    parse_llamacpp_props,
-    parse_llamacpp_slots,
-    parse_sglang_server_info,
-)
 
 __all__ = ["DEFAULT_MAX_TOKENS", "OpenAIUpstreamEngine", "UpstreamError", "create"]
 
@@ -115,18 +108,12 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two reads of the upstream's ``/metrics``.
 METRICS_POLL_INTERVAL: Final = 1.0
-#: Backoff while waiting for the upstream to answer at start-up.
-READY_BACKOFF_FIRST: Final = 0.1
-READY_BACKOFF_MAX: Final = 5.0
 #: Largest bodies read from the upstream.
 MAX_ERROR_BODY_BYTES: Final = 64 * 1024
 MAX_EMBEDDINGS_BODY_BYTES: Final = 256 * 1024 * 1024
-MAX_CONTROL_BODY_BYTES: Final = 16 * 1024 * 1024
 #: After ``[DONE]``, how long and how much is read to let the connection be reused.
 DRAIN_TIMEOUT: Final = 1.0
 MAX_DRAIN_BYTES: Final = 64 * 1024
-#: Seconds allowed to start-up probes and metric polls (not to requests).
-CONTROL_TIMEOUT: Final = 5.0
 
 _PATHS: Final[dict[str, str]] = {
     "chat_completions": "/v1/chat/completions",
@@ -260,18 +247,10 @@ class OpenAIUpstreamEngine:
         self._client = UpstreamClient(
             origin, max_connections=max_connections, read_timeout=read_timeout
         )
-        # Probes and polls get their own small pool: a full request pool must not starve them.
-        self._control = UpstreamClient(
-            origin, max_connections=2, connect_timeout=CONTROL_TIMEOUT, read_timeout=CONTROL_TIMEOUT
-        )
+        self._discovery = UpstreamDiscovery(origin, model=model, request_limit=request_limit)
         self._metrics_poll_interval = metrics_poll_interval
-        self._request_limit = request_limit
         self._in_flight = InFlightLoad(fallback.block_size)
         self._upstream_used_blocks = 0
-        #: Where the upstream's own load is read: a KV usage gauge of ``/metrics`` (its name),
-        #: llama.cpp's ``/slots``, or nowhere (``None``: the estimate alone counts).
-        self._usage_gauge: str | None = None
-        self._slots_load = False
         self._load_changed = ChangeSignal()
         self._published = self._snapshot()
 
@@ -507,105 +486,25 @@ class OpenAIUpstreamEngine:
         with a backoff from 0.1 s up to 5 s, logging each failure.
         """
         try:
-            await self._wait_until_ready()
+            await self._discovery.wait_until_ready()
             await self._discover()
             task_status.started()
-            if self._usage_gauge is None and not self._slots_load:
+            if not self._discovery.polls_load:
                 await trio.sleep_forever()
             while True:
                 await trio.sleep(self._metrics_poll_interval)
                 # Stale numbers are worse than none: without a fresh reading, the estimate counts.
-                self._set_upstream_used_blocks(await self._read_used_blocks() or 0)
+                used = await self._discovery.used_blocks(self._config)
+                self._set_upstream_used_blocks(used or 0)
         finally:
             await self._client.aclose()
-            await self._control.aclose()
-
-    async def _wait_until_ready(self) -> None:
-        backoff = Backoff(initial=READY_BACKOFF_FIRST, cap=READY_BACKOFF_MAX)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                status, body = await self._control.request(
-                    "GET", "/v1/models", max_body_bytes=MAX_CONTROL_BODY_BYTES
-                )
-            except UpstreamConnectionError as exc:
-                problem = str(exc)
-            else:
-                if status == 200:
-                    self._check_model(body)
-                    logger.info("upstream %s is ready (after %d attempts)", self._origin, attempt)
-                    return
-                problem = f"GET /v1/models answered {status}"
-            delay = backoff.next_delay()
-            logger.warning(
-                "upstream %s not ready (attempt %d): %s; retrying in %.1f s",
-                self._origin,
-                attempt,
-                problem,
-                delay,
-            )
-            await trio.sleep(delay)
-
-    def _check_model(self, body: bytes) -> None:
-        try:
-            listing = msgspec.json.decode(body)
-            served = [entry["id"] for entry in listing["data"]]
-        except (msgspec.DecodeError, KeyError, TypeError):
-            return
-        if self._model not in served:
-            logger.warning(
-                "upstream %s serves %s, not %r: requests are sent with the model name given",
-                self._origin,
-                served,
-                self._model,
-            )
-
-    async def _get_json(self, target: str) -> object:
-        try:
-            status, body = await self._control.request(
-                "GET", target, max_body_bytes=MAX_CONTROL_BODY_BYTES
-            )
-            if status != 200:
-                return None
-            return msgspec.json.decode(body)
-        except (UpstreamConnectionError, msgspec.DecodeError):
-            return None
-
-    async def _get_metrics(self) -> UpstreamFacts | None:
-        try:
-            status, body = await self._control.request(
-                "GET", "/metrics", max_body_bytes=MAX_CONTROL_BODY_BYTES
-            )
-        except UpstreamConnectionError:
-            return None
-        if status != 200:
-            return None
-        return parse_metrics_text(body.decode("utf-8", "replace"))
+            await self._discovery.aclose()
 
     async def _discover(self) -> None:
         """Best effort: fill the config from what the upstream tells (module docstring)."""
         fallback = self._config
-        metrics = await self._get_metrics() or UpstreamFacts()
-        self._usage_gauge = metrics.usage_gauge
-        facts, source = metrics, "vLLM /metrics"
-        if facts.kv_total_blocks is None:
-            info = await self._get_json("/get_server_info")
-            facts, source = parse_sglang_server_info(info), "SGLang /get_server_info"
-        if facts.kv_total_blocks is None:
-            props = await self._get_json("/props")
-            facts, source = parse_llamacpp_props(props, fallback.block_size), "llama.cpp /props"
-            if facts.kv_total_blocks is not None and self._usage_gauge is None:
-                self._slots_load = parse_llamacpp_slots(await self._get_json("/slots")) is not None
-        if facts.kv_total_blocks is None:
-            source = "the --num-gpu-blocks/--block-size flags"
-        discovered = EngineConfig(
-            kv_total_blocks=facts.kv_total_blocks or fallback.kv_total_blocks,
-            block_size=facts.block_size or fallback.block_size,
-            max_num_batched_tokens=facts.max_num_batched_tokens or fallback.max_num_batched_tokens,
-            max_num_seqs=facts.max_num_seqs or fallback.max_num_seqs,
-            data_parallel_size=1,
-        )
+        found = await self._discovery.discover(fallback)
+        discovered = found.config
         if discovered != fallback and self._config_read:
             logger.warning(
                 "upstream %s reports %d KV blocks of %d tokens (from %s) but the worker already "
@@ -613,7 +512,7 @@ class OpenAIUpstreamEngine:
                 self._origin,
                 discovered.kv_total_blocks,
                 discovered.block_size,
-                source,
+                found.source,
                 fallback.kv_total_blocks,
                 fallback.block_size,
                 discovered.kv_total_blocks,
@@ -623,65 +522,15 @@ class OpenAIUpstreamEngine:
             self._config = discovered
             if discovered.block_size != fallback.block_size:
                 self._in_flight = _rebuilt(self._in_flight, discovered.block_size)
-        if self._usage_gauge is not None:
-            load_source = f"its {self._usage_gauge} gauge"
-        elif self._slots_load:
-            load_source = "its /slots"
-        else:
-            load_source = "nothing: the estimate alone is reported"
         logger.info(
             "upstream %s: %d KV blocks of %d tokens announced (from %s); its load is read from %s",
             self._origin,
             self._config.kv_total_blocks,
             self._config.block_size,
-            source,
-            load_source,
+            found.source,
+            found.load_source,
         )
-        if facts.max_num_seqs is not None:
-            self._check_request_limit(facts.max_num_seqs, source)
-        self._set_upstream_used_blocks(await self._read_used_blocks() or 0)
-
-    def _check_request_limit(self, upstream_limit: int, source: str) -> None:
-        """Warn when the gate lets through more requests than the upstream runs at once."""
-        if self._request_limit is None:
-            logger.warning(
-                "upstream %s runs at most %d requests at once (from %s) but "
-                "--engine-request-limit is unset: requests past %d wait inside the upstream, "
-                "where the gate neither sees nor sheds them; set --engine-request-limit %d",
-                self._origin,
-                upstream_limit,
-                source,
-                upstream_limit,
-                upstream_limit,
-            )
-        elif self._request_limit > upstream_limit:
-            logger.warning(
-                "--engine-request-limit %d exceeds the %d requests upstream %s runs at once "
-                "(from %s): %d requests may wait inside the upstream, where the gate neither "
-                "sees nor sheds them; set --engine-request-limit %d",
-                self._request_limit,
-                upstream_limit,
-                self._origin,
-                source,
-                self._request_limit - upstream_limit,
-                upstream_limit,
-            )
-
-    async def _read_used_blocks(self) -> int | None:
-        """KV blocks in use upstream, from its own numbers, or ``None`` without a reading."""
-        total = self._config.kv_total_blocks
-        if self._usage_gauge is not None:
-            facts = await self._get_metrics()
-            if facts is None or facts.kv_usage is None:
-                return None
-            # A fraction: scaled to whatever total was announced, so the ratio stays right.
-            return round(facts.kv_usage * total)
-        if self._slots_load:
-            reading = parse_llamacpp_slots(await self._get_json("/slots"))
-            if reading is None:
-                return None
-            return min(total, -(-reading.tokens // self._config.block_size))
-        return None
+        self._set_upstream_used_blocks(await self._discovery.used_blocks(self._config) or 0)
 
     def _set_upstream_used_blocks(self, blocks: int) -> None:
         self._upstream_used_blocks = blocks
