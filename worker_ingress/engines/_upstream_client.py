@@ -166,6 +166,7 @@ class UpstreamClient:
             # and no compression (it would hold back the tokens of a stream).
             trust_env=False,
             follow_redirects=False,
+            verify=False,  # plain http:// only: no need to load a CA bundle per client
             headers={"Accept-Encoding": "identity"},
         )
         #: Connections opened so far (for tests and logs: reuse shows as a small number).
