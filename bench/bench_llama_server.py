@@ -5,7 +5,8 @@ and a ``frontend-shim`` in front of the worker, all on loopback with ports from 
 the same streamed completion (same prompt, same ``max_tokens``, greedy sampling, so every run does
 the same work) to the server directly and through the frontend, alternating, and prints the median
 tokens per second of each: completion tokens divided by the time from sending the request to
-``[DONE]``.
+``[DONE]``. It also prints the CPU time the worker and the frontend spent per token relayed, read
+from ``/proc`` (Linux), which unlike the rates does not depend on what else the machine runs.
 
 Usage::
 
@@ -36,13 +37,17 @@ SHIM_READY = re.compile(rb" ready \w+=(\S+)")
 
 
 @asynccontextmanager
-async def started(args: Sequence[str], log: Path, ready: re.Pattern[bytes]) -> AsyncIterator[str]:
+async def started(
+    args: Sequence[str], log: Path, ready: re.Pattern[bytes], pids: list[int] | None = None
+) -> AsyncIterator[str]:
     """Run a process until the block ends; yield the URL its ready line names."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(
             list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
         )
+    if pids is not None:
+        pids.append(process.pid)
     try:
         with trio.fail_after(60):
             while not (match := ready.search(await trio.Path(log).read_bytes())):
@@ -54,6 +59,15 @@ async def started(args: Sequence[str], log: Path, ready: re.Pattern[bytes]) -> A
         with trio.CancelScope(shield=True):
             process.terminate()
             await process.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (0 where ``/proc`` is missing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def tokens_per_second(client: httpx.AsyncClient, url: str, max_tokens: int) -> float:
@@ -87,11 +101,12 @@ async def main(args: argparse.Namespace) -> None:
         worker_args = [sys.executable, "-m", "worker_ingress", "--port", "0", "--system-port"]
         worker_args += ["0", "--model", "tiny", "--engine", "openai", "--upstream-url", server]
         worker_args += ["--engine-request-limit", "1"]
-        async with started(worker_args, logs / "worker.log", SHIM_READY) as worker:
+        shims: list[int] = []
+        async with started(worker_args, logs / "worker.log", SHIM_READY, shims) as worker:
             frontend_args = [sys.executable, "-m", "frontend_shim", "--http-port", "0"]
             frontend_args += ["--worker", worker]
             async with (
-                started(frontend_args, logs / "frontend.log", SHIM_READY) as frontend,
+                started(frontend_args, logs / "frontend.log", SHIM_READY, shims) as frontend,
                 httpx.AsyncClient(trust_env=False, timeout=300) as client,
             ):
                 for _ in range(200):
@@ -102,15 +117,21 @@ async def main(args: argparse.Namespace) -> None:
                 results: dict[str, list[float]] = {name: [] for name in targets}
                 for url in targets.values():  # warm-up: prompt cache, connections
                     await tokens_per_second(client, url, args.max_tokens)
+                cpu = 0.0
                 for _ in range(args.runs):
                     for name, url in targets.items():
+                        before = sum(cpu_seconds(pid) for pid in shims)
                         results[name].append(
                             await tokens_per_second(client, url, args.max_tokens)
                         )
+                        if url == frontend:
+                            cpu += sum(cpu_seconds(pid) for pid in shims) - before
     print(f"{args.runs} runs of {args.max_tokens} tokens, streamed, llama-server -t {args.threads}")
     for name, values in results.items():
         spread = ", ".join(f"{value:.0f}" for value in values)
         print(f"{name:>17}: median {statistics.median(values):7.0f} tokens/s  ({spread})")
+    per_token = cpu / (args.runs * args.max_tokens)
+    print(f"worker + frontend CPU per token relayed: {per_token * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
