@@ -168,9 +168,12 @@ async def _serve_stream(
     shape = ResponseShape(exchange.endpoint, body)
     exchange.status = 200
     await responder.start_stream(200, list(_SSE_HEADERS))
+    started_choices: set[int] = set()  # a request with n > 1 interleaves its choices
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
-            first = progress.chunk(reply)
+            progress.chunk(reply)
+            first = reply.index not in started_choices
+            started_choices.add(reply.index)
             await responder.send_chunk(_sse(shape.chunk(reply, first)))
         elif isinstance(reply, wire.End):
             tail = b""
@@ -198,16 +201,21 @@ async def _serve_whole(
 ) -> None:
     exchange = progress.exchange
     shape = ResponseShape(exchange.endpoint, body)
-    pieces: list[str] = []
-    finish_reason: str | None = None
+    pieces: dict[int, list[str]] = {0: []}  # choice index -> its texts
+    finish_reasons: dict[int, str] = {}
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
             progress.chunk(reply)
-            pieces.append(reply.text)
-            finish_reason = reply.finish_reason or finish_reason
+            pieces.setdefault(reply.index, []).append(reply.text)
+            if reply.finish_reason:
+                finish_reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, wire.End):
             exchange.status = 200
-            payload = shape.whole("".join(pieces), finish_reason, reply)
+            choices = {
+                index: ("".join(texts), finish_reasons.get(index))
+                for index, texts in sorted(pieces.items())
+            }
+            payload = shape.whole(choices, reply)
             await responder.send(200, json_headers(), payload)
             progress.completed()
             return
@@ -323,10 +331,10 @@ class ResponseShape:
             delta: dict[str, Any] = {"content": reply.text}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": reply.finish_reason}
+            choice = {"index": reply.index, "delta": delta, "finish_reason": reply.finish_reason}
         else:
             choice = {
-                "index": 0,
+                "index": reply.index,
                 "text": reply.text,
                 "finish_reason": reply.finish_reason,
                 "logprobs": None,
@@ -345,31 +353,36 @@ class ResponseShape:
             }
         )
 
-    def whole(self, text: str, finish_reason: str | None, end: wire.End) -> bytes:
-        choice: dict[str, Any]
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason or "stop",
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "finish_reason": finish_reason or "stop",
-                "logprobs": None,
-            }
+    def whole(self, choices: dict[int, tuple[str, str | None]], end: wire.End) -> bytes:
+        """The answer to a request without ``stream``: ``choices`` maps each choice's index to
+        its text and finish reason."""
         return _json_encode(
             {
                 "id": self.id,
                 "object": self._object(chunk=False),
                 "created": self.created,
                 "model": self.model,
-                "choices": [choice],
+                "choices": [
+                    self._whole_choice(index, text, finish_reason)
+                    for index, (text, finish_reason) in choices.items()
+                ],
                 "usage": _usage(end),
             }
         )
+
+    def _whole_choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason or "stop",
+            }
+        return {
+            "index": index,
+            "text": text,
+            "finish_reason": finish_reason or "stop",
+            "logprobs": None,
+        }
 
 
 def _usage(end: wire.End) -> dict[str, int]:

@@ -8,7 +8,6 @@ import pytest
 
 from shim_common.wire import Endpoint
 from worker_ingress._config import MockerSettings
-from worker_ingress._upstream_http import Origin
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
     Engine,
@@ -23,6 +22,7 @@ from worker_ingress.engines._base import (
 from worker_ingress.engines._instant import InstantEngine
 from worker_ingress.engines._mocker import MockerEngine
 from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine
+from worker_ingress.engines._upstream_client import Origin
 
 CONFIG = EngineConfig(
     kv_total_blocks=1000,

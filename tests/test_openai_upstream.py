@@ -10,35 +10,41 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import math
+import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
 import h11
+import httpx
 import hypothesis.strategies as st
 import msgspec
 import pytest
 import trio
 from hypothesis import given, settings
 
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
 from worker_ingress._config import MockerSettings, WorkerSettings
-from worker_ingress._upstream_http import (
-    HTTPClient,
+from worker_ingress._server import Worker
+from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
+from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine, UpstreamError, create
+from worker_ingress.engines._upstream_client import (
     Origin,
     SSEDecoder,
+    UpstreamClient,
     UpstreamConnectionError,
     parse_base_url,
 )
-from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
-from worker_ingress.engines._openai_upstream import (
-    InFlightLoad,
-    OpenAIUpstreamEngine,
-    UpstreamError,
-    create,
+from worker_ingress.engines._upstream_load import InFlightLoad
+from worker_ingress.engines._upstream_metrics import parse_metrics_text
+from worker_ingress.engines._upstream_probes import (
+    SlotsReading,
     parse_llamacpp_props,
-    parse_metrics_text,
+    parse_llamacpp_slots,
     parse_sglang_server_info,
 )
 
@@ -66,6 +72,7 @@ class Exchange:
         self.conn = conn
         self.method = request.method.decode()
         self.target = request.target.decode()
+        self.headers = {bytes(k).decode(): bytes(v).decode() for k, v in request.headers}
         self.body = body
         self.close_after = False
 
@@ -116,17 +123,18 @@ Handler = Callable[[Exchange], Awaitable[None]]
 class FakeUpstream:
     """A tiny OpenAI-compatible server; ``routes`` maps ``METHOD /path`` to a handler."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.routes: dict[str, Handler] = {}
         self.seen: list[Exchange] = []
         self.connections = 0
         #: Clients whose idle connections are closed when the test ends.
-        self.clients: list[HTTPClient] = []
+        self.clients: list[UpstreamClient] = []
         self.disconnected = trio.Event()
         self.port = 0
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        listeners = await trio.open_tcp_listeners(0, host=self.host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._connection, listeners)
@@ -134,7 +142,7 @@ class FakeUpstream:
 
     @property
     def origin(self) -> Origin:
-        return Origin(host="127.0.0.1", port=self.port)
+        return Origin(host=self.host, port=self.port)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -189,7 +197,7 @@ async def upstream(nursery: trio.Nursery) -> AsyncIterator[FakeUpstream]:
     await nursery.start(server.serve)
     yield server
     for client in server.clients:
-        client.close_idle()
+        await client.aclose()
 
 
 def make_engine(upstream: FakeUpstream, **kwargs: Any) -> OpenAIUpstreamEngine:
@@ -357,13 +365,32 @@ def test_parse_vllm_metrics() -> None:
     assert facts.kv_usage == pytest.approx(0.5)
 
 
-def test_parse_llamacpp_metrics_and_props() -> None:
-    facts = parse_metrics_text("# TYPE x gauge\nllamacpp:kv_cache_usage_ratio 0.63\n")
-    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (
-        "llamacpp:kv_cache_usage_ratio",
-        0.63,
-        None,
+def test_parse_metrics_reads_escaped_labels_and_skips_broken_lines() -> None:
+    text = (
+        "vllm:num_requests_running{engine=\"0\"} oops\n"  # not a wanted name: never parsed
+        'vllm:cache_config_info{note="a\\"b\\nc",block_size="32",num_gpu_blocks="10"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",num_gpu_blocks="5" 1.0\n'  # broken: skipped
+        "sglang:token_usage 0.5\n"
+        "vllm:gpu_cache_usage_perc 0.25\n"  # preferred to SGLang's gauge, wherever it stands
     )
+    facts = parse_metrics_text(text)
+    assert (facts.kv_total_blocks, facts.block_size) == (10, 32)
+    assert (facts.usage_gauge, facts.kv_usage) == ("vllm:gpu_cache_usage_perc", 0.25)
+
+
+def test_parse_llamacpp_props_and_slots() -> None:
+    # llama.cpp's /metrics has request counts but no KV usage gauge.
+    facts = parse_metrics_text("llamacpp:requests_processing 1\nllamacpp:n_tokens_max 72\n")
+    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (None, None, None)
+    slots = [
+        {"id": 0, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 447},
+        {"id": 1, "n_ctx": 1024, "is_processing": False, "n_prompt_tokens": 913},  # cache only
+        {"id": 2, "is_processing": True, "next_token": [{"n_decoded": 5}]},  # an older version
+    ]
+    assert parse_llamacpp_slots(slots) == SlotsReading(processing=2, tokens=452)
+    assert parse_llamacpp_slots([]) is None
+    assert parse_llamacpp_slots({"error": "slots endpoint disabled"}) is None
+    assert parse_llamacpp_slots([{"id": 0}]) is None
     props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096}}
     facts = parse_llamacpp_props(props, block_size=16)
     assert (facts.kv_total_blocks, facts.max_num_seqs) == (1024, 4)
@@ -557,7 +584,6 @@ async def test_upstream_dies_mid_stream(upstream: FakeUpstream) -> None:
         await consume()
     assert [output.text for output in outputs] == ["partial"]
     assert_idle(engine)
-    assert engine.client.idle_connections == 0
 
 
 @pytest.mark.parametrize(
@@ -603,7 +629,6 @@ async def test_closing_the_generator_closes_the_upstream_connection(
             assert (load.active_prefill_tokens, load.active_decode_blocks) == (0, 2)
         await upstream.disconnected.wait()
     assert_idle(engine)
-    assert engine.client.idle_connections == 0
 
 
 async def test_cancellation_during_prefill_closes_the_connection(upstream: FakeUpstream) -> None:
@@ -647,13 +672,13 @@ async def test_stale_pooled_connection_is_not_used(upstream: FakeUpstream) -> No
         exchange.close_after = True  # closes after answering, without saying Connection: close
 
     upstream.routes["GET /v1/models"] = once
-    client = HTTPClient(upstream.origin)
+    client = UpstreamClient(upstream.origin)
     with trio.fail_after(TIMEOUT):
         for _ in range(3):
             assert await client.request("GET", "/v1/models") == (200, b'{"data":[]}')
             await upstream.disconnected.wait()
             upstream.disconnected = trio.Event()
-    client.close_idle()
+    await client.aclose()
     assert client.connections_opened == 3
 
 
@@ -747,6 +772,43 @@ async def test_config_read_before_run_stays_fixed(
     assert "--num-gpu-blocks 400 --block-size 8" in caplog.text
 
 
+@pytest.mark.parametrize("request_limit", [None, 2, 8])
+async def test_llamacpp_limits_load_and_request_limit(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture, request_limit: int | None
+) -> None:
+    processing = [True]
+
+    async def props(exchange: Exchange) -> None:
+        settings = {"n_ctx": 1024, "params": {}}
+        await exchange.send_json(200, {"total_slots": 2, "default_generation_settings": settings})
+
+    async def slots(exchange: Exchange) -> None:
+        held = {"is_processing": processing[0], "n_prompt_tokens": 30}
+        await exchange.send_json(200, [{"id": 0, **held}, {"id": 1, "is_processing": False}])
+
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["GET /props"] = props
+    upstream.routes["GET /slots"] = slots
+    engine = make_engine(upstream, metrics_poll_interval=0.01, request_limit=request_limit)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            # 2 slots of 1024 tokens in blocks of 4; 30 tokens held in one slot.
+            assert (engine.config.kv_total_blocks, engine.config.max_num_seqs) == (512, 2)
+            assert engine.load()[0].kv_used_blocks == 8
+            processing[0] = False
+            while engine.load()[0].kv_used_blocks != 0:
+                await engine.load_changed.wait_past(engine.load_changed.version)
+            nursery.cancel_scope.cancel()
+    warned = [r.getMessage() for r in caplog.records if "--engine-request-limit" in r.getMessage()]
+    if request_limit == 2:
+        assert warned == []
+    else:
+        assert len(warned) == 1
+        assert "runs at" in warned[0]
+        assert "set --engine-request-limit 2" in warned[0]
+
+
 async def test_reused_connection_dropped_under_us_is_retried_once(upstream: FakeUpstream) -> None:
     calls = 0
 
@@ -759,7 +821,7 @@ async def test_reused_connection_dropped_under_us_is_retried_once(upstream: Fake
         await exchange.send_json(200, {"call": calls})
 
     upstream.routes["POST /x"] = flaky
-    client = HTTPClient(upstream.origin)
+    client = UpstreamClient(upstream.origin)
     upstream.clients.append(client)
     with trio.fail_after(TIMEOUT):
         assert await client.request("POST", "/x") == (200, b'{"call":1}')
@@ -772,7 +834,119 @@ async def test_fresh_connection_dropped_is_not_retried(upstream: FakeUpstream) -
         await exchange.die()
 
     upstream.routes["POST /x"] = drop
-    client = HTTPClient(upstream.origin)
+    client = UpstreamClient(upstream.origin)
+    upstream.clients.append(client)
     with trio.fail_after(TIMEOUT), pytest.raises(UpstreamConnectionError):
         await client.request("POST", "/x")
     assert (client.connections_opened, len(upstream.seen)) == (1, 1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+async def test_ipv6_upstream_gets_a_bracketed_host_header(nursery: trio.Nursery) -> None:
+    if not _has_ipv6_loopback():
+        pytest.skip("this machine has no IPv6 loopback")
+    upstream = FakeUpstream(host="::1")
+    await nursery.start(upstream.serve)
+
+    async def models(exchange: Exchange) -> None:
+        await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+    upstream.routes["GET /v1/models"] = models
+    engine = create(
+        WorkerSettings(worker_id="w", engine="openai", upstream_url=f"http://[::1]:{upstream.port}")
+    )
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as inner:
+            await inner.start(engine.run)
+            inner.cancel_scope.cancel()
+    assert upstream.seen[0].headers["host"] == f"[::1]:{upstream.port}"
+
+
+# ------------------------------------------------------------------------------------------
+# Through a worker and a frontend (in-process): several choices stay several choices
+
+
+async def _models_m(exchange: Exchange) -> None:
+    await exchange.send_json(200, {"object": "list", "data": [{"id": "m"}]})
+
+
+async def _two_choices(exchange: Exchange) -> None:
+    """An upstream answering ``n: 2``: the deltas of both choices interleave, as vLLM sends them."""
+    chat = exchange.target.endswith("/chat/completions")
+
+    def piece(index: int, text: str | None, finish: str | None = None) -> object:
+        if chat:
+            return chat_chunk(text, finish, index)
+        return {"choices": [{"index": index, "text": text or "", "finish_reason": finish}]}
+
+    assert exchange.json["n"] == 2
+    await exchange.start_sse()
+    for first, second in (("alpha", "gamma"), (" beta", " delta")):
+        await exchange.event(piece(0, first))
+        await exchange.event(piece(1, second))
+    await exchange.event(piece(1, None, "length"))
+    await exchange.event(piece(0, None, "stop"))
+    await exchange.event(usage_chunk(3, 4))
+    await exchange.end_sse()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_choices_reach_the_client_apart(
+    upstream: FakeUpstream, path: str, stream: bool
+) -> None:
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["POST /v1/chat/completions"] = _two_choices
+    upstream.routes["POST /v1/completions"] = _two_choices
+    settings = WorkerSettings(worker_id="w", host="127.0.0.1", port=0, system_port=0, model="m")
+    engine = make_engine(upstream)
+    body: dict[str, Any] = {"model": "m", "n": 2, "stream": stream, "max_tokens": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(Worker(settings, engine).serve)
+            frontend = FrontendSettings(http_port=0, workers=(address.ws_url,))
+            url = await nursery.start(run_frontend, frontend)
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                for _ in range(500):  # until the frontend has the worker
+                    if (await client.get("/health")).json()["workers_connected"] == 1:
+                        break
+                    await trio.sleep(0.01)
+                if stream:
+                    async with client.stream("POST", path, json=body) as response:
+                        assert response.status_code == 200
+                        async for line in response.aiter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            for choice in json.loads(line[len("data: ") :])["choices"]:
+                                text = choice["delta"]["content"] if "delta" in choice else ""
+                                text = text or choice.get("text") or ""
+                                texts[choice["index"]] = texts.get(choice["index"], "") + text
+                                if choice["finish_reason"]:
+                                    finishes[choice["index"]] = choice["finish_reason"]
+                else:
+                    response = await client.post(path, json=body)
+                    assert response.status_code == 200, response.text
+                    answer = response.json()
+                    assert [choice["index"] for choice in answer["choices"]] == [0, 1]
+                    assert answer["usage"]["completion_tokens"] == 4
+                    for choice in answer["choices"]:
+                        message = choice.get("message")
+                        texts[choice["index"]] = message["content"] if message else choice["text"]
+                        finishes[choice["index"]] = choice["finish_reason"]
+            nursery.cancel_scope.cancel()
+    assert texts == {0: "alpha beta", 1: "gamma delta"}
+    assert finishes == {0: "stop", 1: "length"}

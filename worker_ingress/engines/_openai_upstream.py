@@ -30,7 +30,8 @@ Requests:
   pool with an unread body), so the upstream sees the disconnect and aborts the generation.
 
 Configuration announced (:attr:`OpenAIUpstreamEngine.config`), read once in :meth:`run` before it
-reports ready, first source that answers wins:
+reports ready, first source that answers wins (asked by ``_upstream_discovery``, read by the
+parsers of ``_upstream_probes`` and ``_upstream_metrics``):
 
 1. vLLM: ``GET /metrics``, gauge ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and
    ``block_size`` (summed over data-parallel engines).
@@ -42,6 +43,11 @@ reports ready, first source that answers wins:
 4. Otherwise, and for every value a source does not give, the mocker shape flags
    (``--num-gpu-blocks``, ``--block-size``, ``--max-num-batched-tokens``, ``--max-num-seqs``).
 
+What the upstream runs at once (SGLang's ``max_running_requests``, llama.cpp's ``total_slots``;
+vLLM does not publish its ``--max-num-seqs``) is announced as ``max_num_seqs`` and compared with
+N (``--engine-request-limit``): when N is unset or larger, a warning at start-up says so, because
+the excess would wait inside the upstream, where the gate can neither see nor shed it.
+
 The protocol wants the configuration fixed for the engine's life, so discovery changes it only if
 nobody has read it yet; a worker that builds its hello before starting the engine keeps the flag
 values, and a warning names the flags that would announce the upstream's real limits. The KV usage
@@ -51,14 +57,13 @@ The upstream is announced as **one** data-parallel rank whatever its internal da
 it balances its ranks itself and the worker cannot see where a request lands, so the limits of a
 ``--data-parallel-size D`` upstream are multiplied by D and its load is reported on rank 0.
 
-Load (:meth:`OpenAIUpstreamEngine.load`) is estimated from what this engine has in flight:
-``active_prefill_tokens`` = prompt tokens of requests that have not received their first chunk;
-``active_decode_blocks`` = ``kv_used_blocks`` = the sum over running requests of
-ceil((prompt + generated tokens) / block_size). When the upstream's ``/metrics`` exposes a KV usage
-gauge (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``,
-``llamacpp:kv_cache_usage_ratio``), it is polled every second and the block counts reported are the
-larger of the estimate and usage x total blocks (it sees requests of other clients, prefix-cache
-sharing and preemption; the estimate reacts at once).
+Load (:meth:`OpenAIUpstreamEngine.load`) is the larger of two readings: the estimate of
+:class:`~worker_ingress.engines._upstream_load.InFlightLoad` (what this engine has in flight; it
+reacts at once) and the upstream's own numbers, polled every second (they see requests of other
+clients, prefix-cache sharing and preemption): the KV usage gauge of its ``/metrics``
+(``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``) times
+the total blocks, or for llama.cpp, whose ``/metrics`` has no such gauge, the tokens its busy
+slots hold according to ``GET /slots``, in blocks.
 """
 
 from __future__ import annotations
@@ -66,25 +71,16 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import math
 import struct
 from collections.abc import AsyncGenerator
 from typing import Any, Final
 
+import httpx
 import msgspec
 import trio
 
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import WorkerSettings
-from worker_ingress._upstream_http import (
-    DEFAULT_READ_TIMEOUT,
-    HTTPClient,
-    Origin,
-    Response,
-    SSEDecoder,
-    UpstreamConnectionError,
-    parse_base_url,
-)
 from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
@@ -95,35 +91,29 @@ from worker_ingress.engines._base import (
     prompt_words,
     requested_max_tokens,
 )
+from worker_ingress.engines._upstream_client import (
+    DEFAULT_READ_TIMEOUT,
+    Origin,
+    SSEDecoder,
+    UpstreamClient,
+    UpstreamConnectionError,
+    parse_base_url,
+)
+from worker_ingress.engines._upstream_discovery import UpstreamDiscovery
+from worker_ingress.engines._upstream_load import InFlightLoad
 
-__all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "InFlightLoad",
-    "OpenAIUpstreamEngine",
-    "UpstreamError",
-    "UpstreamFacts",
-    "create",
-    "parse_llamacpp_props",
-    "parse_metrics_text",
-    "parse_sglang_server_info",
-]
+__all__ = ["DEFAULT_MAX_TOKENS", "OpenAIUpstreamEngine", "UpstreamError", "create"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between two reads of the upstream's ``/metrics``.
 METRICS_POLL_INTERVAL: Final = 1.0
-#: Backoff while waiting for the upstream to answer at start-up.
-READY_BACKOFF_FIRST: Final = 0.1
-READY_BACKOFF_MAX: Final = 5.0
 #: Largest bodies read from the upstream.
 MAX_ERROR_BODY_BYTES: Final = 64 * 1024
 MAX_EMBEDDINGS_BODY_BYTES: Final = 256 * 1024 * 1024
-MAX_CONTROL_BODY_BYTES: Final = 16 * 1024 * 1024
 #: After ``[DONE]``, how long and how much is read to let the connection be reused.
 DRAIN_TIMEOUT: Final = 1.0
 MAX_DRAIN_BYTES: Final = 64 * 1024
-#: Seconds allowed to start-up probes and metric polls (not to requests).
-CONTROL_TIMEOUT: Final = 5.0
 
 _PATHS: Final[dict[str, str]] = {
     "chat_completions": "/v1/chat/completions",
@@ -132,13 +122,6 @@ _PATHS: Final[dict[str, str]] = {
 }
 _JSON_HEADERS: Final = (("Content-Type", "application/json"),)
 _STREAM_HEADERS: Final = (("Content-Type", "application/json"), ("Accept", "text/event-stream"))
-_USAGE_GAUGES: Final = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-    "llamacpp:kv_cache_usage_ratio",
-)
-_CACHE_CONFIG_INFO: Final = "vllm:cache_config_info"
 
 
 class UpstreamError(RuntimeError):
@@ -154,270 +137,6 @@ class _UpstreamCall(msgspec.Struct, frozen=True):
 
     path: str
     body: bytes
-
-
-# --------------------------------------------------------------------------------------------
-# Load estimate (sans-IO)
-
-
-class InFlightLoad:
-    """The load this engine has put on the upstream, kept as running totals.
-
-    Rules: a request counts its prompt tokens as *prefill* from :meth:`start` until
-    :meth:`first_output`; from :meth:`start` until :meth:`finish` it holds
-    ceil((prompt + generated) / block_size) blocks. Every method is O(1).
-
-    Args:
-        block_size: Tokens per KV block.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self._block_size = block_size
-        self._next_key = 0
-        # key -> [prompt_tokens, generated_tokens, still_prefilling]
-        self._requests: dict[int, list[int]] = {}
-        self.prefill_tokens = 0
-        self.blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def _blocks_of(self, entry: list[int]) -> int:
-        return -(-(entry[0] + entry[1]) // self._block_size)
-
-    def start(self, prompt_tokens: int) -> int:
-        """A request was sent upstream.
-
-        Args:
-            prompt_tokens: Its estimated prompt tokens.
-
-        Returns:
-            The key to pass to the other methods.
-        """
-        key = self._next_key
-        self._next_key += 1
-        entry = [prompt_tokens, 0, 1]
-        self._requests[key] = entry
-        self.prefill_tokens += prompt_tokens
-        self.blocks += self._blocks_of(entry)
-        return key
-
-    def first_output(self, key: int) -> bool:
-        """The request's first chunk arrived: its prompt is no longer prefilling.
-
-        Args:
-            key: From :meth:`start`.
-
-        Returns:
-            Whether anything changed (``False`` after the first call).
-        """
-        entry = self._requests[key]
-        if not entry[2]:
-            return False
-        entry[2] = 0
-        self.prefill_tokens -= entry[0]
-        return True
-
-    def generated(self, key: int, tokens: int) -> bool:
-        """The request produced ``tokens`` more tokens.
-
-        Args:
-            key: From :meth:`start`.
-            tokens: How many.
-
-        Returns:
-            Whether the block count changed.
-        """
-        entry = self._requests[key]
-        before = self._blocks_of(entry)
-        entry[1] += tokens
-        after = self._blocks_of(entry)
-        self.blocks += after - before
-        return after != before
-
-    def finish(self, key: int) -> None:
-        """The request ended (completed, failed or cancelled): release everything it held.
-
-        Args:
-            key: From :meth:`start`.
-        """
-        entry = self._requests.pop(key)
-        if entry[2]:
-            self.prefill_tokens -= entry[0]
-        self.blocks -= self._blocks_of(entry)
-
-
-# --------------------------------------------------------------------------------------------
-# What the upstream tells about itself (sans-IO parsers)
-
-
-class UpstreamFacts(msgspec.Struct, kw_only=True):
-    """Limits an upstream revealed; ``None`` where it said nothing."""
-
-    kv_total_blocks: int | None = None
-    block_size: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    #: Name of the KV usage gauge found in ``/metrics`` (worth polling), if any.
-    usage_gauge: str | None = None
-    #: Its current value, a fraction in [0, 1].
-    kv_usage: float | None = None
-
-
-def _positive_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value > 0 else None
-    if isinstance(value, str):
-        try:
-            number = int(value)
-        except ValueError:
-            return None
-        return number if number > 0 else None
-    return None
-
-
-def _parse_labels(text: str) -> dict[str, str]:
-    """Prometheus label set without the braces; tolerant of escapes, strict on nothing."""
-    labels: dict[str, str] = {}
-    index = 0
-    while index < len(text):
-        equals = text.find("=", index)
-        if equals < 0 or equals + 1 >= len(text) or text[equals + 1] != '"':
-            break
-        name = text[index:equals].strip().lstrip(",").strip()
-        cursor = equals + 2
-        value_chars: list[str] = []
-        while cursor < len(text) and text[cursor] != '"':
-            if text[cursor] == "\\" and cursor + 1 < len(text):
-                cursor += 1
-            value_chars.append(text[cursor])
-            cursor += 1
-        labels[name] = "".join(value_chars)
-        index = cursor + 1
-    return labels
-
-
-def parse_metrics_text(text: str) -> UpstreamFacts:
-    """Pick what we use out of a Prometheus text exposition.
-
-    Only lines that start with a known name are looked at, so a large ``/metrics`` page (vLLM's
-    has many histograms) costs one ``startswith`` per line.
-
-    Args:
-        text: The body of ``GET /metrics``.
-
-    Returns:
-        The cache shape (vLLM) and the KV usage gauge, when present. Several samples of a usage
-        gauge (one per data-parallel engine) are averaged.
-    """
-    facts = UpstreamFacts()
-    usage_samples: list[float] = []
-    total_blocks = 0
-    for line in text.splitlines():
-        if not line.startswith((_CACHE_CONFIG_INFO, *_USAGE_GAUGES)):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end < 0:
-            continue
-        name = line[:name_end]
-        labels: dict[str, str] = {}
-        rest = line[name_end:]
-        if rest.startswith("{"):
-            close = rest.rfind("}")
-            if close < 0:
-                continue
-            labels = _parse_labels(rest[1:close])
-            rest = rest[close + 1 :]
-        fields = rest.split()
-        if not fields:
-            continue
-        if name == _CACHE_CONFIG_INFO:
-            blocks = _positive_int(labels.get("num_gpu_blocks"))
-            block_size = _positive_int(labels.get("block_size"))
-            if blocks is not None:
-                total_blocks += blocks
-            if block_size is not None:
-                facts.block_size = block_size
-        elif name in _USAGE_GAUGES:
-            if facts.usage_gauge not in (None, name):
-                continue  # first gauge name found wins; never mix two engines' notions
-            try:
-                value = float(fields[0])
-            except ValueError:
-                continue
-            if math.isfinite(value):
-                facts.usage_gauge = name
-                usage_samples.append(value)
-    if total_blocks:
-        facts.kv_total_blocks = total_blocks
-    if usage_samples:
-        facts.kv_usage = min(1.0, max(0.0, sum(usage_samples) / len(usage_samples)))
-    return facts
-
-
-def parse_sglang_server_info(info: object) -> UpstreamFacts:
-    """Read SGLang's ``/get_server_info`` answer.
-
-    Args:
-        info: The decoded JSON.
-
-    Returns:
-        The limits found (KV tokens are turned into blocks of ``page_size``).
-    """
-    facts = UpstreamFacts()
-    if not isinstance(info, dict):
-        return facts
-    sources: list[dict[str, Any]] = [info]
-    internal = info.get("internal_states")
-    if isinstance(internal, list) and internal and isinstance(internal[0], dict):
-        sources.append(internal[0])
-
-    def first(key: str) -> int | None:
-        for source in sources:
-            value = _positive_int(source.get(key))
-            if value is not None:
-                return value
-        return None
-
-    kv_tokens = first("max_total_num_tokens")
-    if kv_tokens is None:
-        return facts  # not SGLang
-    dp_size = first("dp_size") or 1
-    page_size = first("page_size") or 1
-    facts.block_size = page_size
-    facts.kv_total_blocks = -(-kv_tokens // page_size) * dp_size
-    running = first("max_running_requests")
-    facts.max_num_seqs = running * dp_size if running is not None else None
-    chunk = first("chunked_prefill_size")
-    facts.max_num_batched_tokens = chunk * dp_size if chunk is not None else None
-    return facts
-
-
-def parse_llamacpp_props(props: object, block_size: int) -> UpstreamFacts:
-    """Read llama.cpp's ``/props`` answer.
-
-    Args:
-        props: The decoded JSON.
-        block_size: Block size to count KV tokens in (llama.cpp has no paged blocks).
-
-    Returns:
-        The limits found.
-    """
-    facts = UpstreamFacts()
-    if not isinstance(props, dict):
-        return facts
-    slots = _positive_int(props.get("total_slots"))
-    settings = props.get("default_generation_settings")
-    n_ctx = _positive_int(settings.get("n_ctx")) if isinstance(settings, dict) else None
-    if slots is None or n_ctx is None:
-        return facts
-    facts.max_num_seqs = slots
-    facts.kv_total_blocks = -(-(slots * n_ctx) // block_size)
-    return facts
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,6 +221,8 @@ class OpenAIUpstreamEngine:
         fallback: Limits announced for whatever the upstream does not reveal.
         model: The model name the worker serves (checked against the upstream's ``/v1/models``).
         max_connections: Most requests forwarded at once (the worker's engine slots).
+        request_limit: N, the worker's ``--engine-request-limit`` (``None`` when unset), compared
+            at start-up with what the upstream says it runs at once.
         read_timeout: Seconds of upstream silence tolerated inside a request.
         metrics_poll_interval: Seconds between two reads of the upstream's ``/metrics``.
     """
@@ -513,6 +234,7 @@ class OpenAIUpstreamEngine:
         *,
         model: str,
         max_connections: int = 64,
+        request_limit: int | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         metrics_poll_interval: float = METRICS_POLL_INTERVAL,
     ) -> None:
@@ -522,22 +244,18 @@ class OpenAIUpstreamEngine:
         # read it (a worker builds its hello before the engine runs), discovery only advises.
         self._config_read = False
         self._model = model
-        self._client = HTTPClient(
+        self._client = UpstreamClient(
             origin, max_connections=max_connections, read_timeout=read_timeout
         )
-        # Probes and polls get their own small pool: a full request pool must not starve them.
-        self._control = HTTPClient(
-            origin, max_connections=2, connect_timeout=CONTROL_TIMEOUT, read_timeout=CONTROL_TIMEOUT
-        )
+        self._discovery = UpstreamDiscovery(origin, model=model, request_limit=request_limit)
         self._metrics_poll_interval = metrics_poll_interval
         self._in_flight = InFlightLoad(fallback.block_size)
         self._upstream_used_blocks = 0
-        self._usage_gauge: str | None = None
         self._load_changed = ChangeSignal()
         self._published = self._snapshot()
 
     @property
-    def client(self) -> HTTPClient:
+    def client(self) -> UpstreamClient:
         """The connection pool requests go through."""
         return self._client
 
@@ -644,7 +362,7 @@ class OpenAIUpstreamEngine:
             ) as response:
                 await self._check_status(response)
                 if request.endpoint == "embeddings":
-                    body = await response.read(MAX_EMBEDDINGS_BODY_BYTES)
+                    body = await self._client.read(response, MAX_EMBEDDINGS_BODY_BYTES)
                     self._in_flight.first_output(key)
                     self._refresh()
                     for output in _embedding_outputs(body):
@@ -659,26 +377,37 @@ class OpenAIUpstreamEngine:
             self._in_flight.finish(key)
             self._refresh()
 
-    async def _check_status(self, response: Response) -> None:
-        if response.status < 400:
+    async def _check_status(self, response: httpx.Response) -> None:
+        status = response.status_code
+        if status < 400:
             return
-        body = await response.read(MAX_ERROR_BODY_BYTES)
+        body = await self._client.read(response, MAX_ERROR_BODY_BYTES)
         message = _error_message(body)
-        if response.status < 500 and response.status not in (408, 429):
+        if status < 500 and status not in (408, 429):
             raise EngineInputError(message)
-        raise UpstreamError(f"upstream {self._origin} answered {response.status}: {message}")
+        raise UpstreamError(f"upstream {self._origin} answered {status}: {message}")
 
     async def _stream_outputs(
-        self, response: Response, key: int
+        self, response: httpx.Response, key: int
     ) -> AsyncGenerator[EngineOutput, None]:
         """Turn the SSE body into outputs (the token rules are in the module docstring)."""
+        async with (
+            contextlib.aclosing(self._client.iter_body(response)) as body,
+            contextlib.aclosing(self._outputs_of(body, key)) as outputs,
+        ):
+            async for output in outputs:
+                yield output
+
+    async def _outputs_of(
+        self, body: AsyncGenerator[bytes, None], key: int
+    ) -> AsyncGenerator[EngineOutput, None]:
         decoder = SSEDecoder()
         counted = 0
         held: list[EngineOutput] = []
         completion_tokens: int | None = None
         done = False
         while not done:
-            piece = await response.receive_some()
+            piece = await anext(body, b"")
             try:
                 events = decoder.feed(piece) if piece else decoder.close()
             except ValueError as exc:
@@ -711,8 +440,8 @@ class OpenAIUpstreamEngine:
                     yield output
             if not piece:
                 break
-        if done and not response.complete:
-            await _drain(response)
+        if done:
+            await _drain(body)
         if not held:
             if not done:
                 raise UpstreamError(f"upstream {self._origin} ended the stream before finishing")
@@ -757,106 +486,25 @@ class OpenAIUpstreamEngine:
         with a backoff from 0.1 s up to 5 s, logging each failure.
         """
         try:
-            await self._wait_until_ready()
+            await self._discovery.wait_until_ready()
             await self._discover()
             task_status.started()
-            if self._usage_gauge is None:
+            if not self._discovery.polls_load:
                 await trio.sleep_forever()
             while True:
                 await trio.sleep(self._metrics_poll_interval)
-                await self._poll_usage()
+                # Stale numbers are worse than none: without a fresh reading, the estimate counts.
+                used = await self._discovery.used_blocks(self._config)
+                self._set_upstream_used_blocks(used or 0)
         finally:
-            self._client.close_idle()
-            self._control.close_idle()
-
-    async def _wait_until_ready(self) -> None:
-        delay = READY_BACKOFF_FIRST
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                status, body = await self._control.request(
-                    "GET", "/v1/models", max_body_bytes=MAX_CONTROL_BODY_BYTES
-                )
-            except UpstreamConnectionError as exc:
-                problem = str(exc)
-            else:
-                if status == 200:
-                    self._check_model(body)
-                    logger.info("upstream %s is ready (after %d attempts)", self._origin, attempt)
-                    return
-                problem = f"GET /v1/models answered {status}"
-            logger.warning(
-                "upstream %s not ready (attempt %d): %s; retrying in %.1f s",
-                self._origin,
-                attempt,
-                problem,
-                delay,
-            )
-            await trio.sleep(delay)
-            delay = min(delay * 2, READY_BACKOFF_MAX)
-
-    def _check_model(self, body: bytes) -> None:
-        try:
-            listing = msgspec.json.decode(body)
-            served = [entry["id"] for entry in listing["data"]]
-        except (msgspec.DecodeError, KeyError, TypeError):
-            return
-        if self._model not in served:
-            logger.warning(
-                "upstream %s serves %s, not %r: requests are sent with the model name given",
-                self._origin,
-                served,
-                self._model,
-            )
-
-    async def _get_json(self, target: str) -> object:
-        try:
-            status, body = await self._control.request(
-                "GET", target, max_body_bytes=MAX_CONTROL_BODY_BYTES
-            )
-            if status != 200:
-                return None
-            return msgspec.json.decode(body)
-        except (UpstreamConnectionError, msgspec.DecodeError):
-            return None
-
-    async def _get_metrics(self) -> UpstreamFacts | None:
-        try:
-            status, body = await self._control.request(
-                "GET", "/metrics", max_body_bytes=MAX_CONTROL_BODY_BYTES
-            )
-        except UpstreamConnectionError:
-            return None
-        if status != 200:
-            return None
-        return parse_metrics_text(body.decode("utf-8", "replace"))
+            await self._client.aclose()
+            await self._discovery.aclose()
 
     async def _discover(self) -> None:
         """Best effort: fill the config from what the upstream tells (module docstring)."""
         fallback = self._config
-        metrics = await self._get_metrics() or UpstreamFacts()
-        self._usage_gauge = metrics.usage_gauge
-        facts, source = metrics, "vLLM /metrics"
-        if facts.kv_total_blocks is None:
-            facts, source = (
-                parse_sglang_server_info(await self._get_json("/get_server_info")),
-                ("SGLang /get_server_info"),
-            )
-        if facts.kv_total_blocks is None:
-            facts, source = (
-                parse_llamacpp_props(await self._get_json("/props"), fallback.block_size),
-                "llama.cpp /props",
-            )
-        if facts.kv_total_blocks is None:
-            source = "the --num-gpu-blocks/--block-size flags"
-        discovered = EngineConfig(
-            kv_total_blocks=facts.kv_total_blocks or fallback.kv_total_blocks,
-            block_size=facts.block_size or fallback.block_size,
-            max_num_batched_tokens=facts.max_num_batched_tokens or fallback.max_num_batched_tokens,
-            max_num_seqs=facts.max_num_seqs or fallback.max_num_seqs,
-            data_parallel_size=1,
-        )
+        found = await self._discovery.discover(fallback)
+        discovered = found.config
         if discovered != fallback and self._config_read:
             logger.warning(
                 "upstream %s reports %d KV blocks of %d tokens (from %s) but the worker already "
@@ -864,7 +512,7 @@ class OpenAIUpstreamEngine:
                 self._origin,
                 discovered.kv_total_blocks,
                 discovered.block_size,
-                source,
+                found.source,
                 fallback.kv_total_blocks,
                 fallback.block_size,
                 discovered.kv_total_blocks,
@@ -875,32 +523,26 @@ class OpenAIUpstreamEngine:
             if discovered.block_size != fallback.block_size:
                 self._in_flight = _rebuilt(self._in_flight, discovered.block_size)
         logger.info(
-            "upstream %s: %d KV blocks of %d tokens announced; KV usage gauge: %s",
+            "upstream %s: %d KV blocks of %d tokens announced (from %s); its load is read from %s",
             self._origin,
             self._config.kv_total_blocks,
             self._config.block_size,
-            self._usage_gauge or "none, the estimate alone is reported",
+            found.source,
+            found.load_source,
         )
-        if metrics.kv_usage is not None:
-            self._set_upstream_usage(metrics.kv_usage)
+        self._set_upstream_used_blocks(await self._discovery.used_blocks(self._config) or 0)
 
-    async def _poll_usage(self) -> None:
-        facts = await self._get_metrics()
-        usage = facts.kv_usage if facts is not None else None
-        # Stale numbers are worse than none: without a fresh reading, the estimate alone counts.
-        self._set_upstream_usage(usage or 0.0)
-
-    def _set_upstream_usage(self, usage: float) -> None:
-        self._upstream_used_blocks = round(usage * self._config.kv_total_blocks)
+    def _set_upstream_used_blocks(self, blocks: int) -> None:
+        self._upstream_used_blocks = blocks
         self._refresh()
 
 
-async def _drain(response: Response) -> None:
+async def _drain(body: AsyncGenerator[bytes, None]) -> None:
     """Read what follows ``[DONE]`` (normally just the end of the body) so the connection can be
     reused; give up after a moment or a few bytes, and the connection is closed instead."""
     with trio.move_on_after(DRAIN_TIMEOUT):
         drained = 0
-        while drained <= MAX_DRAIN_BYTES and (piece := await response.receive_some()):
+        while drained <= MAX_DRAIN_BYTES and (piece := await anext(body, b"")):
             drained += len(piece)
 
 
@@ -949,4 +591,5 @@ def create(settings: WorkerSettings) -> OpenAIUpstreamEngine:
         ),
         model=settings.model,
         max_connections=settings.engine_slots,
+        request_limit=settings.engine_request_limit,
     )
