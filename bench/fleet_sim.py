@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -291,6 +292,9 @@ async def serve_fleet(fleet: Fleet, control: TextIO) -> None:
         for worker in fleet.workers:
             address = await nursery.start(worker.serve)
             ports.append(address.ws_url.rsplit(":", 1)[1])
+        # Thousands of workers are millions of long-lived objects: without this, the collector's
+        # passes over them cost a good share of the one core the simulator has.
+        gc.freeze()
         nursery.start_soon(fleet.tick_forever)
         answer(f"fleet-sim ready workers={len(fleet.workers)} ports={','.join(ports)}")
         async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
