@@ -55,20 +55,11 @@ HEALTH_PERIOD: Final = 0.050
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE")
 DEFAULT_SIZES: Final = "64,256,1024,2048"
-PR_SET_PDEATHSIG: Final = 1
 
 
 def _pin(pid: int, cpu: int) -> None:
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(pid, {cpu})
-
-
-def _die_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the benchmark dies, however it dies."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _raise_fd_limit() -> None:
@@ -213,7 +204,6 @@ class Child:
             stdout=subprocess.PIPE,
             stderr=stderr,
             env=env,
-            preexec_fn=_die_with_parent,
         )
         _pin(process.pid, cpu)
         return cls(process, name)
