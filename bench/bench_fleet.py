@@ -693,12 +693,16 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-async def run(sizes: Sequence[int], options: Options) -> list[SizeResult]:
+async def run(sizes: Sequence[int], options: Options, logs: Path | None) -> list[SizeResult]:
     """Measure every size in turn; SIGTERM stops the run, and its processes, cleanly."""
     results: list[SizeResult] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope)
-        await _run_sizes(sizes, options, results)
+        if logs is None:
+            with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
+                await _run_sizes(sizes, options, Path(scratch), results)
+        else:
+            await _run_sizes(sizes, options, logs, results)
         nursery.cancel_scope.cancel()
     return results
 
@@ -711,15 +715,16 @@ async def _cancel_on_sigterm(scope: trio.CancelScope) -> None:
             return
 
 
-async def _run_sizes(sizes: Sequence[int], options: Options, results: list[SizeResult]) -> None:
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
-        for workers in sizes:
-            result = await measure_size(workers, options, Path(scratch))
-            results.append(result)
-            if result.error:
-                tail = _log_tail(Path(scratch), workers)
-                print(f"{workers} workers: {result.error}{tail}", file=sys.stderr, flush=True)
-            print(table_row(result), flush=True)
+async def _run_sizes(
+    sizes: Sequence[int], options: Options, logs: Path, results: list[SizeResult]
+) -> None:
+    for workers in sizes:
+        result = await measure_size(workers, options, logs)
+        results.append(result)
+        if result.error:
+            tail = _log_tail(logs, workers)
+            print(f"{workers} workers: {result.error}{tail}", file=sys.stderr, flush=True)
+        print(table_row(result), flush=True)
 
 
 def _log_tail(logs: Path, workers: int) -> str:
@@ -745,6 +750,7 @@ def main() -> None:
     parser.add_argument("--flip-timeout", type=float, default=30.0, help="bound of one flip")
     parser.add_argument("--settle", type=float, default=0.5, help="pause after each flip (s)")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     args = parser.parse_args()
     _pin(0, SIM_CPU)
     _raise_fd_limit()
@@ -766,7 +772,9 @@ def main() -> None:
     )
     print(HEADER)
     print("|" + "---|" * HEADER.count(" |"), flush=True)
-    results = trio.run(run, args.sizes, options)
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    results = trio.run(run, args.sizes, options, args.logs)
     if args.json is not None:
         args.json.write_text(json.dumps([r.summary() for r in results], indent=2) + "\n")
 
