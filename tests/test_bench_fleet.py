@@ -1,0 +1,51 @@
+"""Smoke test of ``bench/bench_fleet.py``: a small fleet for a few seconds, sane output.
+
+It starts real processes (the benchmark, its simulator and the frontend) on loopback with port 0.
+Only that it ran is checked: every worker came up, flips produced a 529 and a 200, events were
+counted. No figure is asserted: the machine running the tests may be small and busy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "bench_fleet.py"
+WORKERS = 8
+
+
+async def test_fleet_benchmark_runs_at_a_small_size(tmp_path: Path) -> None:
+    report = tmp_path / "fleet.json"
+    args = [
+        sys.executable, str(BENCH), "--sizes", str(WORKERS), "--seconds", "2", "--flips", "2",
+        "--settle", "0.1", "--start-timeout", "60", "--up-timeout", "60", "--flip-timeout", "20",
+        "--json", str(report),
+    ]  # fmt: skip
+    with trio.fail_after(240):
+        completed = await trio.run_process(
+            args, capture_stdout=True, capture_stderr=True, check=False
+        )
+    stdout = completed.stdout.decode()
+    stderr = completed.stderr.decode()
+    assert completed.returncode == 0, stderr
+    assert f"| {WORKERS} x 4 |" in stdout
+    [result] = json.loads(report.read_text())
+    assert result["error"] is None, stderr
+    assert result["workers"] == WORKERS
+    assert result["all_up_s"] is not None
+    assert result["connected_after"] == WORKERS
+    assert result["saw_529"]
+    assert result["saw_200"]
+    assert result["busy_ms"]["n"] >= 1
+    assert result["free_ms"]["n"] >= 1
+    assert result["offered_events_per_s"] > 0
+    assert result["generated_per_s"] > 0
+    assert result["live_ms"]["n"] > 0
+    assert result["frontend_rss_mb"] > 0
