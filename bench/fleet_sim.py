@@ -43,13 +43,13 @@ from typing import Any, Final, TextIO
 
 import trio
 
-from worker_ingress.config import WorkerSettings
-from worker_ingress.engines.base import EngineConfig, EngineOutput, PreparedRequest
-from worker_ingress.engines.instant import InstantEngine
-from worker_ingress.events import EventPublisher, Subscription
-from worker_ingress.server import Worker
-from worker_ingress.watch import ChangeSignal
-from worker_ingress.wire import Endpoint, Heartbeat, RankLoad, WorkerEvent
+from shim_common.wire import BusyThresholds, Endpoint, Heartbeat, RankLoad, WorkerEvent
+from worker_ingress._config import WorkerSettings
+from worker_ingress._events import EventPublisher, Subscription
+from worker_ingress._server import Worker
+from worker_ingress._watch import ChangeSignal
+from worker_ingress.engines._base import EngineConfig, EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine
 
 __all__ = ["CountingPublisher", "Counters", "FleetEngine", "main"]
 
@@ -86,8 +86,11 @@ class _CountingSubscription(Subscription):
         self._inner = inner
         self._counters = counters
 
-    def deliver(self, event: WorkerEvent) -> None:
-        self._inner.deliver(event)
+    def deliver(self, event: WorkerEvent, *, urgent: bool = False) -> None:
+        self._inner.deliver(event, urgent=urgent)
+
+    def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
+        self._inner.set_thresholds(thresholds)
 
     @property
     def pending(self) -> int:
