@@ -3,9 +3,10 @@
 - :mod:`shim_common.wire`: the msgpack protocol of record between frontends and workers
   (messages, plane paths, close codes, chunk merging); public.
 - the HTTP/1.1 server both sides serve on (private ``_httpserver``), its shared status routes
-  (``_status``), the CLI helpers of both console scripts (``_cli``) and small network helpers
-  (``_net``).
+  (``_status``), the CLI helpers of both console scripts (``_cli``), small network helpers
+  (``_net``), the busy rule of a rank (``_busy``) and the frontend's websocket client codec
+  (``_websocket``).
 
-Both sides import this package; neither imports the other's internals (``tests/test_layout.py``
-checks the boundary).
+Both sides import this package; neither imports the other's internals (import-linter contracts
+in pyproject.toml, run by ``scripts/check``, and ``tests/test_layout.py``).
 """
