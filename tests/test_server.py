@@ -44,10 +44,10 @@ from shim_common.wire import (
     Started,
 )
 from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._planes import coalesce_chunks
 from worker_ingress._server import (
     Worker,
     WorkerAddress,
-    coalesce_chunks,
     run_worker,
 )
 from worker_ingress.engines._base import EngineOutput, PreparedRequest

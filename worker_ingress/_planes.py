@@ -1,0 +1,443 @@
+"""The worker's two websocket planes: one object per connection, and what they share.
+
+- ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
+  websocket message, from a latest-wins, rate-bounded
+  :class:`~worker_ingress._events.Subscription`. A subscriber may send :class:`~wire.Subscribe`
+  (its thresholds, for busy/free edges sent at once); anything else closes the connection.
+- ``/v1/requests``: the worker sends a :class:`~wire.Hello`; the client multiplexes
+  :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
+
+Rules of a request-plane connection:
+
+1. One receive loop does nothing but decode and dispatch, so trio-websocket's reader never stalls
+   (a full receive queue would stop it answering pings). Each ``Generate`` runs in its own task in
+   the connection's nursery, under its own cancel scope.
+2. One sender task writes the frames of running requests; request tasks hand it encoded frames
+   through a bounded channel, so a slow client slows only its own requests (backpressure reaches
+   the engine's stream through the channel). A certain rejection is written by the receive loop
+   itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
+3. Per request: ``engine.prepare`` (bad input: ``Failed(bad_request)``, no slot used), then
+   ``gate.slot()`` (full or draining: ``Rejected(reason)``), then ``Started(prompt_tokens)``,
+   the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
+   ``Failed(cancelled)``. Drain grace expired: ``Failed(unavailable)``. Exactly one final frame
+   per request id; the slot or queue place is freed before or as it is sent.
+4. When the connection ends for any reason, its nursery is cancelled: every request of the
+   connection is cancelled and its slot or queue place freed.
+5. Close codes sent by the worker: 1001 on drain, 1003 for a text message (the protocol is
+   binary), 1007 for bytes that do not decode as a known message, 1008 for a ``Generate`` that
+   reuses a request id still in flight, 1009 (by trio-websocket) for a message over the size cap.
+   A peer that does not answer a keepalive ping in time is dropped without a close handshake.
+6. Any exception escaping a connection is logged and counted
+   (:meth:`WorkerMetrics.count_connection_error`); it never reaches the listener, because
+   ``serve_websocket`` would crash entirely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from shim_common.wire import (
+    CLOSE_DRAINING,
+    CLOSE_DUPLICATE_REQUEST_ID,
+    CLOSE_TEXT_MESSAGE,
+    CLOSE_UNDECODABLE,
+    Cancel,
+    Chunk,
+    End,
+    EventBatch,
+    Failed,
+    Generate,
+    Rejected,
+    Started,
+    decode_client_message,
+    decode_subscriber_message,
+    encode,
+    merge_text_chunks,
+)
+from worker_ingress._admission import Rejected as GateRejected
+from worker_ingress._admission import Rejection
+from worker_ingress._events import Subscription
+from worker_ingress.engines._base import EngineInputError, PreparedRequest
+
+if TYPE_CHECKING:
+    from worker_ingress._server import Worker
+
+__all__ = ["EventConnection", "PlaneConnection", "RequestConnection", "coalesce_chunks"]
+
+logger = logging.getLogger(__name__)
+
+#: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
+#: request tasks wait, which is the backpressure we want.
+SEND_QUEUE_FRAMES: Final = 256
+
+
+def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
+    """Merge the text chunks of each request that queued up behind a busy connection.
+
+    When the sender falls behind, a request's tokens wait in the queue as separate frames; one
+    frame carrying them all costs the worker and the frontend one websocket message instead of
+    many. A chunk merges into the request's latest pending chunk when
+    :func:`~shim_common.wire.merge_text_chunks` allows; any other frame of the same request (its
+    end, say) closes that chunk, so each request's frames keep their order, and frames of
+    different requests keep their relative order otherwise.
+
+    Args:
+        messages: frames in queue order.
+
+    Returns:
+        The frames to send, in order.
+    """
+    out: list[msgspec.Struct] = []
+    pending: dict[int, int] = {}  # request id -> index in out of its open text chunk
+    for message in messages:
+        if isinstance(message, Chunk):
+            at = pending.get(message.request_id)
+            if at is not None:
+                earlier = out[at]
+                assert isinstance(earlier, Chunk)
+                merged = merge_text_chunks(earlier, message)
+                if merged is not None:
+                    out[at] = merged
+                    continue
+            pending[message.request_id] = len(out)
+            out.append(message)
+            continue
+        request_id = getattr(message, "request_id", None)
+        if request_id is not None:
+            pending.pop(request_id, None)
+        out.append(message)
+    return out
+
+
+class _FrameSender:
+    """The only writer of one websocket: drains a bounded queue of frames, merging text chunks
+    that piled up (see :func:`coalesce_chunks`)."""
+
+    def __init__(self, ws: WebSocketConnection) -> None:
+        self._ws = ws
+        self._send_tx, self._send_rx = trio.open_memory_channel[msgspec.Struct](SEND_QUEUE_FRAMES)
+
+    async def send(self, message: msgspec.Struct) -> None:
+        """Queue a message; waits while the queue is full; drops it once the sender has closed."""
+        # Closed: the connection is going away; its peer learns that from the close.
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            await self._send_tx.send(message)
+
+    def close(self) -> None:
+        """Accept no more frames; the sender sends what is queued, then returns."""
+        self._send_tx.close()
+
+    async def run(self) -> None:
+        """Send queued frames until :meth:`close`.
+
+        Raises:
+            ConnectionClosed: The websocket closed under it.
+        """
+        receive = self._send_rx
+        async with receive:
+            async for first in receive:
+                batch = [first]
+                # Whatever queued meanwhile, bounded by the queue's size.
+                while len(batch) < SEND_QUEUE_FRAMES:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                for message in coalesce_chunks(batch) if len(batch) > 1 else batch:
+                    await self._ws.send_message(encode(message))
+
+
+class _PongTimeout(Exception):
+    """A peer did not answer a keepalive ping in time."""
+
+
+async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: float) -> None:
+    """Ping every ``interval`` seconds; return when a pong is late or the connection closed."""
+    while True:
+        await trio.sleep(interval)
+        with trio.move_on_after(pong_deadline) as ping_scope:
+            try:
+                await ws.ping()
+            except ConnectionClosed:
+                return
+        if ping_scope.cancelled_caught:
+            logger.info("peer %s missed a keepalive pong; dropping it", ws.remote)
+            raise _PongTimeout
+
+
+async def _keepalive_then_stop(
+    worker: Worker, ws: WebSocketConnection, stop: trio.CancelScope
+) -> None:
+    """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
+    try:
+        await _keepalive(ws, worker.ping_interval, worker.ping_timeout)
+    except _PongTimeout:
+        worker.metrics.count_connection_error()
+    stop.cancel()
+
+
+class RequestConnection:
+    """One request-plane connection (see rules 1-5 of the module docstring)."""
+
+    def __init__(self, worker: Worker, ws: WebSocketConnection) -> None:
+        self._worker = worker
+        self._ws = ws
+        self._sender = _FrameSender(ws)
+        self._requests: dict[int, trio.CancelScope] = {}
+        self._no_requests = trio.Event()
+        self._no_requests.set()
+        self._scope = trio.CancelScope()
+        #: The close code and reason to send once the connection's tasks have stopped.
+        self._close: tuple[int, str] | None = None
+        self._finished = trio.Event()
+
+    async def serve(self) -> None:
+        """Serve the connection until it closes or the worker shuts it."""
+        try:
+            await self._serve()
+        finally:
+            self._finished.set()
+
+    async def _serve(self) -> None:
+        with self._scope:
+            await self._ws.send_message(encode(self._worker.hello))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_then_stop, nursery.cancel_scope)
+                nursery.start_soon(
+                    _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
+                )
+                await self._receive_loop(nursery)
+                nursery.cancel_scope.cancel()
+            # Closed only now that no other task can write: a send cut short by a cancel
+            # would leave the close frame half written and the peer would see 1006.
+            if self._close is not None:
+                await self._ws.aclose(*self._close)
+
+    async def _send_then_stop(self, stop: trio.CancelScope) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._sender.run()
+            # The sender ran dry after close(): the worker is draining.
+            self._close = (CLOSE_DRAINING, "worker draining")
+        stop.cancel()
+
+    async def _receive_loop(self, nursery: trio.Nursery) -> None:
+        ws = self._ws
+        while True:
+            try:
+                data = await ws.get_message()
+            except ConnectionClosed as closed:
+                if closed.reason is not None and closed.reason.code == 1009:
+                    # trio-websocket closed it for a message over the size cap.
+                    self._worker.metrics.count_connection_error()
+                return
+            if isinstance(data, str):
+                await self._protocol_error(CLOSE_TEXT_MESSAGE, "binary msgpack messages only")
+                return
+            try:
+                message = decode_client_message(data)
+            except msgspec.DecodeError as error:
+                await self._protocol_error(CLOSE_UNDECODABLE, f"undecodable message: {error}")
+                return
+            if isinstance(message, Cancel):
+                scope = self._requests.get(message.request_id)
+                if scope is not None:
+                    scope.cancel()
+                continue
+            if message.request_id in self._requests:
+                await self._protocol_error(
+                    CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight"
+                )
+                return
+            try:
+                prepared = await self._prepare(message)
+            except ConnectionClosed:
+                return
+            if prepared is None:
+                continue
+            scope = trio.CancelScope()
+            self._requests[message.request_id] = scope
+            if self._no_requests.is_set():
+                self._no_requests = trio.Event()
+            nursery.start_soon(self._run_request, message, prepared, scope)
+
+    async def _prepare(self, generate: Generate) -> PreparedRequest | None:
+        """Validate a request; answer it here when that needs no task (bad input, certain
+        rejection), else return the prepared request."""
+        worker = self._worker
+        request_id = generate.request_id
+        try:
+            prepared = worker.engine.prepare(generate.endpoint, generate.body)
+        except EngineInputError as error:
+            await self._sender.send(
+                Failed(request_id=request_id, kind="bad_request", message=str(error))
+            )
+            return None
+        except Exception as error:
+            logger.exception("engine failed to prepare request %d", request_id)
+            await self._sender.send(
+                Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
+            )
+            return None
+        gate = worker.gate
+        if gate.draining or gate.queued >= gate.queue_limit:
+            # The gate will reject this one for sure (draining, or N running and Q waiting):
+            # ask it here, synchronously, so shedding costs no task (it must stay cheap).
+            decision = gate.state.arrive()
+            if not isinstance(decision, GateRejected):
+                raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
+            # Written here rather than through the sender: a rejection is the request's only
+            # frame, so no ordering is at stake, and the hop through the channel is half the
+            # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
+            await self._ws.send_message(
+                encode(Rejected(request_id=request_id, reason=decision.reason))
+            )
+            return None
+        return prepared
+
+    async def _protocol_error(self, code: int, reason: str) -> None:
+        logger.info("closing %s with %d: %s", self._ws.remote, code, reason)
+        self._worker.metrics.count_connection_error()
+        # A close reason must fit a control frame (125 bytes, code included).
+        self._close = (code, reason[:120])
+        await trio.lowlevel.checkpoint()
+
+    async def _run_request(
+        self, generate: Generate, prepared: PreparedRequest, scope: trio.CancelScope
+    ) -> None:
+        worker = self._worker
+        request_id = generate.request_id
+        worker.request_scopes.add(scope)
+        try:
+            final: msgspec.Struct = Failed(
+                request_id=request_id, kind="cancelled", message="cancelled by the client"
+            )
+            with scope:
+                final = await self._execute(request_id, prepared)
+            if scope.cancelled_caught and worker.abandoning:
+                final = Failed(
+                    request_id=request_id,
+                    kind="unavailable",
+                    message="Server unavailable: drain grace period expired",
+                )
+            await self._sender.send(final)
+        finally:
+            worker.request_scopes.discard(scope)
+            del self._requests[request_id]
+            if not self._requests:
+                self._no_requests.set()
+
+    async def _execute(self, request_id: int, prepared: PreparedRequest) -> msgspec.Struct:
+        """Run one admitted-to-try request up to its final frame; return that frame (rule 3)."""
+        worker = self._worker
+        completion_tokens = 0
+        try:
+            async with worker.gate.slot():
+                await self._sender.send(
+                    Started(request_id=request_id, prompt_tokens=prepared.prompt_tokens)
+                )
+                async with contextlib.aclosing(worker.engine.generate(prepared)) as outputs:
+                    async for output in outputs:
+                        completion_tokens += output.tokens
+                        await self._sender.send(
+                            Chunk(
+                                request_id=request_id,
+                                text=output.text,
+                                tokens=output.tokens,
+                                finish_reason=output.finish_reason,
+                                embedding=output.embedding,
+                                index=output.index,
+                            )
+                        )
+        except Rejection as rejection:
+            return Rejected(request_id=request_id, reason=rejection.reason)
+        except Exception as error:
+            logger.exception("engine failed on request %d", request_id)
+            return Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
+        return End(
+            request_id=request_id,
+            prompt_tokens=prepared.prompt_tokens,
+            completion_tokens=completion_tokens,
+        )
+
+    async def close(self) -> None:
+        """Let the requests send their final frames, flush, close with 1001, and return after."""
+        await self._no_requests.wait()
+        self._sender.close()
+        await self._finished.wait()
+
+    def abort(self) -> None:
+        """Stop serving at once (every request is cancelled)."""
+        self._scope.cancel()
+
+
+class EventConnection:
+    """One event-plane connection: hello, then batches from a latest-wins subscription."""
+
+    def __init__(self, worker: Worker, ws: WebSocketConnection) -> None:
+        self._worker = worker
+        self._ws = ws
+        self._scope = trio.CancelScope()
+        self._send_scope = trio.CancelScope()
+        self._finished = trio.Event()
+
+    async def serve(self) -> None:
+        """Serve the subscriber until it leaves or the worker shuts it."""
+        try:
+            await self._serve()
+        finally:
+            self._finished.set()
+
+    async def _serve(self) -> None:
+        with self._scope:
+            await self._ws.send_message(encode(self._worker.hello))
+            with self._worker.publisher.subscribe() as subscription:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
+                    nursery.start_soon(
+                        _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
+                    )
+                    with contextlib.suppress(ConnectionClosed), self._send_scope:
+                        while True:
+                            events = await subscription.next_batch()
+                            batch = EventBatch(events=events, sent=time.time())
+                            await self._ws.send_message(encode(batch))
+                    nursery.cancel_scope.cancel()
+            if self._send_scope.cancelled_caught:
+                # close() stopped the sender: the worker is draining.
+                await self._ws.aclose(CLOSE_DRAINING, "worker draining")
+
+    async def _read_subscriber(self, subscription: Subscription, stop: trio.CancelScope) -> None:
+        # Reading also keeps trio-websocket's reader going (pongs, close frames). A subscriber
+        # sends only its thresholds; anything else ends the connection with the usual codes.
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                data = await self._ws.get_message()
+                if isinstance(data, str):
+                    await self._ws.aclose(CLOSE_TEXT_MESSAGE, "the protocol is binary msgpack")
+                    break
+                try:
+                    message = decode_subscriber_message(data)
+                except msgspec.DecodeError as exc:
+                    await self._ws.aclose(CLOSE_UNDECODABLE, f"undecodable message: {exc}"[:120])
+                    break
+                subscription.set_thresholds(message.thresholds)
+        stop.cancel()
+
+    async def close(self) -> None:
+        """Stop sending batches, close with 1001, and return after."""
+        self._send_scope.cancel()
+        await self._finished.wait()
+
+    def abort(self) -> None:
+        """Stop serving at once."""
+        self._scope.cancel()
+
+
+PlaneConnection = RequestConnection | EventConnection
