@@ -79,9 +79,16 @@ class PlaneConnection:
     """
 
     def __init__(
-        self, stream: trio.abc.Stream, path: str, first_bytes: bytes, max_message_bytes: int
+        self,
+        stream: trio.abc.Stream,
+        path: str,
+        first_bytes: bytes,
+        max_message_bytes: int,
+        subprotocol: str | None = None,
     ) -> None:
         self.path = path
+        #: The subprotocol the worker accepted, if any.
+        self.subprotocol = subprotocol
         self.last_received = trio.current_time()
         self.ping_sent_at: float | None = None
         self._stream = stream
@@ -141,6 +148,10 @@ class PlaneConnection:
         """Send one binary message (waits while the socket is full: backpressure)."""
         await self._send_frame(encode_frame(OP_BINARY, data))
 
+    async def send_messages(self, messages: list[bytes]) -> None:
+        """Send several binary messages with one write."""
+        await self._send_frame(b"".join([encode_frame(OP_BINARY, data) for data in messages]))
+
     async def send_ping(self) -> None:
         """Send a keepalive ping and note when (rule 2 clears it)."""
         self.ping_sent_at = trio.current_time()
@@ -179,6 +190,7 @@ async def open_plane(
     port: int,
     path: str,
     headers: Sequence[tuple[str, str]] = (),
+    subprotocols: Sequence[str] = (),
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
     max_message_bytes: int,
@@ -193,6 +205,7 @@ async def open_plane(
         port: The port.
         path: The full request target (path prefix plus plane path).
         headers: Extra upgrade headers (the bearer token).
+        subprotocols: Subprotocols offered (the chosen one is the connection's ``subprotocol``).
         ssl_context: TLS for ``wss://``; ``None`` for plain ``ws://``.
         server_hostname: The name the certificate must carry (default: ``host``).
         max_message_bytes: The size cap of one message.
@@ -214,13 +227,17 @@ async def open_plane(
             )
             await tls.do_handshake()
             stream = tls
-        request, key = handshake_request(f"{host_for_url(host)}:{port}", path, headers)
+        request, key = handshake_request(
+            f"{host_for_url(host)}:{port}", path, headers, subprotocols
+        )
         await stream.send_all(request)
-        answer = HandshakeReader(key)
+        answer = HandshakeReader(key, subprotocols)
         while True:
             first_bytes = answer.receive(bytes(await stream.receive_some(RECEIVE_BYTES)))
             if first_bytes is not None:
-                return PlaneConnection(stream, path, first_bytes, max_message_bytes)
+                return PlaneConnection(
+                    stream, path, first_bytes, max_message_bytes, answer.subprotocol
+                )
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise

@@ -388,7 +388,9 @@ class WorkerLink:
     async def _connect(self) -> tuple[PlaneConnection, PlaneConnection, wire.Hello]:
         events = await self._open(wire.EVENTS_PATH, EVENTS_RECEIVE_BUFFER)
         try:
-            requests = await self._open(wire.REQUESTS_PATH, None)
+            requests = await self._open(
+                wire.REQUESTS_PATH, None, subprotocols=(wire.SUBPROTOCOL_BATCH,)
+            )
             try:
                 events_hello = await _read_hello(events, wire.decode_event_message)
                 hello = await _read_hello(requests, wire.decode_worker_message)
@@ -405,7 +407,9 @@ class WorkerLink:
             raise
         return events, requests, hello
 
-    async def _open(self, path: str, receive_buffer: int | None) -> PlaneConnection:
+    async def _open(
+        self, path: str, receive_buffer: int | None, subprotocols: tuple[str, ...] = ()
+    ) -> PlaneConnection:
         settings = self._settings
         ssl_context = None
         if self._tls:
@@ -415,6 +419,7 @@ class WorkerLink:
             port=self._port,
             path=self._path_prefix + path,
             headers=settings.headers,
+            subprotocols=subprotocols,
             ssl_context=ssl_context,
             server_hostname=self._server_hostname,
             max_message_bytes=wire.MAX_MESSAGE_BYTES,
@@ -521,8 +526,14 @@ class WorkerLink:
                     raise
 
     async def _send_requests(self, requests: PlaneConnection, plane: RequestPlane) -> None:
+        # Whatever queued while the last write was under way goes out in one write.
         while True:
-            await requests.send_message(await plane.next_outgoing())
+            first = await plane.next_outgoing()
+            rest = plane.take_outgoing()
+            if rest:
+                await requests.send_messages([first, *rest])
+            else:
+                await requests.send_message(first)
 
     async def _watch(
         self, events: PlaneConnection, requests: PlaneConnection, heartbeat_interval: float

@@ -233,6 +233,10 @@ class RequestPlane:
         """
         if isinstance(message, wire.Hello):
             raise ProtocolError("a second hello on the request plane")
+        if isinstance(message, wire.Batch):
+            for item in message.messages:
+                self.deliver(item)
+            return
         reply: _Reply
         if isinstance(message, wire.Cancel):
             reply = wire.Failed(
@@ -270,16 +274,30 @@ class RequestPlane:
         while True:
             while not self._outbox:
                 await self._outbox_changed.wait()
-            request_id, data, is_generate = self._outbox.popleft()
-            if not is_generate:
+            data = self._pop_outgoing()
+            if data is not None:
                 return data
-            self._generates_queued -= 1
-            self._room.set()
-            self._room = trio.Event()
-            if request_id in self._unsent:
-                self._unsent.discard(request_id)
-                return data
-            # else: cancelled before it was sent; skip it.
+
+    def take_outgoing(self, limit: int = 64) -> list[bytes]:
+        """Up to ``limit`` more messages that are ready now, without waiting."""
+        taken: list[bytes] = []
+        while self._outbox and len(taken) < limit:
+            data = self._pop_outgoing()
+            if data is not None:
+                taken.append(data)
+        return taken
+
+    def _pop_outgoing(self) -> bytes | None:
+        request_id, data, is_generate = self._outbox.popleft()
+        if not is_generate:
+            return data
+        self._generates_queued -= 1
+        self._room.set()
+        self._room = trio.Event()
+        if request_id in self._unsent:
+            self._unsent.discard(request_id)
+            return data
+        return None  # cancelled before it was sent: skipped
 
     def close(self, reason: str) -> int:
         """End the session: every open request fails with ``unavailable``.

@@ -8,7 +8,8 @@ This module does only what a client of our planes needs, and does it on whole bu
 Rules:
 
 1. Handshake: :func:`handshake_request` builds the upgrade request (with any extra headers, a
-   bearer token say); :class:`HandshakeReader` reads the answer with h11. ``101`` with the right
+   bearer token say, and the subprotocols offered); :class:`HandshakeReader` reads the answer
+   with h11 and checks that a chosen subprotocol was one offered. ``101`` with the right
    ``Sec-WebSocket-Accept`` opens the connection, and the bytes after the head are the first
    frames. Any other status is :class:`HandshakeRejected` with the status and a bounded part of
    the body, so a 401 or a 404 reads as what it is.
@@ -96,7 +97,10 @@ class HandshakeRejected(HandshakeError):
 
 
 def handshake_request(
-    host: str, target: str, headers: Sequence[tuple[str, str]] = ()
+    host: str,
+    target: str,
+    headers: Sequence[tuple[str, str]] = (),
+    subprotocols: Sequence[str] = (),
 ) -> tuple[bytes, bytes]:
     """The bytes of an upgrade request, and the key they carry.
 
@@ -104,6 +108,7 @@ def handshake_request(
         host: The ``Host`` header value (``host:port``, an IPv6 literal in brackets).
         target: The path, e.g. ``/v1/events``.
         headers: Extra headers, e.g. ``[("Authorization", "Bearer ...")]``.
+        subprotocols: Subprotocols offered, in order of preference.
 
     Returns:
         ``(request bytes, Sec-WebSocket-Key)``; give the key to :class:`HandshakeReader`.
@@ -116,6 +121,7 @@ def handshake_request(
         "Connection: Upgrade",
         f"Sec-WebSocket-Key: {key.decode()}",
         "Sec-WebSocket-Version: 13",
+        *([f"Sec-WebSocket-Protocol: {', '.join(subprotocols)}"] if subprotocols else []),
         *(f"{name}: {value}" for name, value in headers),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), key
@@ -130,8 +136,11 @@ class HandshakeReader:
     answer that is not a valid upgrade.
     """
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, subprotocols: Sequence[str] = ()) -> None:
         self._accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        self._offered = {name.encode() for name in subprotocols}
+        #: The subprotocol the server chose (``None``: none), once the upgrade succeeded.
+        self.subprotocol: str | None = None
         self._conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
         # h11 must see the request to know what it reads; its bytes are not used.
         self._conn.send(
@@ -196,6 +205,11 @@ class HandshakeReader:
             raise HandshakeError("wrong Sec-WebSocket-Accept")
         if b"sec-websocket-extensions" in fields:
             raise HandshakeError("the server chose an extension none was offered")
+        chosen = fields.get(b"sec-websocket-protocol")
+        if chosen is not None:
+            if chosen not in self._offered:
+                raise HandshakeError(f"the server chose a subprotocol not offered: {chosen!r}")
+            self.subprotocol = chosen.decode()
 
 
 def encode_frame(opcode: int, payload: bytes = b"") -> bytes:

@@ -16,7 +16,8 @@ Rules:
 3. Request plane (``/v1/requests``): the client sends :class:`Generate` and :class:`Cancel`; the
    worker answers each request id with exactly one of :class:`Rejected` (before the request
    started) or :class:`Started` followed by any number of :class:`Chunk` and then one
-   :class:`End` or :class:`Failed`. Many requests share one connection.
+   :class:`End` or :class:`Failed`. Many requests share one connection. To a client that
+   offered :data:`SUBPROTOCOL_BATCH` the worker may send several of these in one :class:`Batch`.
 4. Fields are only ever added, never renamed or repurposed; decoders ignore unknown fields, so
    an older peer reads a newer one's messages. A breaking change bumps :data:`PROTOCOL_VERSION`.
    An addition that needs both sides to agree is a *feature*: the worker lists the features it
@@ -46,12 +47,14 @@ __all__ = [
     "EVENTS_PATH",
     "FEATURE_BUSY_EDGES",
     "REQUESTS_PATH",
+    "SUBPROTOCOL_BATCH",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "REASON_DRAINING",
     "REASON_OVERLOADED",
     "REASON_QUEUE_TIMEOUT",
     "BusyThresholds",
+    "Batch",
     "Cancel",
     "Chunk",
     "ClientMessage",
@@ -65,6 +68,7 @@ __all__ = [
     "Hello",
     "LoadEvent",
     "RankLoad",
+    "Reply",
     "Rejected",
     "RuntimeConfig",
     "Started",
@@ -95,6 +99,11 @@ CLOSE_TOO_BIG: Final = 1009
 
 #: Hello feature: the worker reads :class:`Subscribe` and pushes busy/free edges at once.
 FEATURE_BUSY_EDGES: Final = "busy-edges"
+
+#: Websocket subprotocol a client offers on the request plane to say it reads :class:`Batch`.
+#: A worker that accepts it may put several replies in one message; one that does not (an older
+#: worker) answers without a subprotocol and sends one reply per message, as before.
+SUBPROTOCOL_BATCH: Final = "dynamo-shim.batch"
 
 #: Largest websocket message either side accepts (bytes). A request body travels in one message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
@@ -272,8 +281,19 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field=
     message: str
 
 
+Reply = Rejected | Started | Chunk | End | Failed | Cancel
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="type"):
+    """Several replies in one message, in order, to a client that offered
+    :data:`SUBPROTOCOL_BATCH`: a short request's start, chunks and end cost one websocket
+    message instead of three or more."""
+
+    messages: list[Reply]
+
+
 ClientMessage = Generate | Cancel
-WorkerMessage = Hello | Rejected | Started | Chunk | End | Failed | Cancel
+WorkerMessage = Hello | Rejected | Started | Chunk | End | Failed | Cancel | Batch
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)

@@ -155,7 +155,7 @@ async def collect_until_final(
     frames = _received.setdefault(ws, _Frames())
     while not request_ids <= frames.ended:
         message = await receive(ws)
-        assert not isinstance(message, Hello)
+        assert not isinstance(message, Hello | wire.Batch)  # no batches: none were offered
         assert message.request_id not in frames.ended, "a frame after the final frame"
         frames.by_id[message.request_id].append(message)
         if isinstance(message, Rejected | End | Failed):

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 import msgspec
 import trio
@@ -48,6 +48,9 @@ from shim_common.wire import (
     CLOSE_DUPLICATE_REQUEST_ID,
     CLOSE_TEXT_MESSAGE,
     CLOSE_UNDECODABLE,
+    MAX_MESSAGE_BYTES,
+    SUBPROTOCOL_BATCH,
+    Batch,
     Cancel,
     Chunk,
     End,
@@ -55,6 +58,7 @@ from shim_common.wire import (
     Failed,
     Generate,
     Rejected,
+    Reply,
     Started,
     decode_client_message,
     decode_subscriber_message,
@@ -117,18 +121,24 @@ def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
 
 
 class _FrameSender:
-    """The only writer of one websocket: drains a bounded queue of frames, merging text chunks
-    that piled up (see :func:`coalesce_chunks`)."""
+    """The only writer of one websocket: drains a bounded queue of frame groups, merging text
+    chunks that piled up (see :func:`coalesce_chunks`). With ``batching`` (the client offered
+    :data:`~shim_common.wire.SUBPROTOCOL_BATCH`), everything drained at once goes out as one
+    :class:`~shim_common.wire.Batch` message."""
 
-    def __init__(self, ws: WebSocketConnection) -> None:
+    def __init__(self, ws: WebSocketConnection, *, batching: bool = False) -> None:
         self._ws = ws
-        self._send_tx, self._send_rx = trio.open_memory_channel[msgspec.Struct](SEND_QUEUE_FRAMES)
+        self._batching = batching
+        self._send_tx, self._send_rx = trio.open_memory_channel[list[msgspec.Struct]](
+            SEND_QUEUE_FRAMES
+        )
 
-    async def send(self, message: msgspec.Struct) -> None:
-        """Queue a message; waits while the queue is full; drops it once the sender has closed."""
+    async def send(self, *messages: msgspec.Struct) -> None:
+        """Queue messages (kept together, in order); waits while the queue is full; drops them
+        once the sender has closed."""
         # Closed: the connection is going away; its peer learns that from the close.
         with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            await self._send_tx.send(message)
+            await self._send_tx.send(list(messages))
 
     def close(self) -> None:
         """Accept no more frames; the sender sends what is queued, then returns."""
@@ -143,14 +153,25 @@ class _FrameSender:
         receive = self._send_rx
         async with receive:
             async for first in receive:
-                batch = [first]
+                if self._batching:
+                    # One turn for the request tasks that just queued a frame: a short answer's
+                    # next frames are usually one step behind, and then share the message.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                batch = list(first)
                 # Whatever queued meanwhile, bounded by the queue's size.
-                while len(batch) < SEND_QUEUE_FRAMES:
+                for _ in range(SEND_QUEUE_FRAMES):
                     try:
-                        batch.append(receive.receive_nowait())
+                        batch.extend(receive.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
-                for message in coalesce_chunks(batch) if len(batch) > 1 else batch:
+                if len(batch) > 1:
+                    batch = coalesce_chunks(batch)
+                if self._batching and len(batch) > 1:
+                    data = encode(Batch(messages=cast(list[Reply], batch)))
+                    if len(data) <= MAX_MESSAGE_BYTES:
+                        await self._ws.send_message(data)
+                        continue
+                for message in batch:
                     await self._ws.send_message(encode(message))
 
 
@@ -189,7 +210,7 @@ class RequestConnection:
     def __init__(self, worker: Worker, ws: WebSocketConnection) -> None:
         self._worker = worker
         self._ws = ws
-        self._sender = _FrameSender(ws)
+        self._sender = _FrameSender(ws, batching=ws.subprotocol == SUBPROTOCOL_BATCH)
         self._requests: dict[int, trio.CancelScope] = {}
         self._no_requests = trio.Event()
         self._no_requests.set()
@@ -315,28 +336,39 @@ class RequestConnection:
         request_id = generate.request_id
         worker.request_scopes.add(scope)
         try:
-            final: msgspec.Struct = Failed(
-                request_id=request_id, kind="cancelled", message="cancelled by the client"
-            )
+            final: list[msgspec.Struct] = [
+                Failed(request_id=request_id, kind="cancelled", message="cancelled by the client")
+            ]
             with scope:
                 final = await self._execute(request_id, prepared)
             if scope.cancelled_caught and worker.abandoning:
-                final = Failed(
-                    request_id=request_id,
-                    kind="unavailable",
-                    message="Server unavailable: drain grace period expired",
-                )
-            await self._sender.send(final)
+                final = [
+                    Failed(
+                        request_id=request_id,
+                        kind="unavailable",
+                        message="Server unavailable: drain grace period expired",
+                    )
+                ]
+            await self._sender.send(*final)
         finally:
             worker.request_scopes.discard(scope)
             del self._requests[request_id]
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(self, request_id: int, prepared: PreparedRequest) -> msgspec.Struct:
-        """Run one admitted-to-try request up to its final frame; return that frame (rule 3)."""
+    async def _execute(
+        self, request_id: int, prepared: PreparedRequest
+    ) -> list[msgspec.Struct]:
+        """Run one admitted-to-try request; return its last frames, the final one last (rule 3).
+
+        ``Started`` goes out at once (the frontend sends its status line on it), and a chunk
+        that finishes its choice goes out with whatever follows it (the next chunk, or the
+        ``End``), so a short answer's last chunk and end are one message to a client that reads
+        batches.
+        """
         worker = self._worker
         completion_tokens = 0
+        held: list[msgspec.Struct] = []
         try:
             async with worker.gate.slot():
                 await self._sender.send(
@@ -345,7 +377,7 @@ class RequestConnection:
                 async with contextlib.aclosing(worker.engine.generate(prepared)) as outputs:
                     async for output in outputs:
                         completion_tokens += output.tokens
-                        await self._sender.send(
+                        held.append(
                             Chunk(
                                 request_id=request_id,
                                 text=output.text,
@@ -355,16 +387,23 @@ class RequestConnection:
                                 index=output.index,
                             )
                         )
+                        if output.finish_reason is None:
+                            await self._sender.send(*held)
+                            held = []
         except Rejection as rejection:
-            return Rejected(request_id=request_id, reason=rejection.reason)
+            return [Rejected(request_id=request_id, reason=rejection.reason)]
         except Exception as error:
             logger.exception("engine failed on request %d", request_id)
-            return Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
-        return End(
-            request_id=request_id,
-            prompt_tokens=prepared.prompt_tokens,
-            completion_tokens=completion_tokens,
+            failed = Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
+            return [*held, failed]
+        held.append(
+            End(
+                request_id=request_id,
+                prompt_tokens=prepared.prompt_tokens,
+                completion_tokens=completion_tokens,
+            )
         )
+        return held
 
     async def close(self) -> None:
         """Let the requests send their final frames, flush, close with 1001, and return after."""

@@ -41,6 +41,7 @@ from shim_common.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     REQUESTS_PATH,
+    SUBPROTOCOL_BATCH,
     Hello,
     RuntimeConfig,
 )
@@ -286,7 +287,11 @@ class Worker:
         if self._status == "draining":
             await request.reject(503, body=b"worker draining\n")
             return
-        ws = await request.accept()
+        # A client that reads batches says so with a subprotocol (request plane only).
+        batching = factory is RequestConnection and SUBPROTOCOL_BATCH in (
+            request.proposed_subprotocols or ()
+        )
+        ws = await request.accept(subprotocol=SUBPROTOCOL_BATCH if batching else None)
         connection = factory(self, ws)
         self._connections.add(connection)
         try:
