@@ -216,13 +216,12 @@ class Subscription:
         self._last_sent = -math.inf
         self._urgent = False
         self._thresholds: BusyThresholds | None = None
-        # Busy state of each rank as of the last batch taken, under the subscriber's thresholds.
-        self._sent_busy: dict[int, bool] = {}
+        # The load of each rank as of the last batch taken (what the subscriber knows).
+        self._sent_loads: dict[int, RankLoad] = {}
 
     def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
         """Route-relevant edges under ``thresholds`` skip the interval from now on."""
         self._thresholds = thresholds
-        self._sent_busy.clear()
 
     def deliver(self, event: WorkerEvent, *, urgent: bool = False) -> None:
         """Put an event in the mailbox and wake the subscriber (synchronous, never blocks).
@@ -265,18 +264,19 @@ class Subscription:
         events = self._mailbox.take()
         self._last_sent = self._clock()
         self._urgent = False
-        if self._thresholds is not None:
-            for event in events:
-                loads = event.loads if isinstance(event, Heartbeat) else [event.load]
-                for load in loads:
-                    self._sent_busy[load.dp_rank] = self._busy(load)
+        for event in events:
+            if isinstance(event, Heartbeat):
+                for load in event.loads:
+                    self._sent_loads[load.dp_rank] = load
+            else:
+                self._sent_loads[event.load.dp_rank] = event.load
         return events
 
     def _is_edge(self, load: RankLoad) -> bool:
         if self._thresholds is None:
             return False
-        before = self._sent_busy.get(load.dp_rank)
-        return before is not None and before != self._busy(load)
+        before = self._sent_loads.get(load.dp_rank)
+        return before is not None and self._busy(before) != self._busy(load)
 
     def _busy(self, load: RankLoad) -> bool:
         assert self._thresholds is not None

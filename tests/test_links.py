@@ -1,0 +1,196 @@
+"""Following a fleet: the lag meter, lagging workers out of routing, thresholds sent to workers,
+the connect limiter, and the request plane's batches, against real workers on loopback."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import trio
+import trio.lowlevel
+import trio.testing
+from test_workers import FAST, PROMPT, RecordingListener, _settings
+
+from frontend_shim._links import LagMeter, LinkSettings, WorkerLink
+from frontend_shim._load import Fleet
+from frontend_shim._thresholds import Thresholds
+from shim_common import wire
+from worker_ingress._server import Worker
+from worker_ingress.engines._instant import InstantEngine, create
+
+TIMEOUT = 10.0
+
+
+# ----------------------------------------------------------------------------- lag meter
+
+
+def test_a_constant_clock_skew_is_no_lag() -> None:
+    meter = LagMeter(window=60.0)
+    # The worker's clock is 40 s ahead; transit takes 1 ms every time.
+    for step in range(100):
+        now = step * 0.1
+        assert abs(meter.observe(arrival=1000.0 + now, sent=1040.0 + now - 0.001, now=now)) < 1e-9
+    assert meter.max_lag < 1e-9
+
+
+def test_a_growing_backlog_shows_as_growing_lag() -> None:
+    meter = LagMeter(window=60.0)
+    lags = [meter.observe(arrival=step * 0.2, sent=step * 0.1, now=step * 0.2) for step in range(50)]
+    assert lags == sorted(lags)
+    assert 4.8 < meter.max_lag < 5.0  # 49 * 0.1 s behind at the end
+
+
+def test_a_clock_step_back_on_the_worker_is_forgotten_after_two_windows() -> None:
+    meter = LagMeter(window=10.0)
+    for step in range(10):
+        meter.observe(arrival=step, sent=step, now=step)
+    # The worker's clock steps back 5 s: every batch now looks 5 s late ...
+    assert meter.observe(arrival=10.0, sent=5.0, now=10.0) == 5.0
+    # ... until the smallest gap of the windows before the step has aged out.
+    for step in range(11, 40):
+        lag = meter.observe(arrival=step, sent=step - 5.0, now=step)
+    assert lag == 0.0
+
+
+# ----------------------------------------------------------------------------- fleet
+
+
+def _config(worker_id: str) -> wire.RuntimeConfig:
+    return wire.RuntimeConfig(
+        worker_id=worker_id,
+        model="m",
+        kv_total_blocks=100,
+        block_size=16,
+        max_num_batched_tokens=1000,
+        max_num_seqs=8,
+        data_parallel_size=1,
+        engine_request_limit=None,
+        request_queue_limit=40000,
+        heartbeat_interval=1.0,
+    )
+
+
+def test_a_lagging_worker_is_not_routed_to_until_it_catches_up() -> None:
+    fleet = Fleet(default_thresholds=Thresholds())
+    fleet.register(_config("a"), 0.0)
+    fleet.register(_config("b"), 0.0)
+    assert fleet.available_count("m", 0.0) == 2
+    assert fleet.set_lagging("a", True)
+    free = fleet.free_workers("m", 0.0)
+    assert free is not None
+    assert [w.worker_id for w in free] == ["b"]
+    assert fleet.available_count("m", 0.0) == 1
+    fleet.set_lagging("a", False)
+    assert fleet.available_count("m", 0.0) == 2
+    assert not fleet.set_lagging("unknown", True)
+
+
+# ----------------------------------------------------------------------------- loopback
+
+
+class SteerableEngine(InstantEngine):
+    """The instant engine with a load the test sets."""
+
+    def set_decode_blocks(self, blocks: int) -> None:
+        self._loads = [
+            wire.RankLoad(
+                dp_rank=0, active_decode_blocks=blocks, active_prefill_tokens=0, kv_used_blocks=0
+            )
+        ]
+        self._load_changed.bump()
+
+
+async def _worker(nursery: trio.Nursery, **overrides: Any) -> tuple[Worker, str, SteerableEngine]:
+    settings = _settings(**overrides)
+    engine = SteerableEngine(create(settings).config)
+    worker = Worker(settings, engine)
+    address = await nursery.start(worker.serve)
+    return worker, address.ws_url, engine
+
+
+async def test_a_busy_edge_skips_the_publish_interval_once_thresholds_are_sent(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        # Heartbeats and load batches every 30 s at most: only an edge can arrive quickly.
+        _, url, engine = await _worker(nursery, heartbeat_interval=30.0, load_publish_interval=30.0)
+        listener = RecordingListener()
+        listener.busy_thresholds = wire.BusyThresholds(active_decode_blocks=0.5)
+        link = WorkerLink(url, listener, FAST, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        await listener.wait_until(lambda: len(listener.events) >= 1)  # the first heartbeat
+        total = link.config.kv_total_blocks if link.config else 0
+        engine.set_decode_blocks(total)  # busy: every block of the rank
+        with trio.fail_after(2.0):  # far less than the 30 s interval
+            await listener.wait_until(
+                lambda: any(
+                    isinstance(e, wire.LoadEvent) and e.load.active_decode_blocks == total
+                    for e in listener.events
+                )
+            )
+
+
+async def test_the_request_plane_speaks_batches_with_a_worker_that_accepts_them(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        listener = RecordingListener()
+        link = WorkerLink(url, listener, FAST, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        for _ in range(3):
+            async with link.request("completions", PROMPT) as stream:
+                assert isinstance(await stream.first(), wire.Started)
+                replies = [reply async for reply in stream]
+            assert isinstance(replies[-1], wire.End)
+            assert sum(r.tokens for r in replies if isinstance(r, wire.Chunk)) == 5
+
+
+async def test_the_connect_limiter_bounds_attempts_and_every_link_comes_up(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        urls = [(await _worker(nursery, worker_id=f"w-{i}"))[1] for i in range(6)]
+        limiter = trio.CapacityLimiter(2)
+        listener = RecordingListener()
+        links = [
+            WorkerLink(url, listener, FAST, connect_limiter=limiter, rng=random.Random(i))
+            for i, url in enumerate(urls)
+        ]
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, limiter.borrowed_tokens)
+                await trio.lowlevel.checkpoint()
+
+        nursery.start_soon(watch)
+        for link in links:
+            await nursery.start(link.run)
+        for link in links:
+            await link.wait_connected()
+        assert most <= 2
+        assert listener.count("up") == 6
+
+
+async def test_an_idle_request_plane_is_pinged_and_a_busy_one_is_not(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        settings = LinkSettings(
+            connect_timeout=2.0,
+            disconnect_timeout=0.1,
+            keepalive_interval=0.2,
+            keepalive_timeout=1.0,
+        )
+        link = WorkerLink(url, RecordingListener(), settings, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        await trio.sleep(1.0)  # idle: pinged, answered, still up
+        assert link.connected
+        assert link.stats.keepalive_timeouts == 0
+        assert link.stats.sessions == 1
