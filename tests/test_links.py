@@ -35,7 +35,7 @@ def test_a_constant_clock_skew_is_no_lag() -> None:
 
 def test_a_growing_backlog_shows_as_growing_lag() -> None:
     meter = LagMeter(window=60.0)
-    lags = [meter.observe(arrival=step * 0.2, sent=step * 0.1, now=step * 0.2) for step in range(50)]
+    lags = [meter.observe(arrival=s * 0.2, sent=s * 0.1, now=s * 0.2) for s in range(50)]
     assert lags == sorted(lags)
     assert 4.8 < meter.max_lag < 5.0  # 49 * 0.1 s behind at the end
 
