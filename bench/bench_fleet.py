@@ -750,7 +750,7 @@ HEADER: Final = (
     "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB | HTTP up s "
     "| all up s | busy->529 ms p50/p99 "
     "| free->200 ms p50/p99 | sim's share of a flip ms p50/p99 | /live ms p50/p99 "
-    "| unread KB start->end | max lag |"
+    "| unread KB start->end | max lag | note |"
 )
 
 
@@ -758,7 +758,7 @@ def table_row(r: SizeResult) -> str:
     if r.all_up_s is None:
         return (
             f"| {r.workers} x {r.ranks} | {r.target_events_per_s:.0f} | "
-            f"{r.error or 'not up'} |" + " |" * 12
+            f"{r.error or 'not up'} |" + " |" * 13
         )
     lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
     applied = (
@@ -773,7 +773,8 @@ def table_row(r: SizeResult) -> str:
         f"| {_num(r.frontend_rss_mb, '.0f')} | {_num(r.http_first_s, '.2f')} "
         f"| {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.sim_apply_ms)} "
         f"| {_ms(r.live_ms)} "
-        f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} |"
+        f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} "
+        f"| {r.error or ''} |"
     )
 
 
