@@ -58,7 +58,6 @@ COMPLETION: Final = b'{"model":"mock-model","prompt":"ping","max_tokens":1}'
 LIVE_PERIOD: Final = 0.010
 HEALTH_PERIOD: Final = 0.050
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
-PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE")
 DEFAULT_SIZES: Final = "64,256,1024,2048"
 
 
