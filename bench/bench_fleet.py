@@ -5,19 +5,23 @@ Run: ``python bench/bench_fleet.py [--sizes 64,256,1024,2048] [--seconds 10] [--
 Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when there are two):
 
 1. ``bench/fleet_sim.py`` processes (one per ``--workers-per-sim`` workers) run K real workers
-   with 4 data-parallel ranks each; every rank's load changes 20 times a second, and the fleet
-   starts ``free``.
+   with 4 data-parallel ranks each.
 2. ``python -m frontend_shim --router-mode kv --active-decode-blocks-threshold 0.5 --http-port 0``
    with one ``--worker`` per worker. Measured from its start: the first ``GET /live`` answered,
-   and ``/health`` reporting ``workers_connected == K``.
-3. For ``--seconds`` while events flow: events the workers sent (counted in the simulator) and
+   and ``/health`` reporting ``workers_connected == K``. Meanwhile the workers send heartbeats
+   only: a simulator core busy with 1,024 workers' load changes answers a websocket handshake
+   in seconds, and the frontend's 5 s connect bound would then measure the simulator
+   (``--startup-under-load`` changes loads from the start anyway).
+3. Every rank's load then changes 20 times a second, the fleet free; after ``--warmup`` s,
+   for ``--seconds`` while events flow: events the workers sent (counted in the simulator) and
    the frontend's CPU share (``/proc/<pid>/stat``), its RSS, the simulators' CPU share, the bytes
    the frontend had not read yet from its worker sockets (``/proc/net/tcp``), and ``GET /live``
    latency (one request every 10 ms on a keep-alive connection).
 4. ``--flips`` times: the whole fleet goes busy (decode blocks above 0.5 of the total), then free
    again. Each time, from the command to the simulators, a cheap completion is sent back to back
    until the answer changes (busy: 529; free: a real 200 from a worker); the time to that first
-   changed answer is the propagation.
+   changed answer is the propagation. The simulators stamp when they had applied the flip: that
+   share of the propagation is theirs, not the frontend's.
 
 The frontend exports no applied-events counter and no event-lag metric today: when ``/metrics``
 has a counter named ``dynamo_frontend_*event*_total`` or a ``*_lag_seconds`` series, they are
@@ -39,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Final
@@ -53,7 +58,6 @@ COMPLETION: Final = b'{"model":"mock-model","prompt":"ping","max_tokens":1}'
 LIVE_PERIOD: Final = 0.010
 HEALTH_PERIOD: Final = 0.050
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
-PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE")
 DEFAULT_SIZES: Final = "64,256,1024,2048"
 
 
@@ -276,9 +280,14 @@ async def flip_fleet(sims: Sequence[Simulator], mode: str) -> None:
         await sim.child.send(mode)
 
 
-async def flip_acks(sims: Sequence[Simulator], mode: str) -> None:
+async def flip_acks(sims: Sequence[Simulator], mode: str) -> float:
+    """Read every simulator's answer to a flip; return the latest ``time.monotonic()`` at which
+    one of them had applied it."""
+    applied = 0.0
     for sim in sims:
-        await sim.answer(f"ok {mode}")
+        line = await sim.answer(f"ok {mode}")
+        applied = max(applied, float(line.split()[2]))
+    return applied
 
 
 # ----------------------------------------------------------------------------- figures
@@ -351,11 +360,16 @@ class SizeResult:
     simulator_wait: float | None = None
     frontend_rss_mb: float | None = None
     frontend_peak_rss_mb: float | None = None
+    simulator_rss_mb: float | None = None
     unread_kb_start: float | None = None
     unread_kb_end: float | None = None
     live_ms: list[float] = dataclasses.field(default_factory=list)
     live_errors: int = 0
+    #: ``(seconds since the frontend started, workers connected)`` while it came up.
+    up_curve: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     busy_ms: list[float] = dataclasses.field(default_factory=list)
+    #: Per flip: from the command until every simulator had given its engines the new load.
+    sim_apply_ms: list[float] = dataclasses.field(default_factory=list)
     free_ms: list[float] = dataclasses.field(default_factory=list)
     flip_timeouts: int = 0
     saw_529: bool = False
@@ -371,7 +385,7 @@ class SizeResult:
 
     def summary(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("live_ms", "busy_ms", "free_ms"):
+        for name in ("live_ms", "busy_ms", "free_ms", "sim_apply_ms"):
             values = data.pop(name)
             data[name] = {
                 "n": len(values),
@@ -396,6 +410,8 @@ class Options:
     up_timeout: float
     flip_timeout: float
     settle: float
+    warmup: float
+    startup_under_load: bool
 
 
 async def _wait_live(client: HttpClient, deadline: float) -> bool:
@@ -416,13 +432,38 @@ async def _connected(client: HttpClient) -> int:
     return connected
 
 
-async def _wait_connected(client: HttpClient, want: int, deadline: float) -> bool:
+async def _wait_connected(
+    client: HttpClient, want: int, began: float, deadline: float, curve: list[tuple[float, int]]
+) -> bool:
+    """Poll ``/health`` until ``want`` workers are connected; note the count every 0.5 s."""
+    noted = -math.inf
     while trio.current_time() < deadline:
         with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
-            if await _connected(client) >= want:
+            connected = await _connected(client)
+            now = trio.current_time()
+            if now - noted >= 0.5 or connected >= want:
+                curve.append((round(now - began, 2), connected))
+                noted = now
+            if connected >= want:
                 return True
         await trio.sleep(HEALTH_PERIOD)
     return False
+
+
+async def _watch_exits(
+    children: Sequence[Child], result: SizeResult, stop: trio.CancelScope
+) -> None:
+    """Stop the measurement as soon as one of the processes exits (a crash, say)."""
+    async with trio.open_nursery() as nursery:
+        for child in children:
+            nursery.start_soon(_watch_exit, child, result, stop)
+
+
+async def _watch_exit(child: Child, result: SizeResult, stop: trio.CancelScope) -> None:
+    code = await child.process.wait()
+    if result.error is None:
+        result.error = f"the {child.name} exited with code {code} ({result.phase})"
+    stop.cancel()
 
 
 async def _probe_live(client: HttpClient, until: float, result: SizeResult) -> None:
@@ -443,10 +484,16 @@ async def _probe_live(client: HttpClient, until: float, result: SizeResult) -> N
 
 async def _flip(
     sims: Sequence[Simulator], client: HttpClient, mode: str, bound: float
-) -> float | None:
-    """Flip the fleet; return seconds from the command to the first changed answer."""
+) -> tuple[float | None, float]:
+    """Flip the fleet.
+
+    Returns:
+        Seconds from the command to the first changed answer (``None``: none within ``bound``),
+        and seconds from the command until the simulators had applied it (their share).
+    """
     want = 529 if mode == "busy" else 200
-    began = trio.current_time()
+    # time.monotonic(), not trio's clock: the simulators stamp their answers with it.
+    began = time.monotonic()
     await flip_fleet(sims, mode)
     elapsed: float | None = None
     with trio.move_on_after(bound):
@@ -457,10 +504,10 @@ async def _flip(
                 await trio.sleep(0.01)
                 continue
             if status == want:
-                elapsed = trio.current_time() - began
+                elapsed = time.monotonic() - began
                 break
-    await flip_acks(sims, mode)
-    return elapsed
+    applied = await flip_acks(sims, mode)
+    return elapsed, applied - began
 
 
 async def _scrape(client: HttpClient, result: SizeResult) -> tuple[float, float | None]:
@@ -492,25 +539,39 @@ async def measure_size(workers: int, options: Options, logs: Path) -> SizeResult
         2 * options.start_timeout
         + options.up_timeout
         + options.seconds
+        + options.warmup
         + options.flips * 2 * (options.flip_timeout + options.settle)
         + 60
     )
     with trio.move_on_after(budget) as overall:
+        # Nurseries wrap what escapes them in exception groups, hence except*.
         try:
             await _measure(workers, shards, options, logs, result)
-        except _Failed as failed:
-            result.error = str(failed)
-        except (
-            OSError,
-            EOFError,
-            RuntimeError,
-            trio.BrokenResourceError,
-            h11.ProtocolError,
-        ) as exc:
-            result.error = f"{result.phase}: {type(exc).__name__}: {exc}"
+        except* _Failed as group:
+            result.error = "; ".join(str(leaf) for leaf in _leaves(group))
+        except* _MEASURE_ERRORS as group:
+            result.error = f"{result.phase}: " + "; ".join(
+                f"{type(leaf).__name__}: {leaf}" for leaf in _leaves(group)
+            )
     if overall.cancelled_caught:
         result.error = f"no result within {budget:.0f} s ({result.phase})"
     return result
+
+
+#: What a failing process or connection raises into a measurement (reported, not raised).
+_MEASURE_ERRORS: Final = (
+    OSError,
+    EOFError,
+    RuntimeError,
+    trio.BrokenResourceError,
+    h11.ProtocolError,
+)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
 
 
 def _log_files(logs: Path, workers: int) -> tuple[IO[bytes], IO[bytes]]:
@@ -535,6 +596,8 @@ async def _start_simulators(
             "--ranks", str(options.ranks), "--rate", str(options.rate),
             "--id-prefix", f"sim{shard}",
         ]  # fmt: skip
+        if not options.startup_under_load:
+            args.append("--paused")
         child = await Child.start(args, cpu=SIM_CPU, stderr=log, name=f"simulator {shard}")
         children.append(child)
         sims.append(Simulator(child))
@@ -581,65 +644,90 @@ async def _measure(
             result.phase = "starting the frontend"
             began = trio.current_time()
             frontend, host, port = await _start_frontend(ports, options, frontend_log, children)
-            pid = frontend.process.pid
-            probe = HttpClient(host, port)
-            if not await _wait_live(probe, began + options.start_timeout):
-                raise _Failed("the frontend never answered /live")
-            result.http_first_s = trio.current_time() - began
-            result.phase = "waiting for every worker"
-            if not await _wait_connected(probe, workers, began + options.up_timeout):
-                raise _Failed(f"not all {workers} workers up within {options.up_timeout:.0f} s")
-            result.all_up_s = trio.current_time() - began
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch_exits, list(children), result, nursery.cancel_scope)
+                await _measure_frontend(sims, frontend, host, port, began, options, result)
+                nursery.cancel_scope.cancel()
 
-            result.phase = "steady window"
-            _, applied0 = await _scrape(probe, result)
-            stats0 = await fleet_stats(sims)
-            window_start = trio.current_time()
-            cpu0, wait0 = cpu_seconds(pid), wait_seconds(pid)
-            sim_pids = [sim.child.process.pid for sim in sims]
-            sim_cpu0 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
-            sim_wait0 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
-            result.unread_kb_start = unread_bytes(set(ports)) / 1024
-            live = HttpClient(host, port)
-            await _probe_live(live, window_start + options.seconds, result)
-            await live.aclose()
-            result.unread_kb_end = unread_bytes(set(ports)) / 1024
-            cpu1, wait1 = cpu_seconds(pid), wait_seconds(pid)
-            sim_cpu1 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
-            sim_wait1 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
-            window = trio.current_time() - window_start
-            stats1 = await fleet_stats(sims)
-            scraped_at, applied1 = await _scrape(probe, result)
-            result.window_s = window
-            result.frontend_cpu = (cpu1 - cpu0) / window
-            result.frontend_wait = (wait1 - wait0) / window
-            result.simulator_cpu = (sim_cpu1 - sim_cpu0) / window
-            result.simulator_wait = (sim_wait1 - sim_wait0) / window
-            result.frontend_rss_mb, result.frontend_peak_rss_mb = rss_mb(pid)
-            delta = {key: stats1[key] - stats0[key] for key in stats1}
-            result.generated_per_s = delta["generated"] / window
-            result.offered_events_per_s = (delta["load_events"] + delta["heartbeats"]) / window
-            result.offered_messages_per_s = delta["batches"] / window
-            if applied0 is not None and applied1 is not None:
-                result.applied_events_per_s = (applied1 - applied0) / (scraped_at - window_start)
 
-            result.phase = "flips"
-            for _ in range(options.flips):
-                for mode in ("busy", "free"):
-                    elapsed = await _flip(sims, probe, mode, options.flip_timeout)
-                    if elapsed is None:
-                        result.flip_timeouts += 1
-                    elif mode == "busy":
-                        result.busy_ms.append(elapsed * 1000)
-                        result.saw_529 = True
-                    else:
-                        result.free_ms.append(elapsed * 1000)
-                        result.saw_200 = True
-                    await trio.sleep(options.settle)
-            with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
-                result.connected_after = await _connected(probe)
-            await probe.aclose()
-            result.phase = "done"
+async def _measure_frontend(
+    sims: Sequence[Simulator],
+    frontend: Child,
+    host: str,
+    port: int,
+    began: float,
+    options: Options,
+    result: SizeResult,
+) -> None:
+    workers = result.workers
+    worker_ports = {worker_port for sim in sims for worker_port in sim.ports}
+    pid = frontend.process.pid
+    probe = HttpClient(host, port)
+    if not await _wait_live(probe, began + options.start_timeout):
+        raise _Failed("the frontend never answered /live")
+    result.http_first_s = trio.current_time() - began
+    result.phase = "waiting for every worker"
+    if not await _wait_connected(
+        probe, workers, began, began + options.up_timeout, result.up_curve
+    ):
+        raise _Failed(f"not all {workers} workers up within {options.up_timeout:.0f} s")
+    result.all_up_s = trio.current_time() - began
+
+    result.phase = "steady window"
+    # The load starts now (unless it ran from the start), fleet free.
+    await flip_fleet(sims, "free")
+    await flip_acks(sims, "free")
+    await trio.sleep(options.warmup)
+    _, applied0 = await _scrape(probe, result)
+    stats0 = await fleet_stats(sims)
+    window_start = trio.current_time()
+    cpu0, wait0 = cpu_seconds(pid), wait_seconds(pid)
+    sim_pids = [sim.child.process.pid for sim in sims]
+    sim_cpu0 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
+    sim_wait0 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
+    result.unread_kb_start = unread_bytes(worker_ports) / 1024
+    live = HttpClient(host, port)
+    await _probe_live(live, window_start + options.seconds, result)
+    await live.aclose()
+    result.unread_kb_end = unread_bytes(worker_ports) / 1024
+    cpu1, wait1 = cpu_seconds(pid), wait_seconds(pid)
+    sim_cpu1 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
+    sim_wait1 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
+    window = trio.current_time() - window_start
+    stats1 = await fleet_stats(sims)
+    scraped_at, applied1 = await _scrape(probe, result)
+    result.window_s = window
+    result.frontend_cpu = (cpu1 - cpu0) / window
+    result.frontend_wait = (wait1 - wait0) / window
+    result.simulator_cpu = (sim_cpu1 - sim_cpu0) / window
+    result.simulator_wait = (sim_wait1 - sim_wait0) / window
+    result.frontend_rss_mb, result.frontend_peak_rss_mb = rss_mb(pid)
+    result.simulator_rss_mb = sum(rss_mb(sim_pid)[0] for sim_pid in sim_pids)
+    delta = {key: stats1[key] - stats0[key] for key in stats1}
+    result.generated_per_s = delta["generated"] / window
+    result.offered_events_per_s = (delta["load_events"] + delta["heartbeats"]) / window
+    result.offered_messages_per_s = delta["batches"] / window
+    if applied0 is not None and applied1 is not None:
+        result.applied_events_per_s = (applied1 - applied0) / (scraped_at - window_start)
+
+    result.phase = "flips"
+    for _ in range(options.flips):
+        for mode in ("busy", "free"):
+            elapsed, applied = await _flip(sims, probe, mode, options.flip_timeout)
+            result.sim_apply_ms.append(applied * 1000)
+            if elapsed is None:
+                result.flip_timeouts += 1
+            elif mode == "busy":
+                result.busy_ms.append(elapsed * 1000)
+                result.saw_529 = True
+            else:
+                result.free_ms.append(elapsed * 1000)
+                result.saw_200 = True
+            await trio.sleep(options.settle)
+    with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
+        result.connected_after = await _connected(probe)
+    await probe.aclose()
+    result.phase = "done"
 
 
 # ----------------------------------------------------------------------------- report
@@ -660,7 +748,8 @@ HEADER: Final = (
     "| workers x ranks | target ev/s | offered ev/s (msg/s) | applied ev/s "
     "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB | HTTP up s "
     "| all up s | busy->529 ms p50/p99 "
-    "| free->200 ms p50/p99 | /live ms p50/p99 | unread KB start->end | max lag |"
+    "| free->200 ms p50/p99 | sim's share of a flip ms p50/p99 | /live ms p50/p99 "
+    "| unread KB start->end | max lag | note |"
 )
 
 
@@ -668,7 +757,7 @@ def table_row(r: SizeResult) -> str:
     if r.all_up_s is None:
         return (
             f"| {r.workers} x {r.ranks} | {r.target_events_per_s:.0f} | "
-            f"{r.error or 'not up'} |" + " |" * 11
+            f"{r.error or 'not up'} |" + " |" * 13
         )
     lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
     applied = (
@@ -681,8 +770,10 @@ def table_row(r: SizeResult) -> str:
         f"| {applied} | {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
         f"| {_num(r.simulator_cpu, '.0f', 100)}% ({_num(r.simulator_wait, '.0f', 100)}%) "
         f"| {_num(r.frontend_rss_mb, '.0f')} | {_num(r.http_first_s, '.2f')} "
-        f"| {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.live_ms)} "
-        f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} |"
+        f"| {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.sim_apply_ms)} "
+        f"| {_ms(r.live_ms)} "
+        f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} "
+        f"| {r.error or ''} |"
     )
 
 
@@ -749,6 +840,12 @@ def main() -> None:
     parser.add_argument("--up-timeout", type=float, default=180.0, help="all-workers-up bound")
     parser.add_argument("--flip-timeout", type=float, default=30.0, help="bound of one flip")
     parser.add_argument("--settle", type=float, default=0.5, help="pause after each flip (s)")
+    parser.add_argument("--warmup", type=float, default=2.0, help="load before the window (s)")
+    parser.add_argument(
+        "--startup-under-load",
+        action="store_true",
+        help="change loads while the frontend connects (default: only heartbeats until all up)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     args = parser.parse_args()
@@ -764,6 +861,8 @@ def main() -> None:
         up_timeout=args.up_timeout,
         flip_timeout=args.flip_timeout,
         settle=args.settle,
+        warmup=args.warmup,
+        startup_under_load=args.startup_under_load,
     )
     print(
         f"frontend on CPU {FRONTEND_CPU}, simulators and probes on CPU {SIM_CPU}; "

@@ -49,3 +49,22 @@ async def test_fleet_benchmark_runs_at_a_small_size(tmp_path: Path) -> None:
     assert result["generated_per_s"] > 0
     assert result["live_ms"]["n"] > 0
     assert result["frontend_rss_mb"] > 0
+
+
+async def test_fleet_benchmark_reports_a_size_that_does_not_come_up(tmp_path: Path) -> None:
+    # No frontend connects to its workers within 10 ms of its start: the size must be reported
+    # as not up, and the run must still end normally with its table row.
+    report = tmp_path / "fleet.json"
+    args = [
+        sys.executable, str(BENCH), "--sizes", "2", "--seconds", "1", "--flips", "1",
+        "--start-timeout", "60", "--up-timeout", "0.01", "--json", str(report),
+    ]  # fmt: skip
+    with trio.fail_after(120):
+        completed = await trio.run_process(
+            args, capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert completed.returncode == 0, completed.stderr.decode()
+    assert "| 2 x 4 |" in completed.stdout.decode()
+    [result] = json.loads(report.read_text())
+    assert "not all 2 workers up" in result["error"]
+    assert result["all_up_s"] is None
