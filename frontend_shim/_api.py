@@ -131,7 +131,7 @@ class FrontendAPI:
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
         self._draining = False
         self._idle = trio.Event()
-        self._status = StatusRoutes(metrics.render, self._health)
+        self._status = StatusRoutes(metrics.render_off_loop, self._health)
         admin = AdminRoutes(
             fleet,
             disabled=settings.admin_api_disabled,

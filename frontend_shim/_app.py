@@ -15,6 +15,7 @@ that releases parked requests on every fleet change, then the links and the API.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -137,8 +138,8 @@ async def run_frontend(
             waiting=waiting,
             metrics=metrics,
         )
-        await nursery.start(pool.run, bridge)
         handler = api.handle
+        # HTTP first: /live and /health answer while the links of a large fleet start.
         port = await nursery.start(
             lambda task_status: serve_http(
                 handler,
@@ -149,6 +150,10 @@ async def run_frontend(
                 task_status=task_status,
             )
         )
+        await nursery.start(pool.run, bridge)
+        # Everything built so far (the links, the fleet, imported modules) lives as long as the
+        # process: out of the collector's sight, full collections stop rescanning it.
+        gc.freeze()
         url = base_url("http", settings.http_host, port)
         print(f"frontend-shim ready http={url}", flush=True)
         task_status.started(url)

@@ -20,7 +20,8 @@ rules are the same on both:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 import msgspec
@@ -43,8 +44,9 @@ READY: Final = "ready"
 #: The paths :class:`StatusRoutes` answers.
 STATUS_PATHS: Final = frozenset({"/metrics", "/health", "/live"})
 
-#: Returns the metrics body and its content type for an ``Accept`` header (``None``: absent).
-RenderMetrics = Callable[[str | None], tuple[bytes, str]]
+#: Returns the metrics body and its content type for an ``Accept`` header (``None``: absent),
+#: or an awaitable of them (a renderer that formats a large exposition off the event loop).
+RenderMetrics = Callable[[str | None], tuple[bytes, str] | Awaitable[tuple[bytes, str]]]
 
 _LIVE_BODY: Final = b'{"status":"live"}'
 _ALLOW: Final = (b"allow", b"GET, HEAD")
@@ -109,7 +111,8 @@ class StatusRoutes:
             await responder.send(code, json_headers(_NO_STORE), body)
         else:
             accept = request.header(b"accept")
-            metrics, content_type = self._render_metrics(
-                None if accept is None else accept.decode("latin-1")
-            )
+            rendered = self._render_metrics(None if accept is None else accept.decode("latin-1"))
+            if inspect.isawaitable(rendered):
+                rendered = await rendered
+            metrics, content_type = rendered
             await responder.send(200, [(b"content-type", content_type.encode("latin-1"))], metrics)

@@ -194,3 +194,19 @@ async def test_an_idle_request_plane_is_pinged_and_a_busy_one_is_not(
         assert link.connected
         assert link.stats.keepalive_timeouts == 0
         assert link.stats.sessions == 1
+
+
+async def test_metrics_formatted_off_the_event_loop_match_the_live_rendering() -> None:
+    from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
+
+    ranks = [RankLoadSample(f"w-{w}", r, 3, 4, 100) for w in range(50) for r in range(4)]
+    links = [LinkSample(f"w-{w}", True, w == 7, 0.25, 0.5, 10, 1) for w in range(50)]
+    metrics = FrontendMetrics(lambda: ranks)
+    metrics.watch_links(lambda: links)
+    with trio.fail_after(TIMEOUT):
+        body, content_type = await metrics.render_off_loop(None)
+    assert (body, content_type) == metrics.render(None)
+    text = body.decode()
+    assert "dynamo_frontend_workers_connected 50.0" in text
+    assert "dynamo_frontend_workers_lagging 1.0" in text
+    assert 'dynamo_frontend_worker_active_decode_blocks{dp_rank="3",worker_id="w-49"} 3.0' in text
