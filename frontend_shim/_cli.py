@@ -346,6 +346,21 @@ def parse_args(argv: Sequence[str]) -> tuple[FrontendSettings, LogFilter]:
     return result
 
 
+def _raise_open_file_limit(wanted: int) -> None:
+    """Raise the soft limit of open files toward the hard one: every worker costs two sockets,
+    and a common soft limit of 1,024 would stop a frontend at about 500 workers."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    target = min(ceiling, max(soft, wanted, 65536))
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.warning("cannot raise the open-file limit from %d: %s", soft, exc)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``frontend-shim`` console script."""
     # Configured before parsing so that the --admission-control warning reaches stderr.
@@ -359,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except CliError as exc:
         exit_invalid("frontend-shim", str(exc))
     apply_log_filter(log_level, _log)
+    _raise_open_file_limit(2 * len(settings.workers) + 1024)
 
     import trio
 
