@@ -71,7 +71,7 @@ from frontend_shim._request_plane import (
 )
 from shim_common import wire
 from shim_common._net import Backoff
-from shim_common._websocket import HandshakeError
+from shim_common._websocket import HandshakeError, HandshakeRejected
 
 __all__ = [
     "FleetListener",
@@ -361,7 +361,12 @@ class WorkerLink:
                 if not self._reached_up:
                     self.stats.connect_failures += 1
                 level = logging.DEBUG if quiet and not self._reached_up else logging.WARNING
-                logger.log(level, "worker %s: %s; reconnecting", self.key, _describe(group))
+                logger.log(
+                    level,
+                    "worker %s: %s; reconnecting",
+                    self.key,
+                    _explain(group, tls=self._tls, connecting=not self._reached_up),
+                )
             quiet = not self._reached_up
             if self._reached_up:
                 self._backoff.reset()
@@ -587,6 +592,38 @@ def _describe(exc: BaseException) -> str:
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
+
+
+def _explain(group: BaseException, *, tls: bool, connecting: bool) -> str:
+    """:func:`_describe`, plus what an operator should check for the usual set-up mistakes:
+    a token the worker refused, and a URL whose scheme does not match what the worker serves.
+    """
+    leaves = _leaves(group)
+    if any(isinstance(leaf, HandshakeRejected) and leaf.status == 401 for leaf in leaves):
+        return (
+            "the worker refused the token (HTTP 401): DYN_WORKER_TOKEN here is unset or "
+            "differs from the worker's"
+        )
+    text = _describe(group)
+    if not connecting:
+        return text
+    ssl_errors = [leaf.__cause__ for leaf in leaves if isinstance(leaf.__cause__, ssl.SSLError)]
+    if tls and ssl_errors:
+        if any(isinstance(error, ssl.SSLCertVerificationError) for error in ssl_errors):
+            return (
+                f"the worker's certificate does not verify ({ssl_errors[0]}); check "
+                "--tls-ca-path and the host name in the URL"
+            )
+        return f"TLS handshake failed ({ssl_errors[0]}): a worker serving plain ws://? TLS?"
+    silent = (trio.TooSlowError, trio.BrokenResourceError, PlaneClosed)
+    refused = any(isinstance(leaf, HandshakeRejected) for leaf in leaves)
+    if (
+        not tls
+        and not refused
+        and any(isinstance(leaf, (HandshakeError, *silent)) for leaf in leaves)
+    ):
+        return f"no websocket answer ({text}): a worker serving only wss://? TLS?"
+    return text
 
 
 def _reason_of(exc: BaseException) -> str:
