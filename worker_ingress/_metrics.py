@@ -20,6 +20,11 @@ Added here:
 - ``dynamo_worker_draining_rejection_total``: arrivals turned away while draining (kept out of
   ``dynamo_rejection_request_total``: shutting down is not overload).
 - ``dynamo_worker_started_request_total``: requests that entered the engine.
+- ``dynamo_worker_received_request_total``: requests that reached the admission gate (valid
+  input), whatever became of them.
+- ``dynamo_worker_queue_cancelled_total``: queued requests withdrawn before they started (the
+  client left or the frontend's connection dropped). With the counters above, at every scrape:
+  received = started + rejection + draining rejection + queue cancelled + ``dynamo_request_queue``.
 - ``dynamo_worker_connection_errors_total``: connections a peer broke (counted by the servers).
 - ``dynamo_worker_unauthorized_total``: websocket handshakes refused with 401 (no or a wrong
   bearer token, with ``DYN_WORKER_TOKEN`` set).
@@ -127,6 +132,16 @@ class _GateCollector(Collector):
                 "dynamo_worker_started_request",
                 "Requests that entered the engine.",
                 value=state.started_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_received_request",
+                "Requests that reached the admission gate, whatever became of them.",
+                value=state.received_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_queue_cancelled",
+                "Queued requests withdrawn before they started (the client left).",
+                value=state.cancelled_queued_total,
             ),
             CounterMetricFamily(
                 "dynamo_worker_connection_errors",
