@@ -123,6 +123,9 @@ def _worker(
     ] = 1.0,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
+    stop_on_stdin_eof: Annotated[
+        bool, Parameter(env_var="DYN_STOP_ON_STDIN_EOF", negative=())
+    ] = False,
     log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
 ) -> tuple[WorkerSettings, LogFilter]:
     """Serve one engine behind an admission gate: N engine slots plus Q queue places.
@@ -181,6 +184,9 @@ def _worker(
         (needs --tls-key-path).
     tls_key_path
         PEM private key of --tls-cert-path.
+    stop_on_stdin_eof
+        Drain and exit once standard input reaches end of file: a supervisor that keeps the
+        write end of a pipe open takes the worker down with it however it dies.
     log_level
         Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
         warning and critical; any case. A Rust filter such as "info,my_module=debug" is
@@ -214,6 +220,7 @@ def _worker(
         token=token_from_env(WORKER_TOKEN_ENV),
         tls_cert_path=tls.cert_path,
         tls_key_path=tls.key_path,
+        stop_on_stdin_eof=stop_on_stdin_eof,
     )
     _check_engine(settings)
     return settings, log_level

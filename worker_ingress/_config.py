@@ -68,6 +68,8 @@ class WorkerSettings:
     #: ``--tls-cert-path`` and ``--tls-key-path``: serve ``wss://`` and ``https://``.
     tls_cert_path: str | None = None
     tls_key_path: str | None = None
+    #: ``--stop-on-stdin-eof``: drain and exit once standard input reaches end of file.
+    stop_on_stdin_eof: bool = False
 
     @property
     def engine_slots(self) -> int:

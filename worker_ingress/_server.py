@@ -53,7 +53,9 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import ssl
+import sys
 import time
 from collections.abc import Callable
 from typing import Final, Literal, NamedTuple, cast
@@ -798,6 +800,20 @@ async def _drain_on_signal(worker: Worker, *, task_status: trio.TaskStatus[None]
             worker.drain()
 
 
+async def _drain_on_stdin_eof(worker: Worker) -> None:
+    """Drain once standard input ends (``--stop-on-stdin-eof``): its writer, the parent, is gone.
+
+    A pipe closes when its last writer exits, however it exits (SIGKILL included), on every
+    POSIX system; what arrives on it is read and dropped.
+    """
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        while await stream.receive_some(4096):
+            pass
+    logger.warning("standard input closed: the parent process is gone; draining")
+    worker.drain()
+
+
 async def run_worker(
     settings: WorkerSettings,
     engine: Engine,
@@ -814,6 +830,8 @@ async def run_worker(
     worker = Worker(settings, engine)
     async with trio.open_nursery() as nursery:
         await nursery.start(_drain_on_signal, worker)
+        if settings.stop_on_stdin_eof:
+            nursery.start_soon(_drain_on_stdin_eof, worker)
         address = await nursery.start(_serve_then_stop, worker, nursery.cancel_scope)
         task_status.started(address)
 
