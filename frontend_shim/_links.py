@@ -21,9 +21,13 @@ Rules of a session (the state machine of a link):
    hop). The watchdog wakes a few times per keepalive interval and ends the session when the
    event plane has been silent for three heartbeat intervals (at least ``keepalive_timeout``:
    a worker sends a heartbeat every interval, so silence means it is gone or wedged), or when a
-   ping on the request plane went unanswered for ``keepalive_timeout``. It pings the request
-   plane only after ``keepalive_interval`` without any bytes from it, so a busy link is never
-   pinged and an idle fleet costs one small ping per worker per interval.
+   ping on the request plane went unanswered for ``keepalive_timeout``, or when a write to
+   either plane has not completed for ``keepalive_timeout`` (the worker stopped reading: its
+   socket is full). It pings the request plane only after ``keepalive_interval`` without any
+   bytes from it, so a busy link is never pinged and an idle fleet costs one small ping per
+   worker per interval; the ping itself may wait at most ``keepalive_timeout`` for the socket,
+   so the watchdog never hangs on a worker that does not read. Writes block only this link's
+   sender and the requests routed to this worker; other links are untouched.
 3. Lag: each event batch carries the worker's wall-clock time of sending. The link keeps the
    smallest ``arrival - sent`` seen in the last two windows of ``lag_window`` seconds (clock skew
    and transit); the excess over it is how far behind this frontend reads that worker. Above
@@ -542,6 +546,14 @@ class WorkerLink:
             if now - events.last_received > silence:
                 self.stats.keepalive_timeouts += 1
                 raise _KeepaliveTimeout(f"no event or heartbeat within {silence} s")
+            for plane in (requests, events):
+                started = plane.send_started_at
+                if started is not None and now - started > settings.keepalive_timeout:
+                    self.stats.keepalive_timeouts += 1
+                    raise _KeepaliveTimeout(
+                        f"a write on {plane.path} made no progress for "
+                        f"{settings.keepalive_timeout} s: the worker is not reading"
+                    )
             if requests.ping_sent_at is not None:
                 if now - requests.ping_sent_at > settings.keepalive_timeout:
                     self.stats.keepalive_timeouts += 1
@@ -549,7 +561,14 @@ class WorkerLink:
                         f"no pong within {settings.keepalive_timeout} s on {requests.path}"
                     )
             elif now - requests.last_received >= settings.keepalive_interval:
-                await requests.send_ping()
+                with trio.move_on_after(settings.keepalive_timeout) as ping_scope:
+                    await requests.send_ping()
+                if ping_scope.cancelled_caught:
+                    self.stats.keepalive_timeouts += 1
+                    raise _KeepaliveTimeout(
+                        f"could not send a ping on {requests.path} for "
+                        f"{settings.keepalive_timeout} s: the worker is not reading"
+                    )
 
     def _decode(self, data: bytes, decode: Callable[[bytes], _M]) -> _M:
         try:
