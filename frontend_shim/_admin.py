@@ -8,6 +8,9 @@
   ``{"error": "..."}``, not the OpenAI shape.
 - With the admin API disabled (``DYN_DISABLE_FRONTEND_ADMIN_API``) both answer 404 as an
   unknown path would.
+- With ``DYN_ADMIN_TOKEN`` set, both need ``Authorization: Bearer <token>`` (compared in
+  constant time); without it or with a wrong one: 401 with ``WWW-Authenticate: Bearer`` and an
+  OpenAI-shaped error body, before the body is read. Nothing else of the API needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import msgspec
 from frontend_shim._load import Fleet
 from frontend_shim._responses import BadRequest
 from frontend_shim._thresholds import ThresholdError, Thresholds
-from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers
+from shim_common._access import bearer_matches
+from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
 
 __all__ = ["AdminRoutes", "parse_threshold_update"]
 
@@ -41,7 +45,7 @@ class AdminRoutes:
         on_change: told a model's new thresholds after a change (to pass them to its workers).
     """
 
-    __slots__ = ("_disabled", "_fleet", "_on_change")
+    __slots__ = ("_disabled", "_fleet", "_on_change", "_token")
 
     def __init__(
         self,
@@ -49,24 +53,42 @@ class AdminRoutes:
         *,
         disabled: bool,
         on_change: Callable[[str, Thresholds], None] = lambda _model, _thresholds: None,
+        token: str | None = None,
     ) -> None:
         self._fleet = fleet
         self._disabled = disabled
         self._on_change = on_change
+        self._token = token.encode("ascii") if token is not None else None
 
     def _check_enabled(self) -> None:
         if self._disabled:
             raise BadRequest(404, "no such endpoint: /busy_threshold")
 
+    async def _refused(self, request: HTTPRequest, responder: HTTPResponder) -> bool:
+        """Answer 401 and return True when a token is required and not presented."""
+        if self._token is None or bearer_matches(request.header(b"authorization"), self._token):
+            return False
+        body = error_body(
+            "/busy_threshold needs Authorization: Bearer <DYN_ADMIN_TOKEN>",
+            401,
+            "invalid_request_error",
+        )
+        await responder.send(401, json_headers((b"www-authenticate", b"Bearer")), body)
+        return True
+
     async def get(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         """``GET /busy_threshold``."""
         self._check_enabled()
+        if await self._refused(request, responder):
+            return
         entries = [_threshold_entry(model, t) for model, t in self._fleet.all_thresholds()]
         await responder.send(200, json_headers(), _json_encode({"thresholds": entries}))
 
     async def post(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         """``POST /busy_threshold``."""
         self._check_enabled()
+        if await self._refused(request, responder):
+            return
         model, update = parse_threshold_update(await request.read_body())
         if not any(True for _ in self._fleet.workers(model)):
             message = (

@@ -135,6 +135,7 @@ class FrontendAPI:
         admin = AdminRoutes(
             fleet,
             disabled=settings.admin_api_disabled,
+            token=settings.admin_token,
             on_change=lambda model, thresholds: pool.thresholds_changed(
                 model, thresholds.to_wire()
             ),

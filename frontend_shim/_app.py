@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 
@@ -36,6 +36,7 @@ from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._thresholds import Thresholds
 from frontend_shim._waiting import WaitingRoom
+from shim_common._access import client_context, server_context
 from shim_common._httpserver import HTTPLimits, serve_http
 from shim_common._net import base_url
 
@@ -123,7 +124,8 @@ async def run_frontend(
             [*settings.workers, *local_urls],
             settings=LinkSettings(
                 max_event_lag=settings.max_event_lag,
-                headers=_worker_headers(),
+                headers=_worker_headers(settings.worker_token),
+                ssl_context=_worker_tls(settings),
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
@@ -139,14 +141,25 @@ async def run_frontend(
             metrics=metrics,
         )
         handler = api.handle
+        tls = (
+            server_context(settings.tls_cert_path, settings.tls_key_path)
+            if settings.tls_cert_path is not None and settings.tls_key_path is not None
+            else None
+        )
         # HTTP first: /live and /health answer while the links of a large fleet start.
         port = await nursery.start(
             lambda task_status: serve_http(
                 handler,
                 settings.http_host,
                 settings.http_port,
-                limits=HTTPLimits(max_body_bytes=settings.max_body_bytes),
+                limits=HTTPLimits(
+                    max_body_bytes=settings.max_body_bytes,
+                    send_timeout=settings.http_send_timeout,
+                ),
                 on_error=lambda _exc: metrics.count_connection_error(),
+                on_send_stall=metrics.count_send_stall,
+                ssl_context=tls,
+                on_tls_failure=metrics.count_tls_failure,
                 task_status=task_status,
             )
         )
@@ -154,7 +167,7 @@ async def run_frontend(
         # Everything built so far (the links, the fleet, imported modules) lives as long as the
         # process: out of the collector's sight, full collections stop rescanning it.
         gc.freeze()
-        url = base_url("http", settings.http_host, port)
+        url = base_url("https" if tls is not None else "http", settings.http_host, port)
         print(f"frontend-shim ready http={url}", flush=True)
         task_status.started(url)
         nursery.start_soon(_tick, waiting)
@@ -194,10 +207,21 @@ async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) ->
     _log.info("stopping")
 
 
-def _worker_headers() -> tuple[tuple[str, str], ...]:
+def _worker_headers(token: str | None) -> tuple[tuple[str, str], ...]:
     """The upgrade headers of every worker link: the worker planes' bearer token, if set."""
-    token = os.environ.get("DYN_WORKER_TOKEN")
-    return (("Authorization", f"Bearer {token}"),) if token else ()
+    return (("Authorization", f"Bearer {token}"),) if token is not None else ()
+
+
+def _worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
+    """How ``wss://`` workers are verified: ``--tls-ca-path``, else the system's trust store.
+
+    ``--local-workers`` children serve the frontend's own certificate, so it is trusted as it
+    is, with or without a CA bundle. ``None`` leaves the default to the links.
+    """
+    local_cert = settings.tls_cert_path if settings.local_workers else None
+    if settings.tls_ca_path is None and local_cert is None:
+        return None
+    return client_context(settings.tls_ca_path, also_trust=local_cert)
 
 
 def _link_samples(pool: WorkerPool) -> list[LinkSample]:

@@ -25,6 +25,13 @@ from frontend_shim._config import (
     admin_api_disabled,
     overload_status_from_env,
 )
+from shim_common._access import (
+    ADMIN_TOKEN_ENV,
+    WORKER_TOKEN_ENV,
+    TLSFiles,
+    check_ca_file,
+    token_from_env,
+)
 from shim_common._cli import (
     DEFAULT_LOG_FILTER,
     LOG_LEVEL_PARAMETER,
@@ -169,6 +176,9 @@ def _frontend(
             validator=validators.Number(gte=1, lte=100_000),
         ),
     ] = 64,
+    tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
+    tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
+    tls_ca_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CA_PATH")] = None,
     log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
     model: Annotated[str | None, PASS] = None,
     engine: Annotated[str | None, PASS] = None,
@@ -186,8 +196,10 @@ def _frontend(
     """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.
 
     Other environment: DYN_HTTP_OVERLOAD_STATUS_CODE (status of an overload answer, default 529;
-    any integer 200-599), DYN_DISABLE_FRONTEND_ADMIN_API (truthy: /busy_threshold answers 404).
-    --admission-control and DYN_ADMISSION_CONTROL are accepted and ignored.
+    any integer 200-599), DYN_DISABLE_FRONTEND_ADMIN_API (truthy: /busy_threshold answers 404),
+    DYN_WORKER_TOKEN (bearer token sent to every worker), DYN_ADMIN_TOKEN (bearer token
+    /busy_threshold requires). --admission-control and DYN_ADMISSION_CONTROL are accepted and
+    ignored.
 
     Parameters
     ----------
@@ -231,6 +243,13 @@ def _frontend(
     worker_connect_concurrency
         Worker connection attempts in flight at once, so a large fleet starts without a
         stampede of handshakes.
+    tls_cert_path
+        PEM certificate chain: the HTTP listener serves https:// (needs --tls-key-path).
+        Local workers are given it too and serve wss://.
+    tls_key_path
+        PEM private key of --tls-cert-path.
+    tls_ca_path
+        PEM bundle trusted for wss:// workers (default: the system's trust store).
     log_level
         Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
         warning and critical; any case. A Rust filter such as "info,my_module=debug" is
@@ -276,6 +295,12 @@ def _frontend(
         "--data-parallel-size": data_parallel_size,
         "--speedup-ratio": speedup_ratio,
     }
+    tls = TLSFiles(tls_cert_path, tls_key_path)
+    if tls_ca_path is not None:
+        check_ca_file("--tls-ca-path (DYN_TLS_CA_PATH)", tls_ca_path)
+    # Local workers serve wss:// with the frontend's own certificate (see _app).
+    passed["--tls-cert-path"] = tls.cert_path
+    passed["--tls-key-path"] = tls.key_path
     worker_args = tuple(
         part for flag, value in passed.items() if value is not None for part in (flag, str(value))
     )
@@ -299,6 +324,11 @@ def _frontend(
         drain_grace=30.0 if graceful_shutdown_timeout is None else graceful_shutdown_timeout,
         max_event_lag=max_event_lag,
         connect_concurrency=worker_connect_concurrency,
+        worker_token=token_from_env(WORKER_TOKEN_ENV),
+        admin_token=token_from_env(ADMIN_TOKEN_ENV),
+        tls_cert_path=tls.cert_path,
+        tls_key_path=tls.key_path,
+        tls_ca_path=tls_ca_path,
     )
     if local_workers:
         _check_worker_args(worker_args)

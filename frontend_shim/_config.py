@@ -66,6 +66,18 @@ class FrontendSettings:
     #: Seconds an overload mark lasts at most without a load event from the worker. Not a flag:
     #: the documented behaviour is 1 s; tests shorten it rather than wait.
     overload_mark_lease: float = 1.0
+    #: ``DYN_WORKER_TOKEN``: sent as ``Authorization: Bearer`` on every worker link. Kept out of
+    #: ``repr`` (and so out of logs), like the admin token.
+    worker_token: str | None = dataclasses.field(default=None, repr=False)
+    #: ``DYN_ADMIN_TOKEN``: required by ``GET``/``POST /busy_threshold`` when set.
+    admin_token: str | None = dataclasses.field(default=None, repr=False)
+    #: ``--tls-cert-path``/``--tls-key-path``: the HTTP listener serves ``https://``.
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    #: ``--tls-ca-path``: the bundle ``wss://`` workers are verified with; ``None``: the system's.
+    tls_ca_path: str | None = None
+    #: Seconds a write to an HTTP client may make no progress before it is dropped. Not a flag.
+    http_send_timeout: float = 60.0
 
 
 def overload_status_from_env(environ: Mapping[str, str] | None = None) -> int:

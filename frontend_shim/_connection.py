@@ -76,6 +76,8 @@ class PlaneConnection:
         path: the plane's path (for messages).
         last_received: ``trio.current_time()`` of the last bytes read.
         ping_sent_at: when the outstanding keepalive ping was sent; ``None`` when none is.
+        send_started_at: when the write in progress started; ``None`` when none is. A write
+            that takes long means the worker stopped reading (the watchdog judges it).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class PlaneConnection:
         self.subprotocol = subprotocol
         self.last_received = trio.current_time()
         self.ping_sent_at: float | None = None
+        self.send_started_at: float | None = None
         self._stream = stream
         self._reader = FrameReader(max_message_bytes)
         self._first_bytes = first_bytes
@@ -181,7 +184,11 @@ class PlaneConnection:
 
     async def _send_frame(self, frame: bytes) -> None:
         async with self._send_lock:
-            await self._stream.send_all(frame)
+            self.send_started_at = trio.current_time()
+            try:
+                await self._stream.send_all(frame)
+            finally:
+                self.send_started_at = None
 
 
 async def open_plane(

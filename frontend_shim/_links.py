@@ -21,9 +21,13 @@ Rules of a session (the state machine of a link):
    hop). The watchdog wakes a few times per keepalive interval and ends the session when the
    event plane has been silent for three heartbeat intervals (at least ``keepalive_timeout``:
    a worker sends a heartbeat every interval, so silence means it is gone or wedged), or when a
-   ping on the request plane went unanswered for ``keepalive_timeout``. It pings the request
-   plane only after ``keepalive_interval`` without any bytes from it, so a busy link is never
-   pinged and an idle fleet costs one small ping per worker per interval.
+   ping on the request plane went unanswered for ``keepalive_timeout``, or when a write to
+   either plane has not completed for ``keepalive_timeout`` (the worker stopped reading: its
+   socket is full). It pings the request plane only after ``keepalive_interval`` without any
+   bytes from it, so a busy link is never pinged and an idle fleet costs one small ping per
+   worker per interval; the ping itself may wait at most ``keepalive_timeout`` for the socket,
+   so the watchdog never hangs on a worker that does not read. Writes block only this link's
+   sender and the requests routed to this worker; other links are untouched.
 3. Lag: each event batch carries the worker's wall-clock time of sending. The link keeps the
    smallest ``arrival - sent`` seen in the last two windows of ``lag_window`` seconds (clock skew
    and transit); the excess over it is how far behind this frontend reads that worker. Above
@@ -71,7 +75,7 @@ from frontend_shim._request_plane import (
 )
 from shim_common import wire
 from shim_common._net import Backoff
-from shim_common._websocket import HandshakeError
+from shim_common._websocket import HandshakeError, HandshakeRejected
 
 __all__ = [
     "FleetListener",
@@ -361,7 +365,12 @@ class WorkerLink:
                 if not self._reached_up:
                     self.stats.connect_failures += 1
                 level = logging.DEBUG if quiet and not self._reached_up else logging.WARNING
-                logger.log(level, "worker %s: %s; reconnecting", self.key, _describe(group))
+                logger.log(
+                    level,
+                    "worker %s: %s; reconnecting",
+                    self.key,
+                    _explain(group, tls=self._tls, connecting=not self._reached_up),
+                )
             quiet = not self._reached_up
             if self._reached_up:
                 self._backoff.reset()
@@ -548,6 +557,14 @@ class WorkerLink:
             if now - events.last_received > silence:
                 self.stats.keepalive_timeouts += 1
                 raise _KeepaliveTimeout(f"no event or heartbeat within {silence} s")
+            for plane in (requests, events):
+                started = plane.send_started_at
+                if started is not None and now - started > settings.keepalive_timeout:
+                    self.stats.keepalive_timeouts += 1
+                    raise _KeepaliveTimeout(
+                        f"a write on {plane.path} made no progress for "
+                        f"{settings.keepalive_timeout} s: the worker is not reading"
+                    )
             if requests.ping_sent_at is not None:
                 if now - requests.ping_sent_at > settings.keepalive_timeout:
                     self.stats.keepalive_timeouts += 1
@@ -555,7 +572,14 @@ class WorkerLink:
                         f"no pong within {settings.keepalive_timeout} s on {requests.path}"
                     )
             elif now - requests.last_received >= settings.keepalive_interval:
-                await requests.send_ping()
+                with trio.move_on_after(settings.keepalive_timeout) as ping_scope:
+                    await requests.send_ping()
+                if ping_scope.cancelled_caught:
+                    self.stats.keepalive_timeouts += 1
+                    raise _KeepaliveTimeout(
+                        f"could not send a ping on {requests.path} for "
+                        f"{settings.keepalive_timeout} s: the worker is not reading"
+                    )
 
     def _decode(self, data: bytes, decode: Callable[[bytes], _M]) -> _M:
         try:
@@ -598,6 +622,38 @@ def _describe(exc: BaseException) -> str:
         if text not in parts:
             parts.append(text)
     return "; ".join(parts)
+
+
+def _explain(group: BaseException, *, tls: bool, connecting: bool) -> str:
+    """:func:`_describe`, plus what an operator should check for the usual set-up mistakes:
+    a token the worker refused, and a URL whose scheme does not match what the worker serves.
+    """
+    leaves = _leaves(group)
+    if any(isinstance(leaf, HandshakeRejected) and leaf.status == 401 for leaf in leaves):
+        return (
+            "the worker refused the token (HTTP 401): DYN_WORKER_TOKEN here is unset or "
+            "differs from the worker's"
+        )
+    text = _describe(group)
+    if not connecting:
+        return text
+    ssl_errors = [leaf.__cause__ for leaf in leaves if isinstance(leaf.__cause__, ssl.SSLError)]
+    if tls and ssl_errors:
+        if any(isinstance(error, ssl.SSLCertVerificationError) for error in ssl_errors):
+            return (
+                f"the worker's certificate does not verify ({ssl_errors[0]}); check "
+                "--tls-ca-path and the host name in the URL"
+            )
+        return f"TLS handshake failed ({ssl_errors[0]}): a worker serving plain ws://? TLS?"
+    silent = (trio.TooSlowError, trio.BrokenResourceError, PlaneClosed)
+    refused = any(isinstance(leaf, HandshakeRejected) for leaf in leaves)
+    if (
+        not tls
+        and not refused
+        and any(isinstance(leaf, (HandshakeError, *silent)) for leaf in leaves)
+    ):
+        return f"no websocket answer ({text}): a worker serving only wss://? TLS?"
+    return text
 
 
 def _reason_of(exc: BaseException) -> str:

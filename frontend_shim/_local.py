@@ -4,9 +4,10 @@ The embedded default a newcomer runs: ``frontend-shim --local-workers 2`` and no
 
 Life of the children (:func:`run_local_workers`):
 
-1. Start: each child runs ``python -m worker_ingress --port 0 --system-port 0 <worker flags>``
-   with this process's environment (so ``DYN_*`` settings reach it), its stderr passed through
-   to ours (its logs), and its stdout read by us.
+1. Start: each child runs ``python -m worker_ingress --port 0 --system-port 0
+   --stop-on-stdin-eof <worker flags>`` with this process's environment (so ``DYN_*`` settings,
+   ``DYN_WORKER_TOKEN`` included, reach it), its stderr passed through to ours (its logs), its
+   stdout read by us, and its stdin a pipe whose write end only we hold and never write to.
 2. Ready: a child is ready when it prints ``worker-ingress ready ws=... system=...``. A child
    that exits first, or says nothing within ``ready_timeout`` seconds, fails the start with
    :class:`LocalWorkerError` (after every child has been stopped). Once all are ready, the ws
@@ -22,6 +23,12 @@ Life of the children (:func:`run_local_workers`):
 5. Stop (cancellation of the caller): SIGTERM to every child, so each drains; up to
    ``stop_timeout`` seconds for all to exit; SIGKILL for any still running. Shielded, so a
    cancelled frontend never leaves orphans behind.
+6. A frontend that dies without stopping them (SIGKILL, a crash of the interpreter) closes the
+   stdin pipes with it: the kernel closes every descriptor of a dead process. Each child reads
+   end of file and drains (``--stop-on-stdin-eof``). A pipe rather than Linux's
+   ``PR_SET_PDEATHSIG``: that signal fires when the *thread* that forked the child exits, and
+   Trio starts processes from a worker thread that it retires when idle, so a healthy frontend
+   would lose its children; a pipe also works on every POSIX system.
 """
 
 from __future__ import annotations
@@ -102,6 +109,7 @@ def worker_command(
         str(port),
         "--system-port",
         str(system_port),
+        "--stop-on-stdin-eof",
         *worker_args,
     ]
 
@@ -217,12 +225,9 @@ class _Child:
             port=_port_of(self._ready.ws_url),
             system_port=_port_of(self._ready.system_url),
         )
-        if self.process.stdout is not None:
-            await self.process.stdout.aclose()
+        await _close_pipes(self.process)
         try:
-            process = await trio.lowlevel.open_process(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
-            )
+            process = await _spawn(command)
         except OSError as exc:
             # The old process is reaped and its output closed: watch() backs off and retries.
             logger.error("cannot restart local worker %d: %s", self.index, exc)
@@ -248,6 +253,19 @@ class _Child:
         logger.info(
             "local worker %d restarted (pid %d) at %s", self.index, worker.pid, worker.ws_url
         )
+
+
+async def _spawn(command: list[str]) -> trio.Process:
+    # stdin: the pipe that tells the child we are gone (rule 6); we never write to it.
+    return await trio.lowlevel.open_process(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+    )
+
+
+async def _close_pipes(process: trio.Process) -> None:
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            await pipe.aclose()
 
 
 def _copy_line(index: int, line: str) -> None:
@@ -285,9 +303,7 @@ async def run_local_workers(
     children: list[_Child] = []
     try:
         for index in range(count):
-            process = await trio.lowlevel.open_process(
-                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None
-            )
+            process = await _spawn(command)
             children.append(_Child(index, process, worker_args, python, ready_timeout))
         # The children start in parallel; reading their ready lines one after the other costs
         # nothing (the pipes hold what the later ones print meanwhile) and keeps errors plain.
@@ -330,5 +346,4 @@ async def _stop(children: list[_Child], stop_timeout: float) -> None:
             )
             child.process.kill()
         await child.process.wait()
-        if child.process.stdout is not None:
-            await child.process.stdout.aclose()
+        await _close_pipes(child.process)

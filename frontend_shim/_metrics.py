@@ -190,6 +190,16 @@ class FrontendMetrics:
         )
         self._worker_loads = worker_loads
         self._link_samples: Callable[[], Iterable[LinkSample]] = lambda: ()
+        self._send_stalls = Counter(
+            "dynamo_frontend_http_send_stalls",
+            "HTTP clients dropped because they read nothing for the send timeout",
+            registry=self.registry,
+        )
+        self._tls_failures = Counter(
+            "dynamo_frontend_tls_handshake_failures",
+            "TLS handshakes on the HTTP listener that failed or timed out",
+            registry=self.registry,
+        )
         self.registry.register(_WorkerLoadCollector(worker_loads))
         self._rejection_children: dict[tuple[str, str], Counter] = {}
         self._request_children: dict[tuple[str, str, int], Counter] = {}
@@ -236,6 +246,14 @@ class FrontendMetrics:
     def count_connection_error(self) -> None:
         """An HTTP connection ended in an unexpected error (the server itself goes on)."""
         self._connection_errors.inc()
+
+    def count_send_stall(self) -> None:
+        """An HTTP client was dropped because a write to it made no progress in time."""
+        self._send_stalls.inc()
+
+    def count_tls_failure(self, _error: BaseException | None = None) -> None:
+        """A TLS handshake on the HTTP listener failed or timed out."""
+        self._tls_failures.inc()
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, as the scraper asked for it."""

@@ -39,6 +39,11 @@ Rules of one connection (a loop of request/response cycles):
 6. Keep-alive: when both sides of a cycle are done, h11 starts the next cycle; otherwise the
    connection closes gracefully (send EOF, drain the client's last bytes for a moment, close), so a
    client still writing a body it was refused reads the answer instead of a TCP reset.
+7. A write that makes no progress for ``send_timeout`` (a client that stopped reading a stream)
+   drops the connection: the handler is cancelled as if the client had left (its ``finally:``
+   blocks run, a worker request is cancelled) and ``on_send_stall`` counts it. A large write
+   goes out in pieces of ``send_piece_bytes``, each with its own deadline, so a client that
+   reads slowly but steadily is kept. The same timer task as rule 1 watches this deadline.
 """
 
 from __future__ import annotations
@@ -85,12 +90,16 @@ class Connection:
         handler: Handler,
         limits: HTTPLimits,
         on_error: Callable[[BaseException], None] | None,
+        on_send_stall: Callable[[], None] | None = None,
     ) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
         self.handler = handler
         self.limits = limits
         self.on_error = on_error
+        self.on_send_stall = on_send_stall
+        # When the write in progress is due (rule 7); infinite while none is in progress.
+        self._send_deadline = math.inf
         # Set when the client is known to be gone (EOF, reset, or a failed write).
         self.client_gone = False
         self._eof = False
@@ -117,11 +126,22 @@ class Connection:
     # -- moving bytes -------------------------------------------------------------------------
 
     async def send_all(self, data: bytes) -> None:
+        timeout = self.limits.send_timeout
+        piece = self.limits.send_piece_bytes
         try:
-            await self.stream.send_all(data)
+            if len(data) <= piece:
+                self._send_deadline = trio.current_time() + timeout
+                await self.stream.send_all(data)
+            else:
+                view = memoryview(data)
+                for start in range(0, len(data), piece):
+                    self._send_deadline = trio.current_time() + timeout
+                    await self.stream.send_all(view[start : start + piece])
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.client_gone = True
             raise ClientDisconnected("the client closed the connection") from exc
+        finally:
+            self._send_deadline = math.inf
 
     async def _read_forever(self) -> None:
         """The reader task: socket to h11, bounded, until EOF (or cancelled with the connection)."""
@@ -168,7 +188,7 @@ class Connection:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_forever)
-            nursery.start_soon(self._enforce_head_deadline)
+            nursery.start_soon(self._enforce_deadlines)
             with self._scope:
                 await self._run_cycles()
             nursery.cancel_scope.cancel()
@@ -224,21 +244,29 @@ class Connection:
                 idle = False
                 self._head_deadline = trio.current_time() + limits.header_timeout
 
-    async def _enforce_head_deadline(self) -> None:
-        """The timer task: cancel the main task once an awaited request head is overdue.
+    async def _enforce_deadlines(self) -> None:
+        """The timer task: cancel the main task once an awaited request head (rule 1) or a
+        write in progress (rule 7) is overdue.
 
-        It wakes at the recorded deadline, or after the shorter of the two head timeouts while
-        none is recorded (no deadline set later can be due sooner), so it costs nothing per
-        request and one wake-up per timeout period.
+        It wakes at the earlier recorded deadline, or after the shortest timeout while none is
+        recorded (a deadline set meanwhile is then noticed at most that late), so it costs
+        nothing per request and one wake-up per timeout period.
         """
-        poll = min(self.limits.header_timeout, self.limits.keepalive_timeout)
+        limits = self.limits
+        poll = min(limits.header_timeout, limits.keepalive_timeout, limits.send_timeout)
         while True:
             now = trio.current_time()
-            deadline = self._head_deadline
-            if deadline <= now:
+            if self._head_deadline <= now:
                 self._scope.cancel()
                 return
-            await trio.sleep_until(min(deadline, now + poll))
+            if self._send_deadline <= now:
+                self.client_gone = True
+                logger.info("dropping a client that read nothing for %s s", limits.send_timeout)
+                if self.on_send_stall is not None:
+                    self.on_send_stall()
+                self._scope.cancel()
+                return
+            await trio.sleep_until(min(self._head_deadline, self._send_deadline, now + poll))
 
     async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
         if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):

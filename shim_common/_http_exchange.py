@@ -57,6 +57,11 @@ class HTTPLimits:
         linger_bytes: at most this many bytes are drained when closing.
         discard_body_bytes: a request body the handler did not read is read and dropped after
             the response, keeping the connection, when its declared length is at most this.
+        send_timeout: seconds a write may make no progress (the client stopped reading)
+            before the connection is dropped and its handler cancelled. Progress is measured
+            per ``send_piece_bytes`` written.
+        send_piece_bytes: a larger write is made in pieces of this size, each with its own
+            ``send_timeout``, so a slow but reading client of a large response is not dropped.
     """
 
     max_body_bytes: int = 16 * 1024 * 1024
@@ -69,6 +74,8 @@ class HTTPLimits:
     linger_timeout: float = 2.0
     linger_bytes: int = 1024 * 1024
     discard_body_bytes: int = 64 * 1024
+    send_timeout: float = 60.0
+    send_piece_bytes: int = 64 * 1024
 
 
 DEFAULT_LIMITS = HTTPLimits()

@@ -191,6 +191,8 @@ class HandshakeReader:
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     break
         except h11.RemoteProtocolError as exc:
+            if not data and self._status is None:
+                raise HandshakeError("the server closed before answering the upgrade") from exc
             raise HandshakeError(f"not an HTTP answer: {exc}") from exc
         if self._status is not None:
             raise HandshakeRejected(self._status, bytes(self._body[:_REJECTION_BODY_BYTES]))

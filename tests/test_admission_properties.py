@@ -156,6 +156,14 @@ class AdmissionStateMachine(RuleBasedStateMachine):
         assert state.rejected_total == model.rejected
         # A queued ticket exists only while every slot is busy (nobody waits next to a free slot).
         assert not model.queued or len(model.running) == model.slots
+        # Every arrival is accounted for exactly once.
+        assert state.received_total == (
+            state.started_total
+            + state.rejected_total
+            + state.draining_rejected_total
+            + state.cancelled_queued_total
+            + state.queued
+        )
 
     def teardown(self) -> None:
         # Everything that is still in flight leaves: every slot and place comes back.

@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 from shim_common._httpserver import (
+    DEFAULT_LIMITS,
     BodyTooLarge,
     ClientDisconnected,
     Handler,
@@ -47,10 +48,14 @@ async def running_server(
 ) -> AsyncIterator[int]:
     """Serve ``handler`` on a loopback port for the duration of the block; yields the port."""
     async with trio.open_nursery() as nursery:
-        kwargs = {} if limits is None else {"limits": limits}
         port = await nursery.start(
             lambda task_status: serve_http(
-                handler, "127.0.0.1", 0, on_error=on_error, task_status=task_status, **kwargs
+                handler,
+                "127.0.0.1",
+                0,
+                on_error=on_error,
+                task_status=task_status,
+                limits=limits or DEFAULT_LIMITS,
             )
         )
         yield port
@@ -792,6 +797,77 @@ async def test_the_reader_stops_at_the_pipeline_budget() -> None:
             assert not sent.is_set()
             release.set()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_client_that_stops_reading_a_stream_is_dropped_and_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    left = trio.Event()
+    stalls: list[None] = []
+
+    async def endless(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.start_stream(200, [])
+        try:
+            while True:
+                await responder.send_chunk(b"data: x\n\n")
+                await trio.sleep(0.1)
+        finally:
+            left.set()
+
+    client_stream, server = trio.testing.lockstep_stream_pair()
+    limits = HTTPLimits(send_timeout=30.0, header_timeout=10.0, keepalive_timeout=75.0)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                lambda: serve_connection(
+                    server, endless, limits=limits, on_send_stall=lambda: stalls.append(None)
+                )
+            )
+            await client_stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            seen = b""
+            for _ in range(100):
+                seen += await client_stream.receive_some(65536)
+                if b"data: x" in seen:
+                    break
+            stopped = trio.current_time()
+            await left.wait()  # the client reads nothing more
+            waited = trio.current_time() - stopped
+    # Dropped after the send timeout, noticed at most one timer period (10 s here) late.
+    assert 30.0 <= waited <= 41.0
+    assert stalls == [None]
+
+
+async def test_a_slow_steady_reader_of_a_large_response_is_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    body = b"z" * (256 * 1024)
+    stalls: list[None] = []
+
+    async def large(request: HTTPRequest, responder: HTTPResponder) -> None:
+        await responder.send(200, [], body)
+
+    client_stream, server = trio.testing.lockstep_stream_pair()
+    # Each 64 KiB piece gets its own 10 s; the whole body takes far longer than that.
+    limits = HTTPLimits(send_timeout=10.0, send_piece_bytes=64 * 1024)
+    received = b""
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                lambda: serve_connection(
+                    server, large, limits=limits, on_send_stall=lambda: stalls.append(None)
+                )
+            )
+            await client_stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            started = trio.current_time()
+            for _ in range(1000):
+                await trio.sleep(1.0)
+                received += await client_stream.receive_some(16 * 1024)
+                if received.endswith(b"z" * 1024) and len(received) > len(body):
+                    break
+            assert trio.current_time() - started > 10.0
+            nursery.cancel_scope.cancel()
+    assert received.endswith(body)
+    assert stalls == []
 
 
 # -- helpers of the public API ----------------------------------------------------------------

@@ -6,17 +6,24 @@ not the worker); one starts a real ``python -m worker_ingress`` child.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import os
 import random
+import re
 import signal
+import ssl
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+import trustme
 
 from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._local import (
@@ -52,6 +59,7 @@ def test_worker_command_asks_for_free_ports_and_passes_flags_through() -> None:
         "0",
         "--system-port",
         "0",
+        "--stop-on-stdin-eof",
         "--engine-request-limit",
         "4",
     ]
@@ -150,8 +158,20 @@ async def test_a_child_that_dies_later_is_restarted_on_its_ports(
             nursery.cancel_scope.cancel()
     assert "exited with status 7; restarting it" in caplog.text
     first, second = (tmp_path / "args").read_text().splitlines()
-    assert first.split() == ["-m", "worker_ingress", "--port", "0", "--system-port", "0", "--x"]
-    assert second.split() == ["-m", "worker_ingress", "--port", "41", "--system-port", "42", "--x"]
+    stop = "--stop-on-stdin-eof"
+    assert first.split() == [
+        "-m",
+        "worker_ingress",
+        "--port",
+        "0",
+        "--system-port",
+        "0",
+        stop,
+        "--x",
+    ]
+    assert second.split() == [
+        "-m", "worker_ingress", "--port", "41", "--system-port", "42", stop, "--x"
+    ]  # fmt: skip
     assert not alive(children[1])
 
 
@@ -249,6 +269,93 @@ async def test_a_killed_real_child_comes_back_at_the_same_url() -> None:
                     assert isinstance(await s.first(), wire.Started)
                 inner.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+
+
+def _gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for its new parent counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.e2e
+async def test_children_of_a_sigkilled_frontend_exit_and_tls_and_token_reach_them(
+    tmp_path: Path,
+) -> None:
+    """The frontend is a real process: killed with SIGKILL, it cannot stop its children, and
+    they must go all the same. On the way, the children serve wss:// with the frontend's
+    certificate and take the token from the inherited environment."""
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    leaf.private_key_pem.write_to_path(str(key))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    env["DYN_WORKER_TOKEN"] = "local-secret"
+    command = [
+        sys.executable, "-m", "frontend_shim", "--http-port", "0", "--local-workers", "2",
+        "--speedup-ratio", "100", "--tls-cert-path", str(cert), "--tls-key-path", str(key),
+    ]  # fmt: skip
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    log = bytearray()
+    try:
+        with trio.fail_after(40):
+            assert process.stdout is not None
+            assert process.stderr is not None
+            err = process.stderr
+            async with trio.open_nursery() as nursery:
+
+                async def collect_log() -> None:
+                    while chunk := await err.receive_some(65536):
+                        log.extend(chunk)
+
+                nursery.start_soon(collect_log)
+                line = b""
+                while not line.endswith(b"\n"):
+                    chunk = await process.stdout.receive_some(4096)
+                    assert chunk, log.decode(errors="replace")
+                    line += chunk
+                url = line.decode().split("http=")[1].strip()
+                assert url.startswith("https://127.0.0.1:")
+                context = ssl.create_default_context()
+                ca.configure_trust(context)
+                async with httpx.AsyncClient(verify=context) as client:
+                    for _ in range(500):
+                        health = (await client.get(url + "/health")).json()
+                        if health["workers_connected"] == 2:
+                            break
+                        await trio.sleep(0.02)
+                    assert health["workers_connected"] == 2, log.decode(errors="replace")
+                    reply = await client.post(
+                        url + "/v1/completions",
+                        json={"model": "mock-model", "prompt": "a b", "max_tokens": 2},
+                    )
+                    assert reply.status_code == 200
+                children = [
+                    int(pid) for pid in re.findall(rb"local worker \d \(pid (\d+)\) at wss://", log)
+                ]
+                assert len(children) == 2, log.decode(errors="replace")
+                assert b"refused the token" not in log
+                process.kill()
+                await process.wait()
+                for _ in range(1500):
+                    if all(_gone(pid) for pid in children):
+                        break
+                    await trio.sleep(0.01)
+                assert all(_gone(pid) for pid in children), "children outlived a SIGKILLed parent"
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            for pid in re.findall(rb"\(pid (\d+)\)", log):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
 
 
 def _pid_listening(url: str) -> int:

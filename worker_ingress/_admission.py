@@ -44,6 +44,11 @@ A ticket goes through these states::
   NOT in ``rejected_total``: they say the worker is shutting down, not that it is overloaded, and
   an operator alerting on overload should not be paged by a rolling restart.
 
+Counters add up: every arrival is exactly one of started, rejected (overload or queue timeout),
+rejected while draining, cancelled while queued, or still queued, so at any moment
+``received_total == started_total + rejected_total + draining_rejected_total +
+cancelled_queued_total + queued``.
+
 Every transition is O(1): the channel is an insertion-ordered mapping, so a cancelled ticket leaves
 from the middle without a scan.
 """
@@ -150,10 +155,12 @@ class AdmissionState:
         "_hand",
         "_queued",
         "_running",
+        "cancelled_queued_total",
         "draining_rejected_total",
         "engine_slots",
         "finished_total",
         "queue_limit",
+        "received_total",
         "rejected_total",
         "started_total",
         "timed_out_total",
@@ -175,6 +182,10 @@ class AdmissionState:
         self._channel: OrderedDict[Ticket, None] = OrderedDict()
         self._draining = False
         self._admitted_total = 0
+        #: Every arrival, whatever became of it.
+        self.received_total = 0
+        #: Queued tickets withdrawn before they started (the caller went away).
+        self.cancelled_queued_total = 0
         #: Overload rejections plus queue timeouts (``dynamo_rejection_request_total``).
         self.rejected_total = 0
         #: Of ``rejected_total``, the queue timeouts.
@@ -228,6 +239,7 @@ class AdmissionState:
             A :class:`Ticket` that is ``RUNNING`` (it holds a slot now) or queued (``HAND`` or
             ``CHANNEL``: wait until a later event reports it started), or a :class:`Rejected`.
         """
+        self.received_total += 1
         if self._draining:
             self.draining_rejected_total += 1
             return _REJECTED_DRAINING
@@ -290,6 +302,7 @@ class AdmissionState:
         if status is _HAND or status is _CHANNEL:
             self._unqueue(ticket)
             ticket.status = _CANCELLED
+            self.cancelled_queued_total += 1
         return None
 
     def expire(self, ticket: Ticket) -> bool:

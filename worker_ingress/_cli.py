@@ -16,6 +16,7 @@ from typing import Annotated, cast
 
 from cyclopts import App, Parameter, validators
 
+from shim_common._access import WORKER_TOKEN_ENV, TLSFiles, token_from_env
 from shim_common._cli import (
     DEFAULT_LOG_FILTER,
     LOG_LEVEL_PARAMETER,
@@ -120,6 +121,11 @@ def _worker(
         float,
         Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), finite)),
     ] = 1.0,
+    tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
+    tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
+    stop_on_stdin_eof: Annotated[
+        bool, Parameter(env_var="DYN_STOP_ON_STDIN_EOF", negative=())
+    ] = False,
     log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
 ) -> tuple[WorkerSettings, LogFilter]:
     """Serve one engine behind an admission gate: N engine slots plus Q queue places.
@@ -127,7 +133,8 @@ def _worker(
     Requests beyond N running and Q waiting are rejected at once with
     "Server overloaded: worker at capacity". The environment variable
     DYN_DYNAMO_REQUEST_QUEUE_LIMIT sets Q (an integer >= 2, default 16, used only when
-    --engine-request-limit is set); it has no flag.
+    --engine-request-limit is set); it has no flag. DYN_WORKER_TOKEN (environment only), when
+    set, is the bearer token a frontend must present on both planes (HTTP 401 without it).
 
     Parameters
     ----------
@@ -172,11 +179,20 @@ def _worker(
         Mocker: data-parallel ranks.
     speedup_ratio
         Mocker: simulated step times are divided by this.
+    tls_cert_path
+        PEM certificate chain: the websocket port serves wss:// and the system port https://
+        (needs --tls-key-path).
+    tls_key_path
+        PEM private key of --tls-cert-path.
+    stop_on_stdin_eof
+        Drain and exit once standard input reaches end of file: a supervisor that keeps the
+        write end of a pipe open takes the worker down with it however it dies.
     log_level
         Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
         warning and critical; any case. A Rust filter such as "info,my_module=debug" is
         accepted: its first bare level applies, the rest is ignored with a warning.
     """
+    tls = TLSFiles(tls_cert_path, tls_key_path)
     settings = WorkerSettings(
         host=host,
         port=port,
@@ -201,6 +217,10 @@ def _worker(
             data_parallel_size=data_parallel_size,
             speedup_ratio=speedup_ratio,
         ),
+        token=token_from_env(WORKER_TOKEN_ENV),
+        tls_cert_path=tls.cert_path,
+        tls_key_path=tls.key_path,
+        stop_on_stdin_eof=stop_on_stdin_eof,
     )
     _check_engine(settings)
     return settings, log_level

@@ -62,6 +62,14 @@ class WorkerSettings:
     #: Seconds between two event batches to one subscriber at most.
     load_publish_interval: float = 0.1
     mocker: MockerSettings = dataclasses.field(default_factory=MockerSettings)
+    #: ``DYN_WORKER_TOKEN``: the bearer token both planes require; ``None``: no check.
+    #: Kept out of ``repr`` so that it never reaches a log.
+    token: str | None = dataclasses.field(default=None, repr=False)
+    #: ``--tls-cert-path`` and ``--tls-key-path``: serve ``wss://`` and ``https://``.
+    tls_cert_path: str | None = None
+    tls_key_path: str | None = None
+    #: ``--stop-on-stdin-eof``: drain and exit once standard input reaches end of file.
+    stop_on_stdin_eof: bool = False
 
     @property
     def engine_slots(self) -> int:

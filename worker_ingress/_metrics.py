@@ -20,7 +20,16 @@ Added here:
 - ``dynamo_worker_draining_rejection_total``: arrivals turned away while draining (kept out of
   ``dynamo_rejection_request_total``: shutting down is not overload).
 - ``dynamo_worker_started_request_total``: requests that entered the engine.
+- ``dynamo_worker_received_request_total``: requests that reached the admission gate (valid
+  input), whatever became of them.
+- ``dynamo_worker_queue_cancelled_total``: queued requests withdrawn before they started (the
+  client left or the frontend's connection dropped). With the counters above, at every scrape:
+  received = started + rejection + draining rejection + queue cancelled + ``dynamo_request_queue``.
 - ``dynamo_worker_connection_errors_total``: connections a peer broke (counted by the servers).
+- ``dynamo_worker_unauthorized_total``: websocket handshakes refused with 401 (no or a wrong
+  bearer token, with ``DYN_WORKER_TOKEN`` set).
+- ``dynamo_worker_tls_handshake_failures_total``: TLS handshakes that failed or timed out, on the
+  websocket port and the system port.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ class _GateCollector(Collector):
         self._kv_blocks = kv_blocks
         #: Bumped by :meth:`WorkerMetrics.count_connection_error`.
         self.connection_errors = 0
+        #: Bumped by :meth:`WorkerMetrics.count_unauthorized`.
+        self.unauthorized = 0
+        #: Bumped by :meth:`WorkerMetrics.count_tls_failure`.
+        self.tls_failures = 0
 
     def describe(self) -> Iterable[Metric]:
         # Names only: lets the registry check for duplicates without calling kv_blocks() early.
@@ -121,9 +134,29 @@ class _GateCollector(Collector):
                 value=state.started_total,
             ),
             CounterMetricFamily(
+                "dynamo_worker_received_request",
+                "Requests that reached the admission gate, whatever became of them.",
+                value=state.received_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_queue_cancelled",
+                "Queued requests withdrawn before they started (the client left).",
+                value=state.cancelled_queued_total,
+            ),
+            CounterMetricFamily(
                 "dynamo_worker_connection_errors",
                 "Connections a peer broke (protocol error, reset, bad message).",
                 value=self.connection_errors,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_unauthorized",
+                "Websocket handshakes refused with 401: no bearer token, or a wrong one.",
+                value=self.unauthorized,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_tls_handshake_failures",
+                "TLS handshakes that failed or timed out (websocket and system ports).",
+                value=self.tls_failures,
             ),
         ]
 
@@ -148,6 +181,14 @@ class WorkerMetrics:
     def count_connection_error(self) -> None:
         """Count one connection that a peer broke."""
         self._collector.connection_errors += 1
+
+    def count_unauthorized(self) -> None:
+        """Count one handshake refused for want of the right bearer token."""
+        self._collector.unauthorized += 1
+
+    def count_tls_failure(self, _error: BaseException | None = None) -> None:
+        """Count one TLS handshake that failed or timed out."""
+        self._collector.tls_failures += 1
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
         """Encode every metric for a scrape, in the format the scraper asked for.

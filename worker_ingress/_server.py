@@ -1,5 +1,12 @@
 """The worker's network side: both websocket planes on one port, the system port, and drain.
 
+Access: with a token set (``DYN_WORKER_TOKEN``), a handshake on any path without
+``Authorization: Bearer <token>`` is refused with HTTP 401 before anything else is looked at, and
+counted (``dynamo_worker_unauthorized_total``); the comparison is constant-time and the token is
+never logged. With ``--tls-cert-path``/``--tls-key-path`` the port speaks TLS (``wss://``); each
+handshake runs in its connection's task, bounded, and a failure is counted and closes that
+connection only.
+
 Paths on the websocket port (anything else: the handshake is rejected with HTTP 404):
 
 - ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
@@ -23,17 +30,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
+import os
+import ssl
+import sys
 from collections.abc import Callable
-from typing import Final, Literal, NamedTuple
+from typing import Final, Literal, NamedTuple, cast
 
 import trio
 from trio_websocket import (
     ConnectionClosed,
     WebSocketConnection,
     WebSocketRequest,
-    serve_websocket,
+    WebSocketServer,
 )
 
+from shim_common._access import HandshakeFirstListener, bearer_matches, server_context
 from shim_common._net import base_url
 from shim_common.wire import (
     EVENTS_PATH,
@@ -67,6 +79,10 @@ logger = logging.getLogger(__name__)
 RECEIVE_QUEUE_MESSAGES: Final = 4
 #: Longest a connection gets to flush its last frames and close once the drain is over.
 CLOSE_FLUSH_SECONDS: Final = 5.0
+#: Seconds a new connection gets for its TLS handshake and its websocket opening handshake.
+OPEN_TIMEOUT: Final = 10.0
+#: Seconds between two log lines about refused handshakes (each one is counted).
+REFUSAL_LOG_INTERVAL: Final = 10.0
 
 HealthStatus = Literal["starting", "ready", "draining"]
 
@@ -126,6 +142,8 @@ class Worker:
         self._status: HealthStatus = "starting"
         self._drain_requested = trio.Event()
         self._connections: set[PlaneConnection] = set()
+        self._token = settings.token.encode("ascii") if settings.token is not None else None
+        self._refusals = _RefusalLog()
 
     @property
     def hello(self) -> Hello:
@@ -197,19 +215,8 @@ class Worker:
             await nursery.start(self.engine.run)
             hello = self.hello  # fixed from here on: the engine has read its limits
             await nursery.start(self.publisher.run)
-            ws_server = await nursery.start(
-                functools.partial(
-                    serve_websocket,
-                    self._handle,
-                    settings.host,
-                    settings.port,
-                    None,
-                    max_message_size=self.max_message_bytes,
-                    message_queue_size=RECEIVE_QUEUE_MESSAGES,
-                    connect_timeout=10.0,
-                    disconnect_timeout=self.close_timeout,
-                )
-            )
+            tls = self._tls_context()
+            ws_port = await nursery.start(self._serve_websocket, tls)
             system_port = await nursery.start(
                 functools.partial(
                     serve_system,
@@ -218,11 +225,13 @@ class Worker:
                     render_metrics=self.metrics.render,
                     health=self.health,
                     on_error=lambda _error: self.metrics.count_connection_error(),
+                    ssl_context=tls,
+                    on_tls_failure=self.metrics.count_tls_failure,
                 )
             )
             address = WorkerAddress(
-                ws_url=base_url("ws", settings.host, ws_server.port),
-                system_url=base_url("http", settings.host, system_port),
+                ws_url=base_url("wss" if tls else "ws", settings.host, ws_port),
+                system_url=base_url("https" if tls else "http", settings.host, system_port),
             )
             self._status = "ready"
             print(
@@ -239,6 +248,43 @@ class Worker:
             await self._drain_requested.wait()
             await self._drain()
             nursery.cancel_scope.cancel()
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        settings = self.settings
+        if settings.tls_cert_path is None or settings.tls_key_path is None:
+            return None
+        return server_context(settings.tls_cert_path, settings.tls_key_path)
+
+    async def _serve_websocket(
+        self, tls: ssl.SSLContext | None, *, task_status: trio.TaskStatus[int]
+    ) -> None:
+        """Serve both planes on the websocket port; reports the bound port."""
+        settings = self.settings
+        tcp_listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+        port: int = tcp_listeners[0].socket.getsockname()[1]
+        listeners: list[trio.abc.Listener[trio.abc.Stream]] = list(tcp_listeners)
+        if tls is not None:
+            listeners = [
+                HandshakeFirstListener(
+                    listener,
+                    tls,
+                    timeout=OPEN_TIMEOUT,
+                    on_failure=self.metrics.count_tls_failure,
+                )
+                for listener in tcp_listeners
+            ]
+        server = WebSocketServer(
+            self._handle,
+            # Typed for trio's own listeners; it only ever calls accept() and aclose().
+            cast(list[trio.SocketListener], listeners),
+            max_message_size=self.max_message_bytes,
+            message_queue_size=RECEIVE_QUEUE_MESSAGES,
+            connect_timeout=OPEN_TIMEOUT,
+            disconnect_timeout=self.close_timeout,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            task_status.started(port)
 
     async def _drain(self) -> None:
         grace = self.settings.drain_grace
@@ -277,6 +323,17 @@ class Worker:
 
     async def _serve_connection(self, request: WebSocketRequest) -> None:
         factory: Callable[[Worker, WebSocketConnection], PlaneConnection]
+        if self._token is not None and not _authorized(request, self._token):
+            # Before anything else, the path included: a caller without the token learns
+            # nothing about this worker.
+            self.metrics.count_unauthorized()
+            self._refusals.note(request.remote)
+            await request.reject(
+                401,
+                extra_headers=[(b"www-authenticate", b"Bearer")],
+                body=b"a bearer token is required (DYN_WORKER_TOKEN)\n",
+            )
+            return
         if request.path == REQUESTS_PATH:
             factory = RequestConnection
         elif request.path == EVENTS_PATH:
@@ -301,6 +358,35 @@ class Worker:
             self._connections.discard(connection)
 
 
+def _authorized(request: WebSocketRequest, token: bytes) -> bool:
+    authorization = next(
+        (value for name, value in request.headers if name.lower() == b"authorization"), None
+    )
+    return bearer_matches(authorization, token)
+
+
+class _RefusalLog:
+    """Logs refused handshakes at most once per :data:`REFUSAL_LOG_INTERVAL` (a scanner or a
+    misconfigured frontend must not flood the log; the counter has every one)."""
+
+    def __init__(self) -> None:
+        self._next = -math.inf
+        self._since = 0
+
+    def note(self, remote: object) -> None:
+        self._since += 1
+        now = trio.current_time()
+        if now < self._next:
+            return
+        logger.warning(
+            "refused %d websocket handshake(s) without the right bearer token, latest from %s",
+            self._since,
+            remote,
+        )
+        self._since = 0
+        self._next = now + REFUSAL_LOG_INTERVAL
+
+
 async def _drain_on_signal(worker: Worker, *, task_status: trio.TaskStatus[None]) -> None:
     import signal
 
@@ -309,6 +395,20 @@ async def _drain_on_signal(worker: Worker, *, task_status: trio.TaskStatus[None]
         async for signum in signals:
             logger.info("received %s; draining", signal.Signals(signum).name)
             worker.drain()
+
+
+async def _drain_on_stdin_eof(worker: Worker) -> None:
+    """Drain once standard input ends (``--stop-on-stdin-eof``): its writer, the parent, is gone.
+
+    A pipe closes when its last writer exits, however it exits (SIGKILL included), on every
+    POSIX system; what arrives on it is read and dropped.
+    """
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        while await stream.receive_some(4096):
+            pass
+    logger.warning("standard input closed: the parent process is gone; draining")
+    worker.drain()
 
 
 async def run_worker(
@@ -327,6 +427,8 @@ async def run_worker(
     worker = Worker(settings, engine)
     async with trio.open_nursery() as nursery:
         await nursery.start(_drain_on_signal, worker)
+        if settings.stop_on_stdin_eof:
+            nursery.start_soon(_drain_on_stdin_eof, worker)
         address = await nursery.start(_serve_then_stop, worker, nursery.cancel_scope)
         task_status.started(address)
 

@@ -6,6 +6,7 @@ It runs on its own listener because the websocket server answers plain HTTP with
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 
 import trio
@@ -26,6 +27,8 @@ async def serve_system(
     render_metrics: RenderMetrics,
     health: Callable[[], str],
     on_error: Callable[[BaseException], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    on_tls_failure: Callable[[BaseException], None] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the system port until cancelled.
@@ -38,6 +41,8 @@ async def serve_system(
         health: returns ``"starting"``, ``"ready"`` or ``"draining"``; anything but ``"ready"``
             makes ``/health`` answer 503.
         on_error: called with each unexpected exception, e.g. a failing metrics renderer.
+        ssl_context: serve HTTPS with it; ``None``: plain HTTP.
+        on_tls_failure: called for each failed or late TLS handshake.
         task_status: receives the bound port once listening (use with ``nursery.start``).
 
     Raises:
@@ -50,5 +55,7 @@ async def serve_system(
         port,
         limits=SYSTEM_LIMITS,
         on_error=on_error,
+        ssl_context=ssl_context,
+        on_tls_failure=on_tls_failure,
         task_status=task_status,
     )

@@ -1,0 +1,827 @@
+"""Soak: a frontend and a few mocker workers at about three times their capacity, with faults.
+
+Run: ``scripts/soak [--seconds 300] [--workers 3] [--json report.json]`` (or
+``python bench/soak.py ...``). Exit status 0 when every check held, 1 otherwise.
+
+What runs, all real processes on 127.0.0.1 with free ports:
+
+1. ``--workers`` mocker workers, each with N = ``--engine-request-limit`` and Q =
+   ``--queue-limit``, and one frontend routing to them with ``--migration-limit 1``.
+2. Calibration: one burst of as many requests as the fleet has slots measures its capacity
+   (requests per second).
+3. Load for ``--seconds``: open-loop arrivals (exponential gaps) at ``--overload`` times that
+   capacity, half of them streamed, ``max_tokens`` drawn around the calibration size; a share
+   (``--disconnect-share``) of clients hang up at a random moment. Meanwhile, at fixed points of
+   the run: a decode threshold is set with ``POST /busy_threshold`` (30 %) and changed (70 %),
+   and one worker is killed with SIGKILL (40 %) and started again on its ports two seconds later.
+4. Every ``--sample-interval`` seconds, every worker's and the frontend's ``/metrics`` are read,
+   and every process's resident memory.
+5. Load stops; the run waits for every gauge to return to 0.
+
+Checks (each failure is listed in the report):
+
+- no sample shows a worker over its cap: ``dynamo_engine_request <= N``,
+  ``dynamo_request_queue <= Q``;
+- every worker's books close at every sample: received = started + rejected + draining
+  rejected + queue cancelled + queued now (the worker's own counters);
+- once load stops, every worker's engine and queue gauges and the frontend's in-flight gauge
+  return to 0 within ``--settle`` seconds;
+- every request that the client did not abandon got an answer (200 whole, or the overload or
+  unavailable status) or a clean error (an error status with a JSON body, or a stream ending in
+  an SSE error event) within ``--answer-timeout`` seconds;
+- the frontend counted exactly the requests sent (``dynamo_frontend_requests_total``);
+- the resident memory of the frontend and of each worker that was not restarted grew by at most
+  ``--memory-margin-mb`` plus ``--memory-margin-share`` of its size after the warm-up (the first
+  ``--warmup`` share of the load phase).
+
+Linux only (it reads ``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import IO, Any, Final
+
+import h11
+import trio
+
+MODEL: Final = "mock-model"
+READY: Final = re.compile(r"\w+=(\S+)")
+PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE")
+#: Mocker shape: a small cache and slow steps, so requests hold their slots for a while.
+MOCKER_FLAGS: Final = ("--num-gpu-blocks", "512", "--block-size", "4")
+#: The decode thresholds set at run time: the first bites when a worker's slots are all busy
+#: (the frontend then sheds before the worker does), the second never does (the workers'
+#: own rejections take over again).
+BUSY_THRESHOLD: Final = 0.04
+#: Seconds a process gets to print its ready line.
+READY_TIMEOUT: Final = 30.0
+FREE_THRESHOLD: Final = 0.5
+SAMPLE_LINE: Final = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as statm:
+            return int(statm.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
+    env.update(extra)
+    return env
+
+
+class Child:
+    """A child process that prints one ready line with URLs; its stderr goes to a log file."""
+
+    def __init__(self, name: str, args: Sequence[str], env: dict[str, str], log: IO[bytes]) -> None:
+        self.name = name
+        self.args = list(args)
+        self.env = env
+        self.log = log
+        self.process: trio.Process | None = None
+        self.urls: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    async def start(self, args: Sequence[str] | None = None) -> list[str]:
+        process = await trio.lowlevel.open_process(
+            list(args or self.args),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=self.env,
+        )
+        self.process = process
+        assert process.stdout is not None
+        line = b""
+        with trio.fail_after(READY_TIMEOUT):
+            while not line.endswith(b"\n") and len(line) < 4096:
+                chunk = await process.stdout.receive_some(4096)
+                if not chunk:
+                    raise RuntimeError(f"{self.name} exited before it was ready (see its log)")
+                line += chunk
+        self.urls = READY.findall(line.decode())
+        return self.urls
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+
+    async def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.terminate()
+                with trio.move_on_after(10):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            if process.stdout is not None:
+                await process.stdout.aclose()
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+
+@dataclasses.dataclass
+class Reply:
+    """What came back: ``status`` 0 when no response head arrived."""
+
+    status: int = 0
+    body: bytes = b""
+    #: The response ended properly (its end of message was read).
+    complete: bool = False
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+async def http(
+    url: str, method: str, path: str, payload: Any = None, reply: Reply | None = None
+) -> Reply:
+    """One request on a fresh connection, read to its end (a lean client: the soak's own CPU
+    must not be what limits the load it offers). ``reply`` is filled in as the answer comes,
+    so a caller that gives up half-way still sees what had arrived.
+
+    Raises:
+        OSError: the connection could not be made.
+    """
+    reply = reply if reply is not None else Reply()
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    data = b"" if payload is None else json.dumps(payload).encode()
+    headers = [("host", parts.netloc)]
+    if method != "GET":
+        headers += [("content-type", "application/json"), ("content-length", str(len(data)))]
+    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+    async with stream:
+        conn = h11.Connection(h11.CLIENT)
+        out = conn.send(h11.Request(method=method, target=path, headers=headers))
+        out += conn.send(h11.Data(data=data)) if data else b""
+        out += conn.send(h11.EndOfMessage())
+        try:
+            await stream.send_all(out)
+        except trio.BrokenResourceError:
+            return reply
+        body = bytearray()
+        # Bounded by the size of the answer: every pass consumes bytes or ends.
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                break
+            if event is h11.NEED_DATA:
+                try:
+                    received = await stream.receive_some(65536)
+                except trio.BrokenResourceError:
+                    break
+                conn.receive_data(bytes(received))
+                continue
+            if isinstance(event, h11.Response):
+                reply.status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+                reply.body = bytes(body)
+            elif isinstance(event, h11.EndOfMessage):
+                reply.complete = True
+                break
+            else:
+                break
+    return reply
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum of the samples of each metric name (labels summed over)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = SAMPLE_LINE.match(line)
+        if match:
+            values[match[1]] = values.get(match[1], 0.0) + float(match[3])
+    return values
+
+
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """The samples of ``name`` keyed by one label's value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = SAMPLE_LINE.match(line)
+        if match and match[1] == name and match[2]:
+            found = dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
+            key = found.get(label, "")
+            out[key] = out.get(key, 0.0) + float(match[3])
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclasses.dataclass
+class WorkerBook:
+    """What the sampler saw of one worker slot (the same ports across a restart)."""
+
+    index: int
+    peak_running: int = 0
+    peak_queued: int = 0
+    peak_in_flight: int = 0
+    samples: int = 0
+    last: dict[str, float] = dataclasses.field(default_factory=dict)
+    restarted: bool = False
+    rss_start: int = 0
+    rss_end: int = 0
+
+
+@dataclasses.dataclass
+class Report:
+    seconds: float
+    workers: int
+    engine_request_limit: int
+    queue_limit: int
+    seed: int
+    capacity_rps: float = 0.0
+    #: Seconds one request took in the calibration burst.
+    service_seconds: float = 1.0
+    offered_rps: float = 0.0
+    requests: int = 0
+    #: Abandoned by the client before any answer arrived: the frontend may not have seen them.
+    abandoned_before_answer: int = 0
+    outcomes: Counter[str] = dataclasses.field(default_factory=Counter)
+    statuses: Counter[int] = dataclasses.field(default_factory=Counter)
+    abandoned: int = 0
+    generator_skipped: int = 0
+    frontend_counted: float = 0.0
+    #: The frontend's request count when the load started (the calibration's requests).
+    frontend_counted_before: float = 0.0
+    frontend_statuses: dict[str, float] = dataclasses.field(default_factory=dict)
+    books: list[WorkerBook] = dataclasses.field(default_factory=list)
+    frontend_rss_start: int = 0
+    frontend_rss_end: int = 0
+    frontend_rss_peak: int = 0
+    events: list[str] = dataclasses.field(default_factory=list)
+    failures: list[str] = dataclasses.field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        if message not in self.failures:
+            self.failures.append(message)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["outcomes"] = dict(self.outcomes)
+        data["statuses"] = {str(k): v for k, v in sorted(self.statuses.items())}
+        data["passed"] = not self.failures
+        return data
+
+    def text(self) -> str:
+        cap = self.engine_request_limit + self.queue_limit
+        mib = 1024 * 1024
+        lines = [
+            f"soak: {self.seconds:.0f} s, {self.workers} workers (N={self.engine_request_limit},"
+            f" Q={self.queue_limit}), seed {self.seed}",
+            f"capacity {self.capacity_rps:.1f} req/s, offered {self.offered_rps:.1f} req/s",
+            f"requests sent: {self.requests} (the frontend counted {self.frontend_counted:.0f});"
+            f" abandoned by the client on purpose: {self.abandoned};"
+            f" arrivals skipped at the generator's concurrency cap: {self.generator_skipped}",
+            "answers by status: "
+            + ", ".join(f"{code}: {count}" for code, count in sorted(self.statuses.items())),
+            "outcomes: "
+            + ", ".join(f"{kind}: {count}" for kind, count in sorted(self.outcomes.items())),
+        ]
+        for book in self.books:
+            lines.append(
+                f"worker {book.index}: peak in flight {book.peak_in_flight} of N+Q={cap}"
+                f" (running {book.peak_running}/{self.engine_request_limit},"
+                f" queued {book.peak_queued}/{self.queue_limit}), {book.samples} samples,"
+                f" rss {book.rss_start / mib:.1f} -> {book.rss_end / mib:.1f} MiB"
+                + (" (restarted: memory not judged)" if book.restarted else "")
+            )
+        lines.append(
+            f"frontend rss after warm-up {self.frontend_rss_start / mib:.1f} MiB,"
+            f" at the end {self.frontend_rss_end / mib:.1f} MiB,"
+            f" peak {self.frontend_rss_peak / mib:.1f} MiB"
+        )
+        lines.extend(f"event: {event}" for event in self.events)
+        if self.failures:
+            lines.extend(f"FAILED: {failure}" for failure in self.failures)
+        else:
+            lines.append("PASSED")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    seconds: float
+    workers: int
+    engine_request_limit: int
+    queue_limit: int
+    overload: float
+    disconnect_share: float
+    speedup_ratio: float
+    max_tokens: int
+    sample_interval: float
+    settle: float
+    answer_timeout: float
+    warmup: float
+    memory_margin_mb: float
+    memory_margin_share: float
+    seed: int
+    logs: Path
+
+
+def classify_stream(lines: list[str]) -> str:
+    if "data: [DONE]" in lines:
+        return "answered"
+    if any(line.startswith("event: error") for line in lines):
+        return "clean-error"
+    return "broken"
+
+
+async def one_request(url: str, rng: random.Random, options: Options, report: Report) -> None:
+    stream = rng.random() < 0.5
+    tokens = max(1, int(rng.uniform(0.5, 1.5) * options.max_tokens))
+    words = "one two three four five six"
+    body: dict[str, Any]
+    if rng.random() < 0.5:
+        path, body = "/v1/completions", {"model": MODEL, "prompt": words}
+    else:
+        messages = [{"role": "user", "content": words}]
+        path, body = "/v1/chat/completions", {"model": MODEL, "messages": messages}
+    body.update(max_tokens=tokens, stream=stream)
+    abandon = rng.random() < options.disconnect_share
+    # Somewhere between at once and about twice the time of a request.
+    abandon_after = rng.uniform(0.0, 2.0 * report.service_seconds) if abandon else math.inf
+    report.requests += 1
+    reply = Reply()
+    outcome = "broken (no response)"
+    with trio.move_on_after(abandon_after) as hang_up:
+        with trio.move_on_after(options.answer_timeout) as late:
+            try:
+                await http(url, "POST", path, body, reply)
+            except OSError as exc:
+                outcome = f"broken (connect: {exc.strerror or exc})"
+            else:
+                outcome = classify(reply, stream)
+        if late.cancelled_caught:
+            outcome = "no answer in time"
+    if reply.status:
+        report.statuses[reply.status] += 1
+    if hang_up.cancelled_caught:
+        report.abandoned += 1
+        report.abandoned_before_answer += not reply.status
+        outcome = "abandoned"
+    report.outcomes[outcome] += 1
+
+
+def classify(reply: Reply, stream: bool) -> str:
+    """answered, shed, clean-error, or broken (with why)."""
+    if reply.status == 0:
+        return "broken (no response)"
+    if reply.status == 200 and stream:
+        if b"data: [DONE]" in reply.body and reply.complete:
+            return "answered"
+        if b"event: error" in reply.body:
+            return "clean-error"
+        return "broken (stream cut without an error event)"
+    decoded = reply.json()
+    if not reply.complete or not isinstance(decoded, dict):
+        return f"broken (HTTP {reply.status} without a whole JSON body)"
+    if reply.status == 200:
+        return "answered" if "choices" in decoded else "broken (200 without choices)"
+    if reply.status in (429, 503, 529):
+        return "shed"
+    return "clean-error"
+
+
+async def generate_load(
+    url: str,
+    rate: float,
+    seconds: float,
+    options: Options,
+    report: Report,
+) -> None:
+    rng = random.Random(options.seed)
+    cap = 16 * options.workers * (options.engine_request_limit + options.queue_limit)
+    limiter = trio.CapacityLimiter(cap)
+    end = trio.current_time() + seconds
+    async with trio.open_nursery() as nursery:
+
+        async def limited(seed: int) -> None:
+            async with limiter:
+                await one_request(url, random.Random(seed), options, report)
+
+        next_at = trio.current_time()
+        while next_at < end:
+            await trio.sleep_until(next_at)
+            if limiter.available_tokens == 0:
+                report.generator_skipped += 1
+            else:
+                nursery.start_soon(limited, rng.getrandbits(32))
+            next_at += rng.expovariate(rate)
+
+
+async def calibrate(url: str, options: Options, report: Report) -> float:
+    """Requests per second the fleet completes with every slot busy (and notes how long one
+    request takes)."""
+    slots = options.workers * options.engine_request_limit
+    body = {"model": MODEL, "prompt": "one two three", "max_tokens": options.max_tokens}
+    done = 0
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def one() -> None:
+            nonlocal done
+            reply = await http(url, "POST", "/v1/completions", body)
+            done += reply.status == 200
+
+        for _ in range(slots):
+            nursery.start_soon(one)
+    elapsed = trio.current_time() - started
+    if done == 0:
+        raise RuntimeError("calibration: no request was served")
+    report.service_seconds = elapsed
+    return done / elapsed
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+class Sampler:
+    def __init__(
+        self, workers: list[Child], frontend: Child, options: Options, report: Report
+    ) -> None:
+        self.workers = workers
+        self.frontend = frontend
+        self.options = options
+        self.report = report
+        self.down: set[int] = set()
+        self.frontend_metrics: dict[str, float] = {}
+
+    async def sample_once(self) -> None:
+        report, options = self.report, self.options
+        for index, worker in enumerate(self.workers):
+            book = report.books[index]
+            reply = Reply()
+            with trio.move_on_after(5.0), contextlib.suppress(OSError):
+                await http(worker.urls[1], "GET", "/metrics", reply=reply)
+            if not reply.complete:
+                if index not in self.down:
+                    report.fail(f"worker {index}: /metrics unreachable while it should be up")
+                continue
+            values = parse_metrics(reply.body.decode())
+            running = int(values.get("dynamo_engine_request", 0))
+            queued = int(values.get("dynamo_request_queue", 0))
+            book.samples += 1
+            book.last = values
+            book.peak_running = max(book.peak_running, running)
+            book.peak_queued = max(book.peak_queued, queued)
+            book.peak_in_flight = max(book.peak_in_flight, running + queued)
+            if running > options.engine_request_limit or queued > options.queue_limit:
+                report.fail(
+                    f"worker {index}: {running} running and {queued} queued, over "
+                    f"N={options.engine_request_limit} Q={options.queue_limit}"
+                )
+            accounted = (
+                values.get("dynamo_worker_started_request_total", 0)
+                + values.get("dynamo_rejection_request_total", 0)
+                + values.get("dynamo_worker_draining_rejection_total", 0)
+                + values.get("dynamo_worker_queue_cancelled_total", 0)
+                + queued
+            )
+            received = values.get("dynamo_worker_received_request_total", 0)
+            if received != accounted:
+                report.fail(
+                    f"worker {index}: received {received:.0f} but started + rejected + "
+                    f"cancelled while queued + queued = {accounted:.0f}"
+                )
+        reply = Reply()
+        with trio.move_on_after(5.0), contextlib.suppress(OSError):
+            await http(self.frontend.urls[0], "GET", "/metrics", reply=reply)
+        if reply.complete:
+            text = reply.body.decode()
+            self.frontend_metrics = parse_metrics(text)
+            report.frontend_statuses = by_label(text, "dynamo_frontend_requests_total", "status")
+        rss = rss_bytes(self.frontend.pid)
+        report.frontend_rss_peak = max(report.frontend_rss_peak, rss)
+
+    async def run(self) -> None:
+        while True:
+            await self.sample_once()
+            await trio.sleep(self.options.sample_interval)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+async def _faults(
+    workers: list[Child],
+    frontend_url: str,
+    sampler: Sampler,
+    options: Options,
+    report: Report,
+) -> None:
+    """The faults of a run, at fixed shares of the load phase."""
+    start = trio.current_time()
+
+    async def at(share: float) -> None:
+        await trio.sleep_until(start + share * options.seconds)
+
+    def note(text: str) -> None:
+        report.events.append(f"at {trio.current_time() - start:.1f} s of load: {text}")
+
+    await at(0.3)
+    update = {"model": MODEL, "active_decode_blocks_threshold": BUSY_THRESHOLD}
+    reply = await http(frontend_url, "POST", "/busy_threshold", update)
+    note(f"decode threshold set to {BUSY_THRESHOLD}: HTTP {reply.status}")
+    if reply.status != 200:
+        report.fail(f"POST /busy_threshold answered {reply.status}")
+    await at(0.4)
+    victim = workers[1 % len(workers)]
+    index = workers.index(victim)
+    ws_port = victim.urls[0].rsplit(":", 1)[1]
+    system_port = victim.urls[1].rsplit(":", 1)[1]
+    sampler.down.add(index)
+    victim.kill()
+    assert victim.process is not None
+    await victim.process.wait()
+    report.books[index].restarted = True
+    note(f"worker {index} killed with SIGKILL")
+    await trio.sleep(2.0)
+    args = [*victim.args]
+    args[args.index("--port") + 1] = ws_port
+    args[args.index("--system-port") + 1] = system_port
+    await victim.start(args)
+    sampler.down.discard(index)
+    note(f"worker {index} started again on its ports")
+    await at(0.7)
+    update = {"model": MODEL, "active_decode_blocks_threshold": FREE_THRESHOLD}
+    reply = await http(frontend_url, "POST", "/busy_threshold", update)
+    note(f"decode threshold changed to {FREE_THRESHOLD}: HTTP {reply.status}")
+    if reply.status != 200:
+        report.fail(f"POST /busy_threshold answered {reply.status}")
+
+
+async def _settle(sampler: Sampler, options: Options) -> bool:
+    """Wait until every gauge is back to 0; False if they are not within the settle time."""
+    with trio.move_on_after(options.settle):
+        while True:
+            await sampler.sample_once()
+            busy = [
+                book.index
+                for book in sampler.report.books
+                if book.last.get("dynamo_engine_request", 0)
+                or book.last.get("dynamo_request_queue", 0)
+            ]
+            if not busy and not sampler.frontend_metrics.get("dynamo_frontend_inflight_requests"):
+                return True
+            await trio.sleep(0.1)
+    return False
+
+
+@contextlib.asynccontextmanager
+async def _processes(children: list[Child]) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        with trio.CancelScope(shield=True):
+            for child in children:
+                await child.stop()
+
+
+async def run(options: Options) -> Report:
+    report = Report(
+        seconds=options.seconds,
+        workers=options.workers,
+        engine_request_limit=options.engine_request_limit,
+        queue_limit=options.queue_limit,
+        seed=options.seed,
+    )
+    report.books = [WorkerBook(index) for index in range(options.workers)]
+    env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(options.queue_limit))
+    logs, frontend_log = _open_logs(options)
+    workers = [
+        Child(f"worker {i}", _worker_args(options, i), env, logs[i]) for i in range(options.workers)
+    ]
+    frontend = Child("frontend", [], env, frontend_log)
+    phase = trio.current_time()
+
+    def note(text: str) -> None:
+        nonlocal phase
+        now = trio.current_time()
+        report.events.append(f"{text} (took {now - phase:.1f} s)")
+        phase = now
+
+    try:
+        async with _processes([frontend, *workers]):
+            async with trio.open_nursery() as starting:
+                for worker in workers:
+                    starting.start_soon(worker.start)
+            frontend.args = [
+                sys.executable, "-m", "frontend_shim", "--http-port", "0",
+                "--migration-limit", "1",
+                *(arg for worker in workers for arg in ("--worker", worker.urls[0])),
+            ]  # fmt: skip
+            (url,) = await frontend.start()
+            for _ in range(600):
+                health = (await http(url, "GET", "/health")).json()
+                if health["workers_connected"] == options.workers:
+                    break
+                await trio.sleep(0.05)
+            else:
+                raise RuntimeError("the frontend never connected to every worker")
+            note("started")
+            report.capacity_rps = await calibrate(url, options, report)
+            report.offered_rps = options.overload * report.capacity_rps
+            report.frontend_counted_before = parse_metrics(
+                (await http(url, "GET", "/metrics")).body.decode()
+            ).get("dynamo_frontend_requests_total", 0.0)
+            note("calibrated")
+            sampler = Sampler(workers, frontend, options, report)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sampler.run)
+
+                async def remember_warm_memory() -> None:
+                    await trio.sleep(options.warmup * options.seconds)
+                    report.frontend_rss_start = rss_bytes(frontend.pid)
+                    for book, worker in zip(report.books, workers, strict=True):
+                        book.rss_start = rss_bytes(worker.pid)
+
+                nursery.start_soon(remember_warm_memory)
+                nursery.start_soon(_faults, workers, url, sampler, options, report)
+                # Returns once every client is done (each is bounded by its answer timeout).
+                await generate_load(url, report.offered_rps, options.seconds, options, report)
+                note("load sent, every client done")
+                nursery.cancel_scope.cancel()
+            settled = await _settle(sampler, options)
+            note("settled" if settled else "did not settle")
+            if not settled:
+                for book in report.books:
+                    running = book.last.get("dynamo_engine_request", 0)
+                    queued = book.last.get("dynamo_request_queue", 0)
+                    if running or queued:
+                        report.fail(
+                            f"worker {book.index}: {running:.0f} slots and {queued:.0f} queue "
+                            f"places still held {options.settle} s after the load stopped"
+                        )
+                inflight = sampler.frontend_metrics.get("dynamo_frontend_inflight_requests", 0)
+                if inflight:
+                    report.fail(f"frontend: {inflight:.0f} requests still in flight")
+            report.frontend_counted = (
+                sampler.frontend_metrics.get("dynamo_frontend_requests_total", 0.0)
+                - report.frontend_counted_before
+            )
+            report.frontend_rss_end = rss_bytes(frontend.pid)
+            for book, worker in zip(report.books, workers, strict=True):
+                book.rss_end = rss_bytes(worker.pid)
+    finally:
+        for file in (*logs, frontend_log):
+            file.close()
+    _judge(report, options)
+    return report
+
+
+def _worker_args(options: Options, index: int) -> list[str]:
+    return [
+        sys.executable, "-m", "worker_ingress", "--port", "0", "--system-port", "0",
+        "--worker-id", f"soak-{index}",
+        "--engine-request-limit", str(options.engine_request_limit),
+        "--speedup-ratio", str(options.speedup_ratio),
+        *MOCKER_FLAGS,
+    ]  # fmt: skip
+
+
+def _open_logs(options: Options) -> tuple[list[IO[bytes]], IO[bytes]]:
+    """The log files of the children; the caller closes them."""
+    options.logs.mkdir(parents=True, exist_ok=True)
+    names = [f"worker-{i}.log" for i in range(options.workers)]
+    files: list[IO[bytes]] = [(options.logs / name).open("ab") for name in names]
+    frontend: IO[bytes] = (options.logs / "frontend.log").open("ab")
+    return files, frontend
+
+
+def _judge(report: Report, options: Options) -> None:
+    unanswered = {
+        kind: count
+        for kind, count in report.outcomes.items()
+        if kind not in ("answered", "shed", "clean-error", "abandoned")
+    }
+    if unanswered:
+        report.fail(f"requests with neither an answer nor a clean error: {unanswered}")
+    # A request abandoned before any answer may not have reached the frontend at all.
+    least = report.requests - report.abandoned_before_answer
+    if not least <= report.frontend_counted <= report.requests:
+        report.fail(
+            f"the frontend counted {report.frontend_counted:.0f} requests, the clients sent "
+            f"{report.requests} ({report.abandoned_before_answer} abandoned before an answer)"
+        )
+    if report.outcomes["answered"] == 0 or report.outcomes["shed"] == 0:
+        report.fail("the run did not both serve and shed: no overload was reached")
+    mib = 1024 * 1024
+
+    def judge_memory(name: str, start: int, end: int) -> None:
+        allowed = options.memory_margin_mb * mib + options.memory_margin_share * start
+        if start and end - start > allowed:
+            report.fail(
+                f"{name}: resident memory grew from {start / mib:.1f} to {end / mib:.1f} MiB "
+                f"after warm-up (allowed {allowed / mib:.1f} MiB)"
+            )
+
+    judge_memory("frontend", report.frontend_rss_start, report.frontend_rss_end)
+    for book in report.books:
+        if not book.restarted:
+            judge_memory(f"worker {book.index}", book.rss_start, book.rss_end)
+
+
+def parse_options(argv: Sequence[str]) -> tuple[Options, Path | None]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300.0, help="load phase (default 300)")
+    parser.add_argument("--workers", type=int, default=3, choices=range(2, 5))
+    parser.add_argument("--engine-request-limit", type=int, default=4, help="N of each worker")
+    parser.add_argument("--queue-limit", type=int, default=4, help="Q of each worker")
+    parser.add_argument("--overload", type=float, default=3.0, help="offered load / capacity")
+    parser.add_argument("--disconnect-share", type=float, default=0.1)
+    parser.add_argument("--speedup-ratio", type=float, default=0.25, help="mocker speed")
+    parser.add_argument("--max-tokens", type=int, default=24, help="mean tokens per request")
+    parser.add_argument("--sample-interval", type=float, default=0.25)
+    parser.add_argument("--settle", type=float, default=15.0)
+    parser.add_argument("--answer-timeout", type=float, default=60.0)
+    parser.add_argument("--warmup", type=float, default=0.2, help="share of the run")
+    parser.add_argument("--memory-margin-mb", type=float, default=16.0)
+    parser.add_argument("--memory-margin-share", type=float, default=0.15)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--logs", type=Path, default=None, help="directory for process logs")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here too")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="soak-logs-"))
+    options = Options(
+        seconds=args.seconds,
+        workers=args.workers,
+        engine_request_limit=args.engine_request_limit,
+        queue_limit=args.queue_limit,
+        overload=args.overload,
+        disconnect_share=args.disconnect_share,
+        speedup_ratio=args.speedup_ratio,
+        max_tokens=args.max_tokens,
+        sample_interval=args.sample_interval,
+        settle=args.settle,
+        answer_timeout=args.answer_timeout,
+        warmup=args.warmup,
+        memory_margin_mb=args.memory_margin_mb,
+        memory_margin_share=args.memory_margin_share,
+        seed=seed,
+        logs=logs,
+    )
+    return options, args.json
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    options, json_path = parse_options(sys.argv[1:] if argv is None else argv)
+    print(f"soak: logs in {options.logs}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    report = trio.run(run, options)
+    print(report.text())
+    print(f"(wall time {time.monotonic() - started:.0f} s)")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_json(), indent=2, default=str))
+    raise SystemExit(1 if report.failures else 0)
+
+
+if __name__ == "__main__":
+    main()
