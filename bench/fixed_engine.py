@@ -28,8 +28,13 @@ import trio
 
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import WorkerSettings
-from worker_ingress._watch import ChangeSignal
-from worker_ingress.engines import EngineConfig, EngineInputError, EngineOutput, PreparedRequest
+from worker_ingress.engines import (
+    ChangeSignal,
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+    PreparedRequest,
+)
 from worker_ingress.engines._base import prompt_words, requested_max_tokens
 
 __all__ = [
