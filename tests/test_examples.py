@@ -28,7 +28,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from frontend_shim._metrics import FrontendMetrics, RankLoadSample
+from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
 from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._metrics import WorkerMetrics
@@ -504,6 +504,7 @@ def _exposed_metric_names() -> set[str]:
     gate = AdmissionGate(engine_slots=2, queue_limit=2)
     worker_text, _ = WorkerMetrics(gate, kv_blocks=lambda: (10, 1)).render(None)
     frontend = FrontendMetrics(lambda: [RankLoadSample("w", 0, 1, 2, 10)])
+    frontend.watch_links(lambda: [LinkSample("w", True, False, 0.001, 0.002, 5, 0)])
     frontend.count_rejection("m", "chat_completions")
     frontend.count_request("m", "chat_completions", 200)
     frontend.inflight("m").inc()
