@@ -229,7 +229,7 @@ def _link_samples(pool: WorkerPool) -> list[LinkSample]:
         LinkSample(
             worker_id=link.config.worker_id if link.config is not None else link.key,
             connected=link.connected,
-            lagging=link.lagging,
+            lagging=link.lag.lagging,
             lag=link.lag.lag,
             max_lag=link.lag.max_lag,
             event_batches=link.stats.event_batches,

@@ -164,16 +164,29 @@ class FleetListener(Protocol):
 
 
 class LagMeter:
-    """How far behind a worker's event stream is read (rule 3; sans-IO).
+    """How far behind a worker's event stream is read, and whether that is too far (rule 3;
+    sans-IO).
 
     Args:
         window: Seconds of each window of the smallest transit time.
+        bound: The lag past which the stream counts as lagging; it counts as caught up again
+            under half of it.
     """
 
-    __slots__ = ("_current_min", "_previous_min", "_window", "_window_end", "lag", "max_lag")
+    __slots__ = (
+        "_bound",
+        "_current_min",
+        "_previous_min",
+        "_window",
+        "_window_end",
+        "lag",
+        "lagging",
+        "max_lag",
+    )
 
-    def __init__(self, window: float) -> None:
+    def __init__(self, window: float, bound: float) -> None:
         self._window = window
+        self._bound = bound
         self._window_end = -math.inf
         self._current_min = math.inf
         self._previous_min = math.inf
@@ -181,12 +194,14 @@ class LagMeter:
         self.lag = 0.0
         #: The largest lag seen.
         self.max_lag = 0.0
+        #: Whether the stream is lagging now (with the hysteresis above).
+        self.lagging = False
 
-    def observe(self, arrival: float, sent: float, now: float) -> float:
+    def observe(self, arrival: float, sent: float, now: float) -> bool:
         """Record one batch: wall-clock ``arrival`` here, ``sent`` there; ``now`` is monotonic.
 
         Returns:
-            The lag of this batch.
+            True when this batch turned :attr:`lagging` on or off.
         """
         delay = arrival - sent
         if now >= self._window_end:
@@ -200,7 +215,14 @@ class LagMeter:
         self.lag = lag
         if lag > self.max_lag:
             self.max_lag = lag
-        return lag
+        if self.lagging:
+            if lag < self._bound / 2:
+                self.lagging = False
+                return True
+        elif lag > self._bound:
+            self.lagging = True
+            return True
+        return False
 
 
 # ----------------------------------------------------------------------------- one worker
@@ -241,8 +263,8 @@ class WorkerLink:
         config: the worker's runtime configuration from its latest hello; ``None`` before the
             first session. It stays set while the worker is down (the last known one).
         connected: True while a session is up.
-        lagging: True while the event stream lags more than the bound (rule 3).
-        lag: the lag meter of the current session.
+        lag: the lag meter of the current session (its ``lagging`` says whether the event
+            stream lags more than the bound, rule 3).
         stats: counters (sessions, failures, protocol errors, ...).
     """
 
@@ -259,11 +281,10 @@ class WorkerLink:
         self.key = key
         self.config: wire.RuntimeConfig | None = None
         self.connected = False
-        self.lagging = False
         self.stats = LinkStats()
         self._listener = listener
         self._settings = settings if settings is not None else LinkSettings()
-        self.lag = LagMeter(self._settings.lag_window)
+        self.lag = self._new_lag_meter()
         self._limiter = connect_limiter
         self._server_hostname = server_hostname
         self._backoff = Backoff(
@@ -446,7 +467,7 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self._events = events
-        self.lag = LagMeter(self._settings.lag_window)
+        self.lag = self._new_lag_meter()
         self._up(config, plane)
         reason = "connection lost"
         try:
@@ -479,7 +500,7 @@ class WorkerLink:
         self._plane = None
         self._events = None
         self.connected = False
-        self.lagging = False
+        self.lag = self._new_lag_meter()
         self._up_event = trio.Event()
         self._listener.worker_down(self.key, trio.current_time())
 
@@ -490,7 +511,6 @@ class WorkerLink:
         decode = wire.decode_event_message
         stats = self.stats
         lag = self.lag
-        bound = self._settings.max_event_lag
         while True:
             messages = await events.messages()
             arrival = time.time()
@@ -502,27 +522,27 @@ class WorkerLink:
                     raise ProtocolError("a second hello on the event plane")
                 batch = message.events
                 sent = message.sent or (batch[-1].ts if batch else 0.0)
-                if sent:
-                    behind = lag.observe(arrival, sent, now)
-                    if behind > bound if not self.lagging else behind < bound / 2:
-                        self._lag_edge(behind, now)
+                if sent and lag.observe(arrival, sent, now):
+                    self._lag_edge(lag, now)
                 stats.event_batches += 1
                 listener.worker_events(key, batch, now)
 
-    def _lag_edge(self, behind: float, now: float) -> None:
-        self.lagging = not self.lagging
-        if self.lagging:
+    def _new_lag_meter(self) -> LagMeter:
+        return LagMeter(self._settings.lag_window, self._settings.max_event_lag)
+
+    def _lag_edge(self, lag: LagMeter, now: float) -> None:
+        if lag.lagging:
             self.stats.lag_episodes += 1
             logger.warning(
                 "worker %s: reading its events %.2f s behind (bound %.2f s); not routing to it "
                 "until this frontend catches up",
                 self.key,
-                behind,
+                lag.lag,
                 self._settings.max_event_lag,
             )
         else:
-            logger.info("worker %s: events caught up (%.3f s behind)", self.key, behind)
-        self._listener.worker_lagging(self.key, self.lagging, now)
+            logger.info("worker %s: events caught up (%.3f s behind)", self.key, lag.lag)
+        self._listener.worker_lagging(self.key, lag.lagging, now)
 
     async def _read_replies(self, requests: PlaneConnection, plane: RequestPlane) -> None:
         while True:
@@ -555,31 +575,32 @@ class WorkerLink:
             await trio.sleep(period)
             now = trio.current_time()
             if now - events.last_received > silence:
-                self.stats.keepalive_timeouts += 1
-                raise _KeepaliveTimeout(f"no event or heartbeat within {silence} s")
+                raise self._keepalive_failed(f"no event or heartbeat within {silence} s")
             for plane in (requests, events):
                 started = plane.send_started_at
                 if started is not None and now - started > settings.keepalive_timeout:
-                    self.stats.keepalive_timeouts += 1
-                    raise _KeepaliveTimeout(
+                    raise self._keepalive_failed(
                         f"a write on {plane.path} made no progress for "
                         f"{settings.keepalive_timeout} s: the worker is not reading"
                     )
             if requests.ping_sent_at is not None:
                 if now - requests.ping_sent_at > settings.keepalive_timeout:
-                    self.stats.keepalive_timeouts += 1
-                    raise _KeepaliveTimeout(
+                    raise self._keepalive_failed(
                         f"no pong within {settings.keepalive_timeout} s on {requests.path}"
                     )
             elif now - requests.last_received >= settings.keepalive_interval:
                 with trio.move_on_after(settings.keepalive_timeout) as ping_scope:
                     await requests.send_ping()
                 if ping_scope.cancelled_caught:
-                    self.stats.keepalive_timeouts += 1
-                    raise _KeepaliveTimeout(
+                    raise self._keepalive_failed(
                         f"could not send a ping on {requests.path} for "
                         f"{settings.keepalive_timeout} s: the worker is not reading"
                     )
+
+    def _keepalive_failed(self, reason: str) -> _KeepaliveTimeout:
+        """Count a session the watchdog ends, and the exception that ends it."""
+        self.stats.keepalive_timeouts += 1
+        return _KeepaliveTimeout(reason)
 
     def _decode(self, data: bytes, decode: Callable[[bytes], _M]) -> _M:
         try:

@@ -25,31 +25,50 @@ TIMEOUT = 10.0
 
 
 def test_a_constant_clock_skew_is_no_lag() -> None:
-    meter = LagMeter(window=60.0)
+    meter = LagMeter(window=60.0, bound=1.0)
     # The worker's clock is 40 s ahead; transit takes 1 ms every time.
     for step in range(100):
         now = step * 0.1
-        assert abs(meter.observe(arrival=1000.0 + now, sent=1040.0 + now - 0.001, now=now)) < 1e-9
+        meter.observe(arrival=1000.0 + now, sent=1040.0 + now - 0.001, now=now)
+        assert abs(meter.lag) < 1e-9
     assert meter.max_lag < 1e-9
+    assert not meter.lagging
 
 
 def test_a_growing_backlog_shows_as_growing_lag() -> None:
-    meter = LagMeter(window=60.0)
-    lags = [meter.observe(arrival=s * 0.2, sent=s * 0.1, now=s * 0.2) for s in range(50)]
+    meter = LagMeter(window=60.0, bound=100.0)
+    lags = []
+    for s in range(50):
+        meter.observe(arrival=s * 0.2, sent=s * 0.1, now=s * 0.2)
+        lags.append(meter.lag)
     assert lags == sorted(lags)
     assert 4.8 < meter.max_lag < 5.0  # 49 * 0.1 s behind at the end
 
 
 def test_a_clock_step_back_on_the_worker_is_forgotten_after_two_windows() -> None:
-    meter = LagMeter(window=10.0)
+    meter = LagMeter(window=10.0, bound=1.0)
     for step in range(10):
         meter.observe(arrival=step, sent=step, now=step)
     # The worker's clock steps back 5 s: every batch now looks 5 s late ...
-    assert meter.observe(arrival=10.0, sent=5.0, now=10.0) == 5.0
+    assert meter.observe(arrival=10.0, sent=5.0, now=10.0)  # turned lagging
+    assert meter.lag == 5.0
+    assert meter.lagging
     # ... until the smallest gap of the windows before the step has aged out.
     for step in range(11, 40):
-        lag = meter.observe(arrival=step, sent=step - 5.0, now=step)
-    assert lag == 0.0
+        meter.observe(arrival=step, sent=step - 5.0, now=step)
+    assert meter.lag == 0.0
+    assert not meter.lagging
+
+
+def test_lagging_turns_on_past_the_bound_and_off_under_half_of_it() -> None:
+    meter = LagMeter(window=60.0, bound=1.0)
+    assert not meter.observe(arrival=0.0, sent=0.0, now=0.0)
+    turns = [
+        meter.observe(arrival=step, sent=0.0, now=0.0) for step in (0.9, 1.1, 1.5, 0.6, 0.4, 0.9)
+    ]
+    # 1.1 s behind: lagging; 0.6 is not under half the bound, 0.4 is; 0.9 is not over it.
+    assert turns == [False, True, False, False, True, False]
+    assert not meter.lagging
 
 
 # ----------------------------------------------------------------------------- fleet
