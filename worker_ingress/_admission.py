@@ -491,6 +491,24 @@ class AdmissionGate:
         """
         return _SlotLease(self)
 
+    def reject_now(self) -> str | None:
+        """Turn an arrival away here and now if the gate is certain to (draining, or Q waiting).
+
+        For a caller that sheds load without a task per request: on a certain rejection the
+        arrival is counted as ``slot()`` would count it and its reason returned; otherwise
+        nothing is counted and the caller goes on to ``slot()``, which decides.
+
+        Returns:
+            The ``wire.REASON_*`` text of the rejection, or ``None``.
+        """
+        state = self._state
+        if not state.draining and state.queued < state.queue_limit:
+            return None
+        decision = state.arrive()
+        if not isinstance(decision, Rejected):
+            raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
+        return decision.reason
+
     def drain(self) -> None:
         """Stop admitting: new requests get ``Rejection(REASON_DRAINING)``; the rest go on."""
         self._state.drain()

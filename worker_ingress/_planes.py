@@ -65,7 +65,6 @@ from shim_common.wire import (
     encode,
     merge_text_chunks,
 )
-from worker_ingress._admission import Rejected as GateRejected
 from worker_ingress._admission import Rejection
 from worker_ingress._events import Subscription
 from worker_ingress.engines._base import EngineInputError, PreparedRequest
@@ -306,19 +305,13 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             )
             return None
-        gate = worker.gate
-        if gate.draining or gate.queued >= gate.queue_limit:
-            # The gate will reject this one for sure (draining, or N running and Q waiting):
-            # ask it here, synchronously, so shedding costs no task (it must stay cheap).
-            decision = gate.state.arrive()
-            if not isinstance(decision, GateRejected):
-                raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
+        # Asked here, synchronously, so shedding costs no task (it must stay cheap).
+        reason = worker.gate.reject_now()
+        if reason is not None:
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the
             # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
-            await self._ws.send_message(
-                encode(Rejected(request_id=request_id, reason=decision.reason))
-            )
+            await self._ws.send_message(encode(Rejected(request_id=request_id, reason=reason)))
             return None
         return prepared
 
@@ -356,9 +349,7 @@ class RequestConnection:
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(
-        self, request_id: int, prepared: PreparedRequest
-    ) -> list[msgspec.Struct]:
+    async def _execute(self, request_id: int, prepared: PreparedRequest) -> list[msgspec.Struct]:
         """Run one admitted-to-try request; return its last frames, the final one last (rule 3).
 
         ``Started`` goes out at once (the frontend sends its status line on it), and a chunk

@@ -387,6 +387,27 @@ async def test_gate_rejection_text_is_the_reason() -> None:
     assert str(info.value) == info.value.reason == REASON_DRAINING
 
 
+async def test_gate_reject_now_answers_only_when_slot_would_reject_and_counts_the_same() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    log: list[str] = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            clients = [await _start(nursery, gate, log, f"r{i}") for i in range(2)]
+            # One running, one queued: room for one more, so the gate must decide in slot().
+            assert gate.reject_now() is None
+            assert gate.state.received_total == 2
+            clients.append(await _start(nursery, gate, log, "r2"))
+            assert gate.reject_now() == REASON_OVERLOADED
+            assert (gate.state.received_total, gate.rejected_total) == (4, 1)
+            gate.drain()
+            assert gate.reject_now() == REASON_DRAINING
+            assert gate.state.draining_rejected_total == 1
+            for client in clients:
+                client.release.set()
+    assert gate.reject_now() == REASON_DRAINING
+    assert gate.in_flight == 0
+
+
 async def test_gate_lease_is_single_use() -> None:
     gate = AdmissionGate(engine_slots=2, queue_limit=2)
     lease = gate.slot()
