@@ -21,8 +21,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker_ingress.engines._upstream_metrics import facts_of_samples, parse_metrics_text
-from worker_ingress.engines._upstream_probes import UpstreamFacts
+from worker_ingress.engines.upstream._metrics import facts_of_samples, parse_metrics_text
+from worker_ingress.engines.upstream._probes import UpstreamFacts
 
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 LATENCY_BUCKETS = (

@@ -15,7 +15,7 @@ Rules:
    alive: :attr:`last_received` moves and an outstanding ping is cleared).
 3. A close frame from the worker is answered and raises :class:`PlaneClosed` with its code and
    reason; EOF raises it with 1006. A text message, a frame breaking the rules or a message
-   over the size cap raises :class:`~frontend_shim._request_plane.ProtocolError`.
+   over the size cap raises :class:`ProtocolError`.
 4. :meth:`aclose` sends a close frame when it can (bounded by ``close_timeout``) and always
    closes the stream.
 """
@@ -30,9 +30,7 @@ from typing import Final
 
 import trio
 
-from frontend_shim._request_plane import ProtocolError
-from shim_common._net import host_for_url
-from shim_common._websocket import (
+from frontend_shim._websocket import (
     OP_BINARY,
     OP_CLOSE,
     OP_PING,
@@ -45,8 +43,15 @@ from shim_common._websocket import (
     handshake_request,
     parse_close,
 )
+from shim_common._net import host_for_url
 
-__all__ = ["EVENTS_RECEIVE_BUFFER", "PlaneClosed", "PlaneConnection", "open_plane"]
+__all__ = [
+    "EVENTS_RECEIVE_BUFFER",
+    "PlaneClosed",
+    "PlaneConnection",
+    "ProtocolError",
+    "open_plane",
+]
 
 #: Bytes asked of the socket per read: many small event batches fit in one read.
 RECEIVE_BYTES: Final = 64 * 1024
@@ -67,6 +72,11 @@ class PlaneClosed(Exception):
         super().__init__(f"connection closed ({code}{' ' + reason if reason else ''})")
         self.code = code
         self.reason = reason
+
+
+class ProtocolError(Exception):
+    """The worker sent something out of protocol (here, or on a plane's session above: a second
+    hello, a reply for a request never sent); the session ends and is retried."""
 
 
 class PlaneConnection:

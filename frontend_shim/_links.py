@@ -62,20 +62,20 @@ from frontend_shim._connection import (
     EVENTS_RECEIVE_BUFFER,
     PlaneClosed,
     PlaneConnection,
+    ProtocolError,
     open_plane,
 )
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._request_plane import (
     LinkStats,
-    ProtocolError,
     RequestPlane,
     RequestStream,
     ResponseBuffer,
     unavailable,
 )
+from frontend_shim._websocket import HandshakeError, HandshakeRejected
 from shim_common import wire
 from shim_common._net import Backoff
-from shim_common._websocket import HandshakeError, HandshakeRejected
 
 __all__ = [
     "FleetListener",

@@ -26,12 +26,12 @@ from typing import Any, TypeAlias
 
 import trio
 
+from frontend_shim._connection import ProtocolError
 from shim_common import wire
 
 __all__ = [
     "FirstReply",
     "LinkStats",
-    "ProtocolError",
     "RequestPlane",
     "RequestStream",
     "ResponseBuffer",
@@ -43,10 +43,6 @@ __all__ = [
 FirstReply: TypeAlias = wire.Rejected | wire.Started | wire.Failed
 #: What iterating a :class:`RequestStream` yields after ``Started``.
 StreamReply: TypeAlias = wire.Chunk | wire.End | wire.Failed
-
-
-class ProtocolError(Exception):
-    """The worker sent something out of protocol; the session ends and is retried."""
 
 
 @dataclasses.dataclass

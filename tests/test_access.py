@@ -26,10 +26,10 @@ from frontend_shim._cli import parse_args as parse_frontend_args
 from frontend_shim._config import FrontendSettings
 from frontend_shim._connection import open_plane
 from frontend_shim._links import LinkSettings, WorkerLink
+from frontend_shim._websocket import HandshakeError, HandshakeRejected
 from shim_common import wire
 from shim_common._access import TLSFiles, bearer_matches, client_context, token_from_env
 from shim_common._cli import CliError
-from shim_common._websocket import HandshakeError, HandshakeRejected
 from worker_ingress._cli import parse_args as parse_worker_args
 from worker_ingress._config import WorkerSettings
 from worker_ingress._server import Worker, WorkerAddress

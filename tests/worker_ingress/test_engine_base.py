@@ -21,8 +21,8 @@ from worker_ingress.engines._base import (
 )
 from worker_ingress.engines._instant import InstantEngine
 from worker_ingress.engines._mocker import MockerEngine
-from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine
-from worker_ingress.engines._upstream_client import Origin
+from worker_ingress.engines.upstream._client import Origin
+from worker_ingress.engines.upstream._engine import OpenAIUpstreamEngine
 
 CONFIG = EngineConfig(
     kv_total_blocks=1000,

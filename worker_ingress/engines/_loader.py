@@ -19,7 +19,7 @@ __all__ = ["EngineLoadError", "load_engine"]
 _BUILT_IN = {
     "mocker": "worker_ingress.engines._mocker:create",
     "instant": "worker_ingress.engines._instant:create",
-    "openai": "worker_ingress.engines._openai_upstream:create",
+    "openai": "worker_ingress.engines.upstream:create",
 }
 
 

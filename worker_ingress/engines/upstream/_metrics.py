@@ -19,7 +19,7 @@ from typing import Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker_ingress.engines._upstream_probes import UpstreamFacts, positive_int
+from worker_ingress.engines.upstream._probes import UpstreamFacts, positive_int
 
 __all__ = [
     "CACHE_CONFIG_INFO",

@@ -1,8 +1,8 @@
 """What the ``openai`` engine has put on its upstream, as running totals (sans-IO).
 
 The worker cannot see inside the upstream, so between two readings of the upstream's own gauges
-(:mod:`worker_ingress.engines._upstream_metrics`) it reports an estimate built from the requests it
-forwarded: prompt tokens still prefilling and KV blocks held. See :class:`InFlightLoad`.
+(:mod:`worker_ingress.engines.upstream._metrics`) it reports an estimate built from the requests
+it forwarded: prompt tokens still prefilling and KV blocks held. See :class:`InFlightLoad`.
 """
 
 from __future__ import annotations

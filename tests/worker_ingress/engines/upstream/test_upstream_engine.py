@@ -2,16 +2,14 @@
 
 The fake upstream is a minimal trio + h11 server in this file: each test gives it a handler that
 plays one upstream behaviour (streams, errors, dies, hangs) and it records what it saw (bodies,
-connections, disconnects). Sans-IO parts (SSE framing, load bookkeeping, metric parsing, request
-validation) are tested without sockets.
+connections, disconnects). Request validation is tested without sockets; the sans-IO parts of the
+other modules of the package have test files of their own beside this one.
 """
 
 from __future__ import annotations
 
 import base64
-import itertools
 import json
-import math
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,33 +18,21 @@ from typing import Any
 
 import h11
 import httpx
-import hypothesis.strategies as st
 import msgspec
 import pytest
 import trio
-from hypothesis import given, settings
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import Worker
 from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
-from worker_ingress.engines._openai_upstream import OpenAIUpstreamEngine, UpstreamError, create
-from worker_ingress.engines._upstream_client import (
+from worker_ingress.engines.upstream._client import (
     Origin,
-    SSEDecoder,
     UpstreamClient,
     UpstreamConnectionError,
-    parse_base_url,
 )
-from worker_ingress.engines._upstream_load import InFlightLoad
-from worker_ingress.engines._upstream_metrics import parse_metrics_text
-from worker_ingress.engines._upstream_probes import (
-    SlotsReading,
-    parse_llamacpp_props,
-    parse_llamacpp_slots,
-    parse_sglang_server_info,
-)
+from worker_ingress.engines.upstream._engine import OpenAIUpstreamEngine, UpstreamError, create
 
 TIMEOUT = 10.0
 FALLBACK = EngineConfig(
@@ -238,179 +224,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three fo
 
 
 # ------------------------------------------------------------------------------------------
-# Sans-IO: URL, SSE, load, parsers, prepare
-
-
-@pytest.mark.parametrize(
-    ("url", "origin"),
-    [
-        ("http://127.0.0.1:8001", Origin("127.0.0.1", 8001, "")),
-        ("http://127.0.0.1:8001/v1", Origin("127.0.0.1", 8001, "")),
-        ("http://127.0.0.1:8001/v1/", Origin("127.0.0.1", 8001, "")),
-        ("http://host/engine/v1", Origin("host", 80, "/engine")),
-    ],
-)
-def test_parse_base_url(url: str, origin: Origin) -> None:
-    assert parse_base_url(url) == origin
-
-
-@pytest.mark.parametrize("url", ["https://h:1", "127.0.0.1:8001", "http://:80", "http://h:x"])
-def test_parse_base_url_refuses(url: str) -> None:
-    with pytest.raises(ValueError, match="upstream URL"):
-        parse_base_url(url)
-
-
-SSE_STREAM = (
-    b": keep-alive comment\r\n\r\n"
-    b'data: {"a": 1}\n\n'
-    b"event: message\r\ndata: first\r\ndata: second\r\n\r\n"
-    b"data:nospace\r\r"
-    b"data: [DONE]\n\n"
-)
-SSE_EVENTS = ['{"a": 1}', "first\nsecond", "nospace", "[DONE]"]
-
-
-def test_sse_decoder_whole() -> None:
-    decoder = SSEDecoder()
-    assert decoder.feed(SSE_STREAM) + decoder.close() == SSE_EVENTS
-
-
-@given(st.lists(st.integers(min_value=0, max_value=len(SSE_STREAM)), max_size=12))
-def test_sse_decoder_any_split(cuts: list[int]) -> None:
-    decoder = SSEDecoder()
-    events: list[str] = []
-    bounds = [0, *sorted(cuts), len(SSE_STREAM)]
-    for start, end in itertools.pairwise(bounds):
-        events += decoder.feed(SSE_STREAM[start:end])
-    assert events + decoder.close() == SSE_EVENTS
-
-
-def test_sse_decoder_bounds_a_line() -> None:
-    decoder = SSEDecoder(max_line_bytes=16)
-    with pytest.raises(ValueError, match="over 16 bytes"):
-        decoder.feed(b"data: " + b"x" * 32)
-
-
-def test_sse_decoder_event_without_final_blank_line() -> None:
-    decoder = SSEDecoder()
-    assert decoder.feed(b"data: last") == []
-    assert decoder.close() == ["last"]
-
-
-def test_in_flight_load_rules() -> None:
-    load = InFlightLoad(block_size=4)
-    first = load.start(5)
-    assert (load.prefill_tokens, load.blocks) == (5, 2)
-    second = load.start(3)
-    assert (load.prefill_tokens, load.blocks) == (8, 3)
-    assert load.first_output(first) is True
-    assert load.first_output(first) is False
-    assert load.prefill_tokens == 3
-    assert load.generated(first, 3) is False  # 8 tokens: still 2 blocks
-    assert load.generated(first, 1) is True  # 9 tokens: 3 blocks
-    assert load.blocks == 4
-    load.finish(second)  # still prefilling: its prompt leaves the prefill count
-    assert (load.prefill_tokens, load.blocks) == (0, 3)
-    load.finish(first)
-    assert (load.prefill_tokens, load.blocks, len(load)) == (0, 0, 0)
-
-
-@settings(max_examples=60)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(["start", "first", "gen", "finish"]), st.integers(0, 50)),
-        max_size=60,
-    )
-)
-def test_in_flight_load_matches_recount(operations: list[tuple[str, int]]) -> None:
-    load = InFlightLoad(block_size=16)
-    model: dict[int, list[int]] = {}
-    for operation, number in operations:
-        keys = sorted(model)
-        if operation == "start":
-            model[load.start(number)] = [number, 0, 1]
-            continue
-        if not keys:
-            continue
-        key = keys[number % len(keys)]
-        if operation == "first":
-            load.first_output(key)
-            model[key][2] = 0
-        elif operation == "gen":
-            load.generated(key, number)
-            model[key][1] += number
-        else:
-            load.finish(key)
-            del model[key]
-        assert load.prefill_tokens == sum(p for p, _, prefilling in model.values() if prefilling)
-        assert load.blocks == sum(math.ceil((p + g) / 16) for p, g, _ in model.values())
-
-
-VLLM_METRICS = """\
-# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
-# TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="573"} 1.0
-vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="573"} 1.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
-vllm:num_requests_running{engine="0",model_name="m"} 2.0
-"""
-
-
-def test_parse_vllm_metrics() -> None:
-    facts = parse_metrics_text(VLLM_METRICS)
-    assert (facts.kv_total_blocks, facts.block_size) == (1146, 16)
-    assert facts.usage_gauge == "vllm:kv_cache_usage_perc"
-    assert facts.kv_usage == pytest.approx(0.5)
-
-
-def test_parse_metrics_reads_escaped_labels_and_skips_broken_lines() -> None:
-    text = (
-        "vllm:num_requests_running{engine=\"0\"} oops\n"  # not a wanted name: never parsed
-        'vllm:cache_config_info{note="a\\"b\\nc",block_size="32",num_gpu_blocks="10"} 1.0\n'
-        'vllm:cache_config_info{block_size="32",num_gpu_blocks="5" 1.0\n'  # broken: skipped
-        "sglang:token_usage 0.5\n"
-        "vllm:gpu_cache_usage_perc 0.25\n"  # preferred to SGLang's gauge, wherever it stands
-    )
-    facts = parse_metrics_text(text)
-    assert (facts.kv_total_blocks, facts.block_size) == (10, 32)
-    assert (facts.usage_gauge, facts.kv_usage) == ("vllm:gpu_cache_usage_perc", 0.25)
-
-
-def test_parse_llamacpp_props_and_slots() -> None:
-    # llama.cpp's /metrics has request counts but no KV usage gauge.
-    facts = parse_metrics_text("llamacpp:requests_processing 1\nllamacpp:n_tokens_max 72\n")
-    assert (facts.usage_gauge, facts.kv_usage, facts.kv_total_blocks) == (None, None, None)
-    slots = [
-        {"id": 0, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 447},
-        {"id": 1, "n_ctx": 1024, "is_processing": False, "n_prompt_tokens": 913},  # cache only
-        {"id": 2, "is_processing": True, "next_token": [{"n_decoded": 5}]},  # an older version
-    ]
-    assert parse_llamacpp_slots(slots) == SlotsReading(processing=2, tokens=452)
-    assert parse_llamacpp_slots([]) is None
-    assert parse_llamacpp_slots({"error": "slots endpoint disabled"}) is None
-    assert parse_llamacpp_slots([{"id": 0}]) is None
-    props = {"total_slots": 4, "default_generation_settings": {"n_ctx": 4096}}
-    facts = parse_llamacpp_props(props, block_size=16)
-    assert (facts.kv_total_blocks, facts.max_num_seqs) == (1024, 4)
-    assert parse_llamacpp_props({"total_slots": 4}, 16).kv_total_blocks is None
-
-
-def test_parse_sglang_server_info() -> None:
-    info = {
-        "max_total_num_tokens": 100_000,
-        "page_size": 1,
-        "max_running_requests": 128,
-        "chunked_prefill_size": 8192,
-        "dp_size": 2,
-    }
-    facts = parse_sglang_server_info(info)
-    assert (facts.kv_total_blocks, facts.block_size) == (200_000, 1)
-    assert (facts.max_num_seqs, facts.max_num_batched_tokens) == (256, 16384)
-    nested = {"internal_states": [{"max_total_num_tokens": 64}], "page_size": 16}
-    assert parse_sglang_server_info(nested).kv_total_blocks == 4
-    assert parse_sglang_server_info({"something": "else"}).kv_total_blocks is None
+# Sans-IO: prepare and create
 
 
 def test_prepare_forces_streaming_with_usage() -> None:

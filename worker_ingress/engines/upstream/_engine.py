@@ -30,8 +30,8 @@ Requests:
   pool with an unread body), so the upstream sees the disconnect and aborts the generation.
 
 Configuration announced (:attr:`OpenAIUpstreamEngine.config`), read once in :meth:`run` before it
-reports ready, first source that answers wins (asked by ``_upstream_discovery``, read by the
-parsers of ``_upstream_probes`` and ``_upstream_metrics``):
+reports ready, first source that answers wins (asked by ``_discovery``, read by the
+parsers of ``_probes`` and ``_metrics``):
 
 1. vLLM: ``GET /metrics``, gauge ``vllm:cache_config_info``, labels ``num_gpu_blocks`` and
    ``block_size`` (summed over data-parallel engines).
@@ -58,9 +58,9 @@ it balances its ranks itself and the worker cannot see where a request lands, so
 ``--data-parallel-size D`` upstream are multiplied by D and its load is reported on rank 0.
 
 Load (:meth:`OpenAIUpstreamEngine.load`) is the larger of two readings: the estimate of
-:class:`~worker_ingress.engines._upstream_load.InFlightLoad` (what this engine has in flight; it
-reacts at once) and the upstream's own numbers, polled every second (they see requests of other
-clients, prefix-cache sharing and preemption): the KV usage gauge of its ``/metrics``
+:class:`~worker_ingress.engines.upstream._in_flight.InFlightLoad` (what this engine has in
+flight; it reacts at once) and the upstream's own numbers, polled every second (they see requests
+of other clients, prefix-cache sharing and preemption): the KV usage gauge of its ``/metrics``
 (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``) times
 the total blocks, or for llama.cpp, whose ``/metrics`` has no such gauge, the tokens its busy
 slots hold according to ``GET /slots``, in blocks.
@@ -91,7 +91,7 @@ from worker_ingress.engines._base import (
     prompt_words,
     requested_max_tokens,
 )
-from worker_ingress.engines._upstream_client import (
+from worker_ingress.engines.upstream._client import (
     DEFAULT_READ_TIMEOUT,
     Origin,
     SSEDecoder,
@@ -99,8 +99,8 @@ from worker_ingress.engines._upstream_client import (
     UpstreamConnectionError,
     parse_base_url,
 )
-from worker_ingress.engines._upstream_discovery import UpstreamDiscovery
-from worker_ingress.engines._upstream_load import InFlightLoad
+from worker_ingress.engines.upstream._discovery import UpstreamDiscovery
+from worker_ingress.engines.upstream._in_flight import InFlightLoad
 
 __all__ = ["DEFAULT_MAX_TOKENS", "OpenAIUpstreamEngine", "UpstreamError", "create"]
 

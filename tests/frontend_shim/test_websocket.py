@@ -20,7 +20,7 @@ from wsproto.events import (
     Request,
 )
 
-from shim_common._websocket import (
+from frontend_shim._websocket import (
     OP_BINARY,
     OP_CLOSE,
     OP_CONTINUATION,

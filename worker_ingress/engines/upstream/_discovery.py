@@ -1,8 +1,8 @@
 """What the ``openai`` engine asks its upstream outside requests: readiness, limits, load.
 
 :class:`UpstreamDiscovery` owns a small connection pool of its own (a full request pool must not
-starve it) and does the I/O around the sans-IO parsers of ``_upstream_probes`` and
-``_upstream_metrics``:
+starve it) and does the I/O around the sans-IO parsers of ``_probes`` and
+``_metrics``:
 
 1. :meth:`~UpstreamDiscovery.wait_until_ready`: ``GET /v1/models`` until it answers 200, with
    :class:`shim_common._net.Backoff` from 0.1 s up to 5 s, logging each failure;
@@ -25,9 +25,9 @@ import trio
 
 from shim_common._net import Backoff
 from worker_ingress.engines._base import EngineConfig
-from worker_ingress.engines._upstream_client import Origin, UpstreamClient, UpstreamConnectionError
-from worker_ingress.engines._upstream_metrics import parse_metrics_text
-from worker_ingress.engines._upstream_probes import (
+from worker_ingress.engines.upstream._client import Origin, UpstreamClient, UpstreamConnectionError
+from worker_ingress.engines.upstream._metrics import parse_metrics_text
+from worker_ingress.engines.upstream._probes import (
     UpstreamFacts,
     parse_llamacpp_props,
     parse_llamacpp_slots,

@@ -6,7 +6,7 @@ Each parser takes the decoded JSON of one endpoint and returns :class:`UpstreamF
 - SGLang ``GET /get_server_info``: :func:`parse_sglang_server_info`;
 - llama.cpp ``GET /props``: :func:`parse_llamacpp_props`.
 
-vLLM says what we need in its ``/metrics`` (:mod:`worker_ingress.engines._upstream_metrics`).
+vLLM says what we need in its ``/metrics`` (:mod:`worker_ingress.engines.upstream._metrics`).
 
 llama.cpp's ``/metrics`` has no KV usage gauge (only request counts), so its load is read from
 ``GET /slots`` instead: :func:`parse_llamacpp_slots`.
