@@ -28,8 +28,8 @@ A ticket goes through these states::
         |                               |          |                            cancel() ^
         |                               +----------+--cancel()--> CANCELLED
         |                               +----------+--expire()--> TIMED_OUT   (a rejection)
-        +--(hand and channel full)----> Rejected(REASON_OVERLOADED)  (counted)
-        +--(after drain())------------> Rejected(REASON_DRAINING)    (not counted)
+        +--(hand and channel full)----> GateRefusal(REASON_OVERLOADED)  (counted)
+        +--(after drain())------------> GateRefusal(REASON_DRAINING)    (not counted)
 
 - Direct path: a new request starts at once only when a slot is free AND nobody is queued, so a
   newcomer never overtakes a queued request. Invariant: ``queued > 0`` implies ``running == N``.
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdmissionGate",
     "AdmissionState",
-    "Rejected",
+    "GateRefusal",
     "Rejection",
     "Ticket",
     "TicketStatus",
@@ -120,7 +120,7 @@ class Ticket:
         return f"<Ticket #{self.number} {self.status.value}>"
 
 
-class Rejected:
+class GateRefusal:
     """The decision to turn a request away; ``reason`` is one of the ``wire.REASON_*`` texts."""
 
     __slots__ = ("reason",)
@@ -129,12 +129,12 @@ class Rejected:
         self.reason = reason
 
     def __repr__(self) -> str:
-        return f"Rejected({self.reason!r})"
+        return f"GateRefusal({self.reason!r})"
 
 
 # Decisions carry no per-request data, so they are shared: a rejection allocates nothing here.
-_REJECTED_OVERLOADED: Final = Rejected(REASON_OVERLOADED)
-_REJECTED_DRAINING: Final = Rejected(REASON_DRAINING)
+_REJECTED_OVERLOADED: Final = GateRefusal(REASON_OVERLOADED)
+_REJECTED_DRAINING: Final = GateRefusal(REASON_DRAINING)
 
 
 class AdmissionState:
@@ -232,12 +232,12 @@ class AdmissionState:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def arrive(self) -> Ticket | Rejected:
+    def arrive(self) -> Ticket | GateRefusal:
         """A request arrives.
 
         Returns:
             A :class:`Ticket` that is ``RUNNING`` (it holds a slot now) or queued (``HAND`` or
-            ``CHANNEL``: wait until a later event reports it started), or a :class:`Rejected`.
+            ``CHANNEL``: wait until a later event reports it started), or a :class:`GateRefusal`.
         """
         self.received_total += 1
         if self._draining:
@@ -505,7 +505,7 @@ class AdmissionGate:
         if not state.draining and state.queued < state.queue_limit:
             return None
         decision = state.arrive()
-        if not isinstance(decision, Rejected):
+        if not isinstance(decision, GateRefusal):
             raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
         return decision.reason
 
@@ -577,7 +577,7 @@ class _SlotLease:
         await trio.lowlevel.checkpoint_if_cancelled()
         gate = self._gate
         decision = gate._state.arrive()
-        if isinstance(decision, Rejected):
+        if isinstance(decision, GateRefusal):
             raise Rejection(decision.reason)
         ticket = decision
         self._ticket = ticket

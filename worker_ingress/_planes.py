@@ -72,7 +72,7 @@ from worker_ingress.engines._base import EngineInputError, PreparedRequest
 if TYPE_CHECKING:
     from worker_ingress._server import Worker
 
-__all__ = ["EventConnection", "PlaneConnection", "RequestConnection", "coalesce_chunks"]
+__all__ = ["EventConnection", "RequestConnection", "WorkerPlaneConnection", "coalesce_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -470,4 +470,4 @@ class EventConnection:
         self._scope.cancel()
 
 
-PlaneConnection = RequestConnection | EventConnection
+WorkerPlaneConnection = RequestConnection | EventConnection

@@ -61,7 +61,7 @@ from worker_ingress._admission import AdmissionGate
 from worker_ingress._config import WorkerSettings
 from worker_ingress._events import EventPublisher
 from worker_ingress._metrics import WorkerMetrics
-from worker_ingress._planes import EventConnection, PlaneConnection, RequestConnection
+from worker_ingress._planes import EventConnection, RequestConnection, WorkerPlaneConnection
 from worker_ingress._system import serve_system
 from worker_ingress.engines._base import Engine
 
@@ -141,7 +141,7 @@ class Worker:
         self.abandoning = False
         self._status: HealthStatus = "starting"
         self._drain_requested = trio.Event()
-        self._connections: set[PlaneConnection] = set()
+        self._connections: set[WorkerPlaneConnection] = set()
         self._token = settings.token.encode("ascii") if settings.token is not None else None
         self._refusals = _RefusalLog()
 
@@ -322,7 +322,7 @@ class Worker:
             self.metrics.count_connection_error()
 
     async def _serve_connection(self, request: WebSocketRequest) -> None:
-        factory: Callable[[Worker, WebSocketConnection], PlaneConnection]
+        factory: Callable[[Worker, WebSocketConnection], WorkerPlaneConnection]
         if self._token is not None and not _authorized(request, self._token):
             # Before anything else, the path included: a caller without the token learns
             # nothing about this worker.

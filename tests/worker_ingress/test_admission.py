@@ -12,7 +12,7 @@ from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TI
 from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
-    Rejected,
+    GateRefusal,
     Rejection,
     Ticket,
     TicketStatus,
@@ -47,7 +47,7 @@ def test_state_cap_is_exactly_n_plus_q_with_the_hand_counted_as_queued() -> None
     ]
     assert (state.running, state.queued, state.in_flight) == (2, 3, 5)
     rejected = state.arrive()
-    assert isinstance(rejected, Rejected)
+    assert isinstance(rejected, GateRefusal)
     assert rejected.reason == REASON_OVERLOADED
     assert state.rejected_total == 1
     assert state.in_flight == 5
@@ -89,7 +89,7 @@ def test_state_cancel_of_the_hand_moves_the_next_up_and_gives_the_place_back() -
     state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     hand, channel = _admit(state), _admit(state)
-    assert isinstance(state.arrive(), Rejected)
+    assert isinstance(state.arrive(), GateRefusal)
     assert state.cancel(hand) is None
     assert hand.status is TicketStatus.CANCELLED
     assert state.hand is channel
@@ -144,7 +144,7 @@ def test_state_drain_rejects_arrivals_apart_and_lets_the_rest_go_on() -> None:
     waiting = _admit(state)
     state.drain()
     rejected = state.arrive()
-    assert isinstance(rejected, Rejected)
+    assert isinstance(rejected, GateRefusal)
     assert rejected.reason == REASON_DRAINING
     assert (state.rejected_total, state.draining_rejected_total) == (0, 1)
     assert state.finish(running) is waiting

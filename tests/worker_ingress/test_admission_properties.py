@@ -23,7 +23,7 @@ from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TI
 from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
-    Rejected,
+    GateRefusal,
     Rejection,
     Ticket,
     TicketStatus,
@@ -95,10 +95,10 @@ class AdmissionStateMachine(RuleBasedStateMachine):
         in_flight_before = self.state.in_flight
         expected = self.model.arrive(rid)
         decision = self.state.arrive()
-        if isinstance(decision, Rejected):
+        if isinstance(decision, GateRefusal):
             assert expected in ("rejected", "draining")
             if expected == "rejected":
-                # Rejected only when there was truly no room.
+                # Refused only when there was truly no room.
                 assert in_flight_before == self.model.slots + self.model.queue_limit
                 assert decision.reason == REASON_OVERLOADED
             else:
