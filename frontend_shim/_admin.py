@@ -21,7 +21,7 @@ from typing import Any, Final
 import msgspec
 
 from frontend_shim._load import Fleet
-from frontend_shim._responses import BadRequest
+from frontend_shim._request_body import BadRequest
 from frontend_shim._thresholds import ThresholdError, Thresholds
 from shim_common._access import bearer_matches
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers

@@ -3,7 +3,8 @@
 Routes: the OpenAI API here (completions, embeddings, ``/v1/models``); ``/busy_threshold`` in
 :mod:`frontend_shim._admin`; ``/metrics``, ``/health`` and ``/live`` in
 :mod:`shim_common._status`. How the answer of a started request is shaped is in
-:mod:`frontend_shim._responses`.
+:mod:`frontend_shim._responses`, what it is counted as in :mod:`frontend_shim._accounting`, and
+what is read of its body in :mod:`frontend_shim._request_body`.
 
 Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``):
@@ -38,17 +39,15 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
+from frontend_shim._accounting import Exchange, Progress
 from frontend_shim._admin import AdminRoutes
 from frontend_shim._config import FrontendSettings
-from frontend_shim._discovery import WorkerKey
+from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
-from frontend_shim._pool import WorkerPool
+from frontend_shim._request_body import BadRequest, parse_completion_body
 from frontend_shim._request_plane import RequestStream
 from frontend_shim._responses import (
-    BadRequest,
-    Exchange,
-    Progress,
     error_type,
     overload_body,
     send_failure,
@@ -76,7 +75,7 @@ from shim_common._httpserver import (
 )
 from shim_common._status import READY, STATUS_PATHS, HealthReport, StatusRoutes
 
-__all__ = ["FrontendAPI", "WorkerDirectory"]
+__all__ = ["FrontendAPI", "WorkerLinks"]
 
 _ENDPOINTS: Final[dict[str, wire.Endpoint]] = {
     "/v1/chat/completions": "chat_completions",
@@ -86,11 +85,11 @@ _ENDPOINTS: Final[dict[str, wire.Endpoint]] = {
 _json_encode = msgspec.json.Encoder().encode
 
 
-class WorkerDirectory(Protocol):
-    """Where a routed worker id is found among the links (a ``FleetBridge``)."""
+class WorkerLinks(Protocol):
+    """Where the link of a routed worker is found (a ``FleetBridge``)."""
 
-    def key_of(self, worker_id: str) -> WorkerKey | None:
-        """The link address of a registered worker, or ``None``."""
+    def link_of(self, worker_id: str) -> WorkerLink | None:
+        """The link of a registered worker, or ``None`` (it went away)."""
         ...
 
 
@@ -101,8 +100,8 @@ class FrontendAPI:
         settings: the frontend settings.
         fleet: the load state.
         router: picks workers over the fleet.
-        pool: the links to the workers.
-        directory: maps worker ids to link addresses.
+        links: the link of each routed worker.
+        admin: the ``/busy_threshold`` handlers.
         waiting: where requests park with ``--router-queue-threshold``.
         metrics: where requests are counted.
     """
@@ -113,15 +112,14 @@ class FrontendAPI:
         settings: FrontendSettings,
         fleet: Fleet,
         router: Router,
-        pool: WorkerPool,
-        directory: WorkerDirectory,
+        links: WorkerLinks,
+        admin: AdminRoutes,
         waiting: WaitingRoom,
         metrics: FrontendMetrics,
     ) -> None:
         self._fleet = fleet
         self._router = router
-        self._pool = pool
-        self._directory = directory
+        self._links = links
         self._waiting = waiting
         self._metrics = metrics
         self._overload_status = settings.overload_status
@@ -132,14 +130,6 @@ class FrontendAPI:
         self._draining = False
         self._idle = trio.Event()
         self._status = StatusRoutes(metrics.render_off_loop, self._health)
-        admin = AdminRoutes(
-            fleet,
-            disabled=settings.admin_api_disabled,
-            token=settings.admin_token,
-            on_change=lambda model, thresholds: pool.thresholds_changed(
-                model, thresholds.to_wire()
-            ),
-        )
         self._routes: dict[tuple[str, str], Callable[[HTTPRequest, HTTPResponder], Awaitable[None]]]
         self._routes = {
             ("GET", "/v1/models"): self._models,
@@ -224,7 +214,7 @@ class FrontendAPI:
         self._in_flight += 1
         try:
             try:
-                body = _parse_body(await request.read_body(), endpoint)
+                body = parse_completion_body(await request.read_body(), endpoint)
             except BadRequest as exc:
                 self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
                 raise
@@ -274,8 +264,7 @@ class FrontendAPI:
                 await responder.send(404, json_headers(), error_body(message, 404))
                 return
             worker_id = outcome.worker_id
-            key = self._directory.key_of(worker_id)
-            link = self._pool.link(key) if key is not None else None
+            link = self._links.link_of(worker_id)
             if link is None:  # the worker went away between the event and this pick
                 if attempt.on_rejected(self._router, worker_id, wire.REASON_DRAINING, now):
                     continue
@@ -310,15 +299,11 @@ class FrontendAPI:
         started: wire.Started,
         body: dict[str, Any],
     ) -> None:
-        progress = Progress(
-            self._fleet,
-            self._metrics,
-            exchange,
-            worker_id,
-            self._fleet.request_sent(worker_id, started.prompt_tokens),
+        progress = Progress.start(
+            self._fleet, self._metrics, exchange, worker_id, started.prompt_tokens
         )
         try:
-            await serve_started(responder, progress, stream, body)
+            await serve_started(responder, exchange.endpoint, stream, body, progress)
         finally:
             progress.finished()
             self._completions.record(trio.current_time())
@@ -349,27 +334,3 @@ class FrontendAPI:
     def _health(self) -> HealthReport:
         details = {"workers_connected": self._fleet.connected_count, "models": self._fleet.models()}
         return HealthReport("draining" if self._draining else READY, details)
-
-
-# ----------------------------------------------------------------------------- request bodies
-
-
-def _parse_body(raw: bytes, endpoint: wire.Endpoint) -> dict[str, Any]:
-    """Parse and check what the frontend itself needs of a completion body (once)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(400, "request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest(400, "`model` must be a non-empty string")
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(400, "`stream` must be a boolean")
-    if endpoint == "chat_completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest(400, "`messages` must be a non-empty array")
-    return body

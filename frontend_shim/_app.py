@@ -9,8 +9,9 @@ Task tree of :func:`run_frontend` (one nursery, everything owned)::
     └── _tick                 periodic expiry: staleness, mark leases, frontend-queue release
 
 Construction follows the dependencies, so nothing is wired up after the fact: the fleet, then
-the waiting room (the frontend queue), then the :class:`~frontend_shim._fleet_bridge.FleetBridge`
-that releases parked requests on every fleet change, then the links and the API.
+the waiting room (the frontend queue), then the links, then the
+:class:`~frontend_shim._fleet_bridge.FleetBridge` over both (it releases parked requests on every
+fleet change and finds the link of a routed worker), then the API.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 import prometheus_client
 import trio
 
+from frontend_shim._admin import AdminRoutes
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
@@ -111,7 +113,6 @@ async def run_frontend(
         settings.router_queue_capacity if settings.router_queue_threshold is not None else None
     )
     waiting = WaitingRoom(fleet, capacity)
-    bridge = FleetBridge(fleet, on_change=waiting.release)
     async with trio.open_nursery() as nursery:
         local_urls: list[str] = []
         if settings.local_workers:
@@ -130,13 +131,22 @@ async def run_frontend(
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
         )
+        bridge = FleetBridge(fleet, on_change=waiting.release, links=pool.links)
         metrics.watch_links(lambda: _link_samples(pool))
+        admin = AdminRoutes(
+            fleet,
+            disabled=settings.admin_api_disabled,
+            token=settings.admin_token,
+            on_change=lambda model, thresholds: pool.thresholds_changed(
+                model, thresholds.to_wire()
+            ),
+        )
         api = FrontendAPI(
             settings=settings,
             fleet=fleet,
             router=router,
-            pool=pool,
-            directory=bridge,
+            links=bridge,
+            admin=admin,
             waiting=waiting,
             metrics=metrics,
         )

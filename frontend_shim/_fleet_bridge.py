@@ -2,15 +2,17 @@
 
 The worker links speak of workers by address (``ws://host:port``), the load state by the id a
 worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
-turns link news into :class:`~frontend_shim._load.Fleet` calls.
+turns link news into :class:`~frontend_shim._load.Fleet` calls. The same map answers the other
+way: the link of a routed worker id (:meth:`FleetBridge.link_of`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from frontend_shim._discovery import WorkerKey
+from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from shim_common import wire
 
@@ -29,11 +31,18 @@ class FleetBridge:
     Args:
         fleet: the load state to update.
         on_change: called after every change of the fleet (to release parked requests).
+        links: the links now running, by key (a live view, e.g. ``WorkerPool.links``).
     """
 
-    def __init__(self, fleet: Fleet, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        on_change: Callable[[], None],
+        links: Mapping[WorkerKey, WorkerLink] | None = None,
+    ) -> None:
         self._fleet = fleet
         self._on_change = on_change
+        self._links: Mapping[WorkerKey, WorkerLink] = links if links is not None else {}
         #: Every link that is up, with the config of its latest hello.
         self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
         #: The link that speaks for each registered worker id.
@@ -42,6 +51,11 @@ class FleetBridge:
     def key_of(self, worker_id: str) -> WorkerKey | None:
         """The link address of a registered worker."""
         return self._owner.get(worker_id)
+
+    def link_of(self, worker_id: str) -> WorkerLink | None:
+        """The link that speaks for a registered worker, or ``None`` (it went away)."""
+        key = self._owner.get(worker_id)
+        return self._links.get(key) if key is not None else None
 
     def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
         self._up[key] = config

@@ -241,7 +241,7 @@ class Fleet:
             return
         rank = worker.ranks[load.dp_rank]
         if not rank.reported:
-            # From now on this rank takes part in the AND of rule 2.
+            # From now on this rank takes part in the AND of _free_sets.py's rule 1.
             rank.reported = True
             worker.reported_ranks += 1
         rank.reported_blocks = max(load.kv_used_blocks, load.active_decode_blocks)

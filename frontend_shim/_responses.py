@@ -13,6 +13,11 @@ The status line of a completion goes out only once the worker has started the re
 
 A streamed chunk differs from the last only in its choice, so :class:`ResponseShape` encodes the
 envelope around the choice once per request and each chunk encodes just its choice.
+
+This module formats; it keeps no books. What it answers is noted on a :class:`Tally` (the status,
+before the answer goes out) and, for a started request, an :class:`OutputTally` (each chunk, and
+the answer's completion): the request's accounting (:mod:`frontend_shim._accounting`) stands
+behind both, so formatting knows nothing of routing or metrics.
 """
 
 from __future__ import annotations
@@ -21,25 +26,19 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
-import trio
 
-from frontend_shim._free_sets import InFlight
-from frontend_shim._load import Fleet
-from frontend_shim._metrics import FrontendMetrics
 from frontend_shim._request_plane import RequestStream
 from shim_common import wire
 from shim_common._httpserver import HTTPResponder, error_body, json_headers
 
 __all__ = [
-    "CLIENT_CLOSED",
     "UNAVAILABLE_BODY",
-    "BadRequest",
-    "Exchange",
-    "Progress",
+    "OutputTally",
     "ResponseShape",
+    "Tally",
     "error_type",
     "overload_body",
     "send_failure",
@@ -57,28 +56,12 @@ _SSE_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
 ]
 _DONE: Final = b"data: [DONE]\n\n"
-#: Status counted for a request whose client left before an answer (nginx's convention).
-CLIENT_CLOSED: Final = 499
 _json_encode = msgspec.json.Encoder().encode
 
 
 def overload_body(status: int) -> bytes:
     """The overload answer's body, byte for byte; ``code`` follows the configured status."""
     return b'{"message":"Service temporarily overloaded","type":"Overloaded","code":%d}' % status
-
-
-class BadRequest(Exception):
-    """Client input the frontend refuses; ``status`` is 400, 404, 405, 413 or 422."""
-
-    def __init__(
-        self, status: int, message: str, *, admin: bool = False, allow: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        #: The admin API answers ``{"error": "..."}``, the OpenAI API its nested error object.
-        self.admin = admin
-        #: The ``Allow`` header of a 405: the methods the path accepts.
-        self.allow = allow
 
 
 def error_type(status: int) -> str:
@@ -88,90 +71,56 @@ def error_type(status: int) -> str:
     )
 
 
-class Exchange:
-    """Book-keeping of one completion request for metrics."""
+class Tally(Protocol):
+    """Where the status of an answer is noted for the request counters.
 
-    __slots__ = ("arrival", "endpoint", "label", "status")
-
-    def __init__(self, endpoint: wire.Endpoint, label: str, arrival: float) -> None:
-        self.endpoint = endpoint
-        self.label = label
-        self.arrival = arrival
-        self.status = CLIENT_CLOSED
-
-
-class Progress:
-    """Book-keeping of a started request as its output arrives: TTFT, the router's own count
-    of what the worker holds (:meth:`Fleet.request_output`), duration, and the final release.
+    Set before the answer goes out, so a client that leaves during it is counted by the status
+    it was sent.
     """
 
-    __slots__ = ("_charge", "_fleet", "_metrics", "_waiting_first", "exchange", "worker_id")
+    status: int
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        metrics: FrontendMetrics,
-        exchange: Exchange,
-        worker_id: str,
-        charge: InFlight | None,
-    ) -> None:
-        self._fleet = fleet
-        self._metrics = metrics
-        self.exchange = exchange
-        self.worker_id = worker_id
-        self._charge = charge
-        self._waiting_first = True
 
-    def chunk(self, reply: wire.Chunk) -> bool:
-        """Account for one chunk; return whether it was the first."""
-        first = self._waiting_first
-        if first:
-            self._waiting_first = False
-            self._metrics.observe_ttft(
-                self.exchange.label, trio.current_time() - self.exchange.arrival
-            )
-        if self._charge is not None and reply.tokens:
-            self._fleet.request_output(self.worker_id, self._charge, reply.tokens)
-        return first
+class OutputTally(Tally, Protocol):
+    """What answering a started request reports besides its status."""
+
+    def output(self, reply: wire.Chunk) -> None:
+        """One chunk of output arrived from the worker."""
 
     def completed(self) -> None:
-        """The response went out in full."""
-        self._metrics.observe_duration(
-            self.exchange.label, trio.current_time() - self.exchange.arrival
-        )
-
-    def finished(self) -> None:
-        """The request is over, however it ended: drop the router's charge."""
-        if self._charge is not None:
-            self._fleet.request_finished(self.worker_id, self._charge)
+        """The answer went out in full."""
 
 
 async def serve_started(
-    responder: HTTPResponder, progress: Progress, stream: RequestStream, body: dict[str, Any]
+    responder: HTTPResponder,
+    endpoint: wire.Endpoint,
+    stream: RequestStream,
+    body: dict[str, Any],
+    tally: OutputTally,
 ) -> None:
     """Answer a request the worker has started, from its replies (see the module rules)."""
-    if progress.exchange.endpoint == "embeddings":
-        await _serve_embeddings(responder, progress, stream, body)
+    if endpoint == "embeddings":
+        await _serve_embeddings(responder, stream, body, tally)
     elif body.get("stream") is True:
-        await _serve_stream(responder, progress, stream, body)
+        await _serve_stream(responder, endpoint, stream, body, tally)
     else:
-        await _serve_whole(responder, progress, stream, body)
+        await _serve_whole(responder, endpoint, stream, body, tally)
 
 
 async def _serve_stream(
     responder: HTTPResponder,
-    progress: Progress,
+    endpoint: wire.Endpoint,
     stream: RequestStream,
     body: dict[str, Any],
+    tally: OutputTally,
 ) -> None:
-    exchange = progress.exchange
-    shape = ResponseShape(exchange.endpoint, body)
-    exchange.status = 200
+    shape = ResponseShape(endpoint, body)
+    tally.status = 200
     await responder.start_stream(200, list(_SSE_HEADERS))
     started_choices: set[int] = set()  # a request with n > 1 interleaves its choices
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
-            progress.chunk(reply)
+            tally.output(reply)
             first = reply.index not in started_choices
             started_choices.add(reply.index)
             await responder.send_chunk(_sse(shape.chunk(reply, first)))
@@ -181,12 +130,12 @@ async def _serve_stream(
                 tail = _sse(shape.usage_chunk(reply))
             await responder.send_chunk(tail + _DONE)
             await responder.end_stream()
-            progress.completed()
+            tally.completed()
             return
         else:
             _log.warning("request failed after it started: %s", reply.message)
             # The head said 200, but for the counters this request failed.
-            exchange.status = 500
+            tally.status = 500
             error = {"error": {"message": reply.message, "type": reply.kind, "code": 500}}
             await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
             await responder.end_stream()
@@ -195,42 +144,41 @@ async def _serve_stream(
 
 async def _serve_whole(
     responder: HTTPResponder,
-    progress: Progress,
+    endpoint: wire.Endpoint,
     stream: RequestStream,
     body: dict[str, Any],
+    tally: OutputTally,
 ) -> None:
-    exchange = progress.exchange
-    shape = ResponseShape(exchange.endpoint, body)
+    shape = ResponseShape(endpoint, body)
     pieces: dict[int, list[str]] = {0: []}  # choice index -> its texts
     finish_reasons: dict[int, str] = {}
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
-            progress.chunk(reply)
+            tally.output(reply)
             pieces.setdefault(reply.index, []).append(reply.text)
             if reply.finish_reason:
                 finish_reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, wire.End):
-            exchange.status = 200
+            tally.status = 200
             choices = {
                 index: ("".join(texts), finish_reasons.get(index))
                 for index, texts in sorted(pieces.items())
             }
             payload = shape.whole(choices, reply)
             await responder.send(200, json_headers(), payload)
-            progress.completed()
+            tally.completed()
             return
         else:
-            await send_failure(responder, exchange, reply)
+            await send_failure(responder, tally, reply)
             return
 
 
 async def _serve_embeddings(
     responder: HTTPResponder,
-    progress: Progress,
     stream: RequestStream,
     body: dict[str, Any],
+    tally: OutputTally,
 ) -> None:
-    exchange = progress.exchange
     vectors: list[dict[str, Any]] = []
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
@@ -240,7 +188,7 @@ async def _serve_embeddings(
                 )
         elif isinstance(reply, wire.End):
             vectors.sort(key=lambda item: item["index"])
-            exchange.status = 200
+            tally.status = 200
             payload = {
                 "object": "list",
                 "data": vectors,
@@ -251,35 +199,33 @@ async def _serve_embeddings(
                 },
             }
             await responder.send(200, json_headers(), _json_encode(payload))
-            progress.completed()
+            tally.completed()
             return
         else:
-            await send_failure(responder, exchange, reply)
+            await send_failure(responder, tally, reply)
             return
 
 
-async def send_unavailable(
-    responder: HTTPResponder, exchange: Exchange, *, close: bool = False
-) -> None:
+async def send_unavailable(responder: HTTPResponder, tally: Tally, *, close: bool = False) -> None:
     """Answer 503 with ``Retry-After: 1``; ``close``: and end the connection (draining)."""
-    exchange.status = 503
+    tally.status = 503
     headers = json_headers((b"retry-after", b"1"))
     if close:  # draining: the client should reconnect, to another frontend
         headers.append((b"connection", b"close"))
     await responder.send(503, headers, UNAVAILABLE_BODY)
 
 
-async def send_failure(responder: HTTPResponder, exchange: Exchange, failed: wire.Failed) -> None:
+async def send_failure(responder: HTTPResponder, tally: Tally, failed: wire.Failed) -> None:
     """Answer a request the worker failed before it started."""
     if failed.kind == "bad_request":
         status, kind = 400, "invalid_request_error"
     elif failed.kind == "unavailable":
-        await send_unavailable(responder, exchange)
+        await send_unavailable(responder, tally)
         return
     else:
         _log.warning("worker request failed: %s: %s", failed.kind, failed.message)
         status, kind = 500, "internal_server_error"
-    exchange.status = status
+    tally.status = status
     await responder.send(status, json_headers(), error_body(failed.message, status, kind))
 
 

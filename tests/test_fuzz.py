@@ -19,8 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from frontend_shim._admin import parse_threshold_update
-from frontend_shim._api import _parse_body
-from frontend_shim._responses import BadRequest
+from frontend_shim._request_body import BadRequest, parse_completion_body
 from shim_common import wire
 from shim_common._httpserver import HTTPLimits, HTTPRequest, HTTPResponder, serve_connection
 
@@ -116,7 +115,7 @@ def _encode(value: Any) -> bytes:
 def test_completion_bodies_are_accepted_or_refused_with_400(raw: bytes) -> None:
     for endpoint in ("chat_completions", "completions", "embeddings"):
         try:
-            body = _parse_body(raw, endpoint)
+            body = parse_completion_body(raw, endpoint)
         except BadRequest as refused:
             status = refused.status
         else:

@@ -62,3 +62,18 @@ def test_a_standby_going_down_changes_nothing() -> None:
     assert bridge.key_of("w-1") == "ws://a:1"
     bridge.worker_down("ws://unknown:1", now=0.2)
     assert fleet.connected_count == 1
+
+
+def test_the_link_of_a_worker_id_is_its_owners_and_none_once_it_is_down() -> None:
+    fleet = Fleet()
+    owner, standby = object(), object()
+    links = {"ws://a:1": owner, "ws://b:1": standby}
+    bridge = FleetBridge(fleet, on_change=lambda: None, links=links)  # type: ignore[arg-type]
+    assert bridge.link_of("w-1") is None
+    bridge.worker_up("ws://a:1", _config(), now=0.0)
+    bridge.worker_up("ws://b:1", _config(), now=0.0)
+    assert bridge.link_of("w-1") is owner
+    bridge.worker_down("ws://a:1", now=1.0)
+    assert bridge.link_of("w-1") is standby
+    del links["ws://b:1"]  # the pool stopped the link before its session reported down
+    assert bridge.link_of("w-1") is None
