@@ -1,0 +1,341 @@
+"""The SLO controller (worker_ingress/_slo.py): its rules, and its properties under Hypothesis.
+
+The synthetic plant below stands for an engine whose in-engine time to first token is flat up to
+a knee (its batch is not yet saturated) and grows linearly past it (prefill queues inside the
+engine), offered a steady demand of concurrent requests: that is the shape the mocker shows with
+chunked prefill (docs/mocker.md) and the shape the law is built for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker_ingress._slo import UNBOUNDED_QUEUE, SloController, SloTuning, percentile
+
+OBJECTIVE = 0.3
+
+
+def feed_window(
+    controller: SloController,
+    now: float,
+    *,
+    engine_ttft: float,
+    samples: int = 20,
+    queued: bool = False,
+    queue_wait: float = 0.0,
+) -> float:
+    """One window of identical samples that started after the window opened; returns the time
+    at which it is closed (one window later)."""
+    end = now + controller.tuning.window_seconds
+    for index in range(samples):
+        started = now + (index + 1) * (end - now) / (samples + 2)
+        controller.observe_first_output(
+            arrived=started - queue_wait, started=started, first_output=started + engine_ttft
+        )
+    if queued:
+        controller.observe_queued()
+    controller.update(end)
+    return end
+
+
+@dataclasses.dataclass(frozen=True)
+class Plant:
+    """A steady load: ``demand`` requests want to be in the engine; past ``knee`` of them each
+    one more adds ``slope`` seconds to the in-engine time to first token."""
+
+    demand: int
+    knee: int
+    base: float
+    slope: float
+
+    def engine_ttft(self, limit: int) -> float:
+        return self.base + self.slope * max(0, min(limit, self.demand) - self.knee)
+
+    def binding(self, limit: int) -> bool:
+        return self.demand > limit
+
+
+plants = st.builds(
+    Plant,
+    demand=st.integers(1, 600),
+    knee=st.integers(1, 300),
+    base=st.floats(0.005, 0.1),
+    slope=st.floats(0.0005, 0.08),
+)
+
+
+def run_plant(controller: SloController, plant: Plant, windows: int, now: float = 0.0) -> list[int]:
+    limits = []
+    for _ in range(windows):
+        limit = controller.limit
+        now = feed_window(
+            controller, now, engine_ttft=plant.engine_ttft(limit), queued=plant.binding(limit)
+        )
+        limits.append(controller.limit)
+    return limits
+
+
+# -- rules, one by one ---------------------------------------------------------------------------
+
+
+def test_starts_at_n_with_no_bound() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    assert controller.limit == 64
+    assert controller.queue_bound == UNBOUNDED_QUEUE
+
+
+def test_too_few_samples_hold_however_long() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    for index in range(15):
+        controller.observe_first_output(arrived=index, started=index, first_output=index + 5.0)
+    assert not controller.update(1000.0)
+    assert controller.limit == 64
+    assert controller.windows == 0
+
+
+def test_a_window_needs_its_time_as_well_as_its_samples() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    for _ in range(100):
+        controller.observe_first_output(arrived=0.0, started=0.0, first_output=5.0)
+    assert not controller.update(0.5)
+    assert controller.update(1.0)
+    assert controller.limit == 32  # far over: the largest cut, by half
+
+
+def test_max_samples_closes_a_window_early() -> None:
+    tuning = SloTuning(max_samples=32)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, tuning=tuning)
+    for _ in range(40):
+        controller.observe_first_output(arrived=0.0, started=0.0, first_output=5.0)
+    assert controller.update(0.01)
+    assert controller.windows == 1
+
+
+def test_decrease_follows_the_gradient_and_sets_a_ceiling() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    # p90 = 0.2 s against the engine's share 0.15 s: L * 0.75.
+    feed_window(controller, 0.0, engine_ttft=0.2)
+    assert controller.limit == 75
+    assert controller.ceiling == 100
+
+
+def test_a_small_overshoot_still_moves_by_one() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    feed_window(controller, 0.0, engine_ttft=0.151)
+    assert controller.limit == 9
+
+
+def test_dead_band_holds() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    feed_window(controller, 0.0, engine_ttft=0.2)
+    assert controller.limit == 75
+    feed_window(controller, 1.0, engine_ttft=0.13, queued=True)  # in (0.1125, 0.15]
+    assert controller.limit == 75
+
+
+def test_increase_only_while_the_limit_is_in_use_and_under_the_ceiling() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    now = feed_window(controller, 0.0, engine_ttft=0.2)
+    assert controller.limit == 75
+    now = feed_window(controller, now, engine_ttft=0.05, queued=True)
+    assert controller.limit == 78  # + floor(75 * 0.05)
+    for _ in range(20):
+        now = feed_window(controller, now, engine_ttft=0.05, queued=True)
+    assert controller.limit == 99  # ceiling 100, minus one, while the ceiling is fresh
+    now = feed_window(controller, 31.0, engine_ttft=0.05, queued=True)
+    assert controller.limit == 100  # the ceiling expired: probe it again
+
+
+def test_recovery_when_nobody_waits() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=256, min_limit=2)
+    now = 0.0
+    for _ in range(10):
+        now = feed_window(controller, now, engine_ttft=5.0)
+    assert controller.limit == 2
+    for _ in range(7):
+        now = feed_window(controller, now, engine_ttft=0.02)
+    assert controller.limit == 256
+    assert controller.ceiling is None
+
+
+def test_samples_that_started_before_the_change_are_not_samples() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    now = feed_window(controller, 0.0, engine_ttft=5.0)
+    assert controller.limit == 32
+    for _ in range(50):  # admitted under L = 64: say nothing about 32
+        controller.observe_first_output(arrived=0.5, started=0.5, first_output=now + 3.0)
+    assert not controller.update(now + 2.0)
+    assert controller.limit == 32
+
+
+def test_queue_bound_from_hold_time_and_engine_median() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller.observe_finish(started=0.0, finished=2.0)
+    feed_window(controller, 0.0, engine_ttft=0.1)  # in the comfort zone, not in use: L stays 10
+    # (0.3 - 0.1) * 10 / 2.0 = 1: one request queued ahead leaves no room.
+    assert controller.limit == 10
+    assert controller.queue_bound == 1
+    assert controller.engine_ttft_p50 == pytest.approx(0.1)
+
+
+def test_no_room_at_all_refuses_every_queued_arrival() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller.observe_finish(started=0.0, finished=1.0)
+    feed_window(controller, 0.0, engine_ttft=0.5)
+    assert controller.queue_bound == 0
+
+
+def test_hold_is_a_smoothed_mean() -> None:
+    tuning = SloTuning(hold_smoothing=0.5)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, tuning=tuning)
+    controller.observe_finish(started=0.0, finished=1.0)
+    controller.observe_finish(started=0.0, finished=3.0)
+    assert controller.hold_seconds == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"objective": 0.0, "max_limit": 4}, "objective"),
+        ({"objective": math.inf, "max_limit": 4}, "objective"),
+        ({"objective": 1.0, "max_limit": 0}, "max_limit"),
+        ({"objective": 1.0, "max_limit": 4, "min_limit": 5}, "min_limit"),
+        ({"objective": 1.0, "max_limit": 4, "min_limit": 0}, "min_limit"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SloController(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_tuning() -> None:
+    with pytest.raises(ValueError, match="comfort"):
+        SloTuning(comfort=1.0)
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 11)]
+    assert percentile(values, 0.9) == 9.0
+    assert percentile(values, 0.5) == 5.0
+    assert percentile([3.0], 0.9) == 3.0
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+observations = st.lists(
+    st.tuples(
+        st.sampled_from(["sample", "queued", "finish", "update"]),
+        st.floats(0.0, 2.0),  # time step
+        st.floats(0.0, 10.0),  # a duration
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_limit=st.integers(1, 512),
+    min_share=st.floats(0.0, 1.0),
+    program=observations,
+)
+def test_limit_stays_in_bounds_and_moves_in_bounded_steps(
+    max_limit: int, min_share: float, program: list[tuple[str, float, float]]
+) -> None:
+    min_limit = max(1, math.floor(min_share * max_limit))
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit, min_limit=min_limit)
+    tuning = controller.tuning
+    now = 0.0
+    for action, step, duration in program:
+        now += step
+        if action == "sample":
+            controller.observe_first_output(
+                arrived=now - duration, started=now - duration / 2, first_output=now
+            )
+        elif action == "queued":
+            controller.observe_queued()
+        elif action == "finish":
+            controller.observe_finish(started=now - duration, finished=now)
+        else:
+            before = controller.limit
+            controller.update(now)
+            after = controller.limit
+            assert min_limit <= after <= max_limit
+            assert after >= max(min_limit, math.floor(before * tuning.min_decrease_factor))
+            assert after <= min(max_limit, math.ceil(before * tuning.recovery_factor))
+        assert min_limit <= controller.limit <= max_limit
+        assert controller.queue_bound >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(plant=plants, max_limit=st.integers(1, 512), low_load=st.floats(0.001, 0.1))
+def test_limit_recovers_to_n_once_the_load_falls(
+    plant: Plant, max_limit: int, low_load: float
+) -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    run_plant(controller, plant, 60)
+    # The load falls: nobody waits, the engine answers fast.
+    now = 60.0
+    windows = 0
+    while controller.limit < max_limit:
+        now = feed_window(controller, now, engine_ttft=low_load)
+        windows += 1
+        assert windows <= math.ceil(math.log2(max_limit)) + 1
+    assert controller.limit == max_limit
+
+
+@settings(max_examples=300, deadline=None)
+@given(plant=plants, max_limit=st.integers(1, 512))
+def test_no_oscillation_on_a_steady_load(plant: Plant, max_limit: int) -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    tuning = controller.tuning
+    settle = 120
+    horizon = 120
+    limits = run_plant(controller, plant, settle + horizon)
+    settled = limits[settle:]
+    changes = sum(1 for a, b in itertools.pairwise(settled) if a != b)
+    # At most one probe of the ceiling per probe_seconds, each a step up and back.
+    probes = math.ceil(horizon * tuning.window_seconds / tuning.probe_seconds) + 1
+    assert changes <= 3 * probes, settled
+    # And between probes L sits still on one level or next to it (no sawtooth).
+    assert max(settled) - min(settled) <= max(2, math.ceil(max(settled) * 0.1)), settled
+    # Where it settles serves the objective, or is as low as it may go.
+    final = min(settled)
+    target = tuning.engine_share * OBJECTIVE
+    assert plant.engine_ttft(final) <= target or final == controller.min_limit
+
+
+@settings(max_examples=100, deadline=None)
+@given(plant=plants, max_limit=st.integers(8, 512), seed=st.integers(0, 2**32 - 1))
+def test_noisy_steady_load_stays_in_bounds_and_serves_the_objective(
+    plant: Plant, max_limit: int, seed: int
+) -> None:
+    rng = random.Random(seed)
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    now = 0.0
+    limits = []
+    for _ in range(200):
+        limit = controller.limit
+        end = now + 1.0
+        for index in range(30):
+            started = now + (index + 1) / 32
+            ttft = plant.engine_ttft(limit) * rng.uniform(0.8, 1.2)
+            controller.observe_first_output(
+                arrived=started, started=started, first_output=started + ttft
+            )
+        if plant.binding(limit):
+            controller.observe_queued()
+        controller.update(end)
+        now = end
+        limits.append(controller.limit)
+    assert all(1 <= value <= max_limit for value in limits)
+    settled = sorted(limits[100:])
+    median = settled[len(settled) // 2]
+    target = controller.tuning.engine_share * OBJECTIVE
+    assert plant.engine_ttft(median) <= target * 1.2 or median == 1

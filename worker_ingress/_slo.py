@@ -1,0 +1,337 @@
+"""SLO-aware admission: the effective engine limit L and the early-refusal bound (sans-IO).
+
+:class:`SloController` is a plain object: the gate's shell feeds it observations and the time
+(Trio seconds, any monotonic clock) and reads two integers back: the effective limit L that the
+gate enforces in place of N, and the queue bound B past which an arrival is refused early. It
+owns no clock, no task and no lock, so it is tested synchronously with any timeline.
+
+Rules
+=====
+
+1. Bounds. ``min_limit <= L <= max_limit`` (``--adaptive-min-limit`` and N) at every instant. L
+   starts at N: until the worker has evidence that N serves requests late, it behaves as without
+   an objective.
+2. Samples. Only a request that produced a first output is a sample, with three timestamps:
+   arrival at the gate, start in the engine, first output. Rejected, displaced, cancelled and
+   timed-out requests never report one, so they cannot mislead the law. The law reads the
+   **in-engine** time to first token (start to first output); the queue wait is governed by the
+   early refusal (rules 6 and 7), and reacting to it with L would be backwards: a long queue
+   wait calls for refusing earlier, not for starting fewer requests. A request that started
+   before L last changed is not a sample of the new L (it was admitted under the old one, and
+   its time in the engine says nothing about the new level), so it is left out.
+3. Windows. Samples collect in a window. A window closes at the first :meth:`~SloController.update`
+   after it has lasted ``window_seconds`` **and** holds ``min_samples`` samples, or as soon as it
+   holds ``max_samples`` (memory is bounded). With too few samples the window stays open and L
+   holds, however long that takes; nothing is decided on noise.
+4. The law, applied when a window closes, with ``p`` the window's 90th percentile of in-engine
+   time to first token and ``T = engine_share * S`` the engine's share of the objective:
+
+   - ``p > T`` (the engine is over-subscribed): multiplicative decrease by the gradient,
+     ``L <- max(min_limit, min(L - 1, floor(L * max(min_decrease_factor, T / p))))``, and the
+     old L becomes the *ceiling*: a level known to be too high, not tried again for
+     ``probe_seconds``. When the window before raised L, the decrease goes back no further than
+     the level it was raised from (that level was fine a window ago), and the ceiling is the
+     level just above it: a failed probe costs one step up and one back.
+   - ``p <= comfort * T`` and the limit was in use (some arrival had to wait in the queue during
+     the window): additive increase, ``L <- L + max(1, floor(L * increase_share))``, capped at N
+     and, while the ceiling is fresh, at ``ceiling - 1``.
+   - ``p <= comfort * T`` and the limit was not in use (nobody waited): recovery,
+     ``L <- min(N, max(L + 1, ceil(L * recovery_factor)))``, and the ceiling is forgotten (the
+     load that set it has gone). L is not binding then, so raising it changes nothing now; it
+     only stops a past overload from capping the worker once the load has fallen.
+   - otherwise (between ``comfort * T`` and ``T``: the dead band) L holds.
+
+   Every step is bounded: ``floor(L * min_decrease_factor) <= L' <= ceil(L * recovery_factor)``.
+   On a steady load L settles in the dead band or one below the ceiling, and moves again at most
+   once per ``probe_seconds`` (one probe of the ceiling), never in a sawtooth.
+5. Start rate. Every finished request reports how long it held its slot. Their exponentially
+   weighted mean ``hold`` gives the rate at which a saturated gate starts requests, ``L / hold``
+   (Little's law: L requests in the engine, each leaving after ``hold`` on average). It needs no
+   measurement of idle time and does not collapse when the load pauses.
+6. Early refusal. An arrival that would have to queue, with ``k`` requests queued ahead of it,
+   expects to start after ``(k + 1) * hold / L`` and then to wait the engine's median time to
+   first token ``e`` (of the last closed window). It has room for its first token within S only
+   if ``(k + 1) * hold / L + e <= S``, i.e. when ``k < B`` with the queue bound
+   ``B = floor((S - e) * L / hold)``. :attr:`SloController.queue_bound` is B, refreshed when a
+   window closes; the gate refuses an arrival that would queue behind B or more requests. Before
+   the first hold time B is unbounded (no evidence, no refusal).
+7. Deadline. A queued request that has waited S can no longer meet the objective; the gate
+   refuses it (the shell arms the deadline, this object only names it:
+   :attr:`SloController.objective`).
+
+Theory of operation
+-------------------
+
+The objective is on arrival-to-first-output time: queue wait plus in-engine time. The two parts
+answer to different knobs. In-engine time grows with L once the engine's batch is saturated
+(chunked prefill queues prefill inside the engine: past the knee, a larger L adds waiting, not
+throughput); queue wait grows with the queue, which only refusal can shorten. So L is steered on
+in-engine time against a fixed share of S (half by default), which leaves the rest of S to the
+queue, and the queue is bounded by the expected wait, not by a count. The anchor is the
+objective itself, never a measured minimum: a minimum taken from the fastest requests collapses
+a limit under mixed request sizes, and the objective is what the operator asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Final
+
+__all__ = ["UNBOUNDED_QUEUE", "SloController", "SloTuning", "percentile"]
+
+#: :attr:`SloController.queue_bound` before there is any evidence: larger than any queue.
+UNBOUNDED_QUEUE: Final = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SloTuning:
+    """The law's constants (rules 3 to 5 of the module). The defaults are what the benchmark
+    (``bench/bench_slo.py``) was run with; they are not flags on purpose: the operator states an
+    objective, not a controller.
+
+    Raises:
+        ValueError: A constant outside its range.
+    """
+
+    #: Shortest window; it closes only once it also holds ``min_samples`` samples.
+    window_seconds: float = 1.0
+    #: Fewer samples than this: the window stays open and L holds.
+    min_samples: int = 16
+    #: A window closes at once with this many samples (memory bound).
+    max_samples: int = 4096
+    #: Share of the objective the engine's 90th-percentile time to first token may take.
+    engine_share: float = 0.5
+    #: L grows only while that percentile is under ``comfort`` times the engine's share.
+    comfort: float = 0.75
+    #: The most one decrease can cut: L never falls below this fraction of itself in one step.
+    min_decrease_factor: float = 0.5
+    #: Additive increase: ``max(1, floor(L * increase_share))`` per window.
+    increase_share: float = 0.05
+    #: Recovery while the limit is not in use: at most this factor per window.
+    recovery_factor: float = 2.0
+    #: A level that proved too high is not tried again for this long.
+    probe_seconds: float = 30.0
+    #: Weight of each new hold time in the start-rate estimate.
+    hold_smoothing: float = 0.05
+
+    def __post_init__(self) -> None:
+        checks = {
+            "window_seconds": self.window_seconds > 0,
+            "min_samples": self.min_samples >= 1,
+            "max_samples": self.max_samples >= self.min_samples,
+            "engine_share": 0 < self.engine_share <= 1,
+            "comfort": 0 < self.comfort < 1,
+            "min_decrease_factor": 0 < self.min_decrease_factor < 1,
+            "increase_share": 0 <= self.increase_share < 1,
+            "recovery_factor": self.recovery_factor >= 1,
+            "probe_seconds": self.probe_seconds >= 0,
+            "hold_smoothing": 0 < self.hold_smoothing <= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"SloTuning.{name} out of range: {getattr(self, name)!r}")
+
+
+def percentile(ordered: list[float], share: float) -> float:
+    """The nearest-rank ``share`` quantile (0 < share <= 1) of an ascending, non-empty list."""
+    rank = max(1, math.ceil(share * len(ordered)))
+    return ordered[rank - 1]
+
+
+class SloController:
+    """The effective limit L and the early-refusal bound B for one gate (rules at the top).
+
+    Args:
+        objective: S, seconds (> 0): the time-to-first-token objective.
+        max_limit: N (>= 1): L never exceeds it, and starts there.
+        min_limit: The floor of L (1 <= min_limit <= N).
+        now: The time the controller starts (its first window opens then).
+        tuning: The law's constants.
+
+    Raises:
+        ValueError: An argument out of range.
+    """
+
+    __slots__ = (
+        "_binding",
+        "_ceiling",
+        "_ceiling_since",
+        "_engine_samples",
+        "_hold",
+        "_limit_since",
+        "_raised_from",
+        "_total_samples",
+        "_window_start",
+        "engine_ttft_p50",
+        "engine_ttft_p90",
+        "limit",
+        "max_limit",
+        "min_limit",
+        "objective",
+        "queue_bound",
+        "ttft_p90",
+        "tuning",
+        "windows",
+    )
+
+    def __init__(
+        self,
+        *,
+        objective: float,
+        max_limit: int,
+        min_limit: int = 1,
+        now: float = 0.0,
+        tuning: SloTuning | None = None,
+    ) -> None:
+        if not (objective > 0 and math.isfinite(objective)):
+            raise ValueError(f"objective must be a finite number of seconds > 0, got {objective}")
+        if max_limit < 1:
+            raise ValueError(f"max_limit must be >= 1, got {max_limit}")
+        if not 1 <= min_limit <= max_limit:
+            raise ValueError(f"min_limit must be in [1, {max_limit}], got {min_limit}")
+        #: S, seconds.
+        self.objective: Final = objective
+        #: N.
+        self.max_limit: Final = max_limit
+        self.min_limit: Final = min_limit
+        self.tuning: Final = tuning if tuning is not None else SloTuning()
+        #: L in force.
+        self.limit = max_limit
+        #: B: an arrival that would queue behind this many requests or more is refused.
+        self.queue_bound = UNBOUNDED_QUEUE
+        #: Percentiles of the last closed window (seconds; NaN before the first).
+        self.engine_ttft_p50 = math.nan
+        self.engine_ttft_p90 = math.nan
+        self.ttft_p90 = math.nan
+        #: Windows closed so far.
+        self.windows = 0
+        self._window_start = now
+        self._engine_samples: list[float] = []
+        self._total_samples: list[float] = []
+        self._binding = False
+        self._ceiling: int | None = None
+        self._ceiling_since = now
+        self._hold: float | None = None
+        self._limit_since = now
+        #: L before the last window's increase; None when the last window did not raise it.
+        self._raised_from: int | None = None
+
+    # -- observations ---------------------------------------------------------------------------
+
+    def observe_queued(self) -> None:
+        """An arrival had to wait in the queue: the limit is in use in this window."""
+        self._binding = True
+
+    def observe_first_output(self, *, arrived: float, started: float, first_output: float) -> None:
+        """A request produced its first output: one sample (rule 2).
+
+        Args:
+            arrived: When it reached the gate.
+            started: When it entered the engine (``>= arrived``).
+            first_output: When the engine produced its first output (``>= started``).
+        """
+        if started < self._limit_since or len(self._engine_samples) >= self.tuning.max_samples:
+            return
+        self._engine_samples.append(max(0.0, first_output - started))
+        self._total_samples.append(max(0.0, first_output - arrived))
+
+    def observe_finish(self, *, started: float, finished: float) -> None:
+        """A request left the engine after holding its slot from ``started`` (rule 5)."""
+        hold = max(0.0, finished - started)
+        if self._hold is None:
+            self._hold = hold
+        else:
+            self._hold += self.tuning.hold_smoothing * (hold - self._hold)
+
+    # -- decisions ------------------------------------------------------------------------------
+
+    @property
+    def hold_seconds(self) -> float | None:
+        """The smoothed time a request holds its slot; ``None`` before the first finish."""
+        return self._hold
+
+    @property
+    def ceiling(self) -> int | None:
+        """The level last found too high, while it still caps the increase."""
+        return self._ceiling
+
+    def update(self, now: float) -> bool:
+        """Close the window if it is due (rule 3) and apply the law (rule 4).
+
+        Cheap when no window is due (two comparisons), so the shell may call it on every event.
+
+        Args:
+            now: The current time, on the clock of the other calls.
+
+        Returns:
+            Whether L or B changed.
+        """
+        samples = len(self._engine_samples)
+        tuning = self.tuning
+        if samples < tuning.max_samples and (
+            samples < tuning.min_samples or now - self._window_start < tuning.window_seconds
+        ):
+            return False
+        before = (self.limit, self.queue_bound)
+        if self._ceiling is not None and now - self._ceiling_since >= tuning.probe_seconds:
+            self._ceiling = None
+        engine = sorted(self._engine_samples)
+        self.engine_ttft_p50 = percentile(engine, 0.5)
+        self.engine_ttft_p90 = percentile(engine, 0.9)
+        self.ttft_p90 = percentile(sorted(self._total_samples), 0.9)
+        self.limit = self._next_limit(self.engine_ttft_p90, now)
+        if self.limit != before[0]:
+            self._limit_since = now
+        self.queue_bound = self._bound()
+        self.windows += 1
+        self._window_start = now
+        self._engine_samples = []
+        self._total_samples = []
+        self._binding = False
+        return (self.limit, self.queue_bound) != before
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _next_limit(self, p90: float, now: float) -> int:
+        tuning = self.tuning
+        limit = self.limit
+        raised_from, self._raised_from = self._raised_from, None
+        target = tuning.engine_share * self.objective
+        if p90 > target:
+            factor = max(tuning.min_decrease_factor, target / p90)
+            # The epsilon keeps a float such as 0.15 / 0.2 = 0.7499... from costing a whole step.
+            lowered = max(self.min_limit, min(limit - 1, math.floor(limit * factor + 1e-9)))
+            ceiling = limit
+            if raised_from is not None and raised_from >= lowered:
+                # A failed probe: back to the level it left, and nothing above that is tried
+                # until the next probe (the step may have jumped over levels never measured).
+                lowered = raised_from
+                ceiling = raised_from + 1
+            if lowered < limit:
+                self._ceiling = ceiling
+                self._ceiling_since = now
+            return lowered
+        if p90 > tuning.comfort * target:
+            return limit
+        if not self._binding:
+            self._ceiling = None
+            raised = min(self.max_limit, max(limit + 1, math.ceil(limit * tuning.recovery_factor)))
+        else:
+            raised = min(self.max_limit, limit + max(1, math.floor(limit * tuning.increase_share)))
+            if self._ceiling is not None:
+                raised = min(raised, max(limit, self._ceiling - 1))
+        if raised > limit:
+            self._raised_from = limit
+        return raised
+
+    def _bound(self) -> int:
+        hold = self._hold
+        if hold is None:
+            return UNBOUNDED_QUEUE
+        room = self.objective - self.engine_ttft_p50
+        if room <= 0:
+            return 0
+        if hold <= 0:
+            return UNBOUNDED_QUEUE
+        return min(UNBOUNDED_QUEUE, math.floor(room * self.limit / hold))
