@@ -94,7 +94,6 @@ async def running_worker(settings: WorkerSettings) -> AsyncIterator[tuple[Worker
     async with trio.open_nursery() as nursery:
         address: WorkerAddress = await nursery.start(worker.serve)
         yield worker, address
-        worker.abandoning = True
         nursery.cancel_scope.cancel()
 
 
@@ -421,8 +420,6 @@ async def frontend(
             url: str = await frontend_nursery.start(run_frontend, frontend_settings)
             yield url, started
             frontend_nursery.cancel_scope.cancel()
-        for worker in started:
-            worker.abandoning = True
         nursery.cancel_scope.cancel()
 
 

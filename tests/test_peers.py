@@ -78,7 +78,6 @@ async def running_worker(
     async with trio.open_nursery() as nursery:
         address: WorkerAddress = await nursery.start(worker.serve)
         yield worker, address
-        worker.abandoning = True
         nursery.cancel_scope.cancel()
 
 
@@ -402,8 +401,6 @@ async def frontend(
                     await trio.sleep(0.02)
             yield url, started
             frontend_nursery.cancel_scope.cancel()
-        for worker in started:
-            worker.abandoning = True
         nursery.cancel_scope.cancel()
 
 

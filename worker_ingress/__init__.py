@@ -1,7 +1,9 @@
 """The worker side: an admission gate in front of an inference engine, served over websockets.
 
-No module here talks to the network except :mod:`worker_ingress._server` (the websocket planes),
-:mod:`shim_common._httpserver` and :mod:`worker_ingress._system` (the HTTP system port).
+Only these modules talk to the network: :mod:`worker_ingress._server` (the websocket listener,
+access and drain), :mod:`worker_ingress._planes` (what goes over each websocket connection),
+:mod:`worker_ingress._system` (the HTTP system port, through :mod:`shim_common._httpserver`), and
+the ``openai`` engine's :mod:`worker_ingress.engines.upstream` (HTTP to its upstream server).
 
 Public here: :func:`validate_worker_args`, through which the frontend checks the worker flags it
 passes on to ``--local-workers`` children, and :mod:`worker_ingress.engines`, the engine protocol.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__version__ = "0.1.0"
+from worker_ingress._version import __version__ as __version__
 
 __all__ = ["validate_worker_args"]
 

@@ -30,8 +30,8 @@ from shim_common._cli import (
     strict_int,
     valid_port,
 )
-from worker_ingress import __version__
 from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
+from worker_ingress._version import __version__
 
 __all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Final, Literal
 
 import trio
@@ -49,7 +49,6 @@ __all__ = [
     "DEFAULT_COALESCE_INTERVAL",
     "DEFAULT_PUBLISH_INTERVAL",
     "RankLimits",
-    "open_event_publisher",
     "EventPublisher",
     "LoadTracker",
     "Mailbox",
@@ -416,19 +415,3 @@ class EventPublisher:
             # Observe first, so the heartbeat never repeats a state older than the last event.
             self._observe()
             self._publish(self._tracker.heartbeat(self._status), urgent=status_changed)
-
-
-@contextlib.asynccontextmanager
-async def open_event_publisher(publisher: EventPublisher) -> AsyncIterator[EventPublisher]:
-    """Run ``publisher`` in a nursery for the duration of the block.
-
-    Args:
-        publisher: The publisher to run.
-
-    Yields:
-        The same publisher, started.
-    """
-    async with trio.open_nursery() as nursery:
-        await nursery.start(publisher.run)
-        yield publisher
-        nursery.cancel_scope.cancel()

@@ -1,11 +1,16 @@
 """The worker's two websocket planes: one object per connection, and what they share.
 
-- ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
-  websocket message, from a latest-wins, rate-bounded
+A connection sees its worker only through :class:`PlaneHost`: the hello, the engine, the gate,
+the event publisher's subscriptions, the keepalive timings and one error counter. Which path
+serves which plane, access, and the drain that closes the connections are in
+:mod:`worker_ingress._server`.
+
+- Event plane (:class:`EventConnection`): the worker sends a :class:`~wire.Hello`, then one
+  :class:`~wire.EventBatch` per websocket message, from a latest-wins, rate-bounded
   :class:`~worker_ingress._events.Subscription`. A subscriber may send :class:`~wire.Subscribe`
   (its thresholds, for busy/free edges sent at once); anything else closes the connection.
-- ``/v1/requests``: the worker sends a :class:`~wire.Hello`; the client multiplexes
-  :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
+- Request plane (:class:`RequestConnection`): the worker sends a :class:`~wire.Hello`; the
+  client multiplexes :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
 
 Rules of a request-plane connection:
 
@@ -14,22 +19,21 @@ Rules of a request-plane connection:
    the connection's nursery, under its own cancel scope.
 2. One sender task writes the frames of running requests; request tasks hand it encoded frames
    through a bounded channel, so a slow client slows only its own requests (backpressure reaches
-   the engine's stream through the channel). A certain rejection is written by the receive loop
+   the engine's stream through the channel). A certain rejection (the gate's
+   :meth:`~worker_ingress._admission.AdmissionGate.reject_now`) is written by the receive loop
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: ``engine.prepare`` (bad input: ``Failed(bad_request)``, no slot used), then
    ``gate.slot()`` (full or draining: ``Rejected(reason)``), then ``Started(prompt_tokens)``,
    the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
-   ``Failed(cancelled)``. Drain grace expired: ``Failed(unavailable)``. Exactly one final frame
-   per request id; the slot or queue place is freed before or as it is sent.
+   ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
+   ``Failed(unavailable)``. Exactly one final frame per request id; the slot or queue place is
+   freed before or as it is sent.
 4. When the connection ends for any reason, its nursery is cancelled: every request of the
    connection is cancelled and its slot or queue place freed.
 5. Close codes sent by the worker: 1001 on drain, 1003 for a text message (the protocol is
    binary), 1007 for bytes that do not decode as a known message, 1008 for a ``Generate`` that
    reuses a request id still in flight, 1009 (by trio-websocket) for a message over the size cap.
    A peer that does not answer a keepalive ping in time is dropped without a close handshake.
-6. Any exception escaping a connection is logged and counted
-   (:meth:`WorkerMetrics.count_connection_error`); it never reaches the listener, because
-   ``serve_websocket`` would crash entirely.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Final, cast
+from contextlib import AbstractContextManager
+from typing import Final, Protocol, cast
 
 import msgspec
 import trio
@@ -57,6 +62,7 @@ from shim_common.wire import (
     EventBatch,
     Failed,
     Generate,
+    Hello,
     Rejected,
     Reply,
     Started,
@@ -65,20 +71,60 @@ from shim_common.wire import (
     encode,
     merge_text_chunks,
 )
-from worker_ingress._admission import Rejection
+from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._events import Subscription
-from worker_ingress.engines._base import EngineInputError, PreparedRequest
+from worker_ingress.engines._base import Engine, EngineInputError, PreparedRequest
 
-if TYPE_CHECKING:
-    from worker_ingress._server import Worker
-
-__all__ = ["EventConnection", "RequestConnection", "WorkerPlaneConnection", "coalesce_chunks"]
+__all__ = [
+    "EventConnection",
+    "PlaneHost",
+    "RequestConnection",
+    "WorkerPlaneConnection",
+    "coalesce_chunks",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
 #: request tasks wait, which is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
+
+
+class PlaneHost(Protocol):
+    """What a plane connection may use of its worker, and nothing more."""
+
+    @property
+    def hello(self) -> Hello:
+        """The first message on both planes."""
+        ...
+
+    @property
+    def engine(self) -> Engine:
+        """The engine: ``prepare`` and ``generate`` for the request plane."""
+        ...
+
+    @property
+    def gate(self) -> AdmissionGate:
+        """The admission gate every request goes through."""
+        ...
+
+    @property
+    def ping_interval(self) -> float:
+        """Seconds between keepalive pings."""
+        ...
+
+    @property
+    def ping_timeout(self) -> float:
+        """Seconds a pong may take before the peer is dropped."""
+        ...
+
+    def subscribe(self) -> AbstractContextManager[Subscription]:
+        """An event-plane subscription for as long as the ``with`` block runs."""
+        ...
+
+    def count_connection_error(self) -> None:
+        """Count a connection that failed or broke the protocol."""
+        ...
 
 
 def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
@@ -193,24 +239,26 @@ async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: fl
 
 
 async def _keepalive_then_stop(
-    worker: Worker, ws: WebSocketConnection, stop: trio.CancelScope
+    host: PlaneHost, ws: WebSocketConnection, stop: trio.CancelScope
 ) -> None:
     """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
     try:
-        await _keepalive(ws, worker.ping_interval, worker.ping_timeout)
+        await _keepalive(ws, host.ping_interval, host.ping_timeout)
     except _PongTimeout:
-        worker.metrics.count_connection_error()
+        host.count_connection_error()
     stop.cancel()
 
 
 class RequestConnection:
     """One request-plane connection (see rules 1-5 of the module docstring)."""
 
-    def __init__(self, worker: Worker, ws: WebSocketConnection) -> None:
-        self._worker = worker
+    def __init__(self, host: PlaneHost, ws: WebSocketConnection) -> None:
+        self._host = host
         self._ws = ws
         self._sender = _FrameSender(ws, batching=ws.subprotocol == SUBPROTOCOL_BATCH)
         self._requests: dict[int, trio.CancelScope] = {}
+        #: Set by abandon(): cancelled requests end with ``Failed(unavailable)``.
+        self._abandoning = False
         self._no_requests = trio.Event()
         self._no_requests.set()
         self._scope = trio.CancelScope()
@@ -227,12 +275,10 @@ class RequestConnection:
 
     async def _serve(self) -> None:
         with self._scope:
-            await self._ws.send_message(encode(self._worker.hello))
+            await self._ws.send_message(encode(self._host.hello))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._send_then_stop, nursery.cancel_scope)
-                nursery.start_soon(
-                    _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
-                )
+                nursery.start_soon(_keepalive_then_stop, self._host, self._ws, nursery.cancel_scope)
                 await self._receive_loop(nursery)
                 nursery.cancel_scope.cancel()
             # Closed only now that no other task can write: a send cut short by a cancel
@@ -255,7 +301,7 @@ class RequestConnection:
             except ConnectionClosed as closed:
                 if closed.reason is not None and closed.reason.code == 1009:
                     # trio-websocket closed it for a message over the size cap.
-                    self._worker.metrics.count_connection_error()
+                    self._host.count_connection_error()
                 return
             if isinstance(data, str):
                 await self._protocol_error(CLOSE_TEXT_MESSAGE, "binary msgpack messages only")
@@ -290,10 +336,10 @@ class RequestConnection:
     async def _prepare(self, generate: Generate) -> PreparedRequest | None:
         """Validate a request; answer it here when that needs no task (bad input, certain
         rejection), else return the prepared request."""
-        worker = self._worker
+        host = self._host
         request_id = generate.request_id
         try:
-            prepared = worker.engine.prepare(generate.endpoint, generate.body)
+            prepared = host.engine.prepare(generate.endpoint, generate.body)
         except EngineInputError as error:
             await self._sender.send(
                 Failed(request_id=request_id, kind="bad_request", message=str(error))
@@ -306,7 +352,7 @@ class RequestConnection:
             )
             return None
         # Asked here, synchronously, so shedding costs no task (it must stay cheap).
-        reason = worker.gate.reject_now()
+        reason = host.gate.reject_now()
         if reason is not None:
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the
@@ -317,7 +363,7 @@ class RequestConnection:
 
     async def _protocol_error(self, code: int, reason: str) -> None:
         logger.info("closing %s with %d: %s", self._ws.remote, code, reason)
-        self._worker.metrics.count_connection_error()
+        self._host.count_connection_error()
         # A close reason must fit a control frame (125 bytes, code included).
         self._close = (code, reason[:120])
         await trio.lowlevel.checkpoint()
@@ -325,16 +371,14 @@ class RequestConnection:
     async def _run_request(
         self, generate: Generate, prepared: PreparedRequest, scope: trio.CancelScope
     ) -> None:
-        worker = self._worker
         request_id = generate.request_id
-        worker.request_scopes.add(scope)
         try:
             final: list[msgspec.Struct] = [
                 Failed(request_id=request_id, kind="cancelled", message="cancelled by the client")
             ]
             with scope:
                 final = await self._execute(request_id, prepared)
-            if scope.cancelled_caught and worker.abandoning:
+            if scope.cancelled_caught and self._abandoning:
                 final = [
                     Failed(
                         request_id=request_id,
@@ -344,7 +388,6 @@ class RequestConnection:
                 ]
             await self._sender.send(*final)
         finally:
-            worker.request_scopes.discard(scope)
             del self._requests[request_id]
             if not self._requests:
                 self._no_requests.set()
@@ -357,15 +400,15 @@ class RequestConnection:
         ``End``), so a short answer's last chunk and end are one message to a client that reads
         batches.
         """
-        worker = self._worker
+        host = self._host
         completion_tokens = 0
         held: list[msgspec.Struct] = []
         try:
-            async with worker.gate.slot():
+            async with host.gate.slot():
                 await self._sender.send(
                     Started(request_id=request_id, prompt_tokens=prepared.prompt_tokens)
                 )
-                async with contextlib.aclosing(worker.engine.generate(prepared)) as outputs:
+                async with contextlib.aclosing(host.engine.generate(prepared)) as outputs:
                     async for output in outputs:
                         completion_tokens += output.tokens
                         held.append(
@@ -396,6 +439,12 @@ class RequestConnection:
         )
         return held
 
+    def abandon(self) -> None:
+        """The drain grace expired: cancel every request; each ends with ``Failed(unavailable)``."""
+        self._abandoning = True
+        for scope in self._requests.values():
+            scope.cancel()
+
     async def close(self) -> None:
         """Let the requests send their final frames, flush, close with 1001, and return after."""
         await self._no_requests.wait()
@@ -410,8 +459,8 @@ class RequestConnection:
 class EventConnection:
     """One event-plane connection: hello, then batches from a latest-wins subscription."""
 
-    def __init__(self, worker: Worker, ws: WebSocketConnection) -> None:
-        self._worker = worker
+    def __init__(self, host: PlaneHost, ws: WebSocketConnection) -> None:
+        self._host = host
         self._ws = ws
         self._scope = trio.CancelScope()
         self._send_scope = trio.CancelScope()
@@ -426,12 +475,12 @@ class EventConnection:
 
     async def _serve(self) -> None:
         with self._scope:
-            await self._ws.send_message(encode(self._worker.hello))
-            with self._worker.publisher.subscribe() as subscription:
+            await self._ws.send_message(encode(self._host.hello))
+            with self._host.subscribe() as subscription:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
                     nursery.start_soon(
-                        _keepalive_then_stop, self._worker, self._ws, nursery.cancel_scope
+                        _keepalive_then_stop, self._host, self._ws, nursery.cancel_scope
                     )
                     with contextlib.suppress(ConnectionClosed), self._send_scope:
                         while True:

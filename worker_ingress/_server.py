@@ -8,15 +8,12 @@ handshake runs in its connection's task, bounded, and a failure is counted and c
 connection only.
 
 Paths on the websocket port (anything else: the handshake is rejected with HTTP 404):
-
-- ``/v1/events``: the worker sends a :class:`~wire.Hello`, then one :class:`~wire.EventBatch` per
-  websocket message, from a latest-wins, rate-bounded
-  :class:`~worker_ingress._events.Subscription`. A subscriber may send :class:`~wire.Subscribe`
-  (its thresholds, for busy/free edges sent at once); anything else closes the connection.
-- ``/v1/requests``: the worker sends a :class:`~wire.Hello`; the client multiplexes
-  :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
-
-The two planes' connections and their rules are in :mod:`worker_ingress._planes`.
+``/v1/events``, the event plane, and ``/v1/requests``, the request plane. What each plane sends
+and the rules of its connections are in :mod:`worker_ingress._planes`; a connection sees the
+worker only through :class:`~worker_ingress._planes.PlaneHost`, which :class:`Worker` is. Any
+exception escaping a connection is logged and counted
+(:meth:`~worker_ingress._metrics.WorkerMetrics.count_connection_error`); it never reaches the
+listener, because ``serve_websocket`` would crash entirely.
 
 Drain (:meth:`Worker.drain`, or SIGTERM/SIGINT in :func:`run_worker`): the gate rejects new
 requests with ``Server unavailable: draining``, ``/health`` answers 503 ``draining`` and heartbeats
@@ -59,9 +56,14 @@ from shim_common.wire import (
 )
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._config import WorkerSettings
-from worker_ingress._events import EventPublisher
+from worker_ingress._events import EventPublisher, Subscription
 from worker_ingress._metrics import WorkerMetrics
-from worker_ingress._planes import EventConnection, RequestConnection, WorkerPlaneConnection
+from worker_ingress._planes import (
+    EventConnection,
+    PlaneHost,
+    RequestConnection,
+    WorkerPlaneConnection,
+)
 from worker_ingress._system import serve_system
 from worker_ingress.engines._base import Engine
 
@@ -135,10 +137,6 @@ class Worker:
         )
         self.metrics = metrics if metrics is not None else self._default_metrics()
         self._hello: Hello | None = None
-        #: Cancel scopes of every request in flight, for cancelling them when the grace expires.
-        self.request_scopes: set[trio.CancelScope] = set()
-        #: True once the drain grace expired: cancelled requests end with ``Failed(unavailable)``.
-        self.abandoning = False
         self._status: HealthStatus = "starting"
         self._drain_requested = trio.Event()
         self._connections: set[WorkerPlaneConnection] = set()
@@ -172,6 +170,14 @@ class Worker:
                 features=[FEATURE_BUSY_EDGES],
             )
         return self._hello
+
+    def subscribe(self) -> contextlib.AbstractContextManager[Subscription]:
+        """An event-plane subscription for as long as the ``with`` block runs."""
+        return self.publisher.subscribe()
+
+    def count_connection_error(self) -> None:
+        """Count a connection that failed or broke the protocol."""
+        self.metrics.count_connection_error()
 
     def _default_metrics(self) -> WorkerMetrics:
         return WorkerMetrics(self.gate, kv_blocks=self._kv_blocks)
@@ -301,9 +307,9 @@ class Worker:
             await self.gate.wait_idle()
         if self.gate.in_flight:
             logger.warning("drain grace expired; cancelling %d requests", self.gate.in_flight)
-            self.abandoning = True
-            for scope in list(self.request_scopes):
-                scope.cancel()
+            for connection in list(self._connections):
+                if isinstance(connection, RequestConnection):
+                    connection.abandon()
         # One last heartbeat cycle is not needed: subscribers already saw "draining".
         with trio.move_on_after(CLOSE_FLUSH_SECONDS):
             async with trio.open_nursery() as nursery:
@@ -314,7 +320,7 @@ class Worker:
         logger.info("drained")
 
     async def _handle(self, request: WebSocketRequest) -> None:
-        """Serve one websocket connection; nothing escapes (rule 6)."""
+        """Serve one websocket connection; nothing escapes (see the module docstring)."""
         try:
             await self._serve_connection(request)
         except Exception:
@@ -322,7 +328,7 @@ class Worker:
             self.metrics.count_connection_error()
 
     async def _serve_connection(self, request: WebSocketRequest) -> None:
-        factory: Callable[[Worker, WebSocketConnection], WorkerPlaneConnection]
+        factory: Callable[[PlaneHost, WebSocketConnection], WorkerPlaneConnection]
         if self._token is not None and not _authorized(request, self._token):
             # Before anything else, the path included: a caller without the token learns
             # nothing about this worker.

@@ -262,8 +262,6 @@ async def fleet(
             await wait_until_async(connected, "every worker connected")
             yield running
             frontend_nursery.cancel_scope.cancel()
-        for worker in started:
-            worker.abandoning = True
         nursery.cancel_scope.cancel()
 
 

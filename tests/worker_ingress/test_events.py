@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
@@ -10,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
-from worker_ingress._events import EventPublisher, LoadTracker, Mailbox, open_event_publisher
+from worker_ingress._events import EventPublisher, LoadTracker, Mailbox
 from worker_ingress._watch import ChangeSignal
 
 
@@ -25,6 +27,15 @@ def rank(dp_rank: int, blocks: int = 0, prefill: int = 0) -> RankLoad:
 
 def fixed_clock() -> float:
     return 1000.0
+
+
+@asynccontextmanager
+async def open_event_publisher(publisher: EventPublisher) -> AsyncIterator[EventPublisher]:
+    """Run ``publisher`` in a nursery for the duration of the block; yield it, started."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        yield publisher
+        nursery.cancel_scope.cancel()
 
 
 # ----------------------------------------------------------------------------- LoadTracker
