@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
-from frontend_shim._thresholds import Thresholds
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 
 MODEL = "bench-model"
 TOTAL_BLOCKS = 16384
@@ -32,7 +32,7 @@ MAX_BATCHED = 8192
 
 def build_fleet(workers: int, ranks: int) -> Fleet:
     fleet = Fleet(
-        default_thresholds=Thresholds(active_decode_blocks=0.85, active_prefill_tokens=4096),
+        default_thresholds=BusyThresholds(active_decode_blocks=0.85, active_prefill_tokens=4096),
         track_output_blocks=True,
     )
     for index in range(workers):

@@ -22,8 +22,8 @@ import msgspec
 
 from frontend_shim._load import Fleet
 from frontend_shim._request_body import BadRequest
-from frontend_shim._thresholds import ThresholdError, Thresholds
 from shim_common._access import bearer_matches
+from shim_common._busy import BusyThresholds, ThresholdError
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
 
 __all__ = ["AdminRoutes", "parse_threshold_update"]
@@ -52,7 +52,7 @@ class AdminRoutes:
         fleet: Fleet,
         *,
         disabled: bool,
-        on_change: Callable[[str, Thresholds], None] = lambda _model, _thresholds: None,
+        on_change: Callable[[str, BusyThresholds], None] = lambda _model, _thresholds: None,
         token: str | None = None,
     ) -> None:
         self._fleet = fleet
@@ -103,7 +103,7 @@ class AdminRoutes:
         await responder.send(200, json_headers(), _json_encode(_threshold_entry(model, current)))
 
 
-def parse_threshold_update(raw: bytes) -> tuple[str, Thresholds]:
+def parse_threshold_update(raw: bytes) -> tuple[str, BusyThresholds]:
     """The ``POST /busy_threshold`` body: 400 out of range, 422 wrong type or missing model."""
     try:
         body = msgspec.json.decode(raw)
@@ -127,7 +127,7 @@ def parse_threshold_update(raw: bytes) -> tuple[str, Thresholds]:
             422, f"`{_THRESHOLD_FIELDS[1]}` must be an integer, got {tokens}", admin=True
         )
     try:
-        update = Thresholds(
+        update = BusyThresholds(
             active_decode_blocks=None if decode is None else float(decode),
             active_prefill_tokens=tokens,
             active_prefill_tokens_frac=None if frac is None else float(frac),
@@ -137,7 +137,7 @@ def parse_threshold_update(raw: bytes) -> tuple[str, Thresholds]:
     return model, update
 
 
-def _threshold_entry(model: str, thresholds: Thresholds) -> dict[str, Any]:
+def _threshold_entry(model: str, thresholds: BusyThresholds) -> dict[str, Any]:
     return {
         "model": model,
         "active_decode_blocks_threshold": thresholds.active_decode_blocks,

@@ -36,7 +36,6 @@ from frontend_shim._local import run_local_workers
 from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
 from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
-from frontend_shim._thresholds import Thresholds
 from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
 from shim_common._httpserver import HTTPLimits, serve_http
@@ -67,12 +66,13 @@ def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:
 
 
 def _log_thresholds(settings: FrontendSettings) -> None:
+    thresholds = settings.thresholds
     given = [
         f"--{name.replace('_', '-')}={value}"
         for name, value in (
-            ("active_decode_blocks_threshold", settings.active_decode_blocks_threshold),
-            ("active_prefill_tokens_threshold", settings.active_prefill_tokens_threshold),
-            ("active_prefill_tokens_threshold_frac", settings.active_prefill_tokens_threshold_frac),
+            ("active_decode_blocks_threshold", thresholds.active_decode_blocks),
+            ("active_prefill_tokens_threshold", thresholds.active_prefill_tokens),
+            ("active_prefill_tokens_threshold_frac", thresholds.active_prefill_tokens_frac),
         )
         if value is not None
     ]
@@ -95,11 +95,7 @@ async def run_frontend(
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     _log_thresholds(settings)
     fleet = Fleet(
-        default_thresholds=Thresholds(
-            active_decode_blocks=settings.active_decode_blocks_threshold,
-            active_prefill_tokens=settings.active_prefill_tokens_threshold,
-            active_prefill_tokens_frac=settings.active_prefill_tokens_threshold_frac,
-        ),
+        default_thresholds=settings.thresholds,
         track_output_blocks=settings.router_track_output_blocks,
         queue_threshold=settings.router_queue_threshold,
         stale_after_intervals=settings.stale_after_heartbeats,
@@ -137,9 +133,7 @@ async def run_frontend(
             fleet,
             disabled=settings.admin_api_disabled,
             token=settings.admin_token,
-            on_change=lambda model, thresholds: pool.thresholds_changed(
-                model, thresholds.to_wire()
-            ),
+            on_change=pool.thresholds_changed,
         )
         api = FrontendAPI(
             settings=settings,

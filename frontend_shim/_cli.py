@@ -32,6 +32,7 @@ from shim_common._access import (
     check_ca_file,
     token_from_env,
 )
+from shim_common._busy import BusyThresholds
 from shim_common._cli import (
     DEFAULT_LOG_FILTER,
     LOG_LEVEL_PARAMETER,
@@ -311,9 +312,11 @@ def _frontend(
         local_workers=local_workers,
         local_worker_args=worker_args,
         router_mode=router_mode,
-        active_decode_blocks_threshold=active_decode_blocks_threshold,
-        active_prefill_tokens_threshold=active_prefill_tokens_threshold,
-        active_prefill_tokens_threshold_frac=active_prefill_tokens_threshold_frac,
+        thresholds=BusyThresholds(
+            active_decode_blocks=active_decode_blocks_threshold,
+            active_prefill_tokens=active_prefill_tokens_threshold,
+            active_prefill_tokens_frac=active_prefill_tokens_threshold_frac,
+        ),
         router_track_output_blocks=router_track_output_blocks,
         router_queue_threshold=router_queue_threshold,
         router_queue_capacity=router_queue_capacity,

@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import Final, Literal
 
+from shim_common._busy import BusyThresholds
+
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_OVERLOAD_STATUS",
@@ -40,9 +42,8 @@ class FrontendSettings:
     #: Worker flags given to the frontend, passed on to local workers verbatim.
     local_worker_args: tuple[str, ...] = ()
     router_mode: RouterMode = "round-robin"
-    active_decode_blocks_threshold: float | None = None
-    active_prefill_tokens_threshold: int | None = None
-    active_prefill_tokens_threshold_frac: float | None = None
+    #: The busy thresholds every model starts with (``--active-*-threshold*``).
+    thresholds: BusyThresholds = dataclasses.field(default_factory=BusyThresholds)
     router_track_output_blocks: bool = False
     router_queue_threshold: float | None = None
     #: Requests the frontend queue holds at most (with --router-queue-threshold).

@@ -89,7 +89,7 @@ class FleetBridge:
 
     def thresholds(self, model: str) -> wire.BusyThresholds | None:
         thresholds = self._fleet.thresholds(model)
-        return thresholds.to_wire() if thresholds.configured else None
+        return thresholds if thresholds.configured else None
 
     def worker_down(self, key: WorkerKey, now: float) -> None:
         config = self._up.pop(key, None)

@@ -26,8 +26,9 @@ import itertools
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from frontend_shim._thresholds import Thresholds, max_batched, rank_busy
+from frontend_shim._thresholds import max_batched, rank_busy
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 
 __all__ = ["FreeSet", "FreeSets", "InFlight", "ModelPool", "RankState", "WorkerLoad"]
 
@@ -230,7 +231,7 @@ class ModelPool:
 
     __slots__ = ("available", "free", "name", "thresholds", "unsaturated_free", "workers")
 
-    def __init__(self, name: str, thresholds: Thresholds) -> None:
+    def __init__(self, name: str, thresholds: BusyThresholds) -> None:
         self.name = name
         self.thresholds = thresholds
         self.workers: dict[str, WorkerLoad] = {}
@@ -257,7 +258,7 @@ class FreeSets:
         self._models_available = 0
         self._models_with_free = 0
 
-    def pool(self, model: str, thresholds: Thresholds) -> ModelPool:
+    def pool(self, model: str, thresholds: BusyThresholds) -> ModelPool:
         """The pool of ``model``, created with ``thresholds`` when the model is new."""
         pool = self.pools.get(model)
         if pool is None:

@@ -44,8 +44,8 @@ from collections.abc import Iterable, Iterator
 from typing import Final, NamedTuple
 
 from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad
-from frontend_shim._thresholds import Thresholds
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 
 __all__ = [
     "DEFAULT_MARK_LEASE",
@@ -93,7 +93,7 @@ class Fleet:
     def __init__(
         self,
         *,
-        default_thresholds: Thresholds | None = None,
+        default_thresholds: BusyThresholds | None = None,
         track_output_blocks: bool = False,
         queue_threshold: float | None = None,
         stale_after_intervals: float = DEFAULT_STALE_AFTER_INTERVALS,
@@ -107,7 +107,7 @@ class Fleet:
             raise ValueError(f"stale_after_intervals must be > 0, got {stale_after_intervals}")
         if not mark_lease > 0:
             raise ValueError(f"mark_lease must be > 0, got {mark_lease}")
-        self.default_thresholds = default_thresholds or Thresholds()
+        self.default_thresholds = default_thresholds or BusyThresholds()
         self.track_output_blocks = track_output_blocks
         self.queue_threshold = queue_threshold
         self.stale_after_intervals = stale_after_intervals
@@ -346,16 +346,16 @@ class Fleet:
 
     # ------------------------------------------------------------------ thresholds
 
-    def thresholds(self, model: str) -> Thresholds:
+    def thresholds(self, model: str) -> BusyThresholds:
         """The thresholds in force for ``model`` (the defaults for a model not seen yet)."""
         pool = self._pools.get(model)
         return pool.thresholds if pool else self.default_thresholds
 
-    def all_thresholds(self) -> list[tuple[str, Thresholds]]:
+    def all_thresholds(self) -> list[tuple[str, BusyThresholds]]:
         """``(model, thresholds)`` for every known model (what ``GET /busy_threshold`` lists)."""
         return [(name, pool.thresholds) for name, pool in self._pools.items()]
 
-    def set_thresholds(self, model: str, update: Thresholds) -> Thresholds:
+    def set_thresholds(self, model: str, update: BusyThresholds) -> BusyThresholds:
         """Set the non-``None`` values of ``update`` for ``model`` and re-judge its workers now.
 
         A threshold cannot be unset this way (as in Dynamo's API). The scan is O(workers of the

@@ -1,31 +1,177 @@
-"""The busy rule of one data-parallel rank, shared by the frontend's routing and the worker's
-busy/free edge detection, so the two can never disagree on what "busy" means."""
+"""The busy thresholds and the busy rule of one data-parallel rank, shared by the frontend's
+routing and the worker's busy/free edge detection, so the two can never disagree on what "busy"
+means.
+
+:class:`BusyThresholds` is the one value type of the thresholds: the frontend's settings and its
+per-model state, the admin API's update, and the :class:`~shim_common.wire.Subscribe` message a
+worker decodes are all this struct, so a value is checked by one set of rules wherever it enters
+(:meth:`BusyThresholds.__post_init__`, which msgspec also runs on decode: a bad value on the wire
+is a ``msgspec.ValidationError``, as any undecodable message).
+
+Thresholds are per model; ``None`` leaves a check unset. A rank is busy when any configured check
+is exceeded (strict ``>``; unset checks are skipped; all unset: never busy), see
+:func:`rank_busy`.
+"""
 
 from __future__ import annotations
 
-from typing import Final, Protocol
+import math
+from typing import Final
 
-__all__ = ["UNKNOWN_MAX_BATCHED_TOKENS", "BusyRule", "rank_busy"]
+import msgspec
+
+__all__ = [
+    "UNKNOWN_MAX_BATCHED_TOKENS",
+    "BusyThresholds",
+    "ThresholdError",
+    "rank_busy",
+    "validate_active_decode_blocks_threshold",
+    "validate_active_prefill_tokens_threshold",
+    "validate_active_prefill_tokens_threshold_frac",
+]
 
 #: ``max_num_batched_tokens`` assumed when a worker announces none (Dynamo's default).
 UNKNOWN_MAX_BATCHED_TOKENS: Final = 10_000_000
 
 
-class BusyRule(Protocol):
-    """Thresholds as the rule reads them; ``None`` leaves a check unset (skipped)."""
+class ThresholdError(ValueError):
+    """A threshold value out of range; ``str(error)`` is the text the HTTP API returns (400).
+
+    Attributes:
+        field: the name of the threshold, as in the API (``active_decode_blocks_threshold``...).
+        value: the value given.
+    """
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+def validate_active_decode_blocks_threshold(value: float) -> float:
+    """Check a decode-blocks threshold: a finite float in [0.0, 1.0].
+
+    Args:
+        value: the threshold given.
+
+    Returns:
+        ``value`` as a float.
+
+    Raises:
+        ThresholdError: out of range, NaN or infinite.
+    """
+    value = float(value)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        field = "active_decode_blocks_threshold"
+        raise ThresholdError(field, value, f"{field} must be between 0.0 and 1.0, got {value}")
+    return value
+
+
+def validate_active_prefill_tokens_threshold(value: int) -> int:
+    """Check an absolute prefill-tokens threshold: an integer >= 0.
+
+    Args:
+        value: the threshold given.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ThresholdError: negative.
+    """
+    if value < 0:
+        field = "active_prefill_tokens_threshold"
+        raise ThresholdError(field, value, f"{field} must be >= 0, got {value}")
+    return value
+
+
+def validate_active_prefill_tokens_threshold_frac(value: float) -> float:
+    """Check a prefill-tokens fraction threshold: a finite float >= 0.0.
+
+    Args:
+        value: the threshold given.
+
+    Returns:
+        ``value`` as a float.
+
+    Raises:
+        ThresholdError: negative, NaN or infinite.
+    """
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0.0):
+        field = "active_prefill_tokens_threshold_frac"
+        raise ThresholdError(
+            field,
+            value,
+            f"{field} must be a finite value greater than or equal to 0.0, got {value}",
+        )
+    return value
+
+
+class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
+    """The busy thresholds of one model; ``None`` means that check is off.
+
+    A rank is busy when any configured check is exceeded (strict ``>``): decode blocks over
+    ``active_decode_blocks`` of the rank's KV blocks, prefill tokens over
+    ``active_prefill_tokens``, or prefill tokens over ``active_prefill_tokens_frac`` of
+    ``max_num_batched_tokens`` (:func:`rank_busy`).
+
+    Raises:
+        ThresholdError: on construction, a value out of range (msgspec turns it into a
+            ``ValidationError`` on decode).
+    """
+
+    active_decode_blocks: float | None = None
+    active_prefill_tokens: int | None = None
+    active_prefill_tokens_frac: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.active_decode_blocks is not None:
+            validate_active_decode_blocks_threshold(self.active_decode_blocks)
+        if self.active_prefill_tokens is not None:
+            validate_active_prefill_tokens_threshold(self.active_prefill_tokens)
+        if self.active_prefill_tokens_frac is not None:
+            validate_active_prefill_tokens_threshold_frac(self.active_prefill_tokens_frac)
 
     @property
-    def active_decode_blocks(self) -> float | None: ...
+    def configured(self) -> bool:
+        """Whether any check is set (with none set, no rank is ever busy)."""
+        return (
+            self.active_decode_blocks is not None
+            or self.active_prefill_tokens is not None
+            or self.active_prefill_tokens_frac is not None
+        )
 
-    @property
-    def active_prefill_tokens(self) -> int | None: ...
+    def merged(self, update: BusyThresholds) -> BusyThresholds:
+        """These thresholds with every non-``None`` value of ``update`` put in (the POST rule).
 
-    @property
-    def active_prefill_tokens_frac(self) -> float | None: ...
+        Args:
+            update: the values to set; its ``None`` fields leave ours unchanged.
+
+        Returns:
+            The merged thresholds.
+        """
+        return BusyThresholds(
+            active_decode_blocks=(
+                self.active_decode_blocks
+                if update.active_decode_blocks is None
+                else update.active_decode_blocks
+            ),
+            active_prefill_tokens=(
+                self.active_prefill_tokens
+                if update.active_prefill_tokens is None
+                else update.active_prefill_tokens
+            ),
+            active_prefill_tokens_frac=(
+                self.active_prefill_tokens_frac
+                if update.active_prefill_tokens_frac is None
+                else update.active_prefill_tokens_frac
+            ),
+        )
 
 
 def rank_busy(
-    thresholds: BusyRule,
+    thresholds: BusyThresholds,
     *,
     blocks: int,
     prefill_tokens: int,

@@ -36,6 +36,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from shim_common._busy import BusyThresholds
+
 __all__ = [
     "CANCEL_REASON_CLIENT",
     "CLOSE_DRAINING",
@@ -198,23 +200,11 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_fi
     sent: float = 0.0
 
 
-class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
-    """The busy thresholds a subscriber routes by; ``None`` means that check is off.
-
-    A rank is busy when any configured check is exceeded (strict ``>``): decode blocks over
-    ``active_decode_blocks`` of the rank's KV blocks, prefill tokens over
-    ``active_prefill_tokens``, or prefill tokens over ``active_prefill_tokens_frac`` of
-    ``max_num_batched_tokens``. ``shim_common._busy.rank_busy`` is the one implementation.
-    """
-
-    active_decode_blocks: float | None = None
-    active_prefill_tokens: int | None = None
-    active_prefill_tokens_frac: float | None = None
-
-
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_field="type"):
     """Sent by a subscriber on the event plane, to a worker that lists
-    :data:`FEATURE_BUSY_EDGES`; a later one replaces the earlier."""
+    :data:`FEATURE_BUSY_EDGES`; a later one replaces the earlier. ``thresholds`` is the one
+    thresholds type of both sides (:class:`shim_common._busy.BusyThresholds`, which says what
+    each field means and checks its range on decode)."""
 
     thresholds: BusyThresholds
 

@@ -30,6 +30,7 @@ from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._responses import UNAVAILABLE_BODY, overload_body
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 from shim_common.wire import RankLoad
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._config import MockerSettings, WorkerSettings
@@ -630,7 +631,9 @@ async def test_threshold_set_through_the_api_takes_effect_and_sheds_before_the_b
 
 async def test_busy_threshold_get_and_post_cases() -> None:
     with trio.fail_after(TIMEOUT):
-        async with fleet([worker_settings()], active_prefill_tokens_threshold=7) as f:
+        async with fleet(
+            [worker_settings()], thresholds=BusyThresholds(active_prefill_tokens=7)
+        ) as f:
             listed = (await f.get("/busy_threshold")).json()
             assert listed == {
                 "thresholds": [

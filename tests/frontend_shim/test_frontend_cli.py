@@ -54,9 +54,9 @@ def test_defaults() -> None:
     assert settings.workers == ()
     assert settings.local_workers == 0
     assert settings.router_mode == "round-robin"
-    assert settings.active_decode_blocks_threshold is None
-    assert settings.active_prefill_tokens_threshold is None
-    assert settings.active_prefill_tokens_threshold_frac is None
+    assert settings.thresholds.active_decode_blocks is None
+    assert settings.thresholds.active_prefill_tokens is None
+    assert settings.thresholds.active_prefill_tokens_frac is None
     assert settings.router_track_output_blocks is False
     assert settings.router_queue_threshold is None
     assert settings.migration_limit == 0
@@ -77,10 +77,10 @@ def test_command_line_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD", "0.5")
     monkeypatch.setenv("DYN_ROUTER_MODE", "kv")
     settings, _ = parse_args([])
-    assert settings.active_decode_blocks_threshold == 0.5
+    assert settings.thresholds.active_decode_blocks == 0.5
     assert settings.router_mode == "kv"
     settings, _ = parse_args(["--active-decode-blocks-threshold", "0.9", "--router-mode", "random"])
-    assert settings.active_decode_blocks_threshold == 0.9
+    assert settings.thresholds.active_decode_blocks == 0.9
     assert settings.router_mode == "random"
 
 
@@ -156,7 +156,7 @@ def test_admission_control_is_accepted_ignored_and_warned_about(
     with caplog.at_level(logging.WARNING):
         settings, _ = parse_args(["--admission-control", "token-capacity"])
     assert ADMISSION_CONTROL_FLAG_WARNING in caplog.text
-    assert settings.active_decode_blocks_threshold is None
+    assert settings.thresholds.active_decode_blocks is None
     caplog.clear()
     monkeypatch.setenv("DYN_ADMISSION_CONTROL", "none")
     with caplog.at_level(logging.WARNING):

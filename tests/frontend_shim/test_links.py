@@ -13,8 +13,8 @@ from test_workers import FAST, PROMPT, RecordingListener, _settings
 
 from frontend_shim._links import LagMeter, LinkSettings, WorkerLink
 from frontend_shim._load import Fleet
-from frontend_shim._thresholds import Thresholds
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 from worker_ingress._server import Worker
 from worker_ingress.engines._instant import InstantEngine, create
 
@@ -90,7 +90,7 @@ def _config(worker_id: str) -> wire.RuntimeConfig:
 
 
 def test_a_lagging_worker_is_not_routed_to_until_it_catches_up() -> None:
-    fleet = Fleet(default_thresholds=Thresholds())
+    fleet = Fleet(default_thresholds=BusyThresholds())
     fleet.register(_config("a"), 0.0)
     fleet.register(_config("b"), 0.0)
     assert fleet.available_count("m", 0.0) == 2

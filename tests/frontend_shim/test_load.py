@@ -1,5 +1,6 @@
-"""The frontend's load state, free sets and busy rules (frontend_shim._load, _free_sets,
-_thresholds), without I/O."""
+"""The frontend's load state and free sets (frontend_shim._load, _free_sets), without I/O: the busy
+rule as the fleet applies it to each worker's ranks. The thresholds' own ranges and merging are
+tested in tests/shim_common/test_busy.py."""
 
 from __future__ import annotations
 
@@ -13,14 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from frontend_shim._free_sets import WorkerLoad
 from frontend_shim._load import Fleet, RankGauge
-from frontend_shim._thresholds import (
-    ThresholdError,
-    Thresholds,
-    validate_active_decode_blocks_threshold,
-    validate_active_prefill_tokens_threshold,
-    validate_active_prefill_tokens_threshold_frac,
-)
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 
 MODEL = "m"
 
@@ -108,7 +103,7 @@ class Feed:
         return self.fleet.apply(worker_id, event, now)
 
 
-def fleet_with(thresholds: Thresholds, **kwargs: Any) -> tuple[Fleet, Feed]:
+def fleet_with(thresholds: BusyThresholds, **kwargs: Any) -> tuple[Fleet, Feed]:
     fleet = Fleet(default_thresholds=thresholds, **kwargs)
     return fleet, Feed(fleet)
 
@@ -125,67 +120,11 @@ def state(fleet: Fleet, worker_id: str = "w0") -> WorkerLoad:
     return worker
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize("value", [0.0, 0.85, 1.0])
-def test_decode_threshold_valid(value: float) -> None:
-    assert validate_active_decode_blocks_threshold(value) == value
-
-
-@pytest.mark.parametrize("value", [-0.1, 1.1, 1.5, math.nan, math.inf])
-def test_decode_threshold_invalid(value: float) -> None:
-    with pytest.raises(ThresholdError) as info:
-        validate_active_decode_blocks_threshold(value)
-    assert info.value.field == "active_decode_blocks_threshold"
-
-
-def test_error_texts_are_those_of_the_api() -> None:
-    decode_text = r"^active_decode_blocks_threshold must be between 0\.0 and 1\.0, got 1\.5$"
-    with pytest.raises(ThresholdError, match=decode_text):
-        validate_active_decode_blocks_threshold(1.5)
-    with pytest.raises(
-        ThresholdError,
-        match=r"^active_prefill_tokens_threshold_frac must be a finite value greater than or "
-        r"equal to 0\.0, got -0\.1$",
-    ):
-        validate_active_prefill_tokens_threshold_frac(-0.1)
-    prefill_text = r"^active_prefill_tokens_threshold must be >= 0, got -1$"
-    with pytest.raises(ThresholdError, match=prefill_text):
-        validate_active_prefill_tokens_threshold(-1)
-
-
-@pytest.mark.parametrize("value", [0.0, 0.9, 64.0])
-def test_frac_threshold_valid(value: float) -> None:
-    assert validate_active_prefill_tokens_threshold_frac(value) == value
-
-
-@pytest.mark.parametrize("value", [-0.1, math.nan, math.inf])
-def test_frac_threshold_invalid(value: float) -> None:
-    with pytest.raises(ThresholdError):
-        validate_active_prefill_tokens_threshold_frac(value)
-
-
-def test_prefill_threshold_zero_is_valid_and_thresholds_validate_on_build() -> None:
-    assert validate_active_prefill_tokens_threshold(0) == 0
-    with pytest.raises(ThresholdError):
-        Thresholds(active_decode_blocks=2.0)
-
-
-def test_merge_sets_only_given_values() -> None:
-    base = Thresholds(active_decode_blocks=0.5, active_prefill_tokens=10)
-    merged = base.merged(Thresholds(active_prefill_tokens=20))
-    assert merged == Thresholds(active_decode_blocks=0.5, active_prefill_tokens=20)
-    assert base.merged(Thresholds()) == base
-    assert not Thresholds().configured
-    assert Thresholds(active_prefill_tokens_frac=0.0).configured
-
-
 # ----------------------------------------------------------------------------- busy rules
 
 
 def test_decode_threshold_alone_is_strict() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=100), 0.0)
     feed.load(decode=50, prefill=10**6)  # 50/100 is not > 0.5; prefill is not checked
     assert is_free(fleet)
@@ -195,7 +134,7 @@ def test_decode_threshold_alone_is_strict() -> None:
 
 
 def test_decode_uses_larger_of_used_and_active_blocks() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=100), 0.0)
     feed.load(decode=10, used=60)
     assert not is_free(fleet)
@@ -207,14 +146,14 @@ def test_decode_uses_larger_of_used_and_active_blocks() -> None:
 
 @pytest.mark.parametrize("total", [0, -1])
 def test_decode_never_busy_without_total(total: int) -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.0))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
     fleet.register(config(total=total), 0.0)
     feed.load(decode=1000, used=1000)
     assert is_free(fleet)
 
 
 def test_prefill_threshold_alone_is_strict() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=100))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=100))
     fleet.register(config(), 0.0)
     feed.load(prefill=100, decode=10**6, used=10**6)
     assert is_free(fleet)
@@ -223,7 +162,7 @@ def test_prefill_threshold_alone_is_strict() -> None:
 
 
 def test_prefill_threshold_zero_busy_on_any_prefill() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
     fleet.register(config(), 0.0)
     feed.load(prefill=0)
     assert is_free(fleet)
@@ -233,7 +172,7 @@ def test_prefill_threshold_zero_busy_on_any_prefill() -> None:
 
 def test_frac_threshold_truncates_to_integer() -> None:
     # The limit is int(0.3339 * 10) = 3 tokens (for whole token counts, the same as > 3.339).
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens_frac=0.3339))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens_frac=0.3339))
     fleet.register(config(max_batched=10), 0.0)
     feed.load(prefill=3)
     assert is_free(fleet)
@@ -242,7 +181,7 @@ def test_frac_threshold_truncates_to_integer() -> None:
 
 
 def test_frac_threshold_uses_default_when_max_batched_unknown() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens_frac=1.0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens_frac=1.0))
     fleet.register(config(max_batched=0), 0.0)
     feed.load(prefill=10_000_000)
     assert is_free(fleet)
@@ -251,14 +190,14 @@ def test_frac_threshold_uses_default_when_max_batched_unknown() -> None:
 
 
 def test_unset_thresholds_never_busy() -> None:
-    fleet, feed = fleet_with(Thresholds())
+    fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(), 0.0)
     feed.load(decode=10**6, prefill=10**6, used=10**6)
     assert is_free(fleet)
 
 
 def test_checks_are_ored_within_a_rank() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5, active_prefill_tokens=100))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5, active_prefill_tokens=100))
     fleet.register(config(total=100), 0.0)
     feed.load(decode=10, prefill=10)
     assert is_free(fleet)
@@ -269,7 +208,7 @@ def test_checks_are_ored_within_a_rank() -> None:
 
 
 def test_ranks_are_anded_and_unreported_ranks_do_not_count() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
     fleet.register(config(dp=3), 0.0)
     assert is_free(fleet)  # no rank reported: not busy
     feed.load(rank=0, prefill=5)
@@ -286,7 +225,7 @@ def test_ranks_are_anded_and_unreported_ranks_do_not_count() -> None:
 
 
 def test_heartbeat_reports_every_rank() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=10, dp=2), 0.0)
     feed.heartbeat(loads=[(0, 9), (1, 9)])
     assert not is_free(fleet)
@@ -295,7 +234,7 @@ def test_heartbeat_reports_every_rank() -> None:
 
 
 def test_old_and_unknown_events_are_ignored() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
     fleet.register(config(), 0.0)
     assert not feed.load("nobody", prefill=5)
     old = wire.LoadEvent(
@@ -316,7 +255,7 @@ def test_old_and_unknown_events_are_ignored() -> None:
 
 
 def test_router_own_blocks_beat_a_lower_report() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=10, block_size=16), 0.0)
     feed.load(decode=0)
     in_flight = fleet.request_sent("w0", prompt_tokens=16 * 6)  # 6 blocks > 0.5 * 10
@@ -331,7 +270,7 @@ def test_router_own_blocks_beat_a_lower_report() -> None:
 
 
 def test_prompt_blocks_round_up() -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5))
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=10, block_size=16), 0.0)
     feed.load()
     fleet.request_sent("w0", prompt_tokens=16 * 5)  # 5 blocks: 5/10 is not > 0.5
@@ -342,7 +281,7 @@ def test_prompt_blocks_round_up() -> None:
 
 @pytest.mark.parametrize("track", [False, True])
 def test_track_output_blocks(track: bool) -> None:
-    fleet, feed = fleet_with(Thresholds(active_decode_blocks=0.5), track_output_blocks=track)
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5), track_output_blocks=track)
     fleet.register(config(total=10, block_size=10), 0.0)
     feed.load()
     in_flight = fleet.request_sent("w0", prompt_tokens=10)
@@ -355,7 +294,7 @@ def test_track_output_blocks(track: bool) -> None:
 
 
 def test_own_prefill_counts_until_first_output() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=100))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=100))
     fleet.register(config(), 0.0)
     feed.load()
     in_flight = fleet.request_sent("w0", prompt_tokens=101)
@@ -366,7 +305,7 @@ def test_own_prefill_counts_until_first_output() -> None:
 
 
 def test_requests_spread_over_ranks() -> None:
-    fleet, _ = fleet_with(Thresholds())
+    fleet, _ = fleet_with(BusyThresholds())
     fleet.register(config(dp=2, block_size=1), 0.0)
     fleet.request_sent("w0", prompt_tokens=5)
     fleet.request_sent("w0", prompt_tokens=3)
@@ -378,7 +317,7 @@ def test_requests_spread_over_ranks() -> None:
 
 
 def test_stale_worker_is_not_free_until_it_speaks() -> None:
-    fleet, feed = fleet_with(Thresholds(), stale_after_intervals=3.0)
+    fleet, feed = fleet_with(BusyThresholds(), stale_after_intervals=3.0)
     fleet.register(config(heartbeat=1.0), 0.0)
     feed.load(now=1.0)
     assert is_free(fleet, now=4.0)  # 3 s of silence: not more than 3 intervals
@@ -392,13 +331,13 @@ def test_stale_worker_is_not_free_until_it_speaks() -> None:
 
 
 def test_no_heartbeat_interval_never_stale() -> None:
-    fleet, _ = fleet_with(Thresholds())
+    fleet, _ = fleet_with(BusyThresholds())
     fleet.register(config(heartbeat=0.0), 0.0)
     assert is_free(fleet, now=1e9)
 
 
 def test_mark_lease_expires_after_one_second() -> None:
-    fleet, _ = fleet_with(Thresholds())
+    fleet, _ = fleet_with(BusyThresholds())
     fleet.register(config(heartbeat=100.0), 0.0)
     assert fleet.mark_overloaded("w0", 10.0)
     assert not is_free(fleet, now=10.0)
@@ -407,7 +346,7 @@ def test_mark_lease_expires_after_one_second() -> None:
 
 
 def test_mark_cleared_by_next_load_event_or_heartbeat() -> None:
-    fleet, feed = fleet_with(Thresholds())
+    fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(), 0.0)
     fleet.mark_overloaded("w0", 0.0)
     assert not is_free(fleet, now=0.1)
@@ -419,7 +358,7 @@ def test_mark_cleared_by_next_load_event_or_heartbeat() -> None:
 
 
 def test_remark_extends_the_lease() -> None:
-    fleet, _ = fleet_with(Thresholds())
+    fleet, _ = fleet_with(BusyThresholds())
     fleet.register(config(heartbeat=100.0), 0.0)
     fleet.mark_overloaded("w0", 0.0)
     fleet.mark_overloaded("w0", 0.5)
@@ -429,7 +368,7 @@ def test_remark_extends_the_lease() -> None:
 
 
 def test_draining_heartbeat_and_ready_again() -> None:
-    fleet, feed = fleet_with(Thresholds())
+    fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(), 0.0)
     feed.heartbeat(status="draining")
     assert fleet.available_count(MODEL, 0.0) == 0
@@ -441,41 +380,41 @@ def test_draining_heartbeat_and_ready_again() -> None:
 
 
 def test_threshold_change_takes_effect_at_once() -> None:
-    fleet, feed = fleet_with(Thresholds())
+    fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(total=100), 0.0)
     feed.load(decode=60)
     assert is_free(fleet)
-    now_in_force = fleet.set_thresholds(MODEL, Thresholds(active_decode_blocks=0.5))
+    now_in_force = fleet.set_thresholds(MODEL, BusyThresholds(active_decode_blocks=0.5))
     assert now_in_force.active_decode_blocks == 0.5
     assert not is_free(fleet)
-    fleet.set_thresholds(MODEL, Thresholds(active_decode_blocks=0.7))
+    fleet.set_thresholds(MODEL, BusyThresholds(active_decode_blocks=0.7))
     assert is_free(fleet)
     assert fleet.thresholds(MODEL).active_decode_blocks == 0.7
 
 
 def test_thresholds_are_per_model() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=10))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=10))
     fleet.register(config("a", model="m1"), 0.0)
     fleet.register(config("b", model="m2"), 0.0)
-    fleet.set_thresholds("m1", Thresholds(active_prefill_tokens=100))
+    fleet.set_thresholds("m1", BusyThresholds(active_prefill_tokens=100))
     feed.load("a", prefill=50)
     feed.load("b", prefill=50)
     assert len(fleet.free_workers("m1", 0.0) or ()) == 1
     assert len(fleet.free_workers("m2", 0.0) or ()) == 0
     assert fleet.all_thresholds() == [
-        ("m1", Thresholds(active_prefill_tokens=100)),
-        ("m2", Thresholds(active_prefill_tokens=10)),
+        ("m1", BusyThresholds(active_prefill_tokens=100)),
+        ("m2", BusyThresholds(active_prefill_tokens=10)),
     ]
     with pytest.raises(KeyError):
-        fleet.set_thresholds("unknown", Thresholds(active_prefill_tokens=1))
-    assert fleet.thresholds("unknown") == Thresholds(active_prefill_tokens=10)
+        fleet.set_thresholds("unknown", BusyThresholds(active_prefill_tokens=1))
+    assert fleet.thresholds("unknown") == BusyThresholds(active_prefill_tokens=10)
 
 
 # ----------------------------------------------------------------------------- fleet views
 
 
 def test_all_models_busy() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
     assert not fleet.all_models_busy(0.0)  # nothing known
     fleet.register(config("a", model="m1"), 0.0)
     fleet.register(config("b", model="m2"), 0.0)
@@ -488,7 +427,7 @@ def test_all_models_busy() -> None:
 
 
 def test_rank_gauges_and_removal() -> None:
-    fleet, feed = fleet_with(Thresholds())
+    fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config("a", dp=2, total=64), 0.0)
     feed.load("a", rank=1, decode=3, used=5, prefill=7)
     assert sorted(fleet.rank_gauges()) == [
@@ -505,7 +444,7 @@ def test_rank_gauges_and_removal() -> None:
 
 
 def test_reregister_replaces_state() -> None:
-    fleet, feed = fleet_with(Thresholds(active_prefill_tokens=0))
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
     fleet.register(config(), 0.0)
     feed.load(prefill=5)
     assert not is_free(fleet)
@@ -515,7 +454,7 @@ def test_reregister_replaces_state() -> None:
 
 
 def test_queue_threshold_saturation() -> None:
-    fleet, feed = fleet_with(Thresholds(), queue_threshold=0.5)
+    fleet, feed = fleet_with(BusyThresholds(), queue_threshold=0.5)
     fleet.register(config(max_batched=100, dp=2), 0.0)
     feed.load(rank=0, prefill=51)
     assert fleet.unsaturated_free_count(MODEL, 0.0) == 0
@@ -528,7 +467,7 @@ def test_queue_threshold_saturation() -> None:
 # ----------------------------------------------------------------------------- state machine
 
 
-def reference_rank_busy(t: Thresholds, worker: WorkerLoad, blocks: int, prefill: int) -> bool:
+def reference_rank_busy(t: BusyThresholds, worker: WorkerLoad, blocks: int, prefill: int) -> bool:
     """The busy rule of one rank, written out again from docs/configuration.md."""
     total = worker.config.kv_total_blocks
     decode = (
@@ -572,7 +511,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.fleet = Fleet(
-            default_thresholds=Thresholds(active_decode_blocks=0.5, active_prefill_tokens=20),
+            default_thresholds=BusyThresholds(active_decode_blocks=0.5, active_prefill_tokens=20),
             track_output_blocks=True,
         )
         self.feed = Feed(self.fleet)
@@ -636,7 +575,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     )
     def set_thresholds(self, model: str, decode: float | None, prefill: int | None) -> None:
         if self.fleet.is_known_model(model):
-            update = Thresholds(active_decode_blocks=decode, active_prefill_tokens=prefill)
+            update = BusyThresholds(active_decode_blocks=decode, active_prefill_tokens=prefill)
             self.fleet.set_thresholds(model, update)
 
     @invariant()

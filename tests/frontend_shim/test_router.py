@@ -21,8 +21,8 @@ from frontend_shim._router import (
     classify_rejection,
     retry_after_seconds,
 )
-from frontend_shim._thresholds import Thresholds
 from shim_common import wire
+from shim_common._busy import BusyThresholds
 
 MODEL = "m"
 
@@ -61,11 +61,11 @@ class Feed:
 
 
 def fleet_of(
-    count: int, thresholds: Thresholds | None = None, *, queue_threshold: float | None = None
+    count: int, thresholds: BusyThresholds | None = None, *, queue_threshold: float | None = None
 ) -> tuple[Fleet, Feed]:
     """``count`` workers ``w0``... of MODEL; by default busy on any prefill token."""
     fleet = Fleet(
-        default_thresholds=thresholds or Thresholds(active_prefill_tokens=0),
+        default_thresholds=thresholds or BusyThresholds(active_prefill_tokens=0),
         queue_threshold=queue_threshold,
     )
     for index in range(count):
@@ -157,7 +157,7 @@ def test_random_picks_only_free_workers() -> None:
 
 
 def test_kv_picks_the_least_loaded() -> None:
-    fleet, feed = fleet_of(3, Thresholds())
+    fleet, feed = fleet_of(3, BusyThresholds())
     feed.load("w0", decode=70, prefill=100)
     feed.load("w1", decode=10, prefill=100)
     feed.load("w2", decode=10, prefill=500)
@@ -169,7 +169,7 @@ def test_kv_picks_the_least_loaded() -> None:
 
 
 def test_kv_rotates_among_equally_loaded() -> None:
-    fleet, _ = fleet_of(3, Thresholds())
+    fleet, _ = fleet_of(3, BusyThresholds())
     router = Router(fleet, RouterMode.KV)
     assert {picked(router.pick(MODEL, 0.0)) for _ in range(3)} == {"w0", "w1", "w2"}
 
@@ -232,7 +232,7 @@ def test_other_rejections_are_not_migrated_and_draining_takes_a_worker_out() -> 
 
 
 def queued_fleet(count: int) -> tuple[Fleet, Feed, FrontendQueue[int]]:
-    fleet, feed = fleet_of(count, Thresholds(active_prefill_tokens=900), queue_threshold=0.5)
+    fleet, feed = fleet_of(count, BusyThresholds(active_prefill_tokens=900), queue_threshold=0.5)
     return fleet, feed, FrontendQueue(capacity=3)
 
 
