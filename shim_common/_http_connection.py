@@ -1,7 +1,11 @@
 """One HTTP/1.1 connection of the server: its two tasks and the loop of request/response cycles.
 
-h11 does the protocol (parsing, framing, keep-alive bookkeeping); :class:`Connection` only moves
-bytes between a :class:`trio.abc.Stream` and h11, owns the tasks and enforces the limits.
+h11 does the protocol (parsing, framing, keep-alive bookkeeping); :class:`Connection` moves bytes
+between a :class:`trio.abc.Stream` and h11, owns the tasks and enforces the limits. It is the only
+code of the server that drives h11: the handler's ``HTTPRequest`` and ``HTTPResponder``
+(:mod:`shim_common._http_exchange`) reach it through the narrow
+:class:`~shim_common._http_exchange.HTTPChannel` interface, which it implements, and hold no
+protocol state of their own.
 
 Rules of one connection (a loop of request/response cycles):
 
@@ -10,7 +14,7 @@ Rules of one connection (a loop of request/response cycles):
    ``keepalive_timeout``, and once the next request's first bytes are in, its head must complete
    within ``header_timeout``. A head still incomplete past ``max_head_bytes`` is answered 431, a
    malformed one 400 (from ``h11.RemoteProtocolError``), and the connection is closed.
-2. The body is read only when the handler asks (:meth:`HTTPRequest.read_body`). That is when
+2. The body is read only when the handler asks (``HTTPRequest.read_body``). That is when
    ``100 Continue`` is sent to a client that waits for it, after the ``Content-Length`` has been
    checked against ``max_body_bytes``; a chunked body is counted as it arrives. Over the cap:
    :class:`BodyTooLarge`, answered 413 unless the handler answers itself.
@@ -22,7 +26,7 @@ Rules of one connection (a loop of request/response cycles):
    ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
    has not asked for yet); then it stops reading, TCP flow control holds the client back, and
    a disconnect is noticed at the next write instead.
-4. A handler answers exactly once: :meth:`HTTPResponder.send` (one complete response with
+4. A handler answers exactly once: ``HTTPResponder.send`` (one complete response with
    ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
    ``send_chunk`` / ``end_stream`` (chunked, for server-sent events). A response may go out
    while the request body is still unread (an early 529 decides without it). When the body is
@@ -51,6 +55,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from http import HTTPStatus
 
 import h11
 import trio
@@ -65,14 +70,15 @@ from shim_common._http_exchange import (
     HTTPResponder,
     RequestTimeout,
     error_body,
-    h11_bytes,
-    response_head,
 )
 
 __all__ = ["Connection"]
 
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
+
+_REASONS: dict[int, bytes] = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
+_CONNECTION_CLOSE = (b"connection", b"close")
 
 
 class Connection:
@@ -81,7 +87,12 @@ class Connection:
     Two tasks share the connection. The reader task owns every read: it feeds h11, wakes the main
     task, and notices EOF at any time (cancelling a running handler). It stops reading when
     ``pipeline_buffer_bytes`` were fed that the main task has not asked h11 for yet. The main task
-    runs the cycles and does every write.
+    runs the cycles and does every write, the handler's included (through the
+    :class:`~shim_common._http_exchange.HTTPChannel` methods, which act on the current request).
+
+    Attributes:
+        response_started: whether the current request's status line has gone out.
+        response_finished: whether the current request's response is complete.
     """
 
     def __init__(
@@ -92,16 +103,16 @@ class Connection:
         on_error: Callable[[BaseException], None] | None,
         on_send_stall: Callable[[], None] | None = None,
     ) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
-        self.handler = handler
-        self.limits = limits
-        self.on_error = on_error
-        self.on_send_stall = on_send_stall
+        self._stream = stream
+        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head_bytes)
+        self._handler = handler
+        self._limits = limits
+        self._on_error = on_error
+        self._on_send_stall = on_send_stall
         # When the write in progress is due (rule 7); infinite while none is in progress.
         self._send_deadline = math.inf
         # Set when the client is known to be gone (EOF, reset, or a failed write).
-        self.client_gone = False
+        self._client_gone = False
         self._eof = False
         # Bytes fed to h11 since the main task last found h11 needing more (the reader's budget).
         self._unconsumed = 0
@@ -116,43 +127,92 @@ class Connection:
         # that the timer task polls, because moving a cancel scope's deadline twice per request
         # costs several percent of the request rate.
         self._head_deadline = math.inf
-        # Whether the request being handled may have its unread body dropped (rule 4).
+        # The request being handled: its head, whether its unread body may be dropped (rule 4),
+        # whether it is a HEAD request (answered without a body), and its response's state.
+        self._request: h11.Request | None = None
         self._body_discardable = False
+        self._head_only = False
+        self.response_started = False
+        self.response_finished = False
 
-    def closes_after_response(self) -> bool:
+    # -- the handler's requests (the HTTPChannel interface) ------------------------------------
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send one complete response with ``Content-Length``, head and body in one write."""
+        all_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        if self._closes_after_response() and _CONNECTION_CLOSE not in headers:
+            all_headers.append(_CONNECTION_CLOSE)
+        head = _response_head(status, all_headers)  # validates: bad headers leave nothing started
+        self._claim_response()
+        self.response_finished = True
+        h = self._h11
+        data = _sent(h.send(head))
+        if body and not self._head_only:
+            data += _sent(h.send(h11.Data(data=body)))
+        data += _sent(h.send(h11.EndOfMessage()))
+        await self._send_all(data)
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the head of a chunked response (no chunking for an HTTP/1.0 client)."""
+        if self._closes_after_response() and _CONNECTION_CLOSE not in headers:
+            headers = [*headers, _CONNECTION_CLOSE]
+        head = _response_head(status, headers)  # validates: bad headers leave nothing started
+        self._claim_response()
+        await self._send_all(_sent(self._h11.send(head)))
+
+    async def send_data(self, data: bytes) -> None:
+        """Send one piece of a streamed body; empty data sends nothing."""
+        if not self.response_started or self.response_finished:
+            raise RuntimeError("send_chunk() outside a started stream")
+        if data and not self._head_only:
+            await self._send_all(_sent(self._h11.send(h11.Data(data=data))))
+
+    async def end_stream(self) -> None:
+        """Send the end of a streamed body."""
+        if not self.response_started or self.response_finished:
+            raise RuntimeError("end_stream() outside a started stream")
+        self.response_finished = True
+        await self._send_all(_sent(self._h11.send(h11.EndOfMessage())))
+
+    def _claim_response(self) -> None:
+        if self.response_started:
+            raise RuntimeError("a response was already started for this request")
+        self.response_started = True
+
+    def _closes_after_response(self) -> bool:
         """Whether a response sent now must end the connection (rule 4)."""
-        return self.h11.their_state is not h11.DONE and not self._body_discardable
+        return self._h11.their_state is not h11.DONE and not self._body_discardable
 
     # -- moving bytes -------------------------------------------------------------------------
 
-    async def send_all(self, data: bytes) -> None:
-        timeout = self.limits.send_timeout
-        piece = self.limits.send_piece_bytes
+    async def _send_all(self, data: bytes) -> None:
+        timeout = self._limits.send_timeout
+        piece = self._limits.send_piece_bytes
         try:
             if len(data) <= piece:
                 self._send_deadline = trio.current_time() + timeout
-                await self.stream.send_all(data)
+                await self._stream.send_all(data)
             else:
                 view = memoryview(data)
                 for start in range(0, len(data), piece):
                     self._send_deadline = trio.current_time() + timeout
-                    await self.stream.send_all(view[start : start + piece])
+                    await self._stream.send_all(view[start : start + piece])
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self.client_gone = True
+            self._client_gone = True
             raise ClientDisconnected("the client closed the connection") from exc
         finally:
             self._send_deadline = math.inf
 
     async def _read_forever(self) -> None:
         """The reader task: socket to h11, bounded, until EOF (or cancelled with the connection)."""
-        limits = self.limits
+        limits = self._limits
         drained = 0
         while True:
             if self._unconsumed >= limits.pipeline_buffer_bytes and not self._discarding:
                 await self._budget_freed.park()
                 continue
             try:
-                received = await self.stream.receive_some(limits.receive_bytes)
+                received = await self._stream.receive_some(limits.receive_bytes)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 received = b""
             if not received:
@@ -163,13 +223,13 @@ class Connection:
                     break
                 continue
             # Socket streams give bytes; other streams may give a bytearray.
-            self.h11.receive_data(received if isinstance(received, bytes) else bytes(received))
+            self._h11.receive_data(received if isinstance(received, bytes) else bytes(received))
             self._unconsumed += len(received)
             self._data_arrived.unpark_all()
         self._eof = True
-        self.client_gone = True
+        self._client_gone = True
         if not self._discarding:
-            self.h11.receive_data(b"")
+            self._h11.receive_data(b"")
         # The client left: stop whatever the main task does, a running handler included.
         self._scope.cancel()
         self._data_arrived.unpark_all()
@@ -204,21 +264,21 @@ class Connection:
             if not keep_alive:
                 return
             if (
-                self.h11.our_state is h11.DONE
-                and self.h11.their_state is not h11.DONE
+                self._h11.our_state is h11.DONE
+                and self._h11.their_state is not h11.DONE
                 and self._body_discardable
             ):
                 keep_alive = await self._discard_body()
-            if keep_alive and self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-                self.h11.start_next_cycle()
+            if keep_alive and self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
+                self._h11.start_next_cycle()
             else:
                 await self._close_gracefully()
                 return
 
     async def _read_head(self, first: bool) -> h11.Request | None:
         """Wait for the next request head; ``None`` when the connection should just end."""
-        limits = self.limits
-        idle = not first and not self.h11.trailing_data[0]
+        limits = self._limits
+        idle = not first and not self._h11.trailing_data[0]
         # Past this deadline the timer cancels the connection's main task: a client that idles
         # or dribbles is simply disconnected.
         self._head_deadline = trio.current_time() + (
@@ -228,7 +288,7 @@ class Connection:
         # max_head_bytes, so the loop is bounded by that size (and by the deadline).
         while True:
             try:
-                event = self.h11.next_event()
+                event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
                 await self._answer_protocol_error(exc)
                 return None
@@ -252,7 +312,7 @@ class Connection:
         recorded (a deadline set meanwhile is then noticed at most that late), so it costs
         nothing per request and one wake-up per timeout period.
         """
-        limits = self.limits
+        limits = self._limits
         poll = min(limits.header_timeout, limits.keepalive_timeout, limits.send_timeout)
         while True:
             now = trio.current_time()
@@ -260,16 +320,16 @@ class Connection:
                 self._scope.cancel()
                 return
             if self._send_deadline <= now:
-                self.client_gone = True
+                self._client_gone = True
                 logger.info("dropping a client that read nothing for %s s", limits.send_timeout)
-                if self.on_send_stall is not None:
-                    self.on_send_stall()
+                if self._on_send_stall is not None:
+                    self._on_send_stall()
                 self._scope.cancel()
                 return
             await trio.sleep_until(min(self._head_deadline, self._send_deadline, now + poll))
 
     async def _answer_protocol_error(self, exc: h11.RemoteProtocolError) -> None:
-        if self.client_gone or self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if self._client_gone or self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         status = exc.error_status_hint
         try:
@@ -286,56 +346,59 @@ class Connection:
             (b"content-length", b"%d" % len(body)),
             (b"connection", b"close"),
         ]
-        data = h11_bytes(self.h11.send(response_head(status, headers)))
-        data += h11_bytes(self.h11.send(h11.Data(data=body)))
-        data += h11_bytes(self.h11.send(h11.EndOfMessage()))
-        await self.send_all(data)
+        data = _sent(self._h11.send(_response_head(status, headers)))
+        data += _sent(self._h11.send(h11.Data(data=body)))
+        data += _sent(self._h11.send(h11.EndOfMessage()))
+        await self._send_all(data)
 
     async def _handle(self, h11_request: h11.Request) -> bool:
         """Run the handler for one request; ``True`` when the connection may go on."""
         if _declares_no_body(h11_request):
             # h11 reports the end of an empty body only when asked; ask now (no I/O happens) so
             # the client's side is DONE and a response need not close the connection.
-            end = self.h11.next_event()
+            end = self._h11.next_event()
             assert isinstance(end, h11.EndOfMessage), end
         declared = _declared_length(h11_request)
         # Only a plain Content-Length body: a request that also says Transfer-Encoding is
         # framed by the latter, and RFC 9112 (6.1) wants the connection closed after it.
         self._body_discardable = (
             declared is not None
-            and declared <= min(self.limits.discard_body_bytes, self.limits.max_body_bytes)
-            and not self.h11.client_is_waiting_for_100_continue
+            and declared <= min(self._limits.discard_body_bytes, self._limits.max_body_bytes)
+            and not self._h11.client_is_waiting_for_100_continue
             and not _has_transfer_encoding(h11_request)
         )
-        request = HTTPRequest(self, h11_request)
-        responder = HTTPResponder(self, h11_request.method == b"HEAD")
+        self._request = h11_request
+        self._head_only = h11_request.method == b"HEAD"
+        self.response_started = self.response_finished = False
+        head = h11_request
+        request = HTTPRequest(self, head.method, head.target, head.headers, head.http_version)
         failure: Exception | None = None
         if self._eof:
             return False  # the client left before its request could start
         try:
             # The reader cancels this when the client leaves (see _read_forever).
-            await self.handler(request, responder)
+            await self._handler(request, HTTPResponder(self))
         except Exception as exc:
             failure = exc
 
-        if self.client_gone:
+        if self._client_gone:
             return False
         if failure is not None:
-            return await self._after_failure(failure, responder)
-        if not responder.started:
+            return await self._after_failure(failure)
+        if not self.response_started:
             error = RuntimeError(f"handler returned without a response to {request.path}")
             self.report(error)
             await self._send_error_and_close(500, "internal error")
             return False
-        if not responder.finished:
-            await responder.end_stream()
+        if not self.response_finished:
+            await self.end_stream()
         return True
 
-    async def _after_failure(self, failure: Exception, responder: HTTPResponder) -> bool:
+    async def _after_failure(self, failure: Exception) -> bool:
         if isinstance(failure, ClientDisconnected):
             return False
         if isinstance(failure, BodyTooLarge):
-            status, message = 413, f"request body too large (limit {self.limits.max_body_bytes})"
+            status, message = 413, f"request body too large (limit {self._limits.max_body_bytes})"
         elif isinstance(failure, RequestTimeout):
             status, message = 408, "request body timed out"
         elif isinstance(failure, h11.RemoteProtocolError):
@@ -343,14 +406,14 @@ class Connection:
         else:
             self.report(failure)
             status, message = 500, "internal error"
-        if responder.started:
+        if self.response_started:
             # Cut the response short: without the final chunk the client sees it incomplete.
             return False
         await self._send_error_and_close(status, message)
         return False
 
     async def _send_error_and_close(self, status: int, message: str) -> None:
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if self._h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return  # h11 cannot send a response any more (e.g. after a local protocol error)
         try:
             await self._send_error(status, message)
@@ -361,25 +424,28 @@ class Connection:
     def report(self, error: BaseException) -> None:
         """Log an unexpected exception and pass it to ``on_error`` (rule 5)."""
         logger.error("HTTP handler failed", exc_info=error)
-        if self.on_error is not None:
+        if self._on_error is not None:
             try:
-                self.on_error(error)
+                self._on_error(error)
             except Exception:
                 logger.exception("on_error callback failed")
 
     # -- reading the body and watching for disconnects -----------------------------------------
 
-    async def read_body(self, request: h11.Request) -> bytes:
-        conn = self.h11
-        limits = self.limits
+    async def receive_body(self) -> bytes:
+        """Read the current request's whole body (rule 2)."""
+        request = self._request
+        assert request is not None, "a body is read only while a request is handled"
+        conn = self._h11
+        limits = self._limits
         if conn.their_state is h11.DONE:
             return b""
         declared = _declared_length(request)
         if declared is not None and declared > limits.max_body_bytes:
             raise BodyTooLarge(f"declared body of {declared} bytes")
         if conn.client_is_waiting_for_100_continue:
-            await self.send_all(
-                h11_bytes(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            await self._send_all(
+                _sent(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
             )
         parts: list[bytes] = []
         size = 0
@@ -410,7 +476,7 @@ class Connection:
         The body of an early response usually came in with the head, so this rarely waits; when
         it must, the wait is bounded by ``body_timeout``.
         """
-        conn = self.h11
+        conn = self._h11
         dropped = 0
         # Bounded: each pass consumes body bytes (at most discard_body_bytes) or ends.
         while True:
@@ -422,12 +488,12 @@ class Connection:
                 return True
             if isinstance(event, h11.Data):
                 dropped += len(event.data)
-                if dropped > self.limits.discard_body_bytes:
+                if dropped > self._limits.discard_body_bytes:
                     return False
                 continue
             if event is not h11.NEED_DATA or self._eof:
                 return False
-            with trio.move_on_after(self.limits.body_timeout) as scope:
+            with trio.move_on_after(self._limits.body_timeout) as scope:
                 await self._wait_for_data()
             if scope.cancelled_caught:
                 return False
@@ -440,13 +506,13 @@ class Connection:
         """
         self._discarding = True
         self._budget_freed.unpark_all()
-        stream = self.stream
+        stream = self._stream
         if isinstance(stream, trio.abc.HalfCloseableStream):
             try:
                 await stream.send_eof()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
-        with trio.move_on_after(self.limits.linger_timeout):
+        with trio.move_on_after(self._limits.linger_timeout):
             # The reader wakes this task only at EOF (or after linger_bytes): one pass or two.
             while not self._eof:
                 await self._data_arrived.park()
@@ -471,3 +537,13 @@ def _declared_length(request: h11.Request) -> int | None:
         if name == b"content-length":
             return int(value)
     return None
+
+
+def _response_head(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
+    return h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
+
+
+def _sent(data: bytes | None) -> bytes:
+    # h11 returns None only for ConnectionClosed, which the server never sends.
+    assert data is not None
+    return data

@@ -1,38 +1,34 @@
 """One request and its answer, as a handler sees them: :class:`HTTPRequest`, :class:`HTTPResponder`.
 
 Also the server's limits (:class:`HTTPLimits`), the errors a handler may meet, and the helpers
-for JSON answers. The connection these objects work on is
-:class:`shim_common._http_connection.Connection`; handlers import all of this through
-:mod:`shim_common._httpserver`.
+for JSON answers. Handlers import all of this through :mod:`shim_common._httpserver`.
+
+These objects hold no protocol state and write no bytes: each asks its connection, through the
+narrow :class:`HTTPChannel` interface, to read the body, to respond, to start a stream, to send
+data and to end it. The one implementation is :class:`shim_common._http_connection.Connection`,
+the only code that drives the HTTP parser and serializer; this module does not import it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
-from typing import TYPE_CHECKING
-
-import h11
-
-if TYPE_CHECKING:
-    from shim_common._http_connection import Connection
+from typing import Protocol
 
 __all__ = [
     "DEFAULT_LIMITS",
     "JSON_CONTENT_TYPE",
     "BodyTooLarge",
     "ClientDisconnected",
+    "HTTPChannel",
     "HTTPLimits",
     "HTTPRequest",
     "HTTPResponder",
     "Handler",
     "RequestTimeout",
     "error_body",
-    "h11_bytes",
     "json_headers",
-    "response_head",
 ]
 
 
@@ -96,7 +92,6 @@ class RequestTimeout(Exception):
 Handler = Callable[["HTTPRequest", "HTTPResponder"], Awaitable[None]]
 
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
-_REASONS: dict[int, bytes] = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 
 
 def json_headers(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
@@ -126,6 +121,36 @@ def error_body(message: str, status: int, error_type: str = "invalid_request_err
     return json.dumps({"error": error}, separators=(",", ":")).encode()
 
 
+class HTTPChannel(Protocol):
+    """What an exchange asks of the connection its request arrived on (one request at a time).
+
+    The rules these calls follow (100-continue, the body cap, when a response closes the
+    connection, one response per request) are those of :mod:`shim_common._http_connection`.
+
+    Attributes:
+        response_started: whether the current request's status line has gone out.
+        response_finished: whether the current request's response is complete.
+    """
+
+    response_started: bool
+    response_finished: bool
+
+    async def receive_body(self) -> bytes:
+        """Read the current request's whole body (see :meth:`HTTPRequest.read_body`)."""
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """Send one complete response (see :meth:`HTTPResponder.send`)."""
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the head of a streamed response (see :meth:`HTTPResponder.start_stream`)."""
+
+    async def send_data(self, data: bytes) -> None:
+        """Send one piece of a streamed body (see :meth:`HTTPResponder.send_chunk`)."""
+
+    async def end_stream(self) -> None:
+        """End a streamed body (see :meth:`HTTPResponder.end_stream`)."""
+
+
 class HTTPRequest:
     """One request head, and the means to read its body.
 
@@ -136,27 +161,43 @@ class HTTPRequest:
         http_version: ``"1.1"`` or ``"1.0"``.
     """
 
-    __slots__ = ("_body", "_connection", "_h11_request", "http_version", "method", "path", "query")
+    __slots__ = ("_body", "_connection", "_headers", "http_version", "method", "path", "query")
 
-    def __init__(self, connection: Connection, request: h11.Request) -> None:
+    def __init__(
+        self,
+        connection: HTTPChannel,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        http_version: bytes,
+    ) -> None:
+        """Wrap a parsed head.
+
+        Args:
+            connection: the connection the request arrived on.
+            method: the request method, as sent.
+            target: the request target (visible ASCII, validated by the parser).
+            headers: the headers, names lower-cased, in the order received.
+            http_version: e.g. ``b"1.1"``.
+        """
         self._connection = connection
-        self._h11_request = request
+        self._headers = headers
         self._body: bytes | None = None
-        self.method = request.method.decode("ascii")
-        path, _, query = request.target.partition(b"?")
-        # The target was validated by h11 as visible ASCII; latin-1 never fails on bytes.
+        self.method = method.decode("ascii")
+        path, _, query = target.partition(b"?")
+        # The parser admits only visible ASCII in a target; latin-1 never fails on bytes.
         self.path = path.decode("latin-1")
         self.query = query.decode("latin-1")
-        self.http_version = request.http_version.decode("ascii")
+        self.http_version = http_version.decode("ascii")
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The request headers, names lower-cased, in the order received."""
-        return list(self._h11_request.headers)
+        return list(self._headers)
 
     def header(self, name: bytes) -> bytes | None:
         """The value of the first header called ``name`` (lower-case), or ``None``."""
-        for header_name, value in self._h11_request.headers:
+        for header_name, value in self._headers:
             if header_name == name:
                 return value
         return None
@@ -176,25 +217,31 @@ class HTTPRequest:
             h11.RemoteProtocolError: the body framing was invalid (the server answers 400).
         """
         if self._body is None:
-            self._body = await self._connection.read_body(self._h11_request)
+            self._body = await self._connection.receive_body()
         return self._body
 
 
 class HTTPResponder:
     """How a handler answers its request: exactly one response, complete or streamed.
 
-    Attributes:
-        started: whether a status line has gone out.
-        finished: whether the response is complete.
+    The connection keeps the response's state and refuses a second response, a chunk outside a
+    stream and the like with ``RuntimeError``.
     """
 
-    __slots__ = ("_connection", "_head_request", "finished", "started")
+    __slots__ = ("_connection",)
 
-    def __init__(self, connection: Connection, head_request: bool) -> None:
+    def __init__(self, connection: HTTPChannel) -> None:
         self._connection = connection
-        self._head_request = head_request
-        self.started = False
-        self.finished = False
+
+    @property
+    def started(self) -> bool:
+        """Whether a status line has gone out."""
+        return self._connection.response_started
+
+    @property
+    def finished(self) -> bool:
+        """Whether the response is complete."""
+        return self._connection.response_finished
 
     async def send(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """Send a complete response with ``Content-Length``, head and body in one write.
@@ -202,25 +249,13 @@ class HTTPResponder:
         Args:
             status: the HTTP status code.
             headers: response headers, without ``Content-Length`` (added here).
-            body: the whole body.
+            body: the whole body (left out in answer to ``HEAD``).
 
         Raises:
             RuntimeError: a response was already started.
             ClientDisconnected: the client is gone.
         """
-        conn = self._connection
-        all_headers = [*headers, (b"content-length", b"%d" % len(body))]
-        if conn.closes_after_response() and not _says_close(headers):
-            all_headers.append((b"connection", b"close"))
-        head = response_head(status, all_headers)  # validates: bad headers leave nothing started
-        self._claim()
-        h = conn.h11
-        data = h11_bytes(h.send(head))
-        if body and not self._head_request:
-            data += h11_bytes(h.send(h11.Data(data=body)))
-        data += h11_bytes(h.send(h11.EndOfMessage()))
-        self.finished = True
-        await conn.send_all(data)
+        await self._connection.respond(status, headers, body)
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """Send the head of a streamed (chunked) response; the body follows in chunks.
@@ -233,12 +268,7 @@ class HTTPResponder:
             RuntimeError: a response was already started.
             ClientDisconnected: the client is gone.
         """
-        conn = self._connection
-        if conn.closes_after_response() and not _says_close(headers):
-            headers = [*headers, (b"connection", b"close")]
-        head = response_head(status, headers)  # validates: bad headers leave nothing started
-        self._claim()
-        await conn.send_all(h11_bytes(conn.h11.send(head)))
+        await self._connection.start_stream(status, headers)
 
     async def send_chunk(self, data: bytes) -> None:
         """Send one piece of a streamed body (empty data sends nothing).
@@ -249,12 +279,7 @@ class HTTPResponder:
             RuntimeError: no stream was started, or it has ended.
             ClientDisconnected: the client is gone.
         """
-        if not self.started or self.finished:
-            raise RuntimeError("send_chunk() outside a started stream")
-        if data and not self._head_request:
-            await self._connection.send_all(
-                h11_bytes(self._connection.h11.send(h11.Data(data=data)))
-            )
+        await self._connection.send_data(data)
 
     async def end_stream(self) -> None:
         """End a streamed body (the terminating chunk).
@@ -263,26 +288,4 @@ class HTTPResponder:
             RuntimeError: no stream was started, or it has ended.
             ClientDisconnected: the client is gone.
         """
-        if not self.started or self.finished:
-            raise RuntimeError("end_stream() outside a started stream")
-        self.finished = True
-        await self._connection.send_all(h11_bytes(self._connection.h11.send(h11.EndOfMessage())))
-
-    def _claim(self) -> None:
-        if self.started:
-            raise RuntimeError("a response was already started for this request")
-        self.started = True
-
-
-def _says_close(headers: list[tuple[bytes, bytes]]) -> bool:
-    return (b"connection", b"close") in headers
-
-
-def response_head(status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
-    return h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
-
-
-def h11_bytes(data: bytes | None) -> bytes:
-    # h11 returns None only for ConnectionClosed, which the server never sends.
-    assert data is not None
-    return data
+        await self._connection.end_stream()
