@@ -3,12 +3,14 @@
 Precedence is command line, then environment, then default; an invalid value stops the process
 with exit code 2 and one line naming the flag or variable. Worker flags given to the frontend
 (``--engine-request-limit``, the mocker's shape, ...) are not used by the frontend itself: they are
-checked with the worker's own parser and passed on verbatim to ``--local-workers`` children, which
-also inherit the ``DYN_*`` environment.
+the worker's own declarations (:func:`worker_ingress.local_worker_parameters`, added to this
+command's signature), checked with the worker's own parser and passed on to ``--local-workers``
+children, which also inherit the ``DYN_*`` environment.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -45,6 +47,7 @@ from shim_common._cli import (
     strict_int,
     valid_port,
 )
+from worker_ingress import local_worker_parameters
 
 __all__ = ["CliError", "main", "parse_args"]
 
@@ -71,11 +74,10 @@ app = App(
 )
 
 WORKERS = Parameter(group="Workers")
-PASS = Parameter(group="Worker flags passed to --local-workers")
-PASS_INT = Parameter(group="Worker flags passed to --local-workers", converter=strict_int)
+#: Where ``--help`` lists the worker's flags that this command takes for ``--local-workers``.
+PASSED_GROUP = "Worker flags passed to --local-workers"
 
 
-@app.default
 def _frontend(
     *,
     http_host: Annotated[str, Parameter(env_var="DYN_HTTP_HOST")] = "127.0.0.1",
@@ -181,18 +183,7 @@ def _frontend(
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
     tls_ca_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CA_PATH")] = None,
     log_level: Annotated[LogFilter, LOG_LEVEL_PARAMETER] = DEFAULT_LOG_FILTER,
-    model: Annotated[str | None, PASS] = None,
-    engine: Annotated[str | None, PASS] = None,
-    upstream_url: Annotated[str | None, PASS] = None,
-    engine_request_limit: Annotated[int | None, PASS_INT] = None,
-    queue_timeout: Annotated[float | None, PASS] = None,
-    heartbeat_interval: Annotated[float | None, PASS] = None,
-    num_gpu_blocks: Annotated[int | None, PASS_INT] = None,
-    block_size: Annotated[int | None, PASS_INT] = None,
-    max_num_seqs: Annotated[int | None, PASS_INT] = None,
-    max_num_batched_tokens: Annotated[int | None, PASS_INT] = None,
-    data_parallel_size: Annotated[int | None, PASS_INT] = None,
-    speedup_ratio: Annotated[float | None, PASS] = None,
+    **worker_flags: object,
 ) -> tuple[FrontendSettings, LogFilter]:
     """Serve the OpenAI API in front of workers, and shed load with HTTP 529 when all are busy.
 
@@ -255,47 +246,12 @@ def _frontend(
         Level of the stderr log: error, warn, info, debug, trace (as debug), off; also
         warning and critical; any case. A Rust filter such as "info,my_module=debug" is
         accepted: its first bare level applies, the rest is ignored with a warning.
-    model
-        Passed to local workers: the model they serve.
-    engine
-        Passed to local workers: their engine.
-    upstream_url
-        Passed to local workers: upstream URL of the openai engine.
-    engine_request_limit
-        Passed to local workers: N, their engine request limit.
-    queue_timeout
-        Passed to local workers: their queue timeout in seconds.
-    heartbeat_interval
-        Passed to local workers: seconds between their heartbeats.
-    num_gpu_blocks
-        Passed to local workers (mocker).
-    block_size
-        Passed to local workers (mocker).
-    max_num_seqs
-        Passed to local workers (mocker).
-    max_num_batched_tokens
-        Passed to local workers (mocker).
-    data_parallel_size
-        Passed to local workers (mocker).
-    speedup_ratio
-        Passed to local workers (mocker).
     """
     del admission_control  # accepted so that old launch commands start; warned about by parse_args
-    passed = {
-        "--model": model,
-        "--engine": engine,
-        "--upstream-url": upstream_url,
-        "--engine-request-limit": engine_request_limit,
-        "--queue-timeout": queue_timeout,
-        "--graceful-shutdown-timeout": graceful_shutdown_timeout,
-        "--heartbeat-interval": heartbeat_interval,
-        "--num-gpu-blocks": num_gpu_blocks,
-        "--block-size": block_size,
-        "--max-num-seqs": max_num_seqs,
-        "--max-num-batched-tokens": max_num_batched_tokens,
-        "--data-parallel-size": data_parallel_size,
-        "--speedup-ratio": speedup_ratio,
-    }
+    # The worker's flags this command was given, in the worker's order; the drain grace is also
+    # this command's own flag, passed on when given.
+    given = {**worker_flags, "graceful_shutdown_timeout": graceful_shutdown_timeout}
+    passed = {f"--{name.replace('_', '-')}": given.get(name) for name in _PASSED_NAMES}
     tls = TLSFiles(tls_cert_path, tls_key_path)
     if tls_ca_path is not None:
         check_ca_file("--tls-ca-path (DYN_TLS_CA_PATH)", tls_ca_path)
@@ -336,6 +292,20 @@ def _frontend(
     if local_workers:
         _check_worker_args(worker_args)
     return settings, log_level
+
+
+# The command's signature: its own parameters, then the worker's flags it passes on, taken from the
+# worker's declarations (their types and checks are the worker's).
+_own = inspect.signature(_frontend, eval_str=True)
+_worker_parameters = local_worker_parameters(PASSED_GROUP)
+_PASSED_NAMES = tuple(p.name for p in _worker_parameters)
+_frontend.__signature__ = _own.replace(  # type: ignore[attr-defined]
+    parameters=[
+        *(p for p in _own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD),
+        *(p for p in _worker_parameters if p.name not in _own.parameters),
+    ]
+)
+app.default(_frontend)
 
 
 def _split_workers(given: Sequence[str]) -> tuple[str, ...]:

@@ -5,18 +5,35 @@ access and drain), :mod:`worker_ingress._planes` (what goes over each websocket 
 :mod:`worker_ingress._system` (the HTTP system port, through :mod:`shim_common._httpserver`), and
 the ``openai`` engine's :mod:`worker_ingress.engines.upstream` (HTTP to its upstream server).
 
-Public here: :func:`validate_worker_args`, through which the frontend checks the worker flags it
-passes on to ``--local-workers`` children, and :mod:`worker_ingress.engines`, the engine protocol.
-Everything else is private (a leading underscore).
+Public here: what a frontend needs for its ``--local-workers`` children, whose flags are declared
+once, by the worker's command: :func:`local_worker_parameters` (those flags, for the frontend's
+command to take) and :func:`validate_worker_args` (the worker's own check of what it was given);
+and :mod:`worker_ingress.engines`, the engine protocol. Everything else is private (a leading
+underscore).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from worker_ingress._version import __version__ as __version__
 
-__all__ = ["validate_worker_args"]
+__all__ = ["local_worker_parameters", "validate_worker_args"]
+
+
+def local_worker_parameters(group: str) -> list[inspect.Parameter]:
+    """The worker flags a frontend passes on to its ``--local-workers`` children, in order, as
+    keyword parameters for the frontend's cyclopts command (the worker's types and checks, no
+    environment variable, default ``None``).
+
+    Args:
+        group: the help group to list them under.
+    """
+    # Imported here: importing the package must not pay for the command line.
+    from worker_ingress._cli import local_worker_parameters as parameters
+
+    return parameters(group)
 
 
 def validate_worker_args(argv: Sequence[str]) -> None:

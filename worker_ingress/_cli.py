@@ -7,12 +7,14 @@ port, with exit code 2 and one line on stderr that names the flag or variable an
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import secrets
 import sys
+import typing
 from collections.abc import Sequence
-from typing import Annotated, cast
+from typing import Annotated, Final, cast
 
 from cyclopts import App, Parameter, validators
 
@@ -33,11 +35,36 @@ from shim_common._cli import (
 from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 from worker_ingress._version import __version__
 
-__all__ = ["QUEUE_LIMIT_ENV", "CliError", "main", "parse_args"]
+__all__ = [
+    "LOCAL_WORKER_FLAGS",
+    "QUEUE_LIMIT_ENV",
+    "CliError",
+    "local_worker_parameters",
+    "main",
+    "parse_args",
+]
 
 #: Q has no flag, on purpose (as in Dynamo): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
 
+#: The flags (parameter names of the command) a frontend may be given and passes on to its
+#: ``--local-workers`` children: the engine, its shape and the gate's limits. Not the listen
+#: addresses, the id, TLS or the supervision flags: the frontend sets those for each child itself.
+LOCAL_WORKER_FLAGS: Final = (
+    "model",
+    "engine",
+    "upstream_url",
+    "engine_request_limit",
+    "queue_timeout",
+    "graceful_shutdown_timeout",
+    "heartbeat_interval",
+    "num_gpu_blocks",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "data_parallel_size",
+    "speedup_ratio",
+)
 
 
 app = App(
@@ -224,6 +251,55 @@ def _worker(
     )
     _check_engine(settings)
     return settings, log_level
+
+
+def local_worker_parameters(group: str) -> list[inspect.Parameter]:
+    """The :data:`LOCAL_WORKER_FLAGS` as keyword parameters of another cyclopts command.
+
+    Each keeps this command's type, converter and validators, so a value the worker would refuse
+    is refused by the command that takes it, naming the flag; it reads no environment variable
+    (the children inherit the environment and read it themselves), defaults to ``None`` (not
+    given) and is helped as "Passed to local workers:" and this command's own help text.
+
+    Args:
+        group: the help group to list them under.
+    """
+    hints = typing.get_type_hints(_worker, include_extras=True)
+    helps = _parameter_help(_worker.__doc__ or "")
+    made: list[inspect.Parameter] = []
+    for name in LOCAL_WORKER_FLAGS:
+        value_type, *extras = typing.get_args(hints[name]) or (hints[name],)
+        own = next((e for e in extras if isinstance(e, Parameter)), Parameter())
+        passed = Parameter(
+            group=group,
+            converter=own.converter,
+            validator=own.validator,
+            help=f"Passed to local workers: {helps.get(name, '')}".strip(),
+        )
+        made.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[value_type | None, passed],
+            )
+        )
+    return made
+
+
+def _parameter_help(docstring: str) -> dict[str, str]:
+    """The text of each entry of a numpy-style ``Parameters`` section, on one line."""
+    helps: dict[str, str] = {}
+    lines = inspect.cleandoc(docstring).splitlines()
+    start = next((i + 2 for i, line in enumerate(lines) if line.strip() == "Parameters"), None)
+    name = None
+    for line in lines[start or len(lines) :]:
+        if line and not line.startswith(" "):
+            name = line.strip()
+            helps[name] = ""
+        elif name is not None and line.strip():
+            helps[name] = f"{helps[name]} {line.strip()}".strip()
+    return helps
 
 
 def _non_empty(flag: str, value: str) -> str:

@@ -17,6 +17,7 @@ from frontend_shim._cli import (
 )
 from frontend_shim._config import admin_api_disabled, overload_status_from_env
 from shim_common._cli import LogFilter
+from worker_ingress._cli import LOCAL_WORKER_FLAGS
 
 VARIABLES = [
     "DYN_HTTP_HOST",
@@ -231,3 +232,13 @@ def test_invalid_value_exits_2_and_help_names_every_variable() -> None:
     assert result.returncode == 0
     for name in VARIABLES:
         assert name in result.stdout, name
+
+
+def test_the_passed_flags_are_the_workers_own_declarations() -> None:
+    # Declared once, by the worker: every flag it lists is taken, with the worker's own check.
+    settings, _ = parse_args(["--local-workers", "1", "--max-num-seqs", "8", "--model", "m"])
+    assert settings.local_worker_args == ("--model", "m", "--max-num-seqs", "8")
+    for flag in LOCAL_WORKER_FLAGS:
+        assert parse_args([f"--{flag.replace('_', '-')}", "1"])[0].local_worker_args
+    with pytest.raises(CliError, match=r'Invalid value "0" for --num-gpu-blocks\. Must be >= 1'):
+        parse_args(["--num-gpu-blocks", "0"])
