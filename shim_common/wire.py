@@ -32,7 +32,7 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -52,9 +52,17 @@ __all__ = [
     "SUBPROTOCOL_BATCH",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
+    "FEATURE_CLASSES",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "REASON_DISPLACED_PRIORITY",
+    "REASON_DISPLACED_SHARE",
     "REASON_DRAINING",
     "REASON_OVERLOADED",
     "REASON_QUEUE_TIMEOUT",
+    "REASON_SLO",
+    "TENANT_MAX_CHARS",
+    "reject_reason_key",
     "BusyThresholds",
     "Batch",
     "Cancel",
@@ -101,6 +109,15 @@ CLOSE_TOO_BIG: Final = 1009
 
 #: Hello feature: the worker reads :class:`Subscribe` and pushes busy/free edges at once.
 FEATURE_BUSY_EDGES: Final = "busy-edges"
+#: Hello feature: the worker reads :attr:`Generate.priority` and :attr:`Generate.tenant` and
+#: orders its queue by them (an older worker ignores both, so a client sends them only to a
+#: worker that lists this), and :attr:`Started.queue_wait_ms` says how long the request waited.
+FEATURE_CLASSES: Final = "classes"
+
+#: The range of a request's priority (lower is served first) and the longest tenant name.
+PRIORITY_MIN: Final = -1000
+PRIORITY_MAX: Final = 1000
+TENANT_MAX_CHARS: Final = 256
 
 #: Websocket subprotocol a client offers on the request plane to say it reads :class:`Batch`.
 #: A worker that accepts it may put several replies in one message; one that does not (an older
@@ -116,6 +133,33 @@ MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
 REASON_OVERLOADED: Final = "Server overloaded: worker at capacity"
 REASON_QUEUE_TIMEOUT: Final = "Server overloaded: queue timeout"
 REASON_DRAINING: Final = "Server unavailable: draining"
+REASON_DISPLACED_PRIORITY: Final = "Server overloaded: displaced by a higher-priority request"
+REASON_DISPLACED_SHARE: Final = "Server overloaded: displaced by a fairer share"
+REASON_SLO: Final = "Server overloaded: would miss the TTFT objective"
+
+#: The short name of each rejection reason, as metrics label it and the frontend's
+#: ``x-dynamo-reject-reason`` header spells it.
+_REASON_KEYS: Final = {
+    REASON_OVERLOADED: "queue_full",
+    REASON_QUEUE_TIMEOUT: "queue_timeout",
+    REASON_DISPLACED_PRIORITY: "displaced",
+    REASON_DISPLACED_SHARE: "displaced",
+    REASON_SLO: "slo",
+    REASON_DRAINING: "draining",
+}
+
+
+def reject_reason_key(reason: str) -> str:
+    """The short name of a rejection reason text (``queue_full``, ``displaced``, ...).
+
+    An unknown ``Server unavailable:`` text is ``draining``; any other unknown text (from a newer
+    worker) is ``queue_full``, the reason section 1 of the contract gives every overload.
+    """
+    key = _REASON_KEYS.get(reason)
+    if key is not None:
+        return key
+    return "draining" if reason.startswith("Server unavailable:") else "queue_full"
+
 
 CANCEL_REASON_CLIENT: Final = "client cancelled"
 
@@ -218,6 +262,12 @@ class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_fi
     request_id: int
     endpoint: Endpoint
     body: dict[str, Any]
+    #: Lower is served first, in [``PRIORITY_MIN``, ``PRIORITY_MAX``]; sent only to a worker
+    #: that lists :data:`FEATURE_CLASSES`.
+    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    #: Whose request this is, for fair sharing (at most ``TENANT_MAX_CHARS`` characters; ``""``
+    #: is the shared tenant); sent only to a worker that lists :data:`FEATURE_CLASSES`.
+    tenant: Annotated[str, msgspec.Meta(max_length=TENANT_MAX_CHARS)] = ""
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
@@ -239,6 +289,9 @@ class Started(msgspec.Struct, frozen=True, kw_only=True, tag="started", tag_fiel
 
     request_id: int
     prompt_tokens: int
+    #: Whole milliseconds the request waited in the worker's queue before it started (0 from a
+    #: worker without :data:`FEATURE_CLASSES`, or when it started at once).
+    queue_wait_ms: int = 0
 
 
 class Chunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="type"):

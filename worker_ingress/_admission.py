@@ -1,7 +1,9 @@
-"""The admission gate: N engine slots, one dispatcher, an overflow channel of Q - 1 places.
+"""The admission gate: N engine slots, W waiting places, one dispatcher, a channel of Q - 1 places.
 
 A sans-IO core (:class:`AdmissionState`: events in, decisions out, no clock, no tasks) and a thin
-Trio shell (:class:`AdmissionGate`: one ``async with gate.slot():`` per request).
+Trio shell (:class:`AdmissionGate`: one ``async with gate.slot(...):`` per request). Which queued
+request starts next, and whom a full queue turns away, is the pure policy of
+:mod:`worker_ingress._fair_queue` (strict priority, then least attained service per tenant).
 
 Rules of the state machine
 ==========================
@@ -10,73 +12,99 @@ Rules of the state machine
    :class:`AdmissionState`. The Trio shell only parks waiting tasks and wakes them.
 2. The state does not know about time. The shell measures the queue timeout and reports it with
    :meth:`AdmissionState.expire`.
+3. The order of the channel is :class:`~worker_ingress._fair_queue.FairQueue`'s; this module
+   never reorders or scans it.
 
 Theory of operation
 -------------------
 
-The worker has N engine slots and a queue of Q places. The queue is the one request held by the
-single dispatcher (its "hand", in transit between the channel and the engine) plus an overflow
-channel of Q - 1 places; the dispatcher is modelled as state, not as a task. Hence::
+The worker has N engine slots, of which at most W may hold requests that have not produced their
+first output yet (the *waiting places*; W unset: no separate bound), and a queue of Q places. The
+queue is the one request held by the single dispatcher (its "hand", in transit between the
+channel and the engine) plus an overflow channel of Q - 1 places; the dispatcher is modelled as
+state, not as a task. An effective limit L <= N (:meth:`AdmissionState.set_slot_limit`; L = N
+unless an adaptive controller lowers it) bounds the slots used. Hence::
 
-    0 <= running <= N          0 <= queued = hand + channel <= Q          in_flight <= N + Q
+    0 <= running <= L <= N     0 <= waiting <= W     0 <= queued = hand + channel <= Q
+    in_flight = running + queued <= N + Q
 
 A ticket goes through these states::
 
-    arrive() --(slot free and nobody queued)--------------------------------> RUNNING
-        |                                                                      |  finish()
-        +--(room in hand/channel)--> CHANNEL --> HAND --(a slot frees)------> RUNNING --> FINISHED
-        |                               |          |                            cancel() ^
+    arrive() --(slot and waiting place free, nobody queued)------------------> RUNNING
+        |                                                                        |  finish()
+        +--(room in hand/channel)--> CHANNEL --> HAND --(slot + place free)---> RUNNING --> FINISHED
+        |                               |          |                           cancel() ^
         |                               +----------+--cancel()--> CANCELLED
         |                               +----------+--expire()--> TIMED_OUT   (a rejection)
-        +--(hand and channel full)----> GateRefusal(REASON_OVERLOADED)  (counted)
-        +--(after drain())------------> GateRefusal(REASON_DRAINING)    (not counted)
+        |                               +----------+--refuse()--> REFUSED     (a rejection)
+        |                               +--an arrival displaces it--> DISPLACED (a rejection)
+        +--(queue full, nobody to displace)--> GateRefusal(REASON_OVERLOADED)  (counted)
+        +--(after drain())-----------------> GateRefusal(REASON_DRAINING)    (not counted)
 
-- Direct path: a new request starts at once only when a slot is free AND nobody is queued, so a
-  newcomer never overtakes a queued request. Invariant: ``queued > 0`` implies ``running == N``.
-- When a slot frees, the ticket in the dispatcher's hand starts, and the head of the channel moves
-  into the hand: queued requests start in arrival order (FIFO).
-- A queued ticket that is cancelled gives its place back; if it was in the hand, the head of the
-  channel moves up. A running ticket that is cancelled frees its slot exactly like ``finish``.
-- A queued ticket that waited too long is expired: it leaves the queue and counts as a rejection
-  (``dynamo_rejection_request_total`` counts "engine and queue full, and queue timeouts").
+- Direct path: a new request starts at once only when a slot and a waiting place are free AND
+  nobody is queued, so a newcomer never overtakes a queued request. Invariant: ``queued > 0``
+  implies ``running == L`` or ``waiting == W``.
+- A running ticket holds a waiting place until :meth:`AdmissionState.first_output` (or its end),
+  and its slot until :meth:`AdmissionState.finish`. Whenever a slot or a waiting place frees and
+  both are then available, the ticket in the dispatcher's hand starts, and the queue's policy
+  picks the next one into the hand. The hand is committed: it starts next, whatever arrives.
+- At a full queue an arrival may displace a channel ticket (better priority, or a fairer share
+  of the worst priority: the policy's rule 5); the victim is rejected with its reason and the
+  arrival takes its place, so ``queued`` and the cap do not move. Running tickets are never
+  preempted.
+- A queued ticket that is cancelled gives its place back; if it was in the hand, the policy's
+  next one moves up. A running ticket that is cancelled frees its slot exactly like ``finish``.
+- A queued ticket that waited too long is expired (:meth:`AdmissionState.refuse` with another
+  reason is the same for an SLO controller): it leaves the queue and counts as a rejection.
 - After :meth:`AdmissionState.drain`, every arrival is rejected with ``REASON_DRAINING``; queued and
   running tickets go on. Draining rejections are counted apart (``draining_rejected_total``) and
   NOT in ``rejected_total``: they say the worker is shutting down, not that it is overloaded, and
   an operator alerting on overload should not be paged by a rolling restart.
 
-Counters add up: every arrival is exactly one of started, rejected (overload or queue timeout),
-rejected while draining, cancelled while queued, or still queued, so at any moment
-``received_total == started_total + rejected_total + draining_rejected_total +
-cancelled_queued_total + queued``.
+Counters add up: every arrival is exactly one of started (directly or from the queue), rejected
+(queue full, displaced, queue timeout, SLO), rejected while draining, cancelled while queued, or
+still queued, so at any moment ``received_total == started_total + rejected_total +
+draining_rejected_total + cancelled_queued_total + queued``.
 
-Every transition is O(1): the channel is an insertion-ordered mapping, so a cancelled ticket leaves
-from the middle without a scan.
+Every transition is O(log n) or better in the number queued (the policy's heaps; the direct path
+and a plain rejection are O(1)).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, cast
 
 import trio
 
-from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from shim_common.wire import (
+    REASON_DISPLACED_PRIORITY,
+    REASON_DISPLACED_SHARE,
+    REASON_DRAINING,
+    REASON_OVERLOADED,
+    REASON_QUEUE_TIMEOUT,
+    REASON_SLO,
+)
+from worker_ingress._fair_queue import DISPLACED_BY_PRIORITY, FairQueue, QueueEntry, Tenant
 
 if TYPE_CHECKING:
     from worker_ingress._config import WorkerSettings
 
 __all__ = [
+    "REJECTION_KINDS",
     "AdmissionGate",
     "AdmissionState",
     "GateRefusal",
     "Rejection",
+    "SlotLease",
     "Ticket",
     "TicketStatus",
 ]
+
+#: The kinds of rejection the gate counts apart (the ``reason`` label of the metrics).
+REJECTION_KINDS: Final = ("queue_full", "displaced", "queue_timeout", "slo")
 
 
 class TicketStatus(enum.Enum):
@@ -88,6 +116,8 @@ class TicketStatus(enum.Enum):
     FINISHED = "finished"
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"
+    DISPLACED = "displaced"
+    REFUSED = "refused"
 
 
 # Module-level aliases: a global lookup is cheaper than an attribute lookup on the enum class.
@@ -97,27 +127,56 @@ _RUNNING: Final = TicketStatus.RUNNING
 _FINISHED: Final = TicketStatus.FINISHED
 _CANCELLED: Final = TicketStatus.CANCELLED
 _TIMED_OUT: Final = TicketStatus.TIMED_OUT
+_DISPLACED: Final = TicketStatus.DISPLACED
+_REFUSED: Final = TicketStatus.REFUSED
 
 
-class Ticket:
+class Ticket(QueueEntry):
     """One admitted request (running or queued), as the state tracks it.
 
     Attributes:
         number: Arrival order among admitted tickets, from 0.
         status: Where the ticket is now.
+        priority: Lower starts first.
+        tenant: The tenant's record in the queue's policy.
+        prompt_tokens: The prompt's size, charged to the tenant when the ticket starts.
+        waiting: Whether it holds a waiting place (running, no first output yet).
+        reason: Why it was rejected once queued (``DISPLACED``, ``TIMED_OUT``, ``REFUSED``).
+        displaced: On an arrival that displaced a queued ticket: that ticket, whose waiter the
+            shell must wake (it then sees its ``reason``). The state never calls anything.
         wake: Set by the shell for a queued ticket: how to wake the task waiting on it when the
-            state reports that it started. The state never calls it.
+            state reports that it started or was rejected. The state never calls it.
     """
 
-    __slots__ = ("number", "status", "wake")
+    __slots__ = ("displaced", "reason", "status", "waiting", "wake")
 
-    def __init__(self, number: int, status: TicketStatus) -> None:
+    def __init__(
+        self,
+        number: int,
+        status: TicketStatus,
+        priority: int = 0,
+        tenant: Tenant | None = None,
+        prompt_tokens: int = 0,
+    ) -> None:
+        # The entry's fields set here rather than through super().__init__: an arrival is the
+        # hot path, and the call costs a fifth of it.
         self.number = number
+        self.priority = priority
+        self.tenant = tenant if tenant is not None else _NOBODY
+        self.prompt_tokens = prompt_tokens
+        self._flow = None
         self.status = status
+        self.waiting = False
+        self.reason = ""
+        self.displaced: Ticket | None = None
         self.wake: Callable[[], object] | None = None
 
     def __repr__(self) -> str:
-        return f"<Ticket #{self.number} {self.status.value}>"
+        return f"<Ticket #{self.number} {self.status.value} p={self.priority}>"
+
+
+# The tenant of a ticket built by hand in a test (the state always passes a real record).
+_NOBODY: Final = Tenant("", 1.0)
 
 
 class GateRefusal:
@@ -138,62 +197,96 @@ _REJECTED_DRAINING: Final = GateRefusal(REASON_DRAINING)
 
 
 class AdmissionState:
-    """Sans-IO admission: N slots, a dispatcher hand and a Q - 1 channel; exact cap N + Q.
+    """Sans-IO admission: N slots, W waiting places, a hand and a Q - 1 channel; exact cap N + Q.
 
     Args:
         engine_slots: N, how many requests may run in the engine at once (>= 1).
         queue_limit: Q, how many may wait: the dispatcher's hand plus Q - 1 channel places (>= 2).
+        waiting_limit: W, how many running requests may not have produced their first output
+            yet (>= 1); ``None``: no bound beyond N.
+        tenant_weights: Tenant name to weight (> 0); others weigh 1.
+        max_tenants: Tenant records kept at most (see the policy's rule 6).
 
     Raises:
-        ValueError: N < 1 or Q < 2.
+        ValueError: N < 1, Q < 2, W < 1, or a weight that is not positive.
     """
 
     __slots__ = (
         "_admitted_total",
-        "_channel",
         "_draining",
         "_hand",
+        "_queue",
         "_queued",
         "_running",
+        "_wait_cap",
+        "_waiting",
+        "admitted_queue_total",
         "cancelled_queued_total",
+        "displaced_total",
         "draining_rejected_total",
         "engine_slots",
         "finished_total",
         "queue_limit",
         "received_total",
         "rejected_total",
+        "slo_rejected_total",
+        "slot_limit",
         "started_total",
         "timed_out_total",
+        "waiting_limit",
     )
 
-    def __init__(self, *, engine_slots: int, queue_limit: int) -> None:
+    def __init__(
+        self,
+        *,
+        engine_slots: int,
+        queue_limit: int,
+        waiting_limit: int | None = None,
+        tenant_weights: Mapping[str, float] | None = None,
+        max_tenants: int = 4096,
+    ) -> None:
         if engine_slots < 1:
             raise ValueError(f"engine_slots must be >= 1, got {engine_slots}")
         if queue_limit < 2:
             raise ValueError(f"queue_limit must be >= 2, got {queue_limit}")
+        if waiting_limit is not None and waiting_limit < 1:
+            raise ValueError(f"waiting_limit must be >= 1, got {waiting_limit}")
         #: N in force.
         self.engine_slots: Final = engine_slots
+        #: L, the slots usable now (N unless lowered by :meth:`set_slot_limit`).
+        self.slot_limit = engine_slots
         #: Q in force (hand + channel).
         self.queue_limit: Final = queue_limit
+        #: W as configured; ``None``: unset.
+        self.waiting_limit: Final = waiting_limit
+        self._wait_cap = waiting_limit if waiting_limit is not None else engine_slots
         self._running = 0
+        self._waiting = 0
         self._queued = 0
         self._hand: Ticket | None = None
-        # Q - 1 places at most; insertion-ordered, O(1) removal from the middle on cancel.
-        self._channel: OrderedDict[Ticket, None] = OrderedDict()
+        # The Q - 1 channel places, in the policy's order.
+        self._queue = FairQueue(weights=tenant_weights, max_tenants=max_tenants)
         self._draining = False
         self._admitted_total = 0
         #: Every arrival, whatever became of it.
         self.received_total = 0
         #: Queued tickets withdrawn before they started (the caller went away).
         self.cancelled_queued_total = 0
-        #: Overload rejections plus queue timeouts (``dynamo_rejection_request_total``).
+        #: Every rejection but draining ones: queue full, displaced, queue timeout, SLO
+        #: (``dynamo_rejection_request_total``).
         self.rejected_total = 0
         #: Of ``rejected_total``, the queue timeouts.
         self.timed_out_total = 0
+        #: Of ``rejected_total``, queued tickets displaced by a better arrival.
+        self.displaced_total = 0
+        #: Of ``rejected_total``, refusals for the TTFT objective (:meth:`refuse`).
+        self.slo_rejected_total = 0
         #: Arrivals turned away because the worker is draining (not in ``rejected_total``).
         self.draining_rejected_total = 0
         #: Tickets that entered the engine, directly or from the queue.
         self.started_total = 0
+        #: Of ``started_total``, those that waited in the queue first.
+        self.admitted_queue_total = 0
         #: Running tickets that left the engine (finished, failed or cancelled).
         self.finished_total = 0
 
@@ -203,6 +296,11 @@ class AdmissionState:
     def running(self) -> int:
         """Tickets holding an engine slot."""
         return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Running tickets holding a waiting place (no first output yet)."""
+        return self._waiting
 
     @property
     def queued(self) -> int:
@@ -224,46 +322,150 @@ class AdmissionState:
         """The ticket the dispatcher holds in transit, if any (the next to start)."""
         return self._hand
 
+    @property
+    def admitted_direct_total(self) -> int:
+        """Tickets that started at once, without waiting in the queue."""
+        return self.started_total - self.admitted_queue_total
+
+    @property
+    def queue_full_total(self) -> int:
+        """Arrivals rejected because the queue was full and nobody could be displaced."""
+        return (
+            self.rejected_total
+            - self.timed_out_total
+            - self.displaced_total
+            - self.slo_rejected_total
+        )
+
+    @property
+    def policy(self) -> FairQueue:
+        """The queue's policy (tenant records and weights), for metrics and tests."""
+        return self._queue
+
+    def rejected_by_kind(self) -> dict[str, int]:
+        """``rejected_total`` split by :data:`REJECTION_KINDS`."""
+        return {
+            "queue_full": self.queue_full_total,
+            "displaced": self.displaced_total,
+            "queue_timeout": self.timed_out_total,
+            "slo": self.slo_rejected_total,
+        }
+
     def queued_tickets(self) -> list[Ticket]:
-        """The waiting tickets in the order they will start (hand first)."""
+        """The waiting tickets, hand first, then by priority and arrival (see the policy)."""
         if self._hand is None:
             return []
-        return [self._hand, *self._channel]
+        return [self._hand, *cast("list[Ticket]", self._queue.entries())]
+
+    def queued_by_priority(self) -> Iterator[tuple[int, int]]:
+        """``(priority, tickets queued)``, best first, the hand included (for metrics)."""
+        counts = dict(self._queue.sizes_by_priority())
+        if self._hand is not None:
+            counts[self._hand.priority] = counts.get(self._hand.priority, 0) + 1
+        for priority in sorted(counts):
+            yield priority, counts[priority]
 
     # -- events ---------------------------------------------------------------------------------
 
-    def arrive(self) -> Ticket | GateRefusal:
+    def arrive(
+        self, priority: int = 0, tenant: str = "", prompt_tokens: int = 0
+    ) -> Ticket | GateRefusal:
         """A request arrives.
+
+        Args:
+            priority: Lower starts first.
+            tenant: Whose request it is (``""``: the shared tenant).
+            prompt_tokens: Its prompt's size, the service it costs its tenant to start.
 
         Returns:
             A :class:`Ticket` that is ``RUNNING`` (it holds a slot now) or queued (``HAND`` or
-            ``CHANNEL``: wait until a later event reports it started), or a :class:`GateRefusal`.
+            ``CHANNEL``: wait until a later event reports it started or rejected), or a
+            :class:`GateRefusal`. A queued ticket may have displaced another one: see
+            :attr:`Ticket.displaced`.
         """
         self.received_total += 1
         if self._draining:
             self.draining_rejected_total += 1
             return _REJECTED_DRAINING
-        # "Nobody queued" follows from "a slot is free" (invariant: queued > 0 implies
-        # running == N); it is spelled out because it is the rule that keeps arrivals FIFO.
-        if self._queued == 0 and self._running < self.engine_slots:
+        # "Nobody queued" follows from "a slot and a waiting place are free" (invariant: queued
+        # > 0 implies running == L or waiting == W); it is spelled out because it is the rule
+        # that keeps arrivals from overtaking the queue.
+        if self._queued == 0 and self._running < self.slot_limit and self._waiting < self._wait_cap:
+            record = self._queue.tenant(tenant)
+            record.service += prompt_tokens * record.inverse_weight
             self._running += 1
+            self._waiting += 1
             self.started_total += 1
             number = self._admitted_total
             self._admitted_total = number + 1
-            return Ticket(number, _RUNNING)
+            ticket = Ticket(number, _RUNNING, priority, record, prompt_tokens)
+            ticket.waiting = True
+            return ticket
         if self._queued < self.queue_limit:
+            record = self._queue.tenant(tenant)
             number = self._admitted_total
             self._admitted_total = number + 1
-            ticket = Ticket(number, _CHANNEL)
             self._queued += 1
             if self._hand is None:
-                ticket.status = _HAND
+                # Chosen to start next the moment it arrives: charged now, as the policy
+                # charges whatever it picks for the hand.
+                record.service += prompt_tokens * record.inverse_weight
+                ticket = Ticket(number, _HAND, priority, record, prompt_tokens)
                 self._hand = ticket
             else:
-                self._channel[ticket] = None
+                ticket = Ticket(number, _CHANNEL, priority, record, prompt_tokens)
+                self._queue.push(ticket)
             return ticket
+        queue = self._queue
+        found = queue.victim(priority, queue.tenants.get(tenant)) if len(queue) else None
+        if found is None:
+            self.rejected_total += 1
+            return _REJECTED_OVERLOADED
+        entry, why = found
+        victim = cast("Ticket", entry)
+        queue.remove(victim)
+        queue.release(victim.tenant)
+        victim.status = _DISPLACED
+        victim.reason = (
+            REASON_DISPLACED_PRIORITY if why == DISPLACED_BY_PRIORITY else REASON_DISPLACED_SHARE
+        )
         self.rejected_total += 1
-        return _REJECTED_OVERLOADED
+        self.displaced_total += 1
+        number = self._admitted_total
+        self._admitted_total = number + 1
+        ticket = Ticket(number, _CHANNEL, priority, queue.tenant(tenant), prompt_tokens)
+        queue.push(ticket)
+        ticket.displaced = victim
+        return ticket
+
+    def would_reject(self, priority: int = 0, tenant: str = "") -> bool:
+        """Whether :meth:`arrive` with these values would be a :class:`GateRefusal`; no change."""
+        if self._draining:
+            return True
+        if self._queued < self.queue_limit:
+            return False
+        queue = self._queue
+        return not len(queue) or queue.victim(priority, queue.tenants.get(tenant)) is None
+
+    def first_output(self, ticket: Ticket) -> Ticket | None:
+        """A running ticket produced its first output: it gives its waiting place back.
+
+        Args:
+            ticket: Any ticket; only a running one that still holds a waiting place changes.
+
+        Returns:
+            The queued ticket that started with the place this freed, if any.
+        """
+        if not ticket.waiting:
+            return None
+        ticket.waiting = False
+        self._waiting -= 1
+        return self._dispatch()
+
+    def charge(self, ticket: Ticket, generated_tokens: int) -> None:
+        """Count generated tokens of a ticket as its tenant's service (two per token)."""
+        tenant = ticket.tenant
+        tenant.service += 2 * generated_tokens * tenant.inverse_weight
 
     def finish(self, ticket: Ticket) -> Ticket | None:
         """A running ticket leaves the engine (done, failed or cancelled): its slot frees.
@@ -281,7 +483,11 @@ class AdmissionState:
             raise ValueError(f"finish() needs a running ticket, got {ticket!r}")
         ticket.status = _FINISHED
         self._running -= 1
+        if ticket.waiting:
+            ticket.waiting = False
+            self._waiting -= 1
         self.finished_total += 1
+        self._queue.release(ticket.tenant)
         return self._dispatch()
 
     def cancel(self, ticket: Ticket) -> Ticket | None:
@@ -315,14 +521,52 @@ class AdmissionState:
             True if the ticket was still queued and is now rejected (counted); False if it had
             already started or left, in which case nothing changes.
         """
-        status = ticket.status
-        if status is not _HAND and status is not _CHANNEL:
+        if not self._take_out(ticket, _TIMED_OUT, REASON_QUEUE_TIMEOUT):
             return False
-        self._unqueue(ticket)
-        ticket.status = _TIMED_OUT
-        self.rejected_total += 1
         self.timed_out_total += 1
         return True
+
+    def refuse(self, ticket: Ticket) -> bool:
+        """A queued ticket can no longer meet the TTFT objective: reject it with ``REASON_SLO``.
+
+        Args:
+            ticket: Any ticket from :meth:`arrive`.
+
+        Returns:
+            True if it was queued and is now rejected (counted under ``slo``); False otherwise.
+        """
+        if not self._take_out(ticket, _REFUSED, REASON_SLO):
+            return False
+        self.slo_rejected_total += 1
+        return True
+
+    def count_slo_refusal(self) -> None:
+        """Count an arrival that an SLO controller refused before it reached :meth:`arrive`."""
+        self.received_total += 1
+        self.rejected_total += 1
+        self.slo_rejected_total += 1
+
+    def set_slot_limit(self, limit: int) -> list[Ticket]:
+        """Set L, the slots usable now (an adaptive controller's output).
+
+        Lowering it never evicts a running ticket: fewer start until running falls below it.
+
+        Args:
+            limit: 1 <= L <= N.
+
+        Returns:
+            The queued tickets that started because L rose (their waiters must be woken).
+
+        Raises:
+            ValueError: L out of range.
+        """
+        if not 1 <= limit <= self.engine_slots:
+            raise ValueError(f"slot limit must be in [1, {self.engine_slots}], got {limit}")
+        self.slot_limit = limit
+        started: list[Ticket] = []
+        while (ticket := self._dispatch()) is not None:
+            started.append(ticket)
+        return started
 
     def drain(self) -> None:
         """Stop admitting: later arrivals are rejected with ``REASON_DRAINING``."""
@@ -331,32 +575,43 @@ class AdmissionState:
     # -- internals ------------------------------------------------------------------------------
 
     def _dispatch(self) -> Ticket | None:
-        # A slot just freed. The dispatcher puts the ticket in its hand into the engine and takes
-        # the head of the channel into its hand. Called only when running < N.
+        # A slot or a waiting place just freed. If both are available, the dispatcher puts the
+        # ticket in its hand into the engine and the policy picks the next one into the hand.
         ticket = self._hand
-        if ticket is None:
+        if ticket is None or self._running >= self.slot_limit or self._waiting >= self._wait_cap:
             return None
         self._queued -= 1
         self._running += 1
+        self._waiting += 1
         self.started_total += 1
+        self.admitted_queue_total += 1
         ticket.status = _RUNNING
-        self._take_head_into_hand()
+        ticket.waiting = True
+        self._take_next_into_hand()
         return ticket
+
+    def _take_out(self, ticket: Ticket, status: TicketStatus, reason: str) -> bool:
+        if ticket.status is not _HAND and ticket.status is not _CHANNEL:
+            return False
+        self._unqueue(ticket)
+        ticket.status = status
+        ticket.reason = reason
+        self.rejected_total += 1
+        return True
 
     def _unqueue(self, ticket: Ticket) -> None:
         self._queued -= 1
         if ticket is self._hand:
-            self._take_head_into_hand()
+            self._take_next_into_hand()
         else:
-            del self._channel[ticket]
+            self._queue.remove(ticket)
+        self._queue.release(ticket.tenant)
 
-    def _take_head_into_hand(self) -> None:
-        if self._channel:
-            head, _ = self._channel.popitem(last=False)
+    def _take_next_into_hand(self) -> None:
+        head = cast("Ticket | None", self._queue.pop())
+        if head is not None:
             head.status = _HAND
-            self._hand = head
-        else:
-            self._hand = None
+        self._hand = head
 
 
 # -- the Trio shell -----------------------------------------------------------------------------
@@ -371,24 +626,28 @@ class Rejection(Exception):
 
     @property
     def reason(self) -> str:
-        """One of ``wire.REASON_OVERLOADED``, ``REASON_QUEUE_TIMEOUT`` or ``REASON_DRAINING``."""
+        """One of the ``wire.REASON_*`` texts (overloaded, displaced, timeout, SLO, draining)."""
         reason: str = self.args[0]
         return reason
 
 
 class AdmissionGate:
-    """Admission for one worker: ``async with gate.slot():`` around each request's engine work.
+    """Admission for one worker: ``async with gate.slot(...):`` around each request's engine work.
 
     Args:
         engine_slots: N (>= 1).
         queue_limit: Q (>= 2): the dispatcher's hand plus Q - 1 channel places.
+        waiting_limit: W (>= 1), or ``None``: see :class:`AdmissionState`.
+        tenant_weights: Tenant name to weight; others weigh 1.
+        max_tenants: Tenant records kept at most.
         queue_timeout: Seconds (Trio time) a request may wait in the queue before it is rejected
             with ``REASON_QUEUE_TIMEOUT``; ``None``: no limit.
         on_change: Called synchronously whenever ``running`` or ``queued`` changes (the event
             plane publishes from it). It must be cheap and must not raise.
 
     Raises:
-        ValueError: N < 1, Q < 2, or a negative or NaN queue timeout.
+        ValueError: N < 1, Q < 2, W < 1, a weight that is not positive, or a negative or NaN
+            queue timeout.
     """
 
     __slots__ = ("_idle", "_on_change", "_queue_timeout", "_state")
@@ -398,12 +657,21 @@ class AdmissionGate:
         *,
         engine_slots: int,
         queue_limit: int,
+        waiting_limit: int | None = None,
+        tenant_weights: Mapping[str, float] | None = None,
+        max_tenants: int = 4096,
         queue_timeout: float | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         if queue_timeout is not None and not queue_timeout >= 0:
             raise ValueError(f"queue_timeout must be >= 0 seconds, got {queue_timeout}")
-        self._state = AdmissionState(engine_slots=engine_slots, queue_limit=queue_limit)
+        self._state = AdmissionState(
+            engine_slots=engine_slots,
+            queue_limit=queue_limit,
+            waiting_limit=waiting_limit,
+            tenant_weights=tenant_weights,
+            max_tenants=max_tenants,
+        )
         self._queue_timeout = queue_timeout
         self._on_change = on_change
         # Created only while someone sits in wait_idle(); set when in_flight reaches 0.
@@ -413,7 +681,7 @@ class AdmissionGate:
     def from_settings(
         cls, settings: WorkerSettings, on_change: Callable[[], None] | None = None
     ) -> AdmissionGate:
-        """Build the gate a worker's settings ask for (N and Q in force, queue timeout).
+        """Build the gate a worker's settings ask for (N, Q, W, weights, queue timeout).
 
         Args:
             settings: The validated worker settings.
@@ -425,6 +693,8 @@ class AdmissionGate:
         return cls(
             engine_slots=settings.engine_slots,
             queue_limit=settings.queue_limit,
+            waiting_limit=settings.engine_request_waiting_limit,
+            tenant_weights=settings.tenant_weights,
             queue_timeout=settings.queue_timeout,
             on_change=on_change,
         )
@@ -462,6 +732,11 @@ class AdmissionGate:
         return self._state.in_flight
 
     @property
+    def waiting(self) -> int:
+        """Running requests that have not produced their first output yet."""
+        return self._state.waiting
+
+    @property
     def rejected_total(self) -> int:
         """Requests rejected for overload, queue timeouts included (draining excluded)."""
         return self._state.rejected_total
@@ -478,36 +753,56 @@ class AdmissionGate:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def slot(self) -> AbstractAsyncContextManager[None]:
+    def slot(self, priority: int = 0, tenant: str = "", prompt_tokens: int = 0) -> SlotLease:
         """Wait for an engine slot, or raise :class:`Rejection` at once; hold it for the block.
 
         Cancellation while queued gives the place back; leaving the block (normally, by an error
-        or by cancellation) frees the slot at once and starts the next queued request. On the
-        direct path (a slot free, nobody queued) entering does not yield to the scheduler; it
-        does raise ``trio.Cancelled`` if the caller is already cancelled.
+        or by cancellation) frees the slot at once and starts the next queued request. A queued
+        request that a better arrival displaces raises :class:`Rejection` with the displacement
+        reason. On the direct path (a slot free, nobody queued) entering does not yield to the
+        scheduler; it does raise ``trio.Cancelled`` if the caller is already cancelled.
+
+        Args:
+            priority: Lower starts first.
+            tenant: Whose request it is, for fair sharing (``""``: the shared tenant).
+            prompt_tokens: The prompt's size (the service it costs the tenant).
 
         Returns:
-            An async context manager, to be used once.
+            An async context manager, to be used once; inside the block, tell it of the first
+            output (:meth:`SlotLease.first_output`) and of generated tokens
+            (:meth:`SlotLease.charge`).
         """
-        return _SlotLease(self)
+        return SlotLease(self, priority, tenant, prompt_tokens)
 
-    def reject_now(self) -> str | None:
-        """Turn an arrival away here and now if the gate is certain to (draining, or Q waiting).
+    def reject_now(self, priority: int = 0, tenant: str = "") -> str | None:
+        """Turn an arrival away here and now if the gate is certain to (draining, or Q waiting
+        and nobody this arrival could displace).
 
         For a caller that sheds load without a task per request: on a certain rejection the
         arrival is counted as ``slot()`` would count it and its reason returned; otherwise
         nothing is counted and the caller goes on to ``slot()``, which decides.
 
+        Args:
+            priority: The arrival's priority.
+            tenant: The arrival's tenant.
+
         Returns:
             The ``wire.REASON_*`` text of the rejection, or ``None``.
         """
         state = self._state
-        if not state.draining and state.queued < state.queue_limit:
+        if not state.would_reject(priority, tenant):
             return None
-        decision = state.arrive()
+        decision = state.arrive(priority, tenant)
         if not isinstance(decision, GateRefusal):
             raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
         return decision.reason
+
+    def set_slot_limit(self, limit: int) -> None:
+        """Set the effective limit L (1 <= L <= N); raising it starts queued requests."""
+        for ticket in self._state.set_slot_limit(limit):
+            if ticket.wake is not None:
+                ticket.wake()
+        self._changed()
 
     def drain(self) -> None:
         """Stop admitting: new requests get ``Rejection(REASON_DRAINING)``; the rest go on."""
@@ -526,7 +821,7 @@ class AdmissionGate:
     # -- internals ------------------------------------------------------------------------------
 
     def _changed(self) -> None:
-        # running or queued moved: tell the event plane, and release wait_idle() at zero.
+        # running, waiting or queued moved: tell the event plane, and release wait_idle() at 0.
         if self._on_change is not None:
             self._on_change()
         if self._idle is not None and self._state.in_flight == 0:
@@ -540,54 +835,90 @@ class AdmissionGate:
             started.wake()
         self._changed()
 
+    def _first_output(self, ticket: Ticket) -> None:
+        started = self._state.first_output(ticket)
+        if started is not None and started.wake is not None:
+            started.wake()
+        self._changed()
+
     async def _wait_until_started(self, ticket: Ticket) -> None:
-        # Park until _withdraw()/__aexit__ of another request starts this ticket and wakes it.
-        started = trio.Event()
-        ticket.wake = started.set
+        # Park until another request's exit starts this ticket (or an arrival displaces it).
+        woken = trio.Event()
+        ticket.wake = woken.set
         timeout = self._queue_timeout
         try:
             if timeout is None:
-                await started.wait()
-                return
-            with trio.move_on_after(timeout):
-                await started.wait()
+                await woken.wait()
+            else:
+                with trio.move_on_after(timeout):
+                    await woken.wait()
         except BaseException:
             # Cancelled while queued (place given back) or just after being started (slot freed).
             self._withdraw(ticket)
             raise
-        # The deadline and the wake-up may land in the same scheduling round: started wins.
-        if ticket.status is not _RUNNING and self._state.expire(ticket):
+        status = ticket.status
+        if status is _RUNNING:
+            return
+        if status is _HAND or status is _CHANNEL:
+            # The deadline passed (a wake-up in the same round would have made it RUNNING).
+            self._state.expire(ticket)
             self._changed()
-            raise Rejection(REASON_QUEUE_TIMEOUT)
+        raise Rejection(ticket.reason)
 
 
-class _SlotLease:
-    """The context manager :meth:`AdmissionGate.slot` returns: one request's hold on a slot."""
+class SlotLease:
+    """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
-    __slots__ = ("_gate", "_ticket")
+    __slots__ = ("_gate", "_priority", "_prompt_tokens", "_tenant", "_ticket", "queue_wait")
 
-    def __init__(self, gate: AdmissionGate) -> None:
+    def __init__(self, gate: AdmissionGate, priority: int, tenant: str, prompt_tokens: int) -> None:
         self._gate = gate
+        self._priority = priority
+        self._tenant = tenant
+        self._prompt_tokens = prompt_tokens
         self._ticket: Ticket | None = None
+        #: Seconds (Trio time) the request waited in the queue before it started; 0.0 on the
+        #: direct path.
+        self.queue_wait = 0.0
 
-    async def __aenter__(self) -> None:
+    def first_output(self) -> None:
+        """The request produced its first output: give the waiting place back (idempotent)."""
+        ticket = self._ticket
+        if ticket is not None and ticket.waiting:
+            self._gate._first_output(ticket)
+
+    def charge(self, generated_tokens: int) -> None:
+        """Count generated tokens as the tenant's service."""
+        ticket = self._ticket
+        if ticket is not None:
+            self._gate._state.charge(ticket, generated_tokens)
+
+    async def __aenter__(self) -> SlotLease:
         if self._ticket is not None:
             raise RuntimeError("a slot lease can be entered only once")
         # A caller that is already cancelled must not take a slot; this does not yield.
         await trio.lowlevel.checkpoint_if_cancelled()
         gate = self._gate
-        decision = gate._state.arrive()
+        decision = gate._state.arrive(self._priority, self._tenant, self._prompt_tokens)
         if isinstance(decision, GateRefusal):
             raise Rejection(decision.reason)
         ticket = decision
         self._ticket = ticket
+        victim = ticket.displaced
+        if victim is not None:
+            ticket.displaced = None
+            if victim.wake is not None:
+                victim.wake()
         try:
             gate._changed()
         except BaseException:
             gate._withdraw(ticket)
             raise
         if ticket.status is not _RUNNING:
+            queued_at = trio.current_time()
             await gate._wait_until_started(ticket)
+            self.queue_wait = trio.current_time() - queued_at
+        return self
 
     async def __aexit__(
         self,

@@ -55,6 +55,12 @@ class WorkerSettings:
     request_queue_limit: int = DEFAULT_QUEUE_LIMIT
     #: Seconds a request may wait in the queue; ``None``: no limit.
     queue_timeout: float | None = None
+    #: W: requests in the engine before their first output at most; ``None``: unset.
+    engine_request_waiting_limit: int | None = None
+    #: Tenant name to weight (``--tenant-weights``); others weigh 1.
+    tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Tenants exported by name in the per-tenant metrics; the rest are summed as ``other``.
+    tenant_metrics_limit: int = 50
     #: Seconds running and queued requests get to finish after SIGTERM/SIGINT.
     drain_grace: float = 30.0
     #: Seconds between event-plane heartbeats.
@@ -72,6 +78,12 @@ class WorkerSettings:
     stop_on_stdin_eof: bool = False
 
     @property
+    def admission_enabled(self) -> bool:
+        """Whether rejection is on: N or W set (either enables it, as in Dynamo)."""
+        limits = (self.engine_request_limit, self.engine_request_waiting_limit)
+        return limits != (None, None)
+
+    @property
     def engine_slots(self) -> int:
         """Slots of the gate in force: N, or 10000 when N is unset."""
         if self.engine_request_limit is None:
@@ -80,7 +92,7 @@ class WorkerSettings:
 
     @property
     def queue_limit(self) -> int:
-        """Q in force: as configured when N is set, else 40000."""
-        if self.engine_request_limit is None:
+        """Q in force: as configured when N or W is set, else 40000."""
+        if not self.admission_enabled:
             return UNLIMITED_QUEUE_LIMIT
         return self.request_queue_limit

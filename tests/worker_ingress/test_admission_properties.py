@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from shim_common.wire import (
+    REASON_DISPLACED_PRIORITY,
+    REASON_DISPLACED_SHARE,
+    REASON_DRAINING,
+    REASON_OVERLOADED,
+    REASON_QUEUE_TIMEOUT,
+)
 from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
@@ -357,3 +364,299 @@ def test_gate_burst_admits_exactly_n_plus_q(slots: int, queue_limit: int, burst:
         assert gate.in_flight == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- priorities, tenants, displacement, the waiting limit -----------------------------------------
+
+
+class ClassesStateMachine(RuleBasedStateMachine):
+    """Random priorities, tenants, weights, cancels, expiries, displacements and first outputs.
+
+    Checked on every step, against the rules of worker_ingress/_admission.py and
+    worker_ingress/_fair_queue.py written the obvious way (scans of plain lists):
+
+    - the cap: in flight <= N + Q; a plain rejection only at a full queue with nobody to
+      displace; queued > 0 only while every slot or every waiting place is taken;
+    - who starts next: the hand first; then a ticket of the best priority queued, of a tenant
+      with the least service among that band's backlogged tenants, the oldest of that tenant;
+    - whom an arrival displaces: the newest of the worst priority (a better arrival) or the
+      newest of the tenant holding the most places in that band (a fairer share);
+    - the counters add up, and the per-kind rejections sum to the total.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setup(1, 2, None, 1, {})
+
+    def setup(
+        self,
+        slots: int,
+        queue_limit: int,
+        waiting: int | None,
+        limit: int,
+        weights: dict[str, float],
+    ) -> None:
+        self.state = AdmissionState(
+            engine_slots=slots,
+            queue_limit=queue_limit,
+            waiting_limit=waiting,
+            tenant_weights=weights,
+        )
+        self.slots, self.queue_limit, self.waiting_limit = slots, queue_limit, waiting
+        self.state.set_slot_limit(min(limit, slots))
+        self.running: list[Ticket] = []
+        self.queued: list[Ticket] = []  # channel and hand, in no particular order
+        self.started_order: list[Ticket] = []
+
+    @initialize(
+        slots=st.integers(1, 3),
+        queue_limit=st.integers(2, 6),
+        waiting=st.one_of(st.none(), st.integers(1, 3)),
+        limit=st.integers(1, 3),
+        weights=st.dictionaries(st.sampled_from("abc"), st.sampled_from([0.5, 1.0, 2.0, 4.0])),
+    )
+    def sizes(
+        self,
+        slots: int,
+        queue_limit: int,
+        waiting: int | None,
+        limit: int,
+        weights: dict[str, float],
+    ) -> None:
+        self.setup(slots, queue_limit, waiting, limit, weights)
+
+    def _expect_next(self) -> None:
+        # Before an event that may start the hand: what the policy must pick into the hand next.
+        self.hand_before = self.state.hand
+        channel = [t for t in self.queued if t is not self.state.hand]
+        self.channel_before = channel
+        self.service_before = {t.tenant.name: t.tenant.service for t in channel}
+
+    def _check_pick(self) -> None:
+        # The new hand (if the old one started) obeys rule 2 of the policy.
+        hand = self.state.hand
+        if hand is None or hand is self.hand_before:
+            return
+        channel = self.channel_before
+        assert hand in channel
+        best = min(t.priority for t in channel)
+        assert hand.priority == best
+        band = [t for t in channel if t.priority == best]
+        least = min(self.service_before[t.tenant.name] for t in band)
+        # The pick's tenant was least served, or tied within float rounding.
+        assert self.service_before[hand.tenant.name] <= least + 1e-9
+        assert hand.number == min(t.number for t in band if t.tenant is hand.tenant)
+
+    def _record_started(self, started: Ticket | None) -> None:
+        if started is not None:
+            assert started is self.hand_before
+            self.queued.remove(started)
+            self.running.append(started)
+            self.started_order.append(started)
+        self._check_pick()
+
+    @rule(
+        priority=st.sampled_from([-1, 0, 0, 3]),
+        tenant=st.sampled_from(["", "a", "b", "c"]),
+        prompt=st.integers(0, 50),
+    )
+    def arrive(self, priority: int, tenant: str, prompt: int) -> None:
+        state = self.state
+        full = state.queued == self.queue_limit
+        channel = [t for t in self.queued if t is not state.hand]
+        predicted = state.would_reject(priority, tenant)
+        decision = state.arrive(priority, tenant, prompt)
+        if isinstance(decision, GateRefusal):
+            assert predicted
+            assert full
+            assert decision.reason == REASON_OVERLOADED
+            # Nobody could be displaced: not by priority, not by share.
+            if channel:
+                worst = max(t.priority for t in channel)
+                assert priority >= worst
+                if priority == worst:
+                    band = [t for t in channel if t.priority == worst]
+                    places = {t.tenant.name: sum(u.tenant is t.tenant for u in band) for t in band}
+                    assert places.get(tenant, 0) >= max(places.values())
+            return
+        assert not predicted
+        victim = decision.displaced
+        if victim is not None:
+            assert full
+            assert victim in channel
+            worst = max(t.priority for t in channel)
+            band = [t for t in channel if t.priority == worst]
+            assert victim.priority == worst
+            if priority < worst:
+                assert victim.reason == REASON_DISPLACED_PRIORITY
+                assert victim.number == max(t.number for t in band)
+            else:
+                assert priority == worst
+                assert victim.reason == REASON_DISPLACED_SHARE
+                mine = sum(t.tenant.name == tenant for t in band)
+                theirs = sum(t.tenant is victim.tenant for t in band)
+                assert mine < theirs == max(sum(t.tenant is u.tenant for t in band) for u in band)
+                assert victim.number == max(t.number for t in band if t.tenant is victim.tenant)
+            assert victim.status is TicketStatus.DISPLACED
+            event(f"displaced: {victim.reason}")
+            self.queued.remove(victim)
+            decision.displaced = None
+        else:
+            assert not full
+        if decision.status is TicketStatus.RUNNING:
+            assert not self.queued
+            self.running.append(decision)
+            self.started_order.append(decision)
+        else:
+            self.queued.append(decision)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 20))
+    def first_output(self, index: int) -> None:
+        ticket = self.running[index % len(self.running)]
+        self._expect_next()
+        self._record_started(self.state.first_output(ticket))
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 20), tokens=st.integers(0, 20))
+    def generate(self, index: int, tokens: int) -> None:
+        ticket = self.running[index % len(self.running)]
+        before = ticket.tenant.service
+        self.state.charge(ticket, tokens)
+        assert ticket.tenant.service == pytest.approx(before + 2 * tokens / ticket.tenant.weight)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 20))
+    def finish(self, index: int) -> None:
+        ticket = self.running.pop(index % len(self.running))
+        self._expect_next()
+        self._record_started(self.state.finish(ticket))
+
+    @precondition(lambda self: self.queued)
+    @rule(index=st.integers(0, 20), how=st.sampled_from(["cancel", "expire", "refuse"]))
+    def leave_queue(self, index: int, how: str) -> None:
+        ticket = self.queued.pop(index % len(self.queued))
+        self._expect_next()
+        was_hand = ticket is self.state.hand
+        if how == "cancel":
+            assert self.state.cancel(ticket) is None
+        elif how == "expire":
+            assert self.state.expire(ticket)
+        else:
+            assert self.state.refuse(ticket)
+        if was_hand:
+            self.hand_before = None
+            self.channel_before = [t for t in self.channel_before if t is not ticket]
+            self._check_pick()
+
+    @rule(limit=st.integers(1, 3))
+    def set_slot_limit(self, limit: int) -> None:
+        limit = min(limit, self.slots)
+        for ticket in self.state.set_slot_limit(limit):
+            self.queued.remove(ticket)
+            self.running.append(ticket)
+
+    @invariant()
+    def rules_hold(self) -> None:
+        state = self.state
+        assert state.running == len(self.running) <= self.slots
+        assert state.queued == len(self.queued) <= self.queue_limit
+        assert state.in_flight <= self.slots + self.queue_limit
+        assert state.waiting == sum(t.waiting for t in self.running)
+        if self.waiting_limit is not None:
+            assert state.waiting <= self.waiting_limit
+        if self.queued:
+            assert state.running >= state.slot_limit or (
+                self.waiting_limit is not None and state.waiting == self.waiting_limit
+            )
+            assert state.hand in self.queued
+        assert sorted(t.number for t in state.queued_tickets()) == sorted(
+            t.number for t in self.queued
+        )
+        assert sum(count for _, count in state.queued_by_priority()) == state.queued
+        assert sum(state.rejected_by_kind().values()) == state.rejected_total
+        assert state.received_total == (
+            state.admitted_direct_total
+            + state.admitted_queue_total
+            + state.rejected_total
+            + state.draining_rejected_total
+            + state.cancelled_queued_total
+            + state.queued
+        )
+        # Tenant records: exactly those with a request in the gate (idle tenants forgotten).
+        live = {t.tenant.name for t in (*self.running, *self.queued)}
+        assert set(state.policy.tenants) == live
+
+    def teardown(self) -> None:
+        for ticket in [*self.queued, *self.running]:
+            self.state.cancel(ticket)
+        assert self.state.in_flight == 0
+        assert not self.state.policy.tenants
+
+
+TestClassesStateMachine = ClassesStateMachine.TestCase
+TestClassesStateMachine.settings = settings(max_examples=200, stateful_step_count=60)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=4),
+    costs=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 20)), max_size=300
+    ),
+)
+def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
+    weights: list[float], costs: list[tuple[int, int, int]]
+) -> None:
+    """Fair queuing's two guarantees, with one slot and every tenant kept backlogged.
+
+    - No starvation within a priority: between two starts of a backlogged tenant, at most
+      ``(k - 1) * (max_cost * w_max / (min_cost * w_min) + 2)`` other requests start.
+    - The service difference bound: the counters of two backlogged tenants never differ by
+      more than twice the largest request's whole cost (prompt plus two per generated token,
+      over the smallest weight): the fair-queuing bound of Virtual Token Counter, with one
+      request's cost charged in one piece when, as here, output is charged at the end.
+    """
+    names = [f"t{i}" for i in range(len(weights))]
+    state = AdmissionState(
+        engine_slots=1, queue_limit=64, tenant_weights=dict(zip(names, weights, strict=True))
+    )
+    # Prompt and generated tokens of each arrival, by tenant (a cost of at least 1).
+    plan = [(names[i % len(names)], prompt, generated) for i, prompt, generated in costs]
+    max_cost = 40 + 2 * 20
+    bound_starts = (len(names) - 1) * (max_cost * max(weights) / (1 * min(weights)) + 2)
+    max_request = (40 + 2 * 20) / min(weights)
+    running = state.arrive(0, names[0], 1)
+    assert isinstance(running, Ticket)
+    pending = {name: 0 for name in names}
+    generated_of: dict[int, int] = {}
+    since_start = {name: 0 for name in names}
+    step = 0
+
+    def top_up() -> None:
+        # Keep every tenant backlogged with two queued requests from the plan (or defaults).
+        nonlocal step
+        for name in names:
+            while pending[name] < 2:
+                _, prompt, generated = plan[step % len(plan)] if plan else (name, 1, 0)
+                step += 1
+                ticket = state.arrive(0, name, max(prompt, 1))
+                assert isinstance(ticket, Ticket)
+                assert ticket.displaced is None
+                generated_of[ticket.number] = generated
+                pending[name] += 1
+
+    top_up()
+    for _ in range(min(len(plan), 200) + 5):
+        state.charge(running, generated_of.get(running.number, 0))
+        started = state.finish(running)
+        assert started is not None
+        name = started.tenant.name
+        pending[name] -= 1
+        for other in names:
+            since_start[other] = 0 if other == name else since_start[other] + 1
+            assert since_start[other] <= bound_starts
+        running = started
+        top_up()
+        services = [state.policy.tenants[n].service for n in names]
+        assert max(services) - min(services) <= 2 * max_request + 1e-9
