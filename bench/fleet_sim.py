@@ -1,8 +1,8 @@
 """A simulated fleet for ``bench/bench_fleet.py``: K real workers in one process.
 
 Run: ``python bench/fleet_sim.py --workers 64 [--ranks 4] [--rate 20]``. Each worker is a real
-:class:`worker_ingress.server.Worker` (its request and event planes, its admission gate, its
-:class:`~worker_ingress.events.EventPublisher`, keepalive pings and system port) on its own
+:class:`worker_ingress._server.Worker` (its request and event planes, its admission gate, its
+:class:`~worker_ingress._events.EventPublisher`, keepalive pings and system port) on its own
 port-0 listener; only the engine is the simulator's: :class:`FleetEngine`, which answers
 requests like the zero-work instant engine and whose per-rank load (``active_decode_blocks``,
 ``kv_used_blocks``) changes ``--rate`` times a second on every rank. So the frames a frontend

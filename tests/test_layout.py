@@ -1,6 +1,7 @@
 """The frontend imports of the worker only its public surface: the package itself, for
-``validate_worker_args``, and ``worker_ingress.engines``. (The other package boundaries are
-import-linter contracts in pyproject.toml, checked by ``scripts/check``.)
+``local_worker_parameters`` and ``validate_worker_args``, and ``worker_ingress.engines``. (The
+other package boundaries are import-linter contracts in pyproject.toml, checked by
+``scripts/check``.)
 """
 
 from __future__ import annotations

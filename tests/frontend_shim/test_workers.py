@@ -1,8 +1,10 @@
-"""The frontend's worker links: backoff, the request table, and real loopback sessions.
+"""The frontend's worker links and pool against real loopback sessions: a real
+:class:`worker_ingress._server.Worker` (or, for protocol faults, a small fake) on 127.0.0.1 with
+port 0, every test under ``trio.fail_after``.
 
-The pure parts (backoff, URL parsing, the per-request buffer, the request table) are tested
-without sockets. The rest runs a real :class:`worker_ingress._server.Worker` (or, for protocol
-faults, a small fake) on 127.0.0.1 with port 0, every test under ``trio.fail_after``.
+The pure parts have files of their own: the request table and the per-request buffer
+(test_request_plane.py), worker URLs and name resolution (test_discovery.py), the backoff
+(tests/shim_common/test_net.py).
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import ipaddress
 import random
-import socket
 import struct
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
@@ -23,15 +23,10 @@ import pytest
 import trio
 import trio.testing
 import trio_websocket
-from hypothesis import given
-from hypothesis import strategies as st
 
-from frontend_shim._discovery import WorkerUrl, parse_worker_url, resolve_addresses
 from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._pool import WorkerPool
-from frontend_shim._request_plane import LinkStats, RequestPlane, RequestStream, ResponseBuffer
 from shim_common import wire
-from shim_common._net import Backoff
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import Worker, WorkerAddress
 from worker_ingress._watch import ChangeSignal
@@ -47,220 +42,6 @@ FAST = LinkSettings(
     backoff_initial=0.02,
     backoff_cap=0.2,
 )
-
-# ----------------------------------------------------------------------------- pure parts
-
-
-def test_backoff_doubles_to_the_cap_without_jitter() -> None:
-    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.0)
-    delays = [backoff.next_delay() for _ in range(10)]
-    assert delays == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 2.0])
-    backoff.reset()
-    assert backoff.next_delay() == pytest.approx(0.05)
-
-
-def test_backoff_jitter_stays_within_its_band_and_varies() -> None:
-    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.5, rng=random.Random(7))
-    delays = [backoff.next_delay() for _ in range(200)]
-    ceilings = [min(2.0, 0.05 * 2**n) for n in range(200)]
-    for delay, ceiling in zip(delays, ceilings, strict=True):
-        assert ceiling * 0.5 <= delay <= ceiling
-    capped = delays[10:]
-    assert max(capped) <= 2.0
-    assert len(set(capped)) > 100  # jittered: workers that lost the same peer do not stampede
-
-
-def test_backoff_survives_a_very_long_outage() -> None:
-    backoff = Backoff(initial=0.05, cap=2.0, jitter=0.0)
-    for _ in range(5000):
-        delay = backoff.next_delay()
-    assert delay == 2.0
-
-
-@pytest.mark.parametrize(
-    ("url", "expected"),
-    [
-        ("ws://127.0.0.1:9100", WorkerUrl("127.0.0.1", 9100, "")),
-        ("ws://workers.internal:9100/", WorkerUrl("workers.internal", 9100, "")),
-        ("ws://[::1]:9100/prefix/", WorkerUrl("::1", 9100, "/prefix")),
-        (" ws://localhost:1 ", WorkerUrl("localhost", 1, "")),
-    ],
-)
-def test_parse_worker_url_accepts(url: str, expected: WorkerUrl) -> None:
-    assert parse_worker_url(url) == expected
-
-
-@pytest.mark.parametrize(
-    "url",
-    [
-        "http://127.0.0.1:9100",
-        "ws://127.0.0.1",
-        "ws://:9100",
-        "ws://127.0.0.1:99999",
-        "ws://h:1?x=1",
-        "127.0.0.1:9100",
-        "",
-    ],
-)
-def test_parse_worker_url_refuses_with_the_value_named(url: str) -> None:
-    with pytest.raises(ValueError, match="invalid worker URL"):
-        parse_worker_url(url)
-
-
-def test_keys_bracket_ipv6_addresses() -> None:
-    url = WorkerUrl("h", 9100, "/p")
-    assert url.key_for("10.0.0.7") == "ws://10.0.0.7:9100/p"
-    assert url.key_for("::1") == "ws://[::1]:9100/p"
-
-
-def _chunk(text: str, *, finish: str | None = None, rid: int = 1) -> wire.Chunk:
-    return wire.Chunk(request_id=rid, text=text, tokens=1, finish_reason=finish)
-
-
-async def test_full_buffer_merges_text_chunks_and_keeps_room_for_the_end() -> None:
-    buffer = ResponseBuffer(2)
-    assert buffer.push(wire.Started(request_id=1, prompt_tokens=3)) == "ok"
-    assert buffer.push(_chunk("a")) == "ok"
-    assert buffer.push(_chunk("b")) == "merged"
-    assert buffer.push(_chunk("c", finish="length")) == "merged"
-    assert buffer.push(_chunk("d")) == "full"  # the last buffered chunk is final: no merge
-    assert buffer.push(wire.End(request_id=1, prompt_tokens=3, completion_tokens=3)) == "ok"
-    assert buffer.finished
-    assert isinstance(await buffer.get(), wire.Started)
-    merged = await buffer.get()
-    assert merged == wire.Chunk(request_id=1, text="abc", tokens=3, finish_reason="length")
-    assert isinstance(await buffer.get(), wire.End)
-
-
-async def test_full_buffer_refuses_embeddings() -> None:
-    buffer = ResponseBuffer(1)
-    vector = wire.Chunk(request_id=1, embedding=[0.5], index=0)
-    assert buffer.push(vector) == "ok"
-    assert buffer.push(wire.Chunk(request_id=1, embedding=[0.5], index=1)) == "full"
-
-
-def _generate_ids(data: Sequence[bytes]) -> list[tuple[str, int]]:
-    out = []
-    for item in data:
-        message = wire.decode_client_message(item)
-        out.append((type(message).__name__, message.request_id))
-    return out
-
-
-async def _drain_outbox(plane: RequestPlane) -> list[bytes]:
-    sent: list[bytes] = []
-    while True:
-        with trio.move_on_after(0) as scope:
-            sent.append(await plane.next_outgoing())
-        if scope.cancelled_caught:
-            return sent
-
-
-def fast_plane(stats: LinkStats) -> RequestPlane:
-    return RequestPlane(request_buffer=FAST.request_buffer, send_queue=FAST.send_queue, stats=stats)
-
-
-async def test_request_table_routes_replies_and_forgets_finished_requests() -> None:
-    stats = LinkStats()
-    plane = fast_plane(stats)
-    with trio.fail_after(5):
-        first_id, first = await plane.open("completions", {"prompt": "a"})
-        second_id, second = await plane.open("completions", {"prompt": "b"})
-        assert _generate_ids(await _drain_outbox(plane)) == [
-            ("Generate", first_id),
-            ("Generate", second_id),
-        ]
-        plane.deliver(wire.Rejected(request_id=second_id, reason=wire.REASON_OVERLOADED))
-        plane.deliver(wire.Started(request_id=first_id, prompt_tokens=1))
-        plane.deliver(wire.End(request_id=first_id, prompt_tokens=1, completion_tokens=0))
-        assert plane.open_requests == 0
-        assert isinstance(await second.get(), wire.Rejected)
-        assert isinstance(await first.get(), wire.Started)
-        assert isinstance(await first.get(), wire.End)
-        plane.deliver(_chunk("late", rid=first_id))
-        assert stats.late_replies == 1
-        plane.cancel(first_id)  # already ended: nothing to send
-        assert await _drain_outbox(plane) == []
-
-
-async def test_cancel_before_the_generate_left_sends_nothing() -> None:
-    plane = fast_plane(LinkStats())
-    with trio.fail_after(5):
-        request_id, _ = await plane.open("completions", {"prompt": "a"})
-        plane.cancel(request_id)
-        assert await _drain_outbox(plane) == []
-
-
-async def test_cancel_after_the_generate_left_sends_cancel() -> None:
-    plane = fast_plane(LinkStats())
-    with trio.fail_after(5):
-        request_id, _ = await plane.open("completions", {"prompt": "a"})
-        await _drain_outbox(plane)
-        plane.cancel(request_id)
-        plane.cancel(request_id)  # idempotent
-        assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", request_id)]
-
-
-async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker() -> None:
-    stats = LinkStats()
-    plane = RequestPlane(request_buffer=1, send_queue=256, stats=stats)
-    with trio.fail_after(5):
-        slow_id, slow = await plane.open("embeddings", {"input": ["a", "b"]})
-        other_id, other = await plane.open("embeddings", {"input": ["c"]})
-        await _drain_outbox(plane)
-        plane.deliver(wire.Started(request_id=slow_id, prompt_tokens=2))
-        plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=0))
-        plane.deliver(wire.Started(request_id=other_id, prompt_tokens=1))
-        assert stats.requests_overflowed == 1
-        assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", slow_id)]
-        assert isinstance(await slow.get(), wire.Started)
-        failure = await slow.get()
-        assert isinstance(failure, wire.Failed)
-        assert failure.kind == "cancelled"
-        assert "too slowly" in failure.message
-        assert isinstance(await other.get(), wire.Started)  # the other request is untouched
-
-
-async def test_closing_the_session_fails_every_open_request() -> None:
-    plane = fast_plane(LinkStats())
-    with trio.fail_after(5):  # open waits for room in the outbox
-        ids = [(await plane.open("completions", {"prompt": "x"}))[0] for _ in range(3)]
-        await _drain_outbox(plane)
-        plane.deliver(wire.Started(request_id=ids[0], prompt_tokens=1))
-        assert plane.close("connection closed") == 3
-        late_id, late = await plane.open("completions", {"prompt": "x"})
-        assert isinstance(await late.get(), wire.Failed)
-    assert late_id not in ids
-
-
-async def test_generate_waits_for_room_in_the_outbox() -> None:
-    plane = RequestPlane(request_buffer=256, send_queue=2, stats=LinkStats())
-    await plane.open("completions", {"prompt": "x"})
-    await plane.open("completions", {"prompt": "x"})
-    with trio.move_on_after(0.01) as scope:
-        await plane.open("completions", {"prompt": "x"})
-    assert scope.cancelled_caught
-    await plane.next_outgoing()
-    with trio.fail_after(1):
-        await plane.open("completions", {"prompt": "x"})
-
-
-async def test_stream_hands_out_replies_in_order() -> None:
-    buffer = ResponseBuffer(8)
-    for reply in (
-        wire.Started(request_id=1, prompt_tokens=2),
-        _chunk("a"),
-        _chunk("b", finish="stop"),
-        wire.End(request_id=1, prompt_tokens=2, completion_tokens=2),
-    ):
-        buffer.push(reply)
-    stream = RequestStream(1, buffer)
-    with pytest.raises(RuntimeError):
-        await stream.__anext__()
-    assert isinstance(await stream.first(), wire.Started)
-    assert [type(r).__name__ for r in [r async for r in stream]] == ["Chunk", "Chunk", "End"]
-    assert [r async for r in stream] == []
-
 
 # ----------------------------------------------------------------------------- loopback
 
@@ -668,47 +449,6 @@ async def test_a_silent_worker_is_dropped_by_the_keepalive(nursery: trio.Nursery
 # ----------------------------------------------------------------------------- the pool
 
 
-async def test_ip_literals_are_returned_without_a_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def no_lookup(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("an IP literal was looked up")
-
-    monkeypatch.setattr(trio.socket, "getaddrinfo", no_lookup)
-    assert await resolve_addresses("127.0.0.1", 1) == ["127.0.0.1"]
-    assert await resolve_addresses("::1", 1) == ["::1"]
-    assert await resolve_addresses("0:0:0:0:0:0:0:1", 1) == ["::1"]  # in its canonical form
-
-
-async def test_a_lookup_keeps_ip_addresses_in_order_without_repeats(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    looked_up: list[tuple[str, int]] = []
-
-    async def fake_getaddrinfo(host: str, port: int, **kwargs: Any) -> list[Any]:
-        looked_up.append((host, port))
-        return [
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port)),
-            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
-            (socket.AF_UNIX, socket.SOCK_STREAM, 0, "", "/not/an/ip"),
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port)),
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
-        ]
-
-    monkeypatch.setattr(trio.socket, "getaddrinfo", fake_getaddrinfo)
-    assert await resolve_addresses("workers.test", 9100) == ["127.0.0.2", "::1", "127.0.0.1"]
-    assert looked_up == [("workers.test", 9100)]
-
-
-async def test_localhost_resolves_to_loopback_addresses_only() -> None:
-    with trio.fail_after(5):
-        try:
-            addresses = await resolve_addresses("localhost", 9100)
-        except OSError as exc:
-            pytest.skip(f"this host cannot resolve localhost: {exc}")
-    if not addresses:
-        pytest.skip("this host has no address for localhost")
-    assert all(ipaddress.ip_address(address).is_loopback for address in addresses), addresses
-
-
 async def test_a_host_name_becomes_one_link_per_address(nursery: trio.Nursery) -> None:
     async def resolver(host: str, port: int) -> list[str]:
         assert host == "workers.test"
@@ -774,79 +514,3 @@ async def test_re_resolution_adds_and_stops_links(nursery: trio.Nursery) -> None
         await listener.wait_until(lambda: ("down", first_key) in listener.calls)
         assert not first.connected
         nursery.cancel_scope.cancel()
-
-
-# ----------------------------------------------------------------------------- property
-
-
-_OPERATIONS = st.lists(
-    st.one_of(
-        st.tuples(st.just("open")),
-        st.tuples(st.just("send")),
-        st.tuples(
-            st.sampled_from(["started", "chunk", "end", "failed", "rejected", "cancel"]),
-            st.integers(0, 7),
-        ),
-        st.tuples(st.just("close")),
-    ),
-    max_size=60,
-)
-
-
-@given(program=_OPERATIONS)
-def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[Any, ...]]) -> None:
-    """Random interleavings of requests, replies, cancels, sends and a close never leave a
-    request without its end, never end one twice, and never cancel an unsent request."""
-
-    async def main() -> None:
-        stats = LinkStats()
-        plane = RequestPlane(request_buffer=3, send_queue=256, stats=stats)
-        buffers: list[ResponseBuffer] = []
-        ids: list[int] = []
-        sent: set[int] = set()
-        cancelled: set[int] = set()
-        for operation in program:
-            kind = operation[0]
-            if kind == "open":
-                request_id, buffer = await plane.open("completions", {"prompt": "x"})
-                ids.append(request_id)
-                buffers.append(buffer)
-            elif kind == "send":
-                for data in await _drain_outbox(plane):
-                    message = wire.decode_client_message(data)
-                    if isinstance(message, wire.Generate):
-                        sent.add(message.request_id)
-                    else:
-                        assert message.request_id in sent
-                        cancelled.add(message.request_id)
-            elif kind == "close":
-                plane.close("test")
-            elif ids:
-                request_id = ids[operation[1] % len(ids)]
-                if kind == "cancel":
-                    plane.cancel(request_id)
-                    continue
-                if request_id not in sent:
-                    continue  # a worker cannot answer what it never received
-                replies: dict[str, wire.WorkerMessage] = {
-                    "started": wire.Started(request_id=request_id, prompt_tokens=1),
-                    "chunk": wire.Chunk(request_id=request_id, text="t", tokens=1),
-                    "end": wire.End(request_id=request_id, prompt_tokens=1, completion_tokens=1),
-                    "failed": wire.Failed(request_id=request_id, kind="engine", message="x"),
-                    "rejected": wire.Rejected(request_id=request_id, reason="r"),
-                }
-                plane.deliver(replies[kind])
-        plane.close("end of program")
-        assert plane.open_requests == 0
-        for buffer in buffers:
-            assert buffer.finished
-            terminals = 0
-            with trio.move_on_after(1):
-                while True:
-                    reply = await buffer.get()
-                    if isinstance(reply, wire.End | wire.Failed | wire.Rejected):
-                        terminals += 1
-                        break
-            assert terminals == 1
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
