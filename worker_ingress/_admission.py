@@ -88,6 +88,7 @@ from shim_common.wire import (
     REASON_SLO,
 )
 from worker_ingress._fair_queue import DISPLACED_BY_PRIORITY, FairQueue, QueueEntry, Tenant
+from worker_ingress._tenant_ledger import TenantAccount, TenantLedger
 
 if TYPE_CHECKING:
     from worker_ingress._config import WorkerSettings
@@ -148,7 +149,7 @@ class Ticket(QueueEntry):
             state reports that it started or was rejected. The state never calls it.
     """
 
-    __slots__ = ("displaced", "reason", "status", "waiting", "wake")
+    __slots__ = ("account", "displaced", "reason", "status", "waiting", "wake")
 
     def __init__(
         self,
@@ -166,6 +167,8 @@ class Ticket(QueueEntry):
         self.prompt_tokens = prompt_tokens
         self._flow = None
         self.status = status
+        #: The tenant's account in the state's ledger (for per-tenant metrics).
+        self.account = _NO_ACCOUNT
         self.waiting = False
         self.reason = ""
         self.displaced: Ticket | None = None
@@ -177,6 +180,7 @@ class Ticket(QueueEntry):
 
 # The tenant of a ticket built by hand in a test (the state always passes a real record).
 _NOBODY: Final = Tenant("", 1.0)
+_NO_ACCOUNT: Final = TenantAccount()
 
 
 class GateRefusal:
@@ -206,6 +210,7 @@ class AdmissionState:
             yet (>= 1); ``None``: no bound beyond N.
         tenant_weights: Tenant name to weight (> 0); others weigh 1.
         max_tenants: Tenant records kept at most (see the policy's rule 6).
+        tenant_metrics_limit: Tenants counted by name in :attr:`ledger`.
 
     Raises:
         ValueError: N < 1, Q < 2, W < 1, or a weight that is not positive.
@@ -226,6 +231,7 @@ class AdmissionState:
         "draining_rejected_total",
         "engine_slots",
         "finished_total",
+        "ledger",
         "queue_limit",
         "received_total",
         "rejected_total",
@@ -244,6 +250,7 @@ class AdmissionState:
         waiting_limit: int | None = None,
         tenant_weights: Mapping[str, float] | None = None,
         max_tenants: int = 4096,
+        tenant_metrics_limit: int = 50,
     ) -> None:
         if engine_slots < 1:
             raise ValueError(f"engine_slots must be >= 1, got {engine_slots}")
@@ -268,6 +275,8 @@ class AdmissionState:
         self._queue = FairQueue(weights=tenant_weights, max_tenants=max_tenants)
         self._draining = False
         self._admitted_total = 0
+        #: Per-tenant outcomes and service (bounded; for metrics).
+        self.ledger = TenantLedger(tenant_metrics_limit)
         #: Every arrival, whatever became of it.
         self.received_total = 0
         #: Queued tickets withdrawn before they started (the caller went away).
@@ -386,6 +395,7 @@ class AdmissionState:
         self.received_total += 1
         if self._draining:
             self.draining_rejected_total += 1
+            self.ledger.account(tenant).rejected += 1
             return _REJECTED_DRAINING
         # "Nobody queued" follows from "a slot and a waiting place are free" (invariant: queued
         # > 0 implies running == L or waiting == W); it is spelled out because it is the rule
@@ -400,6 +410,9 @@ class AdmissionState:
             self._admitted_total = number + 1
             ticket = Ticket(number, _RUNNING, priority, record, prompt_tokens)
             ticket.waiting = True
+            account = ticket.account = self.ledger.account(tenant)
+            account.admitted += 1
+            account.service_tokens += prompt_tokens
             return ticket
         if self._queued < self.queue_limit:
             record = self._queue.tenant(tenant)
@@ -415,11 +428,13 @@ class AdmissionState:
             else:
                 ticket = Ticket(number, _CHANNEL, priority, record, prompt_tokens)
                 self._queue.push(ticket)
+            ticket.account = self.ledger.account(tenant)
             return ticket
         queue = self._queue
         found = queue.victim(priority, queue.tenants.get(tenant)) if len(queue) else None
         if found is None:
             self.rejected_total += 1
+            self.ledger.account(tenant).rejected += 1
             return _REJECTED_OVERLOADED
         entry, why = found
         victim = cast("Ticket", entry)
@@ -429,12 +444,14 @@ class AdmissionState:
         victim.reason = (
             REASON_DISPLACED_PRIORITY if why == DISPLACED_BY_PRIORITY else REASON_DISPLACED_SHARE
         )
+        victim.account.rejected += 1
         self.rejected_total += 1
         self.displaced_total += 1
         number = self._admitted_total
         self._admitted_total = number + 1
         ticket = Ticket(number, _CHANNEL, priority, queue.tenant(tenant), prompt_tokens)
         queue.push(ticket)
+        ticket.account = self.ledger.account(tenant)
         ticket.displaced = victim
         return ticket
 
@@ -466,6 +483,7 @@ class AdmissionState:
         """Count generated tokens of a ticket as its tenant's service (two per token)."""
         tenant = ticket.tenant
         tenant.service += 2 * generated_tokens * tenant.inverse_weight
+        ticket.account.service_tokens += 2 * generated_tokens
 
     def finish(self, ticket: Ticket) -> Ticket | None:
         """A running ticket leaves the engine (done, failed or cancelled): its slot frees.
@@ -508,6 +526,7 @@ class AdmissionState:
         if status is _HAND or status is _CHANNEL:
             self._unqueue(ticket)
             ticket.status = _CANCELLED
+            ticket.account.cancelled += 1
             self.cancelled_queued_total += 1
         return None
 
@@ -540,8 +559,9 @@ class AdmissionState:
         self.slo_rejected_total += 1
         return True
 
-    def count_slo_refusal(self) -> None:
+    def count_slo_refusal(self, tenant: str = "") -> None:
         """Count an arrival that an SLO controller refused before it reached :meth:`arrive`."""
+        self.ledger.account(tenant).rejected += 1
         self.received_total += 1
         self.rejected_total += 1
         self.slo_rejected_total += 1
@@ -587,6 +607,9 @@ class AdmissionState:
         self.admitted_queue_total += 1
         ticket.status = _RUNNING
         ticket.waiting = True
+        account = ticket.account
+        account.admitted += 1
+        account.service_tokens += ticket.prompt_tokens
         self._take_next_into_hand()
         return ticket
 
@@ -596,6 +619,7 @@ class AdmissionState:
         self._unqueue(ticket)
         ticket.status = status
         ticket.reason = reason
+        ticket.account.rejected += 1
         self.rejected_total += 1
         return True
 
@@ -640,6 +664,7 @@ class AdmissionGate:
         waiting_limit: W (>= 1), or ``None``: see :class:`AdmissionState`.
         tenant_weights: Tenant name to weight; others weigh 1.
         max_tenants: Tenant records kept at most.
+        tenant_metrics_limit: Tenants counted by name for the per-tenant metrics.
         queue_timeout: Seconds (Trio time) a request may wait in the queue before it is rejected
             with ``REASON_QUEUE_TIMEOUT``; ``None``: no limit.
         on_change: Called synchronously whenever ``running`` or ``queued`` changes (the event
@@ -660,6 +685,7 @@ class AdmissionGate:
         waiting_limit: int | None = None,
         tenant_weights: Mapping[str, float] | None = None,
         max_tenants: int = 4096,
+        tenant_metrics_limit: int = 50,
         queue_timeout: float | None = None,
         on_change: Callable[[], None] | None = None,
     ) -> None:
@@ -671,6 +697,7 @@ class AdmissionGate:
             waiting_limit=waiting_limit,
             tenant_weights=tenant_weights,
             max_tenants=max_tenants,
+            tenant_metrics_limit=tenant_metrics_limit,
         )
         self._queue_timeout = queue_timeout
         self._on_change = on_change
@@ -695,6 +722,7 @@ class AdmissionGate:
             queue_limit=settings.queue_limit,
             waiting_limit=settings.engine_request_waiting_limit,
             tenant_weights=settings.tenant_weights,
+            tenant_metrics_limit=settings.tenant_metrics_limit,
             queue_timeout=settings.queue_timeout,
             on_change=on_change,
         )

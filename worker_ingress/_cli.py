@@ -38,6 +38,7 @@ from worker_ingress._version import __version__
 __all__ = [
     "LOCAL_WORKER_FLAGS",
     "QUEUE_LIMIT_ENV",
+    "QUEUE_LIMIT_ENV_1_7",
     "CliError",
     "local_worker_parameters",
     "main",
@@ -46,6 +47,8 @@ __all__ = [
 
 #: Q has no flag, on purpose (as in Dynamo): it is an advanced override, read from here only.
 QUEUE_LIMIT_ENV = "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"
+#: Dynamo 1.7's name for Q; it wins over :data:`QUEUE_LIMIT_ENV` when both are set.
+QUEUE_LIMIT_ENV_1_7 = "DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT"
 
 #: The flags (parameter names of the command) a frontend may be given and passes on to its
 #: ``--local-workers`` children: the engine, its shape and the gate's limits. Not the listen
@@ -55,6 +58,9 @@ LOCAL_WORKER_FLAGS: Final = (
     "engine",
     "upstream_url",
     "engine_request_limit",
+    "engine_request_waiting_limit",
+    "tenant_weights",
+    "tenant_metrics_limit",
     "queue_timeout",
     "graceful_shutdown_timeout",
     "heartbeat_interval",
@@ -91,8 +97,30 @@ def _worker(
     upstream_url: Annotated[str | None, Parameter(env_var="DYN_UPSTREAM_URL")] = None,
     engine_request_limit: Annotated[
         int | None,
-        Parameter(converter=strict_int, env_var="DYN_ENGINE_REQUEST_LIMIT", validator=positive()),
+        Parameter(
+            converter=strict_int,
+            # Dynamo 1.7's name first: the first variable set wins, after the flag.
+            env_var=["DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT", "DYN_ENGINE_REQUEST_LIMIT"],
+            validator=positive(),
+        ),
     ] = None,
+    engine_request_waiting_limit: Annotated[
+        int | None,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT",
+            validator=positive(),
+        ),
+    ] = None,
+    tenant_weights: Annotated[str | None, Parameter(env_var="DYN_TENANT_WEIGHTS")] = None,
+    tenant_metrics_limit: Annotated[
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_TENANT_METRICS_LIMIT",
+            validator=validators.Number(gte=0, lte=10_000),
+        ),
+    ] = 50,
     queue_timeout: Annotated[
         float | None,
         Parameter(
@@ -159,8 +187,10 @@ def _worker(
 
     Requests beyond N running and Q waiting are rejected at once with
     "Server overloaded: worker at capacity". The environment variable
-    DYN_DYNAMO_REQUEST_QUEUE_LIMIT sets Q (an integer >= 2, default 16, used only when
-    --engine-request-limit is set); it has no flag. DYN_WORKER_TOKEN (environment only), when
+    DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT (Dynamo 1.7), else DYN_DYNAMO_REQUEST_QUEUE_LIMIT,
+    sets Q (an integer >= 2, default 16, used only when --engine-request-limit or
+    --engine-request-waiting-limit is set); it has no flag. Queued requests start by priority
+    (lower first), then by the tenants' fair share. DYN_WORKER_TOKEN (environment only), when
     set, is the bearer token a frontend must present on both planes (HTTP 401 without it).
 
     Parameters
@@ -182,7 +212,17 @@ def _worker(
         Base URL of the upstream server for --engine openai, e.g. http://127.0.0.1:8001.
     engine_request_limit
         N: at most N requests run in the engine at once; setting it enables rejection. Unset: 10000
-        slots and 40000 queue places.
+        slots and 40000 queue places. Also read from DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT
+        (Dynamo 1.7), which wins over DYN_ENGINE_REQUEST_LIMIT.
+    engine_request_waiting_limit
+        W: at most W requests in the engine that have not produced their first output yet; a
+        queued request starts only when a slot and a waiting place are free. Setting it enables
+        rejection. Unset: no separate bound.
+    tenant_weights
+        Fair-share weights, "name=weight,...", positive numbers; unnamed tenants weigh 1.
+    tenant_metrics_limit
+        Tenants exported by name in the per-tenant metrics, in order of first appearance; the
+        rest are summed under tenant="other".
     queue_timeout
         Seconds a request may wait in the queue before it is rejected with
         "Server overloaded: queue timeout" (default: no limit).
@@ -231,6 +271,9 @@ def _worker(
         engine=engine,
         upstream_url=upstream_url,
         engine_request_limit=engine_request_limit,
+        engine_request_waiting_limit=engine_request_waiting_limit,
+        tenant_weights=_tenant_weights(tenant_weights),
+        tenant_metrics_limit=tenant_metrics_limit,
         request_queue_limit=_queue_limit_from_env(),
         queue_timeout=queue_timeout,
         drain_grace=graceful_shutdown_timeout,
@@ -309,21 +352,45 @@ def _non_empty(flag: str, value: str) -> str:
 
 
 def _queue_limit_from_env() -> int:
-    raw = os.environ.get(QUEUE_LIMIT_ENV)
+    name = QUEUE_LIMIT_ENV_1_7 if QUEUE_LIMIT_ENV_1_7 in os.environ else QUEUE_LIMIT_ENV
+    raw = os.environ.get(name)
     if raw is None:
         return DEFAULT_QUEUE_LIMIT
     try:
         value = int(raw.strip())
     except ValueError:
-        raise CliError(
-            f'Invalid value for {QUEUE_LIMIT_ENV} from env: "{raw}" is not an integer.'
-        ) from None
+        raise CliError(f'Invalid value for {name} from env: "{raw}" is not an integer.') from None
     if value < 2:
         raise CliError(
-            f'Invalid value "{raw}" for {QUEUE_LIMIT_ENV} provided by env. Must be >= 2 '
+            f'Invalid value "{raw}" for {name} provided by env. Must be >= 2 '
             "(the dispatcher holds one request, so the overflow channel has Q-1 places)."
         )
     return value
+
+
+def _tenant_weights(raw: str | None) -> dict[str, float]:
+    # "name=weight,..." -> {name: weight}; one clear line for the first bad item.
+    if raw is None or not raw.strip():
+        return {}
+    weights: dict[str, float] = {}
+    for item in raw.split(","):
+        name, sep, number = item.strip().rpartition("=")
+        try:
+            weight = float(number)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name or not 0 < weight < float("inf"):
+            raise CliError(
+                f'Invalid value "{raw}" for --tenant-weights (DYN_TENANT_WEIGHTS): "{item}" is '
+                "not name=weight with a positive number."
+            )
+        if name in weights:
+            raise CliError(
+                f'Invalid value "{raw}" for --tenant-weights (DYN_TENANT_WEIGHTS): tenant '
+                f'"{name}" is given twice.'
+            )
+        weights[name] = weight
+    return weights
 
 
 def _check_engine(settings: WorkerSettings) -> None:

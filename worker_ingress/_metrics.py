@@ -30,6 +30,25 @@ Added here:
   bearer token, with ``DYN_WORKER_TOKEN`` set).
 - ``dynamo_worker_tls_handshake_failures_total``: TLS handshakes that failed or timed out, on the
   websocket port and the system port.
+
+Admission classes (priorities, tenants, the waiting limit W):
+
+- Dynamo 1.7's seven families, every series present from start-up:
+  ``dynamo_backend_admission_engine_request_count``, ``..._engine_wait_count``,
+  ``..._request_queue_count`` (gauges: running, waiting for a first output, queued),
+  ``..._request_receive_total``, ``..._request_admit_total{source="direct"|"queue"}``,
+  ``..._rejection_total`` (every rejection, draining included), ``..._cancellation_total``
+  (withdrawn while queued). At every scrape: receive = admit(direct) + admit(queue) + rejection
+  + cancellation + queue count.
+- ``dynamo_engine_request_waiting`` and ``dynamo_engine_request_waiting_limit`` (W, 10000 unset).
+- ``dynamo_rejection_request_by_reason_total{reason}``: ``dynamo_rejection_request_total`` split
+  into ``queue_full``, ``displaced``, ``queue_timeout``, ``slo`` (all four always present).
+- ``dynamo_request_queue_by_priority{priority}``: queued requests by priority; the first 16
+  priorities seen at a scrape keep their label for the life of the process (a label that comes
+  and goes would break rate() and graphs), the rest are summed under ``priority="other"``.
+- ``dynamo_tenant_service_tokens_total{tenant}`` and ``dynamo_tenant_requests_total{tenant,
+  outcome}`` (``admitted``, ``rejected``, ``cancelled``): from the gate's bounded ledger
+  (``--tenant-metrics-limit`` tenants by name, the rest under ``tenant="other"``).
 """
 
 from __future__ import annotations
@@ -41,12 +60,18 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from shim_common._status import render_registry
-from worker_ingress._admission import AdmissionGate
+from worker_ingress._admission import REJECTION_KINDS, AdmissionGate
 
 __all__ = ["KvBlocks", "WorkerMetrics"]
 
 #: Returns ``(total_blocks, used_blocks)`` of the engine's KV cache, summed over its ranks.
 KvBlocks = Callable[[], tuple[int, int]]
+
+
+#: W reported when unset, as N is reported when unset.
+_UNSET_WAITING_LIMIT = 10_000
+#: Priorities labelled by name in ``dynamo_request_queue_by_priority``; the rest are ``other``.
+PRIORITY_LABELS = 16
 
 
 def _no_kv_blocks() -> tuple[int, int]:
@@ -65,6 +90,8 @@ class _GateCollector(Collector):
         self.unauthorized = 0
         #: Bumped by :meth:`WorkerMetrics.count_tls_failure`.
         self.tls_failures = 0
+        #: Priorities that have a label of their own (first seen first), at most 16.
+        self._priority_labels: dict[int, None] = {}
 
     def describe(self) -> Iterable[Metric]:
         # Names only: lets the registry check for duplicates without calling kv_blocks() early.
@@ -158,6 +185,106 @@ class _GateCollector(Collector):
                 "TLS handshakes that failed or timed out (websocket and system ports).",
                 value=self.tls_failures,
             ),
+            *self._class_families(running, queued),
+        ]
+
+    def _class_families(self, running: int, queued: int) -> list[Metric]:
+        state = self._gate.state
+        admit = CounterMetricFamily(
+            "dynamo_backend_admission_request_admit",
+            "Requests admitted into the engine, at once (direct) or from the queue.",
+            labels=["source"],
+        )
+        admit.add_metric(["direct"], state.admitted_direct_total)
+        admit.add_metric(["queue"], state.admitted_queue_total)
+        by_reason = CounterMetricFamily(
+            "dynamo_rejection_request_by_reason",
+            "Rejections of dynamo_rejection_request_total by reason.",
+            labels=["reason"],
+        )
+        kinds = state.rejected_by_kind()
+        for kind in REJECTION_KINDS:
+            by_reason.add_metric([kind], kinds[kind])
+        by_priority = GaugeMetricFamily(
+            "dynamo_request_queue_by_priority",
+            "Requests waiting in the ingress by priority (lower is served first).",
+            labels=["priority"],
+        )
+        labels = self._priority_labels
+        counts = dict.fromkeys(labels, 0)
+        other = 0
+        for priority, count in state.queued_by_priority():
+            if priority not in labels and len(labels) < PRIORITY_LABELS:
+                labels[priority] = None
+            if priority in labels:
+                counts[priority] = count
+            else:
+                other += count
+        for priority in sorted(counts):
+            by_priority.add_metric([str(priority)], counts[priority])
+        by_priority.add_metric(["other"], other)
+        service = CounterMetricFamily(
+            "dynamo_tenant_service_tokens",
+            "Service each tenant got: prompt tokens plus two per generated token.",
+            labels=["tenant"],
+        )
+        outcomes = CounterMetricFamily(
+            "dynamo_tenant_requests",
+            "Requests of each tenant by outcome (admitted, rejected, cancelled while queued).",
+            labels=["tenant", "outcome"],
+        )
+        for tenant, account in state.ledger.items():
+            service.add_metric([tenant], account.service_tokens)
+            outcomes.add_metric([tenant, "admitted"], account.admitted)
+            outcomes.add_metric([tenant, "rejected"], account.rejected)
+            outcomes.add_metric([tenant, "cancelled"], account.cancelled)
+        waiting_limit = state.waiting_limit
+        return [
+            GaugeMetricFamily(
+                "dynamo_backend_admission_engine_request_count",
+                "Requests admitted into the engine and not finished.",
+                value=running,
+            ),
+            GaugeMetricFamily(
+                "dynamo_backend_admission_engine_wait_count",
+                "Requests in the engine that have not produced their first output.",
+                value=state.waiting,
+            ),
+            GaugeMetricFamily(
+                "dynamo_backend_admission_request_queue_count",
+                "Requests waiting in the ingress, not yet in the engine.",
+                value=queued,
+            ),
+            CounterMetricFamily(
+                "dynamo_backend_admission_request_receive",
+                "Requests that reached the admission gate.",
+                value=state.received_total,
+            ),
+            admit,
+            CounterMetricFamily(
+                "dynamo_backend_admission_rejection",
+                "Requests the gate turned away, for any reason (draining included).",
+                value=state.rejected_total + state.draining_rejected_total,
+            ),
+            CounterMetricFamily(
+                "dynamo_backend_admission_cancellation",
+                "Requests withdrawn while queued.",
+                value=state.cancelled_queued_total,
+            ),
+            GaugeMetricFamily(
+                "dynamo_engine_request_waiting",
+                "Requests in the engine before their first output.",
+                value=state.waiting,
+            ),
+            GaugeMetricFamily(
+                "dynamo_engine_request_waiting_limit",
+                "Requests that may be in the engine before their first output (W in force).",
+                value=_UNSET_WAITING_LIMIT if waiting_limit is None else waiting_limit,
+            ),
+            by_reason,
+            by_priority,
+            service,
+            outcomes,
         ]
 
 

@@ -23,7 +23,8 @@ Rules of a request-plane connection:
    :meth:`~worker_ingress._admission.AdmissionGate.reject_now`) is written by the receive loop
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: ``engine.prepare`` (bad input: ``Failed(bad_request)``, no slot used), then
-   ``gate.slot()`` (full or draining: ``Rejected(reason)``), then ``Started(prompt_tokens)``,
+   ``gate.slot(priority, tenant, prompt_tokens)`` (full, displaced or draining:
+   ``Rejected(reason)``), then ``Started(prompt_tokens, queue_wait_ms)``,
    the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
    ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
    ``Failed(unavailable)``. Exactly one final frame per request id; the slot or queue place is
@@ -73,7 +74,7 @@ from shim_common.wire import (
 )
 from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._events import Subscription
-from worker_ingress.engines._base import Engine, EngineInputError, PreparedRequest
+from worker_ingress.engines._base import FIRST_OUTPUT, Engine, EngineInputError, PreparedRequest
 
 __all__ = [
     "EventConnection",
@@ -352,7 +353,7 @@ class RequestConnection:
             )
             return None
         # Asked here, synchronously, so shedding costs no task (it must stay cheap).
-        reason = host.gate.reject_now()
+        reason = host.gate.reject_now(generate.priority, generate.tenant)
         if reason is not None:
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the
@@ -377,7 +378,7 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="cancelled", message="cancelled by the client")
             ]
             with scope:
-                final = await self._execute(request_id, prepared)
+                final = await self._execute(generate, prepared)
             if scope.cancelled_caught and self._abandoning:
                 final = [
                     Failed(
@@ -392,7 +393,9 @@ class RequestConnection:
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(self, request_id: int, prepared: PreparedRequest) -> list[msgspec.Struct]:
+    async def _execute(
+        self, generate: Generate, prepared: PreparedRequest
+    ) -> list[msgspec.Struct]:
         """Run one admitted-to-try request; return its last frames, the final one last (rule 3).
 
         ``Started`` goes out at once (the frontend sends its status line on it), and a chunk
@@ -401,15 +404,27 @@ class RequestConnection:
         batches.
         """
         host = self._host
+        request_id = generate.request_id
         completion_tokens = 0
         held: list[msgspec.Struct] = []
         try:
-            async with host.gate.slot():
+            lease = host.gate.slot(generate.priority, generate.tenant, prepared.prompt_tokens)
+            async with lease:
                 await self._sender.send(
-                    Started(request_id=request_id, prompt_tokens=prepared.prompt_tokens)
+                    Started(
+                        request_id=request_id,
+                        prompt_tokens=prepared.prompt_tokens,
+                        queue_wait_ms=round(lease.queue_wait * 1000),
+                    )
                 )
                 async with contextlib.aclosing(host.engine.generate(prepared)) as outputs:
                     async for output in outputs:
+                        # The first output (of the mocker after its prefill, of the openai
+                        # engine its first upstream chunk) gives the waiting place back.
+                        lease.first_output()
+                        if output is FIRST_OUTPUT:
+                            continue
+                        lease.charge(output.tokens)
                         completion_tokens += output.tokens
                         held.append(
                             Chunk(

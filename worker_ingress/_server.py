@@ -47,6 +47,7 @@ from shim_common._net import base_url
 from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
+    FEATURE_CLASSES,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     REQUESTS_PATH,
@@ -167,7 +168,7 @@ class Worker:
                     heartbeat_interval=self.settings.heartbeat_interval,
                     load_publish_interval=self.settings.load_publish_interval,
                 ),
-                features=[FEATURE_BUSY_EDGES],
+                features=[FEATURE_BUSY_EDGES, FEATURE_CLASSES],
             )
         return self._hello
 

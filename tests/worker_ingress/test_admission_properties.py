@@ -401,6 +401,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
             queue_limit=queue_limit,
             waiting_limit=waiting,
             tenant_weights=weights,
+            tenant_metrics_limit=2,
         )
         self.slots, self.queue_limit, self.waiting_limit = slots, queue_limit, waiting
         self.state.set_slot_limit(min(limit, slots))
@@ -583,6 +584,13 @@ class ClassesStateMachine(RuleBasedStateMachine):
             + state.cancelled_queued_total
             + state.queued
         )
+        # The per-tenant ledger sums to the gate's counters.
+        accounts = [account for _, account in state.ledger.items()]
+        assert sum(a.admitted for a in accounts) == state.started_total
+        assert sum(a.rejected for a in accounts) == (
+            state.rejected_total + state.draining_rejected_total
+        )
+        assert sum(a.cancelled for a in accounts) == state.cancelled_queued_total
         # Tenant records: exactly those with a request in the gate (idle tenants forgotten).
         live = {t.tenant.name for t in (*self.running, *self.queued)}
         assert set(state.policy.tenants) == live

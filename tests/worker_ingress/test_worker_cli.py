@@ -38,6 +38,11 @@ ALL_VARIABLES = [
     "DYN_TLS_CERT_PATH",
     "DYN_TLS_KEY_PATH",
     "DYN_STOP_ON_STDIN_EOF",
+    "DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT",
+    "DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT",
+    "DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT",
+    "DYN_TENANT_WEIGHTS",
+    "DYN_TENANT_METRICS_LIMIT",
 ]
 
 
@@ -98,6 +103,31 @@ def test_queue_limit_is_read_from_the_environment_only(monkeypatch: pytest.Monke
         parse_args(["--dynamo-request-queue-limit", "5"])
 
 
+def test_dynamo_1_7_spellings_and_their_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_ENGINE_REQUEST_LIMIT", "16")
+    monkeypatch.setenv("DYN_DYNAMO_REQUEST_QUEUE_LIMIT", "9")
+    assert parse_args([])[0].engine_request_limit == 16
+    monkeypatch.setenv("DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT", "3")
+    monkeypatch.setenv("DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT", "4")
+    settings, _ = parse_args([])
+    # Dynamo 1.7's names win over the older ones; the flag wins over both.
+    assert (settings.engine_slots, settings.queue_limit) == (3, 4)
+    assert parse_args(["--engine-request-limit", "5"])[0].engine_slots == 5
+
+
+def test_waiting_limit_and_tenant_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT", "2")
+    monkeypatch.setenv("DYN_TENANT_WEIGHTS", "gold=4, free=0.5")
+    settings, _ = parse_args(["--tenant-metrics-limit", "7"])
+    assert settings.engine_request_waiting_limit == 2
+    # W alone enables rejection, as N does: Q is the configured one, not 40000.
+    assert settings.queue_limit == 16
+    assert settings.tenant_weights == {"gold": 4.0, "free": 0.5}
+    assert settings.tenant_metrics_limit == 7
+    settings, _ = parse_args(["--engine-request-waiting-limit", "1", "--tenant-weights", "x=2"])
+    assert (settings.engine_request_waiting_limit, settings.tenant_weights) == (1, {"x": 2.0})
+
+
 def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_MOCKER_NUM_GPU_BLOCKS", "64")
     monkeypatch.setenv("DYN_MOCKER_SPEEDUP_RATIO", "10")
@@ -121,6 +151,31 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
         ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "0"}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
         ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": "many"}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
         ([], {"DYN_DYNAMO_REQUEST_QUEUE_LIMIT": ""}, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT"),
+        (
+            [],
+            {"DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT": "1"},
+            "DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT",
+        ),
+        (
+            [],
+            {"DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT": "0"},
+            "DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT",
+        ),
+        (
+            [],
+            {"DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT": "0"},
+            "DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT",
+        ),
+        (["--engine-request-waiting-limit", "0"], {}, "--engine-request-waiting-limit"),
+        (
+            [],
+            {"DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT": "x"},
+            "DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT",
+        ),
+        (["--tenant-weights", "a=0"], {}, "--tenant-weights"),
+        (["--tenant-weights", "a"], {}, "--tenant-weights"),
+        ([], {"DYN_TENANT_WEIGHTS": "a=1,a=2"}, "DYN_TENANT_WEIGHTS"),
+        (["--tenant-metrics-limit", "-1"], {}, "--tenant-metrics-limit"),
         (["--port", "70000"], {}, "--port"),
         ([], {"DYN_SYSTEM_PORT": "-1"}, "DYN_SYSTEM_PORT"),
         (["--queue-timeout", "0"], {}, "--queue-timeout"),

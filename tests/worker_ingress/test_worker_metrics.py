@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from shim_common.wire import REASON_OVERLOADED
-from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._admission import AdmissionGate, GateRefusal, Rejection
 from worker_ingress._config import WorkerSettings
 from worker_ingress._metrics import WorkerMetrics
 
@@ -40,7 +40,10 @@ def test_every_stable_name_is_exposed_without_labels() -> None:
     for name in STABLE_NAMES:
         assert f"{name} " in "\n".join(lines)
         assert _sample(metrics, name) is not None, name
-    assert not any("{" in line for line in lines if not line.startswith("#"))
+    # The stable names carry no labels (the families of admission classes do).
+    for line in lines:
+        if line.split("{")[0].split(" ")[0] in STABLE_NAMES:
+            assert "{" not in line, line
 
 
 def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
@@ -193,3 +196,103 @@ def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
     body, content_type = metrics.render("text/plain")
     assert content_type.startswith("text/plain; version=0.0.4")
     assert not body.decode().endswith("# EOF\n")
+
+
+DYNAMO_1_7_FAMILIES = {
+    "dynamo_backend_admission_engine_request_count": None,
+    "dynamo_backend_admission_engine_wait_count": None,
+    "dynamo_backend_admission_request_queue_count": None,
+    "dynamo_backend_admission_request_receive_total": None,
+    "dynamo_backend_admission_request_admit_total": {"source": "direct"},
+    "dynamo_backend_admission_rejection_total": None,
+    "dynamo_backend_admission_cancellation_total": None,
+}
+
+
+def _dynamo_sample(metrics: WorkerMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels or None)
+    assert value is not None, (name, labels)
+    return value
+
+
+def _invariant_holds(metrics: WorkerMetrics) -> None:
+    received = _dynamo_sample(metrics, "dynamo_backend_admission_request_receive_total")
+    assert received == (
+        _dynamo_sample(metrics, "dynamo_backend_admission_request_admit_total", source="direct")
+        + _dynamo_sample(metrics, "dynamo_backend_admission_request_admit_total", source="queue")
+        + _dynamo_sample(metrics, "dynamo_backend_admission_rejection_total")
+        + _dynamo_sample(metrics, "dynamo_backend_admission_cancellation_total")
+        + _dynamo_sample(metrics, "dynamo_backend_admission_request_queue_count")
+    )
+
+
+def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3, waiting_limit=1))
+    for name, labels in DYNAMO_1_7_FAMILIES.items():
+        assert _dynamo_sample(metrics, name, **(labels or {})) == 0
+    assert (
+        _dynamo_sample(metrics, "dynamo_backend_admission_request_admit_total", source="queue") == 0
+    )
+    for reason in ("queue_full", "displaced", "queue_timeout", "slo"):
+        assert (
+            _dynamo_sample(metrics, "dynamo_rejection_request_by_reason_total", reason=reason) == 0
+        )
+    assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 0
+    assert _dynamo_sample(metrics, "dynamo_engine_request_waiting_limit") == 1
+    assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="other") == 0
+    _invariant_holds(metrics)
+
+
+def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2, waiting_limit=1)
+    metrics = WorkerMetrics(gate)
+    state = gate.state
+    running = state.arrive(5, "batch", 10)
+    queued = [state.arrive(5, "batch", 10), state.arrive(5, "batch", 10)]
+    state.arrive(0, "user", 3)  # displaces the newest batch request
+    state.arrive(9, "late", 3)  # nothing to displace: queue_full
+    _invariant_holds(metrics)
+    assert (
+        _dynamo_sample(metrics, "dynamo_rejection_request_by_reason_total", reason="displaced") == 1
+    )
+    assert (
+        _dynamo_sample(metrics, "dynamo_rejection_request_by_reason_total", reason="queue_full")
+        == 1
+    )
+    assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="0") == 1
+    assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="5") == 1
+    assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 1
+    assert not isinstance(running, GateRefusal)
+    state.charge(running, 4)
+    state.first_output(running)  # W frees, but the slot is still taken
+    assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 0
+    first = queued[0]
+    assert not isinstance(first, GateRefusal)
+    state.cancel(first)
+    _invariant_holds(metrics)
+    assert _dynamo_sample(metrics, "dynamo_backend_admission_cancellation_total") == 1
+    assert _dynamo_sample(metrics, "dynamo_tenant_service_tokens_total", tenant="batch") == 18
+    assert (
+        _dynamo_sample(metrics, "dynamo_tenant_requests_total", tenant="batch", outcome="rejected")
+        == 1
+    )
+    assert (
+        _dynamo_sample(metrics, "dynamo_tenant_requests_total", tenant="late", outcome="rejected")
+        == 1
+    )
+
+
+def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=40)
+    metrics = WorkerMetrics(gate)
+    gate.state.arrive(0, "", 1)
+    for priority in range(20):
+        gate.state.arrive(priority, "", 1)
+    assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="other") == 4
+    body, _ = metrics.render(None)
+    labels = [
+        line
+        for line in body.decode().splitlines()
+        if line.startswith("dynamo_request_queue_by_priority{")
+    ]
+    assert len(labels) == 17

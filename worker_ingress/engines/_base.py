@@ -7,7 +7,11 @@ Life of a request inside a worker:
 2. The admission gate grants an engine slot.
 3. :meth:`Engine.generate` streams :class:`EngineOutput` items until the request is done. The
    caller closes the generator (``contextlib.aclosing``) on cancellation or early exit, and the
-   engine then frees everything the request held (KV blocks, batch places) at once.
+   engine then frees everything the request held (KV blocks, batch places) at once. The first
+   item it yields is the request's *first output*: the gate then gives back the request's
+   waiting place (``--engine-request-waiting-limit``). An engine whose first sign of progress
+   carries nothing to send (an upstream's role-only first chunk) yields :data:`FIRST_OUTPUT`,
+   which the worker does not forward.
 
 Load reporting: the engine keeps :meth:`Engine.load` current for each data-parallel rank and bumps
 :attr:`Engine.load_changed` whenever a value there changes, so the event plane publishes on change.
@@ -38,6 +42,7 @@ __all__ = [
     "EngineConfig",
     "EngineInputError",
     "EngineOutput",
+    "FIRST_OUTPUT",
     "PreparedRequest",
     "chat_texts",
     "count_words",
@@ -85,6 +90,11 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     embedding: list[float] | None = None
     index: int = 0
+
+
+#: Yielded by an engine to say "the request produced its first output" when that output has
+#: nothing to send; compared by identity, never forwarded to the client.
+FIRST_OUTPUT: Final = EngineOutput()
 
 
 class Engine(Protocol):

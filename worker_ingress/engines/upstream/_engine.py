@@ -84,6 +84,7 @@ from worker_ingress._config import WorkerSettings
 from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
+    FIRST_OUTPUT,
     EngineConfig,
     EngineInputError,
     EngineOutput,
@@ -420,10 +421,13 @@ class OpenAIUpstreamEngine:
                 if chunk.usage is not None:
                     completion_tokens = chunk.usage.completion_tokens
                 for choice in chunk.choices or ():
-                    if self._in_flight.first_output(key):
+                    first = self._in_flight.first_output(key)
+                    if first:
                         self._refresh()
                     text = (choice.delta.content if choice.delta else None) or choice.text or ""
                     if not text and choice.finish_reason is None:
+                        if first:
+                            yield FIRST_OUTPUT  # the first upstream chunk, role-only
                         continue  # a role-only or empty delta
                     output = EngineOutput(
                         text=text,

@@ -26,7 +26,12 @@ from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import Worker
-from worker_ingress.engines._base import EngineConfig, EngineInputError, EngineOutput
+from worker_ingress.engines._base import (
+    FIRST_OUTPUT,
+    EngineConfig,
+    EngineInputError,
+    EngineOutput,
+)
 from worker_ingress.engines.upstream._client import (
     Origin,
     UpstreamClient,
@@ -298,6 +303,10 @@ async def test_streaming_chat(upstream: FakeUpstream) -> None:
     with trio.fail_after(TIMEOUT):
         for _ in range(2):
             outputs = await collect(engine, engine.prepare("chat_completions", CHAT))
+            # The role-only first chunk is the first output (it frees a waiting place), sent
+            # as the marker the worker does not forward.
+            assert outputs[0] is FIRST_OUTPUT
+            outputs = outputs[1:]
             assert "".join(output.text for output in outputs) == " one two three"
             assert [output.finish_reason for output in outputs] == [None, None, "stop"]
             assert sum(output.tokens for output in outputs) == 4
