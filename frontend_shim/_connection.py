@@ -14,8 +14,9 @@ Rules:
 2. The reader answers a ping with a pong and notes a pong (any bytes at all prove the peer
    alive: :attr:`last_received` moves and an outstanding ping is cleared).
 3. A close frame from the worker is answered and raises :class:`PlaneClosed` with its code and
-   reason; EOF raises it with 1006. A text message, a frame breaking the rules or a message
-   over the size cap raises :class:`ProtocolError`.
+   reason, after the messages that came before it (the worker's last replies often share a read
+   with its close frame); EOF raises it with 1006. A text message, a frame breaking the rules or
+   a message over the size cap raises :class:`ProtocolError`.
 4. :meth:`aclose` sends a close frame when it can (bounded by ``close_timeout``) and always
    closes the stream.
 """
@@ -110,6 +111,8 @@ class PlaneConnection:
         self._unread: list[bytes] = []
         self._send_lock = trio.StrictFIFOLock()
         self._closed = False
+        #: The worker's close, held back while the messages read with it are returned.
+        self._peer_closed: PlaneClosed | None = None
 
     async def messages(self) -> list[bytes]:
         """Wait for bytes from the worker and return the whole binary messages among them.
@@ -125,6 +128,8 @@ class PlaneConnection:
         if self._unread:
             unread, self._unread = self._unread, []
             return unread
+        if self._peer_closed is not None:
+            raise self._peer_closed
         while True:
             if self._first_bytes:
                 data, self._first_bytes = self._first_bytes, b""
@@ -147,7 +152,10 @@ class PlaneConnection:
                 elif opcode == OP_CLOSE:
                     code, reason = parse_close(payload)
                     await self._reply_close(code)
-                    raise PlaneClosed(code, reason)
+                    if not messages:
+                        raise PlaneClosed(code, reason)
+                    self._peer_closed = PlaneClosed(code, reason)
+                    return messages
                 elif opcode != OP_PONG:
                     raise ProtocolError(f"a text message on {self.path} (the protocol is binary)")
             if messages:

@@ -29,8 +29,15 @@ Rules of a request-plane connection:
    ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
    ``Failed(unavailable)``. Exactly one final frame per request id; the slot or queue place is
    freed before or as it is sent.
-4. When the connection ends for any reason, its nursery is cancelled: every request of the
-   connection is cancelled and its slot or queue place freed.
+4. A connection the worker closes writes every reply frame it holds before its close frame, the
+   last frames of every request included (a chunk that finishes a choice waits for the next
+   frame of its request, so a request's last frames leave together, after its slot is freed).
+   On drain (:meth:`RequestConnection.close`) that is after every request of the connection
+   has ended, within the drain's grace period; on a protocol error every request is cancelled
+   at once and ends with ``Failed(unavailable)``. Either flush gets at most
+   :data:`CLOSE_FLUSH_SECONDS` once the close is due. When the peer goes away (closed, or a
+   keepalive pong missed), nothing can be written: every request of the connection is
+   cancelled. In all cases its nursery is then cancelled and every slot or queue place freed.
 5. Close codes sent by the worker: 1001 on drain, 1003 for a text message (the protocol is
    binary), 1007 for bytes that do not decode as a known message, 1008 for a ``Generate`` that
    reuses a request id still in flight, 1009 (by trio-websocket) for a message over the size cap.
@@ -86,6 +93,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Longest a connection the worker closes gets to write the reply frames it holds (rule 4).
+CLOSE_FLUSH_SECONDS: Final = 5.0
 #: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
 #: request tasks wait, which is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
@@ -258,13 +267,15 @@ class RequestConnection:
         self._ws = ws
         self._sender = _FrameSender(ws, batching=ws.subprotocol == SUBPROTOCOL_BATCH)
         self._requests: dict[int, trio.CancelScope] = {}
-        #: Set by abandon(): cancelled requests end with ``Failed(unavailable)``.
-        self._abandoning = False
+        #: Set by _abandon(): cancelled requests end with ``Failed(unavailable)`` and this text.
+        self._abandoned: str | None = None
         self._no_requests = trio.Event()
         self._no_requests.set()
         self._scope = trio.CancelScope()
         #: The close code and reason to send once the connection's tasks have stopped.
         self._close: tuple[int, str] | None = None
+        #: Set when the sender has written everything after _sender.close().
+        self._flushed = trio.Event()
         self._finished = trio.Event()
 
     async def serve(self) -> None:
@@ -281,6 +292,12 @@ class RequestConnection:
                 nursery.start_soon(self._send_then_stop, nursery.cancel_scope)
                 nursery.start_soon(_keepalive_then_stop, self._host, self._ws, nursery.cancel_scope)
                 await self._receive_loop(nursery)
+                if self._close is not None:
+                    # A protocol error, but the peer still reads: a final frame for each of its
+                    # requests, and every frame already queued, go out before the close (rule 4).
+                    self._abandon(f"Server unavailable: connection closed ({self._close[1]})")
+                    with trio.move_on_after(CLOSE_FLUSH_SECONDS):
+                        await self._flush()
                 nursery.cancel_scope.cancel()
             # Closed only now that no other task can write: a send cut short by a cancel
             # would leave the close frame half written and the peer would see 1006.
@@ -290,8 +307,10 @@ class RequestConnection:
     async def _send_then_stop(self, stop: trio.CancelScope) -> None:
         with contextlib.suppress(ConnectionClosed):
             await self._sender.run()
-            # The sender ran dry after close(): the worker is draining.
-            self._close = (CLOSE_DRAINING, "worker draining")
+            self._flushed.set()
+            if self._close is None:
+                # The sender ran dry after close(): the worker is draining.
+                self._close = (CLOSE_DRAINING, "worker draining")
         stop.cancel()
 
     async def _receive_loop(self, nursery: trio.Nursery) -> None:
@@ -379,14 +398,8 @@ class RequestConnection:
             ]
             with scope:
                 final = await self._execute(generate, prepared)
-            if scope.cancelled_caught and self._abandoning:
-                final = [
-                    Failed(
-                        request_id=request_id,
-                        kind="unavailable",
-                        message="Server unavailable: drain grace period expired",
-                    )
-                ]
+            if scope.cancelled_caught and self._abandoned is not None:
+                final = [Failed(request_id=request_id, kind="unavailable", message=self._abandoned)]
             await self._sender.send(*final)
         finally:
             del self._requests[request_id]
@@ -456,12 +469,22 @@ class RequestConnection:
 
     def abandon(self) -> None:
         """The drain grace expired: cancel every request; each ends with ``Failed(unavailable)``."""
-        self._abandoning = True
+        self._abandon("Server unavailable: drain grace period expired")
+
+    def _abandon(self, message: str) -> None:
+        self._abandoned = message
         for scope in self._requests.values():
             scope.cancel()
 
+    async def _flush(self) -> None:
+        # Every request's final frame handed to the sender, then everything written.
+        await self._no_requests.wait()
+        self._sender.close()
+        await self._flushed.wait()
+
     async def close(self) -> None:
-        """Let the requests send their final frames, flush, close with 1001, and return after."""
+        """Let the requests send their final frames, write every frame, close with 1001, and
+        return after (rule 4)."""
         await self._no_requests.wait()
         self._sender.close()
         await self._finished.wait()

@@ -18,8 +18,12 @@ listener, because ``serve_websocket`` would crash entirely.
 Drain (:meth:`Worker.drain`, or SIGTERM/SIGINT in :func:`run_worker`): the gate rejects new
 requests with ``Server unavailable: draining``, ``/health`` answers 503 ``draining`` and heartbeats
 carry ``status="draining"``; running and queued requests get ``settings.drain_grace`` seconds to
-finish, after which they are cancelled with ``Failed(unavailable)``; then every connection is
-closed with 1001 and :meth:`Worker.serve` returns.
+finish and have every reply frame written, after which what is left is cancelled with
+``Failed(unavailable)`` (and gets :data:`~worker_ingress._planes.CLOSE_FLUSH_SECONDS` to write
+that). The request-plane connections close with 1001 only once they have written everything they
+hold (rule 4 of :mod:`worker_ingress._planes`), and the event-plane connections only after every
+request-plane connection has closed: a frontend ends its session with a worker, failing the
+requests still open on it, when either plane closes. Then :meth:`Worker.serve` returns.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import math
 import os
 import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple, cast
 
 import trio
@@ -60,6 +64,7 @@ from worker_ingress._config import WorkerSettings
 from worker_ingress._events import EventPublisher, Subscription
 from worker_ingress._metrics import WorkerMetrics
 from worker_ingress._planes import (
+    CLOSE_FLUSH_SECONDS,
     EventConnection,
     PlaneHost,
     RequestConnection,
@@ -80,8 +85,6 @@ logger = logging.getLogger(__name__)
 #: Messages trio-websocket buffers per connection before its reader pauses (memory bound:
 #: this many times the message size cap).
 RECEIVE_QUEUE_MESSAGES: Final = 4
-#: Longest a connection gets to flush its last frames and close once the drain is over.
-CLOSE_FLUSH_SECONDS: Final = 5.0
 #: Seconds a new connection gets for its TLS handshake and its websocket opening handshake.
 OPEN_TIMEOUT: Final = 10.0
 #: Seconds between two log lines about refused handshakes (each one is counted).
@@ -306,19 +309,28 @@ class Worker:
         self.publisher.set_status("draining")
         with trio.move_on_after(grace):
             await self.gate.wait_idle()
-        if self.gate.in_flight:
-            logger.warning("drain grace expired; cancelling %d requests", self.gate.in_flight)
-            for connection in list(self._connections):
-                if isinstance(connection, RequestConnection):
-                    connection.abandon()
+            # The gate is idle before the last frames of its last requests are written.
+            await _close_all(self._request_connections())
+        if still_open := self._request_connections():
+            logger.warning(
+                "drain grace expired; cancelling %d requests, %d connections still writing",
+                self.gate.in_flight,
+                len(still_open),
+            )
+            for request_connection in still_open:
+                request_connection.abandon()
+            with trio.move_on_after(CLOSE_FLUSH_SECONDS):
+                await _close_all(self._request_connections())
+        # Only now: a frontend that sees an event plane close fails what is open on the worker.
         # One last heartbeat cycle is not needed: subscribers already saw "draining".
         with trio.move_on_after(CLOSE_FLUSH_SECONDS):
-            async with trio.open_nursery() as nursery:
-                for connection in list(self._connections):
-                    nursery.start_soon(connection.close)
+            await _close_all([c for c in self._connections if isinstance(c, EventConnection)])
         for connection in list(self._connections):
             connection.abort()
         logger.info("drained")
+
+    def _request_connections(self) -> list[RequestConnection]:
+        return [c for c in self._connections if isinstance(c, RequestConnection)]
 
     async def _handle(self, request: WebSocketRequest) -> None:
         """Serve one websocket connection; nothing escapes (see the module docstring)."""
@@ -363,6 +375,12 @@ class Worker:
                 await connection.serve()
         finally:
             self._connections.discard(connection)
+
+
+async def _close_all(connections: Sequence[WorkerPlaneConnection]) -> None:
+    async with trio.open_nursery() as nursery:
+        for connection in connections:
+            nursery.start_soon(connection.close)
 
 
 def _authorized(request: WebSocketRequest, token: bytes) -> bool:

@@ -209,6 +209,27 @@ async def test_duplicate_request_id_closes_with_1008() -> None:
             await wait_for(lambda: worker.gate.in_flight == 0, "the first request freed")
 
 
+async def test_a_protocol_error_gives_every_request_its_final_frame_before_the_close() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
+    worker = new_worker(settings, HeldEngine(settings))
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))
+            await send(ws, completion(2))
+            await wait_for(lambda: worker.gate.in_flight == 2, "one running, one queued")
+            await ws.send_message(b"\xc1\x00garbage")
+            frames = await collect_until_final(ws, {1, 2})
+            assert isinstance(frames[1][0], Started)
+            assert len(frames[2]) == 1
+            for messages in frames.values():
+                final = messages[-1]
+                assert isinstance(final, Failed)
+                assert final.kind == "unavailable"
+                assert "undecodable" in final.message
+            assert await closed_code(ws) == 1007
+            assert worker.gate.in_flight == 0
+
+
 async def test_oversize_message_closes_with_1009() -> None:
     worker = new_worker(make_settings())
     big = completion(1, prompt="word " * 20_000)  # about 100 KB against a 64 KiB cap

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import AsyncGenerator
 
 import trio
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionClosed, open_websocket_url
 from worker_harness import (
     TIMEOUT,
     HeldEngine,
@@ -27,10 +28,20 @@ from worker_harness import (
 )
 
 from shim_common import wire
-from shim_common.wire import EVENTS_PATH, REQUESTS_PATH, End, Failed, Heartbeat, Hello, Rejected
-from worker_ingress._config import MockerSettings
+from shim_common.wire import (
+    EVENTS_PATH,
+    REQUESTS_PATH,
+    Chunk,
+    End,
+    Failed,
+    Heartbeat,
+    Hello,
+    Rejected,
+)
+from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import WorkerAddress, run_worker
-from worker_ingress.engines._instant import create
+from worker_ingress.engines._base import EngineOutput, PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 # ----------------------------------------------------------------------------- handshake
 
@@ -99,6 +110,76 @@ async def test_drain_rejects_new_finishes_running_then_returns() -> None:
                 assert await closed_code(ws) == 1001
                 assert await closed_code(events) == 1001
         # serve() returned by itself: the nursery closed without a cancel.
+
+
+class BulkyEngine(InstantEngine):
+    """Answers every request with :data:`BULKY_CHUNKS` chunks of 1 MiB (more than the loopback
+    socket buffers hold), alternating two choices so that no two merge, then finishes both."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(create(settings).config)
+        self.finished = False
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        text = "x" * (1 << 20)
+        for number in range(BULKY_CHUNKS):
+            yield EngineOutput(text=text, tokens=1, index=number % 2)
+        yield EngineOutput(text=" end", tokens=1, index=0, finish_reason="stop")
+        yield EngineOutput(text=" end", tokens=1, index=1, finish_reason="stop")
+        self.finished = True
+
+
+BULKY_CHUNKS = 24
+
+
+async def test_drain_closes_no_plane_before_every_reply_frame_is_written() -> None:
+    # The engine is done and the gate idle while the request's last chunks and its End still
+    # wait in the worker's sender behind bytes the client has not read. The drain must hold
+    # both planes open until those frames are written: a frontend ends a worker's session, and
+    # fails its open requests, when either plane closes.
+    settings = make_settings()
+    engine = BulkyEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT * 2):
+        async with (
+            running(worker) as address,
+            event_plane(address) as events,
+            open_websocket_url(
+                address.ws_url + REQUESTS_PATH,
+                max_message_size=wire.MAX_MESSAGE_BYTES,
+                message_queue_size=1,
+            ) as ws,
+        ):
+            assert isinstance(wire.decode_worker_message(await get_message_bytes(ws)), Hello)
+            await send(ws, completion(1))
+            await wait_for(
+                lambda: engine.finished and worker.gate.in_flight == 0, "the engine done"
+            )
+            worker.drain()
+            batches_since_draining: int | None = None
+            for _ in range(200):
+                try:
+                    events_read = await read_events(events)
+                except ConnectionClosed:
+                    raise AssertionError(
+                        "the event plane closed while the request plane held reply frames"
+                    ) from None
+                if batches_since_draining is not None:
+                    batches_since_draining += 1
+                    if batches_since_draining == 3:
+                        break
+                elif any(
+                    isinstance(event, Heartbeat) and event.status == "draining"
+                    for event in events_read
+                ):
+                    batches_since_draining = 0
+            assert batches_since_draining == 3
+            frames = await collect_until_final(ws, {1})
+            finishes = [m.finish_reason for m in frames[1] if isinstance(m, Chunk)]
+            assert finishes.count("stop") == 2
+            assert frames[1][-1] == End(request_id=1, prompt_tokens=3, completion_tokens=26)
+            assert await closed_code(ws) == 1001
+            assert await closed_code(events) == 1001
 
 
 async def test_drain_grace_expiry_fails_what_is_left_as_unavailable() -> None:
