@@ -5,7 +5,8 @@
 - ``POST {"model": M, <thresholds>...}``: sets the non-null values given and answers the model's
   entry (a body with no threshold returns it unchanged). A value out of range is 400, a wrong
   type or a missing ``model`` 422, a model no connected worker serves 404; these errors are
-  ``{"error": "..."}``, not the OpenAI shape.
+  ``{"error": "..."}``, not the OpenAI shape. The body is bounded and parsed as every request
+  body is (:mod:`frontend_shim._request_body`: 413 past its value bound, 400 too deep).
 - With the admin API disabled (``DYN_DISABLE_FRONTEND_ADMIN_API``) both answer 404 as an
   unknown path would.
 - With ``DYN_ADMIN_TOKEN`` set, both need ``Authorization: Bearer <token>`` (compared in
@@ -21,7 +22,7 @@ from typing import Any, Final
 import msgspec
 
 from frontend_shim._load import Fleet
-from frontend_shim._request_body import BadRequest
+from frontend_shim._request_body import BadRequest, decode_json_body, quote, shorten
 from shim_common._access import bearer_matches
 from shim_common._busy import BusyThresholds, ThresholdError
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
@@ -92,7 +93,8 @@ class AdminRoutes:
         model, update = parse_threshold_update(await request.read_body())
         if not any(True for _ in self._fleet.workers(model)):
             message = (
-                f"Model '{model}' not found. Thresholds can only be set for discovered models."
+                f"Model '{shorten(model)}' not found. "
+                "Thresholds can only be set for discovered models."
             )
             raise BadRequest(404, message, admin=True)
         if update.configured:
@@ -105,10 +107,7 @@ class AdminRoutes:
 
 def parse_threshold_update(raw: bytes) -> tuple[str, BusyThresholds]:
     """The ``POST /busy_threshold`` body: 400 out of range, 422 wrong type or missing model."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(400, f"request body is not valid JSON: {exc}", admin=True) from None
+    body = decode_json_body(raw, admin=True)
     if not isinstance(body, dict):
         raise BadRequest(422, "request body must be a JSON object", admin=True)
     model = body.get("model")
@@ -121,10 +120,10 @@ def parse_threshold_update(raw: bytes) -> tuple[str, BusyThresholds]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise BadRequest(422, f"`{name}` must be a number, got {value!r}", admin=True)
+            raise BadRequest(422, f"`{name}` must be a number, got {quote(value)}", admin=True)
     if tokens is not None and not isinstance(tokens, int):
         raise BadRequest(
-            422, f"`{_THRESHOLD_FIELDS[1]}` must be an integer, got {tokens}", admin=True
+            422, f"`{_THRESHOLD_FIELDS[1]}` must be an integer, got {quote(tokens)}", admin=True
         )
     try:
         update = BusyThresholds(

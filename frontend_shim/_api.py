@@ -14,8 +14,10 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
    a small body unread and keeps the connection (a large one closes it). The answer cannot
    depend on the body, so under a fully busy fleet a request for an unknown model or with a
    malformed body also gets the overload answer instead of its 404 or 400.
-2. Read the body (413 over the cap), parse it once with msgspec (400 when malformed), check the
-   few fields the frontend itself needs (``model``, ``stream``).
+2. Read the body (413 over the cap), parse it once within the bounds of
+   :mod:`frontend_shim._request_body` (413 past its value bound, 400 when malformed, too deep or
+   out of range), check the few fields the frontend itself needs (``model``, ``stream``, ``n``,
+   the number of embedding inputs). Every refusal is counted by status.
 3. Frontend queue (``--router-queue-threshold``): park while every free worker is saturated
    (:mod:`frontend_shim._waiting`).
 4. Route (:class:`~frontend_shim._router.Router`): 529 all busy, 503 no worker, 404 unknown model.
@@ -45,7 +47,7 @@ from frontend_shim._config import FrontendSettings
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
-from frontend_shim._request_body import BadRequest, parse_completion_body
+from frontend_shim._request_body import BadRequest, parse_completion_body, shorten
 from frontend_shim._request_plane import RequestStream
 from frontend_shim._responses import (
     error_type,
@@ -145,6 +147,7 @@ class FrontendAPI:
         try:
             if endpoint is not None:
                 if request.method != "POST":
+                    self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, 405)
                     raise BadRequest(405, f"{request.path} accepts POST only", allow="POST")
                 await self._completion(request, responder, endpoint)
                 return
@@ -155,9 +158,9 @@ class FrontendAPI:
             if route is None:
                 allowed = [method for method, path in self._routes if path == request.path]
                 if allowed:
-                    message = f"{request.method} is not allowed on {request.path}"
+                    message = f"{shorten(request.method)} is not allowed on {request.path}"
                     raise BadRequest(405, message, allow=", ".join(allowed))
-                raise BadRequest(404, f"no such endpoint: {request.path}")
+                raise BadRequest(404, f"no such endpoint: {shorten(request.path)}")
             await route(request, responder)
         except BadRequest as exc:
             if responder.started:
@@ -260,7 +263,7 @@ class FrontendAPI:
                 return
             if isinstance(outcome, UnknownModel):
                 exchange.status = 404
-                message = f"The model `{model}` does not exist."
+                message = f"The model `{shorten(model)}` does not exist."
                 await responder.send(404, json_headers(), error_body(message, 404))
                 return
             worker_id = outcome.worker_id

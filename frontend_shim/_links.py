@@ -13,7 +13,8 @@ Rules of a session (the state machine of a link):
 1. ``down`` -> connect both planes and read one :class:`wire.Hello` on each, within
    ``connect_timeout`` and holding one place of the pool's connect limiter (so a fleet of
    thousands starts without thousands of handshakes at once); the protocol versions must be
-   :data:`wire.PROTOCOL_VERSION` and the worker ids must agree -> ``up`` (``worker_up``, the
+   :data:`wire.PROTOCOL_VERSION`, the announced sizes within the bounds of
+   :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``, the
    backoff is reset). A worker that lists :data:`wire.FEATURE_BUSY_EDGES` is sent the
    thresholds of its model (:class:`wire.Subscribe`), again whenever they change.
 2. While ``up``, four tasks run: a tight reader per plane, the request plane's sender, and a
@@ -74,6 +75,7 @@ from frontend_shim._request_plane import (
     unavailable,
 )
 from frontend_shim._websocket import HandshakeError, HandshakeRejected
+from frontend_shim._worker_hello import refusal
 from shim_common import wire
 from shim_common._net import Backoff
 
@@ -625,6 +627,9 @@ async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], obj
             f"protocol version {message.protocol_version}, this frontend speaks "
             f"{wire.PROTOCOL_VERSION}"
         )
+    problem = refusal(message.config)
+    if problem is not None:
+        raise ProtocolError(f"hello refused: {problem}")
     return message
 
 

@@ -872,3 +872,75 @@ async def test_drain_waits_for_a_request_still_uploading_its_body() -> None:
                 conn.send(h11.Request(method="POST", target="/", headers=[("host", "x")]))
                 reply = await _read_reply(stream, conn)
             assert reply.status == 200
+
+
+# ----------------------------------------------------------------------------- hostile bodies
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+async def test_hostile_bodies_get_a_4xx_in_the_openai_shape_counted_by_status() -> None:
+    """Absurd numbers, deep nesting, too many values or inputs, a huge model name: each a 4xx
+    naming its bound, none echoing more than a short prefix, and the frontend serves on."""
+    huge_name = "m" * (1 << 20)
+    many_keys = b",".join(b'"k%d":1' % index for index in range(200_000))
+    cases: list[tuple[str, bytes, int, str]] = [
+        ("/v1/completions", _json(completion_body(max_tokens=2**64 + 1)), 400, "64-bit"),
+        ("/v1/completions", _json(completion_body(seed=-(2**70))), 400, "64-bit"),
+        ("/v1/completions", b'{"model": "m", "temperature": 1e999}', 400, "not valid JSON"),
+        ("/v1/chat/completions", b'{"model": "m", "x": ' + _nested(1000) + b"}", 400, "deep"),
+        ("/v1/completions", _json(completion_body(n=10000)), 400, "`n`"),
+        ("/v1/completions", _json(completion_body(n=-1)), 400, "`n`"),
+        ("/v1/embeddings", _json({"model": MODEL, "input": ["w"] * 100_000}), 400, "at most 2048"),
+        ("/v1/completions", b'{"model": "m", "o": {' + many_keys + b"}}", 413, "JSON values"),
+    ]
+    with trio.fail_after(TIMEOUT * 2):
+        async with fleet([worker_settings()]) as f:
+            for path, raw, status, says in cases:
+                reply = await f.post(path, raw=raw)
+                assert reply.status == status, (path, raw[:80], reply.body[:200])
+                error = reply.json()["error"]
+                assert error["code"] == status
+                assert error["type"] == "invalid_request_error"
+                assert says in error["message"]
+                assert len(reply.body) < 1000
+            unknown = await f.post("/v1/completions", completion_body(model=huge_name))
+            assert unknown.status == 404
+            assert len(unknown.body) < 1000
+            assert "1048576 characters" in unknown.json()["error"]["message"]
+            served = await f.post("/v1/completions", completion_body(n=1))
+            assert served.status == 200
+            metrics = await f.metrics()
+            counted = {
+                (endpoint, status): metric_value(
+                    metrics,
+                    "dynamo_frontend_requests_total",
+                    model="unknown",
+                    endpoint=endpoint,
+                    status=str(status),
+                )
+                for endpoint in ("completions", "chat_completions", "embeddings")
+                for status in (400, 404, 413)
+            }
+            assert {key: count for key, count in counted.items() if count} == {
+                ("completions", 400): 5,
+                ("chat_completions", 400): 1,
+                ("embeddings", 400): 1,
+                ("completions", 404): 1,
+                ("completions", 413): 1,
+            }
+
+
+async def test_the_bound_of_embedding_inputs_is_served() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            inputs = [f"w{index}" for index in range(2048)]
+            reply = await f.post("/v1/embeddings", {"model": MODEL, "input": inputs})
+            assert reply.status == 200, reply.body[:200]
+            assert [item["index"] for item in reply.json()["data"]] == list(range(2048))

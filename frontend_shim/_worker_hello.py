@@ -1,0 +1,76 @@
+"""What this frontend accepts of a worker's hello (pure): every announced size bounded.
+
+A worker's :class:`~shim_common.wire.RuntimeConfig` sizes what the frontend keeps for it (one
+rank state per data-parallel rank, one series per rank on ``/metrics``) and enters its
+arithmetic (block counts, the busy rule). A hello outside these bounds is refused: the link ends
+the session with the reason (logged, counted as a failed connection) and retries with backoff,
+and nothing of the worker reaches the load state.
+
+- ``worker_id``: 1 to :data:`MAX_WORKER_ID_CHARS` characters; ``model``: 1 to
+  :data:`MAX_MODEL_CHARS` (both become metric labels).
+- ``data_parallel_size``: 1 to :data:`MAX_DATA_PARALLEL_SIZE`, so one worker costs at most that
+  many rank states and three per-rank series on ``/metrics``, whatever it claims.
+- Counts (``kv_total_blocks``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
+  ``request_queue_limit``, ``engine_request_limit`` when set): integers from 0 to
+  :data:`MAX_COUNT`.
+- Intervals (``heartbeat_interval``, ``load_publish_interval``): finite seconds from 0 to
+  :data:`MAX_INTERVAL`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from shim_common import wire
+
+__all__ = [
+    "MAX_COUNT",
+    "MAX_DATA_PARALLEL_SIZE",
+    "MAX_INTERVAL",
+    "MAX_MODEL_CHARS",
+    "MAX_WORKER_ID_CHARS",
+    "refusal",
+]
+
+#: Data-parallel ranks one worker may announce.
+MAX_DATA_PARALLEL_SIZE: Final = 1024
+#: Largest announced count (blocks, tokens, sequences, queue places): 2**48, exact as a float.
+MAX_COUNT: Final = 2**48
+#: Longest announced interval, in seconds.
+MAX_INTERVAL: Final = 3600.0
+MAX_WORKER_ID_CHARS: Final = 256
+MAX_MODEL_CHARS: Final = 512
+
+
+def refusal(config: wire.RuntimeConfig) -> str | None:
+    """Why this frontend refuses a worker's announced configuration, or ``None``."""
+    for name, text, longest in (
+        ("worker_id", config.worker_id, MAX_WORKER_ID_CHARS),
+        ("model", config.model, MAX_MODEL_CHARS),
+    ):
+        if not 1 <= len(text) <= longest:
+            return f"{name} of {len(text)} characters (1 to {longest} accepted)"
+    if not 1 <= config.data_parallel_size <= MAX_DATA_PARALLEL_SIZE:
+        return (
+            f"data_parallel_size {config.data_parallel_size} "
+            f"(1 to {MAX_DATA_PARALLEL_SIZE} accepted)"
+        )
+    counts = {
+        "kv_total_blocks": config.kv_total_blocks,
+        "block_size": config.block_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "request_queue_limit": config.request_queue_limit,
+        "engine_request_limit": config.engine_request_limit,
+    }
+    for name, count in counts.items():
+        if count is not None and not 0 <= count <= MAX_COUNT:
+            return f"{name} {count} (0 to {MAX_COUNT} accepted)"
+    for name, seconds in (
+        ("heartbeat_interval", config.heartbeat_interval),
+        ("load_publish_interval", config.load_publish_interval),
+    ):
+        if not (math.isfinite(seconds) and 0 <= seconds <= MAX_INTERVAL):
+            return f"{name} {seconds} (0 to {MAX_INTERVAL:g} seconds accepted)"
+    return None

@@ -1,0 +1,114 @@
+"""A worker's hello: sizes out of bounds are refused with the reason, and cost nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import httpx
+import msgspec
+import pytest
+import trio
+import trio_websocket
+
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
+from frontend_shim._worker_hello import MAX_COUNT, MAX_DATA_PARALLEL_SIZE, refusal
+from shim_common import wire
+
+
+def _config(**changes: object) -> wire.RuntimeConfig:
+    config = wire.RuntimeConfig(
+        worker_id="w-1",
+        model="m",
+        kv_total_blocks=100,
+        block_size=16,
+        max_num_batched_tokens=1000,
+        max_num_seqs=8,
+        data_parallel_size=1,
+        engine_request_limit=None,
+        request_queue_limit=40000,
+        heartbeat_interval=1.0,
+    )
+    return msgspec.structs.replace(config, **changes)
+
+
+def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
+    assert refusal(_config()) is None
+    assert refusal(_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE)) is None
+    assert refusal(_config(kv_total_blocks=MAX_COUNT, engine_request_limit=0)) is None
+    assert refusal(_config(heartbeat_interval=0.0, load_publish_interval=3600.0)) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"data_parallel_size": 2_000_000}, "data_parallel_size 2000000"),
+        ({"data_parallel_size": 0}, "data_parallel_size 0"),
+        ({"kv_total_blocks": 2**64 - 1}, "kv_total_blocks"),
+        ({"block_size": -1}, "block_size"),
+        ({"max_num_batched_tokens": 2**63}, "max_num_batched_tokens"),
+        ({"max_num_seqs": -5}, "max_num_seqs"),
+        ({"request_queue_limit": 2**50}, "request_queue_limit"),
+        ({"engine_request_limit": -1}, "engine_request_limit"),
+        ({"heartbeat_interval": float("nan")}, "heartbeat_interval nan"),
+        ({"heartbeat_interval": float("inf")}, "heartbeat_interval inf"),
+        ({"load_publish_interval": -1.0}, "load_publish_interval"),
+        ({"worker_id": ""}, "worker_id of 0 characters"),
+        ({"model": "m" * (1 << 20)}, "model of 1048576 characters"),
+    ],
+)
+def test_an_absurd_hello_is_refused_naming_the_field(
+    changes: dict[str, object], named: str
+) -> None:
+    reason = refusal(_config(**changes))
+    assert reason is not None
+    assert named in reason
+    assert len(reason) < 200
+
+
+async def test_a_worker_claiming_two_million_ranks_is_refused_and_metrics_stay_small(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hello = wire.encode(
+        wire.Hello(
+            protocol_version=wire.PROTOCOL_VERSION,
+            config=_config(data_parallel_size=2_000_000),
+        )
+    )
+    hellos = 0
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        nonlocal hellos
+        ws = await request.accept()
+        await ws.send_message(hello)
+        hellos += 1
+        with contextlib.suppress(trio_websocket.ConnectionClosed):
+            await ws.get_message()
+
+    caplog.set_level(logging.WARNING, logger="frontend_shim")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None
+            )
+            settings = FrontendSettings(
+                http_port=0, workers=(f"ws://127.0.0.1:{server.port}",)
+            )
+            url: str = await nursery.start(run_frontend, settings)
+            for _ in range(500):
+                if "hello refused" in caplog.text:
+                    break
+                await trio.sleep(0.01)
+            assert "hello refused: data_parallel_size 2000000" in caplog.text
+            async with httpx.AsyncClient(base_url=url) as client:
+                health = (await client.get("/health")).json()
+                assert health["workers_connected"] == 0
+                metrics = await client.get("/metrics")
+                assert metrics.status_code == 200
+                assert len(metrics.content) < 64 * 1024
+                assert b'worker_id="w-1"' not in metrics.content
+                reply = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert reply.status_code == 503
+            nursery.cancel_scope.cancel()
+    assert hellos >= 2
