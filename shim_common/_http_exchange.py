@@ -26,6 +26,8 @@ __all__ = [
     "HTTPRequest",
     "HTTPResponder",
     "Handler",
+    "InvalidResponse",
+    "MalformedRequest",
     "RequestTimeout",
     "error_body",
     "json_headers",
@@ -38,14 +40,15 @@ class HTTPLimits:
 
     Attributes:
         max_body_bytes: the largest request body accepted; larger bodies get 413.
-        max_head_bytes: the largest incomplete request head h11 buffers (its
-            ``max_incomplete_event_size``); a head still incomplete past it gets 431. h11 checks
-            only incomplete heads, so one that arrives whole in a single read may be up to
-            ``receive_bytes`` long.
+        max_head_bytes: the largest request head (request line and header lines) accepted;
+            a longer one gets 431, whether it arrives whole or in pieces. Trailers of a chunked
+            body count against it too.
         header_timeout: seconds a client has to send a whole request head, counted from the
             accept for the first request and from its first byte for later ones.
         keepalive_timeout: seconds an idle keep-alive connection is kept between requests.
         body_timeout: seconds to wait for each piece of a request body before giving up (408).
+        body_total_timeout: seconds from the end of the head for the whole body to arrive
+            (408 past it), however steadily it dribbles in.
         receive_bytes: how much one ``receive_some`` call asks for.
         pipeline_buffer_bytes: how many bytes of a pipelined next request the disconnect watcher
             reads and keeps while a handler runs, before it stops reading.
@@ -65,6 +68,7 @@ class HTTPLimits:
     header_timeout: float = 10.0
     keepalive_timeout: float = 75.0
     body_timeout: float = 60.0
+    body_total_timeout: float = 120.0
     receive_bytes: int = 64 * 1024
     pipeline_buffer_bytes: int = 64 * 1024
     linger_timeout: float = 2.0
@@ -87,6 +91,23 @@ class ClientDisconnected(Exception):
 
 class RequestTimeout(Exception):
     """The client was too slow sending the request body (the server answers 408)."""
+
+
+class MalformedRequest(Exception):
+    """The request body's framing was invalid (the server answers ``status``, usually 400).
+
+    Attributes:
+        status: the status the server answers with.
+    """
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class InvalidResponse(ValueError):
+    """A handler's response cannot be written: a header that is not valid HTTP, or a status
+    outside 200-999. Raised before anything is sent, so the server can still answer 500."""
 
 
 Handler = Callable[["HTTPRequest", "HTTPResponder"], Awaitable[None]]
@@ -156,7 +177,8 @@ class HTTPRequest:
 
     Attributes:
         method: the request method, e.g. ``"GET"``.
-        path: the request target without the query, e.g. ``"/v1/chat/completions"``.
+        path: the request target without the query, e.g. ``"/v1/chat/completions"``; for an
+            absolute-form target (``http://host/health``) its path (``/health``).
         query: the query string without ``?``; ``""`` when absent.
         http_version: ``"1.1"`` or ``"1.0"``.
     """
@@ -184,6 +206,8 @@ class HTTPRequest:
         self._headers = headers
         self._body: bytes | None = None
         self.method = method.decode("ascii")
+        if target[:1] != b"/" and b"://" in target:
+            target = _origin_form(target)
         path, _, query = target.partition(b"?")
         # The parser admits only visible ASCII in a target; latin-1 never fails on bytes.
         self.path = path.decode("latin-1")
@@ -213,12 +237,24 @@ class HTTPRequest:
         Raises:
             BodyTooLarge: the body is over ``HTTPLimits.max_body_bytes`` (declared or counted).
             ClientDisconnected: the client left before the body was complete.
-            RequestTimeout: a piece of the body took longer than ``HTTPLimits.body_timeout``.
-            h11.RemoteProtocolError: the body framing was invalid (the server answers 400).
+            RequestTimeout: a piece of the body took longer than ``HTTPLimits.body_timeout``, or
+                the whole body took longer than ``HTTPLimits.body_total_timeout``.
+            MalformedRequest: the body framing was invalid (the server answers 400).
         """
         if self._body is None:
             self._body = await self._connection.receive_body()
         return self._body
+
+
+def _origin_form(target: bytes) -> bytes:
+    # An absolute-form target (RFC 9112 3.2.2: a server must accept it) routes by its path and
+    # query; the authority is dropped, as the Host header already names it.
+    after_scheme = target.partition(b"://")[2]
+    ends = [i for i in (after_scheme.find(b"/"), after_scheme.find(b"?")) if i >= 0]
+    if not ends:
+        return b"/"
+    rest = after_scheme[min(ends) :]
+    return rest if rest[:1] == b"/" else b"/" + rest
 
 
 class HTTPResponder:

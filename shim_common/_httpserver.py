@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 server on Trio and h11: the frontend's API and the worker's system port.
+"""A small HTTP/1.1 server on Trio and llhttp: the frontend's API and the worker's system port.
 
 The entry points are here: :func:`serve_http` binds and serves, :func:`serve_http_listeners`
 serves listeners the caller opened, :func:`serve_connection` serves one stream. Everything runs
@@ -27,6 +27,8 @@ from shim_common._http_exchange import (
     HTTPLimits,
     HTTPRequest,
     HTTPResponder,
+    InvalidResponse,
+    MalformedRequest,
     RequestTimeout,
     error_body,
     json_headers,
@@ -40,6 +42,8 @@ __all__ = [
     "HTTPRequest",
     "HTTPResponder",
     "Handler",
+    "InvalidResponse",
+    "MalformedRequest",
     "RequestTimeout",
     "error_body",
     "json_headers",

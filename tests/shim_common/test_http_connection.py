@@ -32,6 +32,7 @@ from shim_common._httpserver import (
     HTTPLimits,
     HTTPRequest,
     HTTPResponder,
+    InvalidResponse,
     json_headers,
     serve_connection,
 )
@@ -423,7 +424,7 @@ async def test_invalid_response_headers_give_500() -> None:
                 await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
                 raw = await read_until_eof(stream)
     assert raw.startswith(b"HTTP/1.1 500 ")
-    assert [type(e) for e in errors] == [h11.LocalProtocolError]
+    assert [type(e) for e in errors] == [InvalidResponse]
 
 
 async def test_a_stream_left_open_by_the_handler_is_ended_for_it() -> None:
@@ -644,3 +645,94 @@ async def test_a_handler_may_run_far_longer_than_the_head_timeouts(
             assert (head.status_code, body) == (200, b"late")
             assert trio.current_time() - started == pytest.approx(1000.0)
             await client_stream.aclose()
+
+
+# -- hostile input (rules 1 and 2) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: 44\r\nTransfer-Encoding: chunked\r\n",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 44\r\n",
+        b"Content-Length: 44\r\nTransfer-Encoding:\r\n chunked\r\n",
+        b"Content-Length: 44\r\nTransfer-Encoding: cHuNkEd\r\n",
+    ],
+    ids=["cl-te", "te-cl", "folded-te", "mixed-case"],
+)
+async def test_a_request_with_two_framings_is_refused_and_nothing_hidden_is_served(
+    framing: bytes,
+) -> None:
+    served: list[str] = []
+
+    async def recording(request: HTTPRequest, responder: HTTPResponder) -> None:
+        served.append(request.path)
+        await refuse(request, responder)
+
+    # The Content-Length covers the chunked body and the hidden request after it.
+    hidden = b"GET /hidden HTTP/1.1\r\nHost: x\r\n\r\n"
+    with trio.fail_after(10):
+        async with running_server(recording) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST /outer HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n0\r\n\r\n" + hidden
+                )
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 400 ")
+    assert raw.count(b"HTTP/1.1 ") == 1
+    assert b"connection: close" in raw.lower()
+    assert served == []
+
+
+async def test_a_head_over_the_limit_in_one_write_gets_431() -> None:
+    errors: list[BaseException] = []
+    big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (60 * 1024) + b"\r\n\r\n"
+    with trio.fail_after(10):
+        async with running_server(hello, on_error=errors.append) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(big)
+                raw = await read_until_eof(stream)
+    assert raw.startswith(b"HTTP/1.1 431 ")
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == 431
+    assert errors == []
+
+
+async def test_a_head_under_the_limit_is_served() -> None:
+    line = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: "
+    with trio.fail_after(10):
+        async with running_server(hello) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(line + b"a" * (15 * 1024) + b"\r\n\r\n")
+                client = Client(stream)
+                client.expect_response_to()
+                head, _ = await client.response_head_and_body()
+    assert head.status_code == 200
+
+
+async def test_a_body_dribbled_past_the_whole_body_deadline_gets_408(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    client_stream, server = trio.testing.memory_stream_pair()
+    # Each piece well within the per-piece timeout; the whole body far past its deadline.
+    limits = HTTPLimits(body_timeout=60.0, body_total_timeout=120.0)
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_connection(server, echo, limits=limits))
+            await client_stream.send_all(
+                b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            started = trio.current_time()
+            answered = b""
+            for _ in range(100):
+                with trio.move_on_after(20.0):
+                    answered += await client_stream.receive_some(65536)
+                if answered:
+                    break
+                await client_stream.send_all(b"1\r\na\r\n")
+            waited = trio.current_time() - started
+            nursery.cancel_scope.cancel()
+    assert answered.startswith(b"HTTP/1.1 408 ")
+    assert waited == pytest.approx(120.0, abs=20.0)

@@ -46,6 +46,24 @@ async def test_two_requests_on_one_connection_with_request_fields() -> None:
                 assert json.loads(body)["body"] == "payload"
 
 
+async def test_an_absolute_form_target_is_served_as_its_path() -> None:
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                client = Client(stream)
+                for target, path, query in [
+                    ("http://host:8000/health?x=1", "/health", "x=1"),
+                    ("HTTP://host/a/b", "/a/b", ""),
+                    ("http://host?q", "/", "q"),
+                    ("http://host", "/", ""),
+                ]:
+                    head, body = await client.request("GET", target)
+                    assert head.status_code == 200
+                    answer = json.loads(body)
+                    assert (answer["path"], answer["query"]) == (path, query)
+
+
 # -- the responder ----------------------------------------------------------------------------
 
 
