@@ -32,8 +32,8 @@ Rules
      ``probe_seconds``. When the window before raised L, the decrease goes back no further than
      the level it was raised from (that level was fine a window ago), and the ceiling is the
      level just above it: a failed probe costs one step up and one back.
-   - ``p <= comfort * T`` and the limit was in use (some arrival had to wait in the queue during
-     the window): additive increase, ``L <- L + max(1, floor(L * increase_share))``, capped at N
+   - ``p <= comfort * T`` and the limit was in use (some arrival had to wait in the queue, or was
+     refused, during the window): additive increase, ``L <- L + max(1, floor(L * increase_share))``, capped at N
      and, while the ceiling is fresh, at ``ceiling - 1``.
    - ``p <= comfort * T`` and the limit was not in use (nobody waited): recovery,
      ``L <- min(N, max(L + 1, ceil(L * recovery_factor)))``, and the ceiling is forgotten (the
@@ -48,16 +48,24 @@ Rules
    weighted mean ``hold`` gives the rate at which a saturated gate starts requests, ``L / hold``
    (Little's law: L requests in the engine, each leaving after ``hold`` on average). It needs no
    measurement of idle time and does not collapse when the load pauses.
-6. Early refusal. An arrival that would have to queue, with ``k`` requests queued ahead of it,
-   expects to start after ``(k + 1) * hold / L`` and then to wait the engine's median time to
-   first token ``e`` (of the last closed window). It has room for its first token within S only
-   if ``(k + 1) * hold / L + e <= S``, i.e. when ``k < B`` with the queue bound
-   ``B = floor((S - e) * L / hold)``. :attr:`SloController.queue_bound` is B, refreshed when a
-   window closes; the gate refuses an arrival that would queue behind B or more requests. Before
-   the first hold time B is unbounded (no evidence, no refusal).
-7. Deadline. A queued request that has waited S can no longer meet the objective; the gate
-   refuses it (the shell arms the deadline, this object only names it:
-   :attr:`SloController.objective`).
+6. Early refusal. Requests start from a saturated queue at the rate ``r = L / hold``, so an
+   arrival with ``k`` requests queued ahead of it starts after ``k + 1`` starts, which take
+   ``(k + 1) / r`` on average, give or take ``sqrt(k + 1) / r`` (starts as a Poisson stream),
+   and then waits ``e``, the engine's 90th-percentile time to first token (of the last closed
+   window). It has room for its first token within S when the 90th percentile of its wait fits:
+   ``(x + z * sqrt(x)) / r + e <= S`` with ``x = k + 1`` and ``z = 1.28``. The largest such ``x``
+   is the queue bound ``B = floor(((sqrt(z^2 + 4 R) - z) / 2)^2)`` with ``R = (S - e) * r``, and
+   the gate refuses an arrival that would queue behind B or more requests
+   (:attr:`SloController.queue_bound`, refreshed when a window closes). Under a sustained
+   overload the queue stays full, so every admitted request is admitted at position B: the bound
+   must serve the percentile of the objective, not its mean. Before the first hold time B is
+   unbounded (no evidence, no refusal).
+7. Deadline. A queued request whose wait leaves no more room for its first token within S is
+   refused: the deadline is S minus the engine's median time to first token (of the last closed
+   window; S itself before the first), so a request that has waited S is refused at the latest.
+   Starting it would spend a slot on a request that is late anyway, and under overload another
+   request, queued later, can use that slot in time. The shell arms the deadline when a request
+   joins the queue (:attr:`SloController.queue_deadline`).
 
 Theory of operation
 -------------------
@@ -82,6 +90,8 @@ __all__ = ["UNBOUNDED_QUEUE", "SloController", "SloTuning", "percentile"]
 
 #: :attr:`SloController.queue_bound` before there is any evidence: larger than any queue.
 UNBOUNDED_QUEUE: Final = 2**31 - 1
+#: The standard normal's 90th percentile: the spread allowed for in a queued request's wait.
+_Z90: Final = 1.2816
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,6 +170,7 @@ class SloController:
         "_engine_samples",
         "_hold",
         "_limit_since",
+        "_pending",
         "_raised_from",
         "_total_samples",
         "_window_start",
@@ -214,30 +225,52 @@ class SloController:
         self._ceiling_since = now
         self._hold: float | None = None
         self._limit_since = now
+        # Requests in the engine without a first output yet, oldest start first (a dict keeps
+        # insertion order, and starts are observed in time order).
+        self._pending: dict[object, float] = {}
         #: L before the last window's increase; None when the last window did not raise it.
         self._raised_from: int | None = None
 
     # -- observations ---------------------------------------------------------------------------
 
-    def observe_queued(self) -> None:
-        """An arrival had to wait in the queue: the limit is in use in this window."""
+    def observe_backlog(self) -> None:
+        """An arrival had to wait in the queue, or was refused for want of room: the limit is
+        in use in this window."""
         self._binding = True
 
-    def observe_first_output(self, *, arrived: float, started: float, first_output: float) -> None:
+    def observe_start(self, request: object, *, started: float) -> None:
+        """A request entered the engine; until its first output it is an open sample (rule 2).
+
+        Args:
+            request: Any hashable token that names the request in the later calls.
+            started: When it entered the engine.
+        """
+        self._pending[request] = started
+
+    def observe_first_output(
+        self, request: object, *, arrived: float, started: float, first_output: float
+    ) -> None:
         """A request produced its first output: one sample (rule 2).
 
         Args:
+            request: The token given to :meth:`observe_start`.
             arrived: When it reached the gate.
             started: When it entered the engine (``>= arrived``).
             first_output: When the engine produced its first output (``>= started``).
         """
+        self._pending.pop(request, None)
         if started < self._limit_since or len(self._engine_samples) >= self.tuning.max_samples:
             return
         self._engine_samples.append(max(0.0, first_output - started))
         self._total_samples.append(max(0.0, first_output - arrived))
 
-    def observe_finish(self, *, started: float, finished: float) -> None:
-        """A request left the engine after holding its slot from ``started`` (rule 5)."""
+    def observe_finish(self, request: object, *, started: float, finished: float) -> None:
+        """A request left the engine after holding its slot from ``started`` (rule 5).
+
+        One that never produced a first output (cancelled, failed) is no sample: its open
+        sample is dropped.
+        """
+        self._pending.pop(request, None)
         hold = max(0.0, finished - started)
         if self._hold is None:
             self._hold = hold
@@ -250,6 +283,14 @@ class SloController:
     def hold_seconds(self) -> float | None:
         """The smoothed time a request holds its slot; ``None`` before the first finish."""
         return self._hold
+
+    @property
+    def queue_deadline(self) -> float:
+        """Seconds a request may wait in the queue (rule 7)."""
+        median = self.engine_ttft_p50
+        if math.isnan(median):
+            return self.objective
+        return max(0.0, self.objective - median)
 
     @property
     def ceiling(self) -> int | None:
@@ -267,22 +308,27 @@ class SloController:
         Returns:
             Whether L or B changed.
         """
-        samples = len(self._engine_samples)
         tuning = self.tuning
-        if samples < tuning.max_samples and (
-            samples < tuning.min_samples or now - self._window_start < tuning.window_seconds
+        if now - self._window_start < tuning.window_seconds and (
+            len(self._engine_samples) < tuning.max_samples
         ):
+            return False
+        overdue = self._overdue(now)
+        if len(self._engine_samples) + len(overdue) < tuning.min_samples:
             return False
         before = (self.limit, self.queue_bound)
         if self._ceiling is not None and now - self._ceiling_since >= tuning.probe_seconds:
             self._ceiling = None
-        engine = sorted(self._engine_samples)
+        engine = sorted(self._engine_samples + overdue)
         self.engine_ttft_p50 = percentile(engine, 0.5)
         self.engine_ttft_p90 = percentile(engine, 0.9)
-        self.ttft_p90 = percentile(sorted(self._total_samples), 0.9)
+        if self._total_samples:
+            self.ttft_p90 = percentile(sorted(self._total_samples), 0.9)
         self.limit = self._next_limit(self.engine_ttft_p90, now)
         if self.limit != before[0]:
+            # Whatever started before now was admitted under the old L: not a sample of the new.
             self._limit_since = now
+            self._pending.clear()
         self.queue_bound = self._bound()
         self.windows += 1
         self._window_start = now
@@ -325,13 +371,24 @@ class SloController:
             self._raised_from = limit
         return raised
 
+    def _overdue(self, now: float) -> list[float]:
+        # Open samples already past the engine's share of S: whatever their first output will
+        # be, it is late, and waiting for it would only delay the decision.
+        horizon = now - self.tuning.engine_share * self.objective
+        ages: list[float] = []
+        for started in self._pending.values():
+            if started >= horizon or len(ages) >= self.tuning.max_samples:
+                break
+            ages.append(now - started)
+        return ages
+
     def _bound(self) -> int:
         hold = self._hold
-        if hold is None:
+        if hold is None or hold <= 0:
             return UNBOUNDED_QUEUE
-        room = self.objective - self.engine_ttft_p50
+        room = (self.objective - self.engine_ttft_p90) * self.limit / hold
         if room <= 0:
             return 0
-        if hold <= 0:
-            return UNBOUNDED_QUEUE
-        return min(UNBOUNDED_QUEUE, math.floor(room * self.limit / hold))
+        z = _Z90
+        starts = ((math.sqrt(z * z + 4 * room) - z) / 2) ** 2
+        return min(UNBOUNDED_QUEUE, math.floor(starts + 1e-9))

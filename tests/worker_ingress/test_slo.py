@@ -37,10 +37,13 @@ def feed_window(
     for index in range(samples):
         started = now + (index + 1) * (end - now) / (samples + 2)
         controller.observe_first_output(
-            arrived=started - queue_wait, started=started, first_output=started + engine_ttft
+            object(),
+            arrived=started - queue_wait,
+            started=started,
+            first_output=started + engine_ttft,
         )
     if queued:
-        controller.observe_queued()
+        controller.observe_backlog()
     controller.update(end)
     return end
 
@@ -94,7 +97,9 @@ def test_starts_at_n_with_no_bound() -> None:
 def test_too_few_samples_hold_however_long() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=64)
     for index in range(15):
-        controller.observe_first_output(arrived=index, started=index, first_output=index + 5.0)
+        controller.observe_first_output(
+            object(), arrived=index, started=index, first_output=index + 5.0
+        )
     assert not controller.update(1000.0)
     assert controller.limit == 64
     assert controller.windows == 0
@@ -103,7 +108,7 @@ def test_too_few_samples_hold_however_long() -> None:
 def test_a_window_needs_its_time_as_well_as_its_samples() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=64)
     for _ in range(100):
-        controller.observe_first_output(arrived=0.0, started=0.0, first_output=5.0)
+        controller.observe_first_output(object(), arrived=0.0, started=0.0, first_output=5.0)
     assert not controller.update(0.5)
     assert controller.update(1.0)
     assert controller.limit == 32  # far over: the largest cut, by half
@@ -113,7 +118,7 @@ def test_max_samples_closes_a_window_early() -> None:
     tuning = SloTuning(max_samples=32)
     controller = SloController(objective=OBJECTIVE, max_limit=64, tuning=tuning)
     for _ in range(40):
-        controller.observe_first_output(arrived=0.0, started=0.0, first_output=5.0)
+        controller.observe_first_output(object(), arrived=0.0, started=0.0, first_output=5.0)
     assert controller.update(0.01)
     assert controller.windows == 1
 
@@ -170,33 +175,70 @@ def test_samples_that_started_before_the_change_are_not_samples() -> None:
     now = feed_window(controller, 0.0, engine_ttft=5.0)
     assert controller.limit == 32
     for _ in range(50):  # admitted under L = 64: say nothing about 32
-        controller.observe_first_output(arrived=0.5, started=0.5, first_output=now + 3.0)
+        controller.observe_first_output(object(), arrived=0.5, started=0.5, first_output=now + 3.0)
     assert not controller.update(now + 2.0)
     assert controller.limit == 32
 
 
-def test_queue_bound_from_hold_time_and_engine_median() -> None:
+def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=10)
-    controller.observe_finish(started=0.0, finished=2.0)
-    feed_window(controller, 0.0, engine_ttft=0.1)  # in the comfort zone, not in use: L stays 10
-    # (0.3 - 0.1) * 10 / 2.0 = 1: one request queued ahead leaves no room.
+    controller.observe_finish(object(), started=0.0, finished=0.5)
+    feed_window(controller, 0.0, engine_ttft=0.1)  # comfortable, not in use: L stays 10
     assert controller.limit == 10
-    assert controller.queue_bound == 1
-    assert controller.engine_ttft_p50 == pytest.approx(0.1)
+    # r = 10 / 0.5 = 20 starts/s; room R = (0.3 - 0.1) * 20 = 4 starts; x + 1.28 sqrt(x) <= 4.
+    assert controller.queue_bound == 2
+    x = controller.queue_bound
+    assert x + 1.2816 * math.sqrt(x) <= 4 < (x + 1) + 1.2816 * math.sqrt(x + 1)
+    assert controller.engine_ttft_p90 == pytest.approx(0.1)
 
 
 def test_no_room_at_all_refuses_every_queued_arrival() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=10)
-    controller.observe_finish(started=0.0, finished=1.0)
+    controller.observe_finish(object(), started=0.0, finished=1.0)
     feed_window(controller, 0.0, engine_ttft=0.5)
     assert controller.queue_bound == 0
+    assert controller.queue_deadline == 0.0
+
+
+def test_queue_deadline_leaves_room_for_the_engine() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    assert controller.queue_deadline == OBJECTIVE  # no evidence yet: S itself
+    feed_window(controller, 0.0, engine_ttft=0.05)
+    assert controller.queue_deadline == pytest.approx(OBJECTIVE - 0.05)
+
+
+def test_requests_still_waiting_for_a_first_output_count_once_overdue() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    for index in range(20):  # in the engine since 0.1 s, no first output by 1.0 s
+        controller.observe_start(index, started=0.1)
+    assert controller.update(1.0)
+    assert controller.limit == 32  # 0.9 s overdue against 0.15 s: the largest cut
+    # The change forgets them: they were admitted under the old L.
+    assert not controller.update(2.5)
+
+
+def test_young_open_samples_are_no_evidence() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    for index in range(20):
+        controller.observe_start(index, started=0.95)
+    assert not controller.update(1.0)
+    assert controller.limit == 64
+
+
+def test_a_request_that_leaves_without_first_output_is_no_sample() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    for index in range(20):
+        controller.observe_start(index, started=0.1)
+        controller.observe_finish(index, started=0.1, finished=0.2)  # cancelled
+    assert not controller.update(1.0)
+    assert controller.limit == 64
 
 
 def test_hold_is_a_smoothed_mean() -> None:
     tuning = SloTuning(hold_smoothing=0.5)
     controller = SloController(objective=OBJECTIVE, max_limit=10, tuning=tuning)
-    controller.observe_finish(started=0.0, finished=1.0)
-    controller.observe_finish(started=0.0, finished=3.0)
+    controller.observe_finish(object(), started=0.0, finished=1.0)
+    controller.observe_finish(object(), started=0.0, finished=3.0)
     assert controller.hold_seconds == pytest.approx(2.0)
 
 
@@ -256,12 +298,12 @@ def test_limit_stays_in_bounds_and_moves_in_bounded_steps(
         now += step
         if action == "sample":
             controller.observe_first_output(
-                arrived=now - duration, started=now - duration / 2, first_output=now
+                object(), arrived=now - duration, started=now - duration / 2, first_output=now
             )
         elif action == "queued":
-            controller.observe_queued()
+            controller.observe_backlog()
         elif action == "finish":
-            controller.observe_finish(started=now - duration, finished=now)
+            controller.observe_finish(object(), started=now - duration, finished=now)
         else:
             before = controller.limit
             controller.update(now)
@@ -327,10 +369,10 @@ def test_noisy_steady_load_stays_in_bounds_and_serves_the_objective(
             started = now + (index + 1) / 32
             ttft = plant.engine_ttft(limit) * rng.uniform(0.8, 1.2)
             controller.observe_first_output(
-                arrived=started, started=started, first_output=started + ttft
+                object(), arrived=started, started=started, first_output=started + ttft
             )
         if plant.binding(limit):
-            controller.observe_queued()
+            controller.observe_backlog()
         controller.update(end)
         now = end
         limits.append(controller.limit)
