@@ -218,6 +218,9 @@ class LoadEvent(msgspec.Struct, frozen=True, kw_only=True, tag="load", tag_field
     #: Ingress gauges of the whole worker at that moment.
     engine_requests: int
     queued_requests: int
+    #: L, the engine limit in force, sent only by a worker with a time-to-first-token objective
+    #: (``None`` from any other worker, and from workers that predate the field).
+    effective_limit: int | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="type"):
@@ -230,6 +233,8 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_
     queued_requests: int
     #: ``ready`` or ``draining``.
     status: str = "ready"
+    #: As in :class:`LoadEvent`.
+    effective_limit: int | None = None
 
 
 WorkerEvent = LoadEvent | Heartbeat

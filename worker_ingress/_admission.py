@@ -14,6 +14,12 @@ Rules of the state machine
    :meth:`AdmissionState.expire`.
 3. The order of the channel is :class:`~worker_ingress._fair_queue.FairQueue`'s; this module
    never reorders or scans it.
+4. With a time-to-first-token objective, when to refuse and how many may run is the sans-IO
+   :class:`~worker_ingress._slo.SloController`'s (its rules are at the top of its module). The
+   shell only hands it the times it measures (arrival, start, first output, end) and applies
+   its two outputs: L through :meth:`AdmissionState.set_slot_limit`, and the queue bound, by
+   refusing an arrival that would queue behind it (:meth:`AdmissionState.count_slo_refusal`)
+   and a queued request whose wait has run out (:meth:`AdmissionState.refuse`).
 
 Theory of operation
 -------------------
@@ -88,6 +94,7 @@ from shim_common.wire import (
     REASON_SLO,
 )
 from worker_ingress._fair_queue import DISPLACED_BY_PRIORITY, FairQueue, QueueEntry, Tenant
+from worker_ingress._slo import SloController
 from worker_ingress._tenant_ledger import TenantAccount, TenantLedger
 
 if TYPE_CHECKING:
@@ -464,6 +471,25 @@ class AdmissionState:
         queue = self._queue
         return not len(queue) or queue.victim(priority, queue.tenants.get(tenant)) is None
 
+    def can_start_now(self) -> bool:
+        """Whether an arrival would start at once (a slot under L and a waiting place free,
+        nobody queued); no change."""
+        return (
+            self._queued == 0 and self._running < self.slot_limit and self._waiting < self._wait_cap
+        )
+
+    def queued_ahead(self, priority: int) -> int:
+        """Queued tickets an arrival of this priority would start behind: the hand, and those of
+        its priority or a better one. O(priorities queued), never a scan of the queue."""
+        if self._hand is None:
+            return 0
+        ahead = 1
+        for band, size in self._queue.sizes_by_priority():
+            if band > priority:
+                break
+            ahead += size
+        return ahead
+
     def first_output(self, ticket: Ticket) -> Ticket | None:
         """A running ticket produced its first output: it gives its waiting place back.
 
@@ -667,15 +693,19 @@ class AdmissionGate:
         tenant_metrics_limit: Tenants counted by name for the per-tenant metrics.
         queue_timeout: Seconds (Trio time) a request may wait in the queue before it is rejected
             with ``REASON_QUEUE_TIMEOUT``; ``None``: no limit.
-        on_change: Called synchronously whenever ``running`` or ``queued`` changes (the event
-            plane publishes from it). It must be cheap and must not raise.
+        ttft_objective: S, seconds: with it, an SLO controller (worker_ingress/_slo.py) moves
+            the effective limit L in [``adaptive_min_limit``, N] and the gate refuses early
+            (``REASON_SLO``) a request that would miss S; ``None``: L stays N.
+        adaptive_min_limit: The floor of L (1 <= it <= N).
+        on_change: Called synchronously whenever ``running``, ``queued`` or L changes (the
+            event plane publishes from it). It must be cheap and must not raise.
 
     Raises:
-        ValueError: N < 1, Q < 2, W < 1, a weight that is not positive, or a negative or NaN
-            queue timeout.
+        ValueError: N < 1, Q < 2, W < 1, a weight that is not positive, a negative or NaN
+            queue timeout, or an objective or minimum limit out of range.
     """
 
-    __slots__ = ("_idle", "_on_change", "_queue_timeout", "_state")
+    __slots__ = ("_idle", "_on_change", "_queue_timeout", "_slo", "_state")
 
     def __init__(
         self,
@@ -687,6 +717,8 @@ class AdmissionGate:
         max_tenants: int = 4096,
         tenant_metrics_limit: int = 50,
         queue_timeout: float | None = None,
+        ttft_objective: float | None = None,
+        adaptive_min_limit: int = 1,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         if queue_timeout is not None and not queue_timeout >= 0:
@@ -703,6 +735,13 @@ class AdmissionGate:
         self._on_change = on_change
         # Created only while someone sits in wait_idle(); set when in_flight reaches 0.
         self._idle: trio.Event | None = None
+        self._slo = (
+            None
+            if ttft_objective is None
+            else SloController(
+                objective=ttft_objective, max_limit=engine_slots, min_limit=adaptive_min_limit
+            )
+        )
 
     @classmethod
     def from_settings(
@@ -724,6 +763,8 @@ class AdmissionGate:
             tenant_weights=settings.tenant_weights,
             tenant_metrics_limit=settings.tenant_metrics_limit,
             queue_timeout=settings.queue_timeout,
+            ttft_objective=settings.ttft_slo,
+            adaptive_min_limit=settings.adaptive_min_limit,
             on_change=on_change,
         )
 
@@ -775,6 +816,16 @@ class AdmissionGate:
         return self._state.draining
 
     @property
+    def effective_limit(self) -> int:
+        """L, the engine slots usable now: N unless the SLO controller has lowered it."""
+        return self._state.slot_limit
+
+    @property
+    def slo(self) -> SloController | None:
+        """The SLO controller, when an objective is set (read it, do not drive it)."""
+        return self._slo
+
+    @property
     def state(self) -> AdmissionState:
         """The sans-IO state, for metrics and tests (read it, do not drive it)."""
         return self._state
@@ -804,7 +855,8 @@ class AdmissionGate:
 
     def reject_now(self, priority: int = 0, tenant: str = "") -> str | None:
         """Turn an arrival away here and now if the gate is certain to (draining, or Q waiting
-        and nobody this arrival could displace).
+        and nobody this arrival could displace, or, with an objective, no room for its first
+        token within it).
 
         For a caller that sheds load without a task per request: on a certain rejection the
         arrival is counted as ``slot()`` would count it and its reason returned; otherwise
@@ -819,7 +871,12 @@ class AdmissionGate:
         """
         state = self._state
         if not state.would_reject(priority, tenant):
+            if self._slo is not None and self._slo_refuses(priority):
+                state.count_slo_refusal()
+                return REASON_SLO
             return None
+        if self._slo is not None and not state.draining:
+            self._slo.observe_backlog()
         decision = state.arrive(priority, tenant)
         if not isinstance(decision, GateRefusal):
             raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
@@ -831,6 +888,26 @@ class AdmissionGate:
             if ticket.wake is not None:
                 ticket.wake()
         self._changed()
+
+    def _slo_refuses(self, priority: int) -> bool:
+        # worker_ingress/_slo.py, rule 6: an arrival that would queue behind the controller's
+        # bound B has no room for its first token within S. Only called with an objective.
+        slo = self._slo
+        assert slo is not None
+        self._slo_tick(trio.current_time())
+        state = self._state
+        if state.can_start_now():
+            return False
+        slo.observe_backlog()
+        return state.queued_ahead(priority) >= slo.queue_bound
+
+    def _slo_tick(self, now: float) -> None:
+        # The controller closes its window when one is due; a new L is put in force at once
+        # (lowering it evicts nobody: fewer start until running falls under it).
+        slo = self._slo
+        assert slo is not None
+        if slo.update(now) and slo.limit != self._state.slot_limit:
+            self.set_slot_limit(slo.limit)
 
     def drain(self) -> None:
         """Stop admitting: new requests get ``Rejection(REASON_DRAINING)``; the rest go on."""
@@ -874,6 +951,12 @@ class AdmissionGate:
         woken = trio.Event()
         ticket.wake = woken.set
         timeout = self._queue_timeout
+        # With an objective, a request whose wait leaves no room for its first token within it
+        # is refused (worker_ingress/_slo.py, rule 7), unless the queue timeout comes first.
+        slo = self._slo
+        slo_deadline = slo is not None and (timeout is None or slo.queue_deadline < timeout)
+        if slo is not None and slo_deadline:
+            timeout = slo.queue_deadline
         try:
             if timeout is None:
                 await woken.wait()
@@ -889,7 +972,10 @@ class AdmissionGate:
             return
         if status is _HAND or status is _CHANNEL:
             # The deadline passed (a wake-up in the same round would have made it RUNNING).
-            self._state.expire(ticket)
+            if slo_deadline:
+                self._state.refuse(ticket)
+            else:
+                self._state.expire(ticket)
             self._changed()
         raise Rejection(ticket.reason)
 
@@ -897,7 +983,16 @@ class AdmissionGate:
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
-    __slots__ = ("_gate", "_priority", "_prompt_tokens", "_tenant", "_ticket", "queue_wait")
+    __slots__ = (
+        "_arrived",
+        "_gate",
+        "_priority",
+        "_prompt_tokens",
+        "_started",
+        "_tenant",
+        "_ticket",
+        "queue_wait",
+    )
 
     def __init__(self, gate: AdmissionGate, priority: int, tenant: str, prompt_tokens: int) -> None:
         self._gate = gate
@@ -908,12 +1003,24 @@ class SlotLease:
         #: Seconds (Trio time) the request waited in the queue before it started; 0.0 on the
         #: direct path.
         self.queue_wait = 0.0
+        # Trio times of arrival and start, kept only for the SLO controller's samples.
+        self._arrived = 0.0
+        self._started = 0.0
 
     def first_output(self) -> None:
-        """The request produced its first output: give the waiting place back (idempotent)."""
+        """The request produced its first output: give the waiting place back and, with an
+        objective, report the sample (idempotent)."""
         ticket = self._ticket
         if ticket is not None and ticket.waiting:
-            self._gate._first_output(ticket)
+            gate = self._gate
+            slo = gate._slo
+            if slo is not None and ticket.status is _RUNNING:
+                now = trio.current_time()
+                slo.observe_first_output(
+                    self, arrived=self._arrived, started=self._started, first_output=now
+                )
+                gate._slo_tick(now)
+            gate._first_output(ticket)
 
     def charge(self, generated_tokens: int) -> None:
         """Count generated tokens as the tenant's service."""
@@ -927,7 +1034,17 @@ class SlotLease:
         # A caller that is already cancelled must not take a slot; this does not yield.
         await trio.lowlevel.checkpoint_if_cancelled()
         gate = self._gate
-        decision = gate._state.arrive(self._priority, self._tenant, self._prompt_tokens)
+        state = gate._state
+        slo = gate._slo
+        if slo is not None:
+            self._arrived = self._started = trio.current_time()
+            if not state.would_reject(self._priority, self._tenant):
+                if gate._slo_refuses(self._priority):
+                    state.count_slo_refusal()
+                    raise Rejection(REASON_SLO)
+            elif not state.draining:
+                slo.observe_backlog()
+        decision = state.arrive(self._priority, self._tenant, self._prompt_tokens)
         if isinstance(decision, GateRefusal):
             raise Rejection(decision.reason)
         ticket = decision
@@ -946,6 +1063,9 @@ class SlotLease:
             queued_at = trio.current_time()
             await gate._wait_until_started(ticket)
             self.queue_wait = trio.current_time() - queued_at
+            self._started = queued_at + self.queue_wait
+        if slo is not None:
+            slo.observe_start(self, started=self._started)
         return self
 
     async def __aexit__(
@@ -956,4 +1076,11 @@ class SlotLease:
     ) -> None:
         ticket = self._ticket
         if ticket is not None:
-            self._gate._withdraw(ticket)
+            gate = self._gate
+            ran = ticket.status is _RUNNING
+            gate._withdraw(ticket)
+            slo = gate._slo
+            if slo is not None and ran:
+                now = trio.current_time()
+                slo.observe_finish(self, started=self._started, finished=now)
+                gate._slo_tick(now)

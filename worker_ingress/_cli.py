@@ -62,6 +62,8 @@ LOCAL_WORKER_FLAGS: Final = (
     "tenant_weights",
     "tenant_metrics_limit",
     "queue_timeout",
+    "ttft_slo",
+    "adaptive_min_limit",
     "graceful_shutdown_timeout",
     "heartbeat_interval",
     "num_gpu_blocks",
@@ -128,6 +130,14 @@ def _worker(
             validator=(validators.Number(gt=0), finite),
         ),
     ] = None,
+    ttft_slo: Annotated[
+        float | None,
+        Parameter(env_var="DYN_TTFT_SLO", validator=(validators.Number(gt=0), finite)),
+    ] = None,
+    adaptive_min_limit: Annotated[
+        int,
+        Parameter(converter=strict_int, env_var="DYN_ADAPTIVE_MIN_LIMIT", validator=positive()),
+    ] = 1,
     graceful_shutdown_timeout: Annotated[
         float,
         Parameter(
@@ -226,6 +236,14 @@ def _worker(
     queue_timeout
         Seconds a request may wait in the queue before it is rejected with
         "Server overloaded: queue timeout" (default: no limit).
+    ttft_slo
+        Seconds: the time-to-first-token objective, from arrival at the worker to the first
+        output (needs --engine-request-limit). The worker then runs at an effective limit
+        between --adaptive-min-limit and N that it adapts so that the 90th percentile stays
+        within it, and refuses early, with "Server overloaded: would miss the TTFT objective",
+        a request that would wait past it (default: off).
+    adaptive_min_limit
+        With --ttft-slo: the effective limit never goes below this (at most N).
     graceful_shutdown_timeout
         Seconds running and queued requests get to finish after SIGTERM or SIGINT.
     heartbeat_interval
@@ -276,6 +294,8 @@ def _worker(
         tenant_metrics_limit=tenant_metrics_limit,
         request_queue_limit=_queue_limit_from_env(),
         queue_timeout=queue_timeout,
+        ttft_slo=ttft_slo,
+        adaptive_min_limit=adaptive_min_limit,
         drain_grace=graceful_shutdown_timeout,
         heartbeat_interval=heartbeat_interval,
         load_publish_interval=load_publish_interval,
@@ -293,6 +313,7 @@ def _worker(
         stop_on_stdin_eof=stop_on_stdin_eof,
     )
     _check_engine(settings)
+    _check_objective(settings)
     return settings, log_level
 
 
@@ -391,6 +412,21 @@ def _tenant_weights(raw: str | None) -> dict[str, float]:
             )
         weights[name] = weight
     return weights
+
+
+def _check_objective(settings: WorkerSettings) -> None:
+    # An objective adapts L below N, so it needs an N; the floor of L cannot exceed N.
+    limit = settings.engine_request_limit
+    if settings.ttft_slo is not None and limit is None:
+        raise CliError(
+            f'Invalid value "{settings.ttft_slo:g}" for --ttft-slo (DYN_TTFT_SLO): it needs '
+            "--engine-request-limit (N), the most the effective limit may reach."
+        )
+    if limit is not None and settings.adaptive_min_limit > limit:
+        raise CliError(
+            f'Invalid value "{settings.adaptive_min_limit}" for --adaptive-min-limit '
+            f"(DYN_ADAPTIVE_MIN_LIMIT). Must be <= --engine-request-limit ({limit})."
+        )
 
 
 def _check_engine(settings: WorkerSettings) -> None:

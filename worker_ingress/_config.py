@@ -61,6 +61,10 @@ class WorkerSettings:
     tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Tenants exported by name in the per-tenant metrics; the rest are summed as ``other``.
     tenant_metrics_limit: int = 50
+    #: S, seconds (``--ttft-slo``): the time-to-first-token objective; ``None``: off, L = N.
+    ttft_slo: float | None = None
+    #: The floor of the effective limit L (``--adaptive-min-limit``), used with an objective.
+    adaptive_min_limit: int = 1
     #: Seconds running and queued requests get to finish after SIGTERM/SIGINT.
     drain_grace: float = 30.0
     #: Seconds between event-plane heartbeats.

@@ -83,8 +83,9 @@ class LoadTracker:
         self._loads: list[RankLoad] = []
         self._engine_requests = 0
         self._queued_requests = 0
+        self._effective_limit: int | None = None
         # What was last published per rank, loads and gauges together.
-        self._published: dict[int, tuple[RankLoad, int, int]] = {}
+        self._published: dict[int, tuple[RankLoad, int, int, int | None]] = {}
 
     @property
     def seq(self) -> int:
@@ -92,7 +93,11 @@ class LoadTracker:
         return self._seq
 
     def observe(
-        self, loads: list[RankLoad], engine_requests: int, queued_requests: int
+        self,
+        loads: list[RankLoad],
+        engine_requests: int,
+        queued_requests: int,
+        effective_limit: int | None = None,
     ) -> list[LoadEvent]:
         """Record the current state and return a load event for every rank that changed.
 
@@ -100,6 +105,7 @@ class LoadTracker:
             loads: The load of every data-parallel rank.
             engine_requests: Requests running in the engine now.
             queued_requests: Requests waiting in the ingress now.
+            effective_limit: L in force, with a TTFT objective; ``None`` without one.
 
         Returns:
             The new events, in rank order; empty when nothing changed.
@@ -107,10 +113,11 @@ class LoadTracker:
         self._loads = list(loads)
         self._engine_requests = engine_requests
         self._queued_requests = queued_requests
+        self._effective_limit = effective_limit
         events: list[LoadEvent] = []
         now = self._wall_clock()
         for load in loads:
-            state = (load, engine_requests, queued_requests)
+            state = (load, engine_requests, queued_requests, effective_limit)
             if self._published.get(load.dp_rank) == state:
                 continue
             self._published[load.dp_rank] = state
@@ -122,6 +129,7 @@ class LoadTracker:
                     load=load,
                     engine_requests=engine_requests,
                     queued_requests=queued_requests,
+                    effective_limit=effective_limit,
                 )
             )
         return events
@@ -143,6 +151,7 @@ class LoadTracker:
             engine_requests=self._engine_requests,
             queued_requests=self._queued_requests,
             status=status,
+            effective_limit=self._effective_limit,
         )
 
 
@@ -296,6 +305,8 @@ class EventPublisher:
         load: Returns the current load of every rank (the engine's ``load``).
         load_changed: Bumped by the engine when ``load()`` changes.
         gauges: Returns ``(engine_requests, queued_requests)`` of the ingress now.
+        effective_limit: Returns L in force when the worker has a TTFT objective (``None``
+            without one: the events then do not carry it).
         heartbeat_interval: Seconds between heartbeats.
         publish_interval: Seconds between two batches to one subscriber at most (rule 7).
         limits: Returns the rank limits for busy/free edge detection (read at each subscribe,
@@ -311,6 +322,7 @@ class EventPublisher:
         load_changed: ChangeSignal,
         gauges: Callable[[], tuple[int, int]],
         heartbeat_interval: float,
+        effective_limit: Callable[[], int | None] = lambda: None,
         publish_interval: float = DEFAULT_PUBLISH_INTERVAL,
         limits: Callable[[], RankLimits] = lambda: (0, 0),
         coalesce_interval: float = DEFAULT_COALESCE_INTERVAL,
@@ -321,6 +333,7 @@ class EventPublisher:
         self._load = load
         self._engine_changed = load_changed
         self._gauges = gauges
+        self._effective_limit = effective_limit
         if publish_interval < 0:
             raise ValueError(f"publish_interval must be >= 0, got {publish_interval!r}")
         self._heartbeat_interval = heartbeat_interval
@@ -377,7 +390,8 @@ class EventPublisher:
 
     def _observe(self) -> None:
         engine_requests, queued_requests = self._gauges()
-        for event in self._tracker.observe(self._load(), engine_requests, queued_requests):
+        limit = self._effective_limit()
+        for event in self._tracker.observe(self._load(), engine_requests, queued_requests, limit):
             self._publish(event)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

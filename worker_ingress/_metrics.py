@@ -49,6 +49,13 @@ Admission classes (priorities, tenants, the waiting limit W):
 - ``dynamo_tenant_service_tokens_total{tenant}`` and ``dynamo_tenant_requests_total{tenant,
   outcome}`` (``admitted``, ``rejected``, ``cancelled``): from the gate's bounded ledger
   (``--tenant-metrics-limit`` tenants by name, the rest under ``tenant="other"``).
+
+SLO-aware admission (a time-to-first-token objective):
+
+- ``dynamo_engine_request_limit_effective`` (gauge): L, the engine limit in force now (N unless a
+  TTFT objective lowered it); with an objective also ``dynamo_worker_slo_ttft_objective_seconds``,
+  ``dynamo_worker_slo_ttft_p90_seconds``, ``dynamo_worker_slo_engine_ttft_p90_seconds`` and
+  ``dynamo_worker_slo_queue_bound`` (the controller's last window, worker_ingress/_slo.py).
 """
 
 from __future__ import annotations
@@ -107,6 +114,37 @@ class _GateCollector(Collector):
             used_blocks=used_blocks,
         )
 
+    def _slo_families(self) -> list[Metric]:
+        # Only with a TTFT objective: what the controller last measured and the bound it set.
+        slo = self._gate.slo
+        if slo is None:
+            return []
+        return [
+            GaugeMetricFamily(
+                "dynamo_worker_slo_ttft_objective_seconds",
+                "The time-to-first-token objective S.",
+                value=slo.objective,
+            ),
+            GaugeMetricFamily(
+                "dynamo_worker_slo_ttft_p90_seconds",
+                "90th percentile of arrival-to-first-output time over the controller's last "
+                "window (NaN before the first).",
+                value=slo.ttft_p90,
+            ),
+            GaugeMetricFamily(
+                "dynamo_worker_slo_engine_ttft_p90_seconds",
+                "90th percentile of start-to-first-output time in the engine over the "
+                "controller's last window, the signal L follows (NaN before the first).",
+                value=slo.engine_ttft_p90,
+            ),
+            GaugeMetricFamily(
+                "dynamo_worker_slo_queue_bound",
+                "Queued requests ahead of which an arrival is refused early (2^31-1: no bound "
+                "yet).",
+                value=slo.queue_bound,
+            ),
+        ]
+
     def _families(
         self, *, running: int, queued: int, total_blocks: int, used_blocks: int
     ) -> list[Metric]:
@@ -135,6 +173,13 @@ class _GateCollector(Collector):
                 "Requests that may wait in the ingress (Q in force).",
                 value=state.queue_limit,
             ),
+            GaugeMetricFamily(
+                "dynamo_engine_request_limit_effective",
+                "Requests that may run in the engine at once now (L: N unless a TTFT objective "
+                "lowered it).",
+                value=state.slot_limit,
+            ),
+            *self._slo_families(),
             GaugeMetricFamily(
                 "dynamo_component_total_blocks",
                 "KV cache blocks of the engine.",

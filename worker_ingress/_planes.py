@@ -406,9 +406,7 @@ class RequestConnection:
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(
-        self, generate: Generate, prepared: PreparedRequest
-    ) -> list[msgspec.Struct]:
+    async def _execute(self, generate: Generate, prepared: PreparedRequest) -> list[msgspec.Struct]:
         """Run one admitted-to-try request; return its last frames, the final one last (rule 3).
 
         ``Started`` goes out at once (the frontend sends its status line on it), and a chunk

@@ -135,6 +135,7 @@ class Worker:
             load=engine.load,
             load_changed=engine.load_changed,
             gauges=self._gauges,
+            effective_limit=self._effective_limit,
             heartbeat_interval=settings.heartbeat_interval,
             publish_interval=settings.load_publish_interval,
             limits=self._rank_limits,
@@ -197,6 +198,10 @@ class Worker:
 
     def _gauges(self) -> tuple[int, int]:
         return self.gate.running, self.gate.queued
+
+    def _effective_limit(self) -> int | None:
+        # Carried in the load events only when an objective moves L (an optional field).
+        return self.gate.effective_limit if self.gate.slo is not None else None
 
     def _gate_changed(self) -> None:
         self.publisher.notify()

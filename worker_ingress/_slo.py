@@ -29,12 +29,13 @@ Rules
    - ``p > T`` (the engine is over-subscribed): multiplicative decrease by the gradient,
      ``L <- max(min_limit, min(L - 1, floor(L * max(min_decrease_factor, T / p))))``, and the
      old L becomes the *ceiling*: a level known to be too high, not tried again for
-     ``probe_seconds``. When the window before raised L, the decrease goes back no further than
-     the level it was raised from (that level was fine a window ago), and the ceiling is the
-     level just above it: a failed probe costs one step up and one back.
+     ``probe_seconds``. When the window before raised L, the decrease goes back to the level it
+     was raised from instead (that level was fine a window ago), and the ceiling is the level
+     just above it: a failed probe costs one step up and one back.
    - ``p <= comfort * T`` and the limit was in use (some arrival had to wait in the queue, or was
-     refused, during the window): additive increase, ``L <- L + max(1, floor(L * increase_share))``, capped at N
-     and, while the ceiling is fresh, at ``ceiling - 1``.
+     refused, during the window): additive increase,
+     ``L <- L + max(1, floor(L * increase_share))``, capped at N and, while the ceiling is fresh,
+     at ``ceiling - 1``.
    - ``p <= comfort * T`` and the limit was not in use (nobody waited): recovery,
      ``L <- min(N, max(L + 1, ceil(L * recovery_factor)))``, and the ceiling is forgotten (the
      load that set it has gone). L is not binding then, so raising it changes nothing now; it
@@ -349,10 +350,11 @@ class SloController:
             # The epsilon keeps a float such as 0.15 / 0.2 = 0.7499... from costing a whole step.
             lowered = max(self.min_limit, min(limit - 1, math.floor(limit * factor + 1e-9)))
             ceiling = limit
-            if raised_from is not None and raised_from >= lowered:
-                # A failed probe: back to the level it left, and nothing above that is tried
-                # until the next probe (the step may have jumped over levels never measured).
-                lowered = raised_from
+            if raised_from is not None:
+                # A failed probe: back to the level it left, which was fine a window ago, and
+                # nothing above that is tried until the next probe (the step may have jumped
+                # over levels never measured). A load that has grown meanwhile is cut next.
+                lowered = max(self.min_limit, min(raised_from, limit - 1))
                 ceiling = raised_from + 1
             if lowered < limit:
                 self._ceiling = ceiling

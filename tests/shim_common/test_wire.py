@@ -163,6 +163,34 @@ def test_plain_msgpack_event_batch_decodes() -> None:
     assert heartbeat.status == "ready"
 
 
+def test_effective_limit_is_optional_on_load_events_and_heartbeats() -> None:
+    # A worker without an objective (or from before the field) sends no L: it decodes as None;
+    # one with an objective sends it, and a plain msgpack peer reads it as a plain field.
+    load = {
+        "dp_rank": 0,
+        "active_decode_blocks": 1,
+        "active_prefill_tokens": 2,
+        "kv_used_blocks": 3,
+    }
+    old = {"type": "load", "seq": 1, "ts": 0.5, "load": load, "engine_requests": 1}
+    batch = wire.decode_event_message(
+        msgpack.packb({"type": "events", "events": [{**old, "queued_requests": 0}]})
+    )
+    assert isinstance(batch, EventBatch)
+    assert batch.events[0].effective_limit is None
+    event = LoadEvent(
+        seq=2, ts=1.0, load=LOAD, engine_requests=3, queued_requests=1, effective_limit=7
+    )
+    beat = Heartbeat(
+        seq=3, ts=1.0, loads=[LOAD], engine_requests=3, queued_requests=1, effective_limit=7
+    )
+    for message in (event, beat):
+        assert msgpack.unpackb(wire.encode(message))["effective_limit"] == 7
+    decoded = wire.decode_event_message(wire.encode(EventBatch(events=[event, beat])))
+    assert isinstance(decoded, EventBatch)
+    assert [e.effective_limit for e in decoded.events] == [7, 7]
+
+
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     data = msgpack.packb({"type": "started", "request_id": 1, "prompt_tokens": 5, "future": [1]})
     assert wire.decode_worker_message(data) == Started(request_id=1, prompt_tokens=5)

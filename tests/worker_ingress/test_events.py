@@ -61,6 +61,14 @@ def test_tracker_gauge_change_emits_for_every_rank() -> None:
     ]
 
 
+def test_tracker_carries_the_effective_limit_and_a_change_of_it_is_an_event() -> None:
+    tracker = LoadTracker(wall_clock=fixed_clock)
+    assert [e.effective_limit for e in tracker.observe([rank(0)], 1, 0)] == [None]
+    assert [e.effective_limit for e in tracker.observe([rank(0)], 1, 0, 8)] == [8]
+    assert tracker.observe([rank(0)], 1, 0, 8) == []
+    assert tracker.heartbeat("ready").effective_limit == 8
+
+
 def test_heartbeat_repeats_latest_state_and_takes_a_sequence_number() -> None:
     tracker = LoadTracker(wall_clock=fixed_clock)
     tracker.observe([rank(0, blocks=4)], 1, 0)

@@ -92,6 +92,33 @@ def test_command_line_beats_environment_beats_default(monkeypatch: pytest.Monkey
     assert settings.queue_limit == 16
 
 
+def test_ttft_objective_and_its_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings, _ = parse_args([])
+    assert (settings.ttft_slo, settings.adaptive_min_limit) == (None, 1)
+    settings, _ = parse_args(["--engine-request-limit", "8", "--ttft-slo", "0.25"])
+    assert settings.ttft_slo == 0.25
+    monkeypatch.setenv("DYN_TTFT_SLO", "0.5")
+    monkeypatch.setenv("DYN_ADAPTIVE_MIN_LIMIT", "3")
+    settings, _ = parse_args(["--engine-request-limit", "8"])
+    assert (settings.ttft_slo, settings.adaptive_min_limit) == (0.5, 3)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ttft-slo", "0.3"], "--ttft-slo .*needs --engine-request-limit"),
+        (["--engine-request-limit", "4", "--ttft-slo", "0"], "--ttft-slo"),
+        (["--engine-request-limit", "4", "--ttft-slo", "nan"], "--ttft-slo"),
+        (["--engine-request-limit", "4", "--ttft-slo", "soon"], "--ttft-slo"),
+        (["--engine-request-limit", "4", "--adaptive-min-limit", "0"], "--adaptive-min-limit"),
+        (["--engine-request-limit", "4", "--adaptive-min-limit", "5"], "Must be <= .*4"),
+    ],
+)
+def test_ttft_objective_bad_values(argv: list[str], message: str) -> None:
+    with pytest.raises(CliError, match=message):
+        parse_args(argv)
+
+
 def test_queue_limit_is_read_from_the_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_DYNAMO_REQUEST_QUEUE_LIMIT", "5")
     settings, _ = parse_args(["--engine-request-limit", "2"])

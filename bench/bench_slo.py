@@ -1,0 +1,609 @@
+"""SLO-aware admission: goodput at a TTFT objective, fixed N and the adaptive limit side by side.
+
+Run from the repository's root: ``python -m bench.bench_slo [--seconds 30] [--loads 0.5,1,2,4]
+[--objective 0.3] [--sweep 2,4,8,12,16,24,32,64] [--plot slo.png] [--json slo.json]``.
+
+What runs: the worker's own admission gate (:class:`worker_ingress._admission.AdmissionGate`)
+in front of the mocker engine (:class:`worker_ingress.engines._mocker.MockerEngine`), in this
+process, exactly as the request plane drives them (``reject_now``, then ``slot()``, the first
+output reported to the lease). The mocker's step time grows with the tokens a step computes and
+with the KV cache in use, and its chunked prefill makes the engine queue prefill when the step
+budget is small (docs/mocker.md), so time to first token grows with the batch.
+
+The clock: by default a Trio virtual clock (``MockClock(autojump_threshold=0)``): time moves only
+when every task waits, so the simulated engine, the gate and the controller see exact times and
+the figures do not depend on what else runs on the machine (a shared 2-core box). The mocker's
+speedup ratio (``--speedup``, 2 by default, which puts the capacities near those quoted in the
+issue) scales the modelled GPU. ``--clock real`` runs the same in wall time instead (slower, and
+noisy on a shared machine: use it to check one load, e.g. ``--loads 2 --clock real``).
+
+Two workloads (the issue's table): ``short``: 256-token prompts, 48 tokens out, a batch of 64
+sequences and the default 8,192-token step budget; ``long``: 1,024-token prompts, 16 out, a batch
+of 256 and a 1,024-token step budget, so one prompt fills a step and the engine queues prefill.
+
+For each, in one run:
+
+1. capacity: a closed loop of clients as many as the batch, with no gate limit, completions per
+   second after a warm-up;
+2. for each offered load (a multiple of that capacity), one seeded Poisson arrival sequence,
+   played to every configuration: the usual setting (N = the engine's batch, Q as in the issue's
+   table: 64 for ``short``, 16 for ``long``), every fixed N of ``--sweep`` with Q = 2, and the
+   adaptive limit (``--ttft-slo``: N and Q of the usual setting, the objective S);
+3. a load step for the adaptive limit: 4x the capacity, then 0.5x, and how long L takes to come
+   back within 10% of where it settles at 0.5x.
+
+Per configuration and load: goodput at the objective (completed requests whose time to first
+token, arrival at the gate to first output, is <= S, per second), p50/p90/p99 time to first token
+of the completed, the share refused, and the effective limit over time (median, min, max).
+Requests that arrive during the warm-up are not counted. The best fixed N is the best of the fixed
+configurations at each load (an oracle an operator does not have). The targets of the issue are
+checked at the end as figures, not asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import random
+import statistics
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Final, TypeVar
+
+import trio
+import trio.testing
+
+from bench.bench_goodput import percentile, poisson_arrivals
+from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._config import MockerSettings
+from worker_ingress.engines._mocker import MockerEngine
+
+_T = TypeVar("_T")
+
+#: How often the effective limit is sampled for "L over time" (seconds).
+LIMIT_SAMPLE_SECONDS: Final = 0.25
+#: Share of the run at the start whose arrivals are not counted (the adaptive limit starts at N).
+WARMUP_SHARE: Final = 0.2
+#: The recovery target: L within this share of its steady value.
+RECOVERY_BAND: Final = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A kind of request and the engine shape it runs on, with its usual fixed setting."""
+
+    name: str
+    prompt_tokens: int
+    max_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    usual_queue: int
+
+    @property
+    def usual_limit(self) -> int:
+        """The usual N: the engine's batch size."""
+        return self.max_num_seqs
+
+    def describe(self) -> str:
+        return (
+            f"{self.prompt_tokens}-token prompts, {self.max_tokens} out, batch "
+            f"{self.max_num_seqs}, step budget {self.max_num_batched_tokens}"
+        )
+
+
+WORKLOADS: Final = (
+    Workload(
+        name="short",
+        prompt_tokens=256,
+        max_tokens=48,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        usual_queue=64,
+    ),
+    Workload(
+        name="long",
+        prompt_tokens=1024,
+        max_tokens=16,
+        max_num_seqs=256,
+        max_num_batched_tokens=1024,
+        usual_queue=16,
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One gate setting: fixed N and Q, or the adaptive limit with an objective."""
+
+    kind: str  # "usual", "fixed" or "adaptive"
+    limit: int
+    queue: int
+    objective: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "adaptive":
+            return f"adaptive N={self.limit} Q={self.queue}"
+        return f"{self.kind} N={self.limit} Q={self.queue}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What became of one request: ``ttft`` is NaN unless it produced a first output."""
+
+    arrived: float
+    ttft: float
+    completed: bool
+    refused: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """The figures of one configuration at one load."""
+
+    sent: int
+    goodput: float
+    completed: float
+    refused: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    limit_median: float
+    limit_min: float
+    limit_max: float
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def summarize(
+    records: Sequence[Record],
+    *,
+    objective: float,
+    start: float,
+    end: float,
+    limits: Sequence[tuple[float, int]] = (),
+) -> Row:
+    """Figures over the requests that arrived in ``[start, end)``.
+
+    Args:
+        records: Every request of the run.
+        objective: S: a completed request counts towards goodput when its TTFT is <= S.
+        start: Start of the counted window (after the warm-up).
+        end: End of the arrival window.
+        limits: ``(time, L)`` samples; those in the window give the L columns.
+
+    Returns:
+        Goodput and completions per second, the share refused, TTFT quantiles of the completed
+        in milliseconds, and L's median, min and max in the window (NaN when not sampled).
+    """
+    counted = [r for r in records if start <= r.arrived < end]
+    seconds = end - start
+    done = [r.ttft for r in counted if r.completed]
+    good = sum(1 for value in done if value <= objective)
+    refused = sum(1 for r in counted if r.refused)
+    in_window = [value for at, value in limits if start <= at < end]
+    return Row(
+        sent=len(counted),
+        goodput=good / seconds,
+        completed=len(done) / seconds,
+        refused=refused / len(counted) if counted else math.nan,
+        p50_ms=percentile(done, 0.5) * 1e3,
+        p90_ms=percentile(done, 0.9) * 1e3,
+        p99_ms=percentile(done, 0.99) * 1e3,
+        limit_median=statistics.median(in_window) if in_window else math.nan,
+        limit_min=min(in_window) if in_window else math.nan,
+        limit_max=max(in_window) if in_window else math.nan,
+    )
+
+
+def recovery_seconds(
+    limits: Sequence[tuple[float, int]], *, drop_at: float, end: float
+) -> tuple[float, float]:
+    """How long after a load drop L takes to settle within :data:`RECOVERY_BAND` of its value.
+
+    The steady value is the median of L over the last third of ``[drop_at, end)``; the recovery
+    time is from ``drop_at`` to the first sample after which every sample stays in the band.
+
+    Returns:
+        ``(steady value, seconds)``; seconds is NaN when L never settled.
+    """
+    after = [(at, value) for at, value in limits if drop_at <= at < end]
+    if not after:
+        return math.nan, math.nan
+    tail = [value for at, value in after if at >= end - (end - drop_at) / 3]
+    steady = statistics.median(tail) if tail else float(after[-1][1])
+    band = RECOVERY_BAND * steady
+    settled_at = math.nan
+    for at, value in reversed(after):
+        if abs(value - steady) > band:
+            break
+        settled_at = at
+    return steady, settled_at - drop_at
+
+
+def best_fixed(rows: Mapping[str, Row], configs: Sequence[Config]) -> Config:
+    """The fixed configuration (usual included) with the highest goodput among ``rows``."""
+    fixed = [c for c in configs if c.kind != "adaptive" and c.label in rows]
+    return max(fixed, key=lambda c: rows[c.label].goodput)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One target of the issue, as measured."""
+
+    target: str
+    figure: str
+    met: bool
+
+
+def check_targets(
+    results: Mapping[tuple[str, float], Mapping[str, Row]],
+    configs: Mapping[str, Sequence[Config]],
+    recoveries: Mapping[str, tuple[float, float]],
+) -> list[Verdict]:
+    """The issue's targets for each workload, from the rows of every load.
+
+    Args:
+        results: Rows by (workload, load multiple), then by configuration label.
+        configs: The configurations of each workload.
+        recoveries: ``(steady L, seconds)`` after the 4x -> 0.5x step, per workload.
+    """
+    verdicts: list[Verdict] = []
+    for (workload, load), rows in sorted(results.items()):
+        adaptive = next(c for c in configs[workload] if c.kind == "adaptive")
+        usual = next(c for c in configs[workload] if c.kind == "usual")
+        ours = rows[adaptive.label]
+        best = best_fixed(rows, configs[workload])
+        share = ours.goodput / rows[best.label].goodput if rows[best.label].goodput else math.inf
+        verdicts.append(
+            Verdict(
+                f"{workload} {load:g}x: adaptive >= 90% of best fixed ({best.label})",
+                f"{share:.0%}",
+                share >= 0.9,
+            )
+        )
+        if load >= 2:
+            base = rows[usual.label].goodput
+            ratio = ours.goodput / base if base else math.inf
+            verdicts.append(
+                Verdict(
+                    f"{workload} {load:g}x: adaptive >= 3x the usual", f"{ratio:.1f}x", ratio >= 3
+                )
+            )
+        if load == 0.5:
+            verdicts.append(
+                Verdict(
+                    f"{workload} 0.5x: <= 1% refused",
+                    f"{ours.refused:.2%}",
+                    ours.refused <= 0.01,
+                )
+            )
+    for workload, (steady, seconds) in sorted(recoveries.items()):
+        verdicts.append(
+            Verdict(
+                f"{workload}: L within 10% of steady ({steady:g}) < 10 s after 4x -> 0.5x",
+                f"{seconds:.1f} s",
+                seconds < 10,
+            )
+        )
+    return verdicts
+
+
+def format_rows(rows: Mapping[str, Row], order: Sequence[str], best: str) -> list[str]:
+    """The table lines of one load."""
+    lines = []
+    for label in order:
+        row = rows[label]
+        mark = " (best fixed)" if label == best else ""
+        limit = (
+            f"{row.limit_median:5.0f} [{row.limit_min:.0f}-{row.limit_max:.0f}]"
+            if not math.isnan(row.limit_median)
+            else "    -"
+        )
+        lines.append(
+            f"  {label + mark:34} {row.goodput:8.1f} {row.completed:8.1f} {row.refused:8.1%} "
+            f"{row.p50_ms:7.0f} {row.p90_ms:7.0f} {row.p99_ms:7.0f}  {limit}"
+        )
+    return lines
+
+
+TABLE_HEAD: Final = (
+    f"  {'configuration':34} {'goodput':>8} {'done/s':>8} {'refused':>8} "
+    f"{'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7}  L median [min-max]"
+)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _engine(workload: Workload, speedup: float) -> MockerEngine:
+    return MockerEngine(
+        MockerSettings(
+            max_num_seqs=workload.max_num_seqs,
+            max_num_batched_tokens=workload.max_num_batched_tokens,
+            speedup_ratio=speedup,
+        )
+    )
+
+
+def _body(workload: Workload) -> dict[str, object]:
+    prompt = " ".join(["word"] * workload.prompt_tokens)
+    return {"prompt": prompt, "max_tokens": workload.max_tokens}
+
+
+async def _serve(
+    gate: AdmissionGate, engine: MockerEngine, workload: Workload, records: list[Record]
+) -> None:
+    """One request as the request plane serves it: shed fast, else wait for a slot, stream."""
+    prepared = engine.prepare("completions", _body(workload))
+    arrived = trio.current_time()
+    if gate.reject_now() is not None:
+        records.append(Record(arrived, math.nan, completed=False, refused=True))
+        return
+    ttft = math.nan
+    try:
+        async with (
+            gate.slot(prompt_tokens=prepared.prompt_tokens) as lease,
+            aclosing(engine.generate(prepared)) as outputs,
+        ):
+            async for _ in outputs:
+                if math.isnan(ttft):
+                    ttft = trio.current_time() - arrived
+                    lease.first_output()
+    except Rejection:
+        records.append(Record(arrived, ttft, completed=False, refused=True))
+        return
+    records.append(Record(arrived, ttft, completed=True, refused=False))
+
+
+async def _sample_limit(
+    gate: AdmissionGate, limits: list[tuple[float, int]], origin: float
+) -> None:
+    while True:
+        limits.append((trio.current_time() - origin, gate.effective_limit))
+        await trio.sleep(LIMIT_SAMPLE_SECONDS)
+
+
+async def play(
+    workload: Workload,
+    config: Config,
+    arrivals: Sequence[float],
+    *,
+    speedup: float,
+    drain: float,
+) -> tuple[list[Record], list[tuple[float, int]]]:
+    """Play one arrival sequence (offsets in seconds) to one configuration.
+
+    Returns:
+        Every request's record (arrival times relative to the start) and L over time.
+    """
+    engine = _engine(workload, speedup)
+    gate = AdmissionGate(
+        engine_slots=config.limit,
+        queue_limit=config.queue,
+        ttft_objective=config.objective,
+    )
+    records: list[Record] = []
+    limits: list[tuple[float, int]] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        origin = trio.current_time()
+        nursery.start_soon(_sample_limit, gate, limits, origin)
+        raw: list[Record] = []
+        async with trio.open_nursery() as requests:
+            for offset in arrivals:
+                await trio.sleep_until(origin + offset)
+                requests.start_soon(_serve, gate, engine, workload, raw)
+            # Every admitted request ends within the cap's drain time; bound it anyway.
+            requests.cancel_scope.deadline = trio.current_time() + drain
+        nursery.cancel_scope.cancel()
+    records = [dataclasses.replace(r, arrived=r.arrived - origin) for r in raw]
+    return records, limits
+
+
+async def capacity(workload: Workload, *, speedup: float, seconds: float) -> float:
+    """Completions per second of a closed loop as many as the engine's batch, no gate limit."""
+    engine = _engine(workload, speedup)
+    prepared = engine.prepare("completions", _body(workload))
+    done: list[float] = []
+
+    async def client() -> None:
+        while True:
+            async with aclosing(engine.generate(prepared)) as outputs:
+                async for _ in outputs:
+                    pass
+            done.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        origin = trio.current_time()
+        for _ in range(workload.max_num_seqs):
+            nursery.start_soon(client)
+        await trio.sleep(seconds)
+        nursery.cancel_scope.cancel()
+    warm = origin + seconds * WARMUP_SHARE
+    return sum(1 for at in done if at >= warm) / (seconds * (1 - WARMUP_SHARE))
+
+
+def run_async(clock: str, fn: Callable[[], Awaitable[_T]]) -> _T:
+    """``trio.run`` of ``fn`` on the chosen clock (``virtual`` or ``real``)."""
+    if clock == "virtual":
+        return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+    return trio.run(fn)
+
+
+def configs_for(workload: Workload, sweep: Sequence[int], objective: float) -> list[Config]:
+    """The usual setting, the sweep (Q = 2, N below the batch) and the adaptive limit."""
+    configs = [Config("usual", workload.usual_limit, workload.usual_queue)]
+    configs += [Config("fixed", n, 2) for n in sweep if n <= workload.usual_limit]
+    configs.append(Config("adaptive", workload.usual_limit, workload.usual_queue, objective))
+    return configs
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _plot(path: str, report: dict[str, object]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+        return
+    workloads: dict[str, dict[str, object]] = report["workloads"]  # type: ignore[assignment]
+    figure, axes = plt.subplots(3, len(workloads), figsize=(6 * len(workloads), 12), squeeze=False)
+    for column, (name, data) in enumerate(workloads.items()):
+        loads = data["loads"]
+        series: dict[str, dict[str, list[float]]] = data["series"]  # type: ignore[assignment]
+        for label, values in series.items():
+            axes[0][column].plot(loads, values["goodput"], marker="o", label=label)
+            axes[1][column].plot(loads, values["p90_ms"], marker="o", label=label)
+        axes[0][column].set_title(f"{name}: goodput at the objective")
+        axes[0][column].set_xlabel("offered load (x capacity)")
+        axes[0][column].set_ylabel("requests/s with TTFT <= S")
+        axes[0][column].legend(fontsize="small")
+        axes[1][column].set_title(f"{name}: p90 TTFT of the completed")
+        axes[1][column].set_xlabel("offered load (x capacity)")
+        axes[1][column].set_ylabel("ms")
+        axes[1][column].set_yscale("log")
+        axes[1][column].axhline(report["objective"] * 1e3, color="grey", linestyle=":")  # type: ignore[operator]
+        step: list[list[float]] = data["step_limits"]  # type: ignore[assignment]
+        axes[2][column].plot([at for at, _ in step], [value for _, value in step])
+        axes[2][column].axvline(data["drop_at"], color="grey", linestyle=":")
+        axes[2][column].set_title(f"{name}: L over time, 4x then 0.5x")
+        axes[2][column].set_xlabel("s")
+        axes[2][column].set_ylabel("effective limit L")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"plot written to {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="arrival window per run")
+    parser.add_argument("--loads", default="0.5,1,2,4", help="multiples of the capacity")
+    parser.add_argument("--objective", type=float, default=0.3, help="S, seconds")
+    parser.add_argument("--sweep", default="2,4,8,12,16,24,32,64", help="fixed N with Q = 2")
+    parser.add_argument("--workloads", default="short,long")
+    parser.add_argument("--speedup", type=float, default=2.0, help="the mocker's speedup ratio")
+    parser.add_argument("--clock", choices=("virtual", "real"), default="virtual")
+    parser.add_argument("--seed", default="bench_slo")
+    parser.add_argument("--step-seconds", type=float, default=30.0, help="each half of the step")
+    parser.add_argument("--plot", metavar="FILE", help="draw the figures into a PNG")
+    parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    args = parser.parse_args(argv)
+    loads = [float(v) for v in args.loads.split(",")]
+    sweep = [int(v) for v in args.sweep.split(",") if v]
+    chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
+    objective = args.objective
+    drain = 4 * objective + 60.0
+    warmup = args.seconds * WARMUP_SHARE
+
+    print(
+        f"bench_slo: objective S = {objective * 1e3:.0f} ms, speedup {args.speedup:g}, "
+        f"{args.clock} clock, {args.seconds:g} s per run ({warmup:g} s warm-up not counted)"
+    )
+    results: dict[tuple[str, float], dict[str, Row]] = {}
+    configs: dict[str, list[Config]] = {}
+    recoveries: dict[str, tuple[float, float]] = {}
+    report: dict[str, object] = {"objective": objective, "workloads": {}}
+    for workload in chosen:
+        cap = run_async(
+            args.clock, functools.partial(capacity, workload, speedup=args.speedup, seconds=20.0)
+        )
+        configs[workload.name] = configs_for(workload, sweep, objective)
+        print(f"\n{workload.name}: {workload.describe()}; capacity {cap:.1f}/s (closed loop)")
+        series: dict[str, dict[str, list[float]]] = {}
+        for load in loads:
+            rng = random.Random(f"{args.seed}:{workload.name}:{load}")
+            arrivals = poisson_arrivals(load * cap, args.seconds, rng)
+            rows: dict[str, Row] = {}
+            for config in configs[workload.name]:
+                played = run_async(
+                    args.clock,
+                    functools.partial(
+                        play, workload, config, arrivals, speedup=args.speedup, drain=drain
+                    ),
+                )
+                records, limits = played
+                rows[config.label] = summarize(
+                    records, objective=objective, start=warmup, end=args.seconds, limits=limits
+                )
+            results[(workload.name, load)] = rows
+            best = best_fixed(rows, configs[workload.name])
+            print(f"\n {load:g}x ({load * cap:.0f}/s offered, {len(arrivals)} requests)")
+            print(TABLE_HEAD)
+            order = [c.label for c in configs[workload.name]]
+            for line in format_rows(rows, order, best.label):
+                print(line)
+            for kind, config in (
+                ("usual", configs[workload.name][0]),
+                ("best fixed", best),
+                ("adaptive", configs[workload.name][-1]),
+            ):
+                entry = series.setdefault(kind, {"goodput": [], "p90_ms": []})
+                entry["goodput"].append(rows[config.label].goodput)
+                entry["p90_ms"].append(rows[config.label].p90_ms)
+
+        # The load step: 4x, then 0.5x; L over time.
+        rng = random.Random(f"{args.seed}:{workload.name}:step")
+        high = poisson_arrivals(4 * cap, args.step_seconds, rng)
+        low = poisson_arrivals(0.5 * cap, args.step_seconds, rng)
+        arrivals = high + [args.step_seconds + offset for offset in low]
+        adaptive = configs[workload.name][-1]
+        played = run_async(
+            args.clock,
+            functools.partial(
+                play, workload, adaptive, arrivals, speedup=args.speedup, drain=drain
+            ),
+        )
+        _, step_limits = played
+        steady, seconds = recovery_seconds(
+            step_limits, drop_at=args.step_seconds, end=2 * args.step_seconds
+        )
+        recoveries[workload.name] = (steady, seconds)
+        at_high = [v for at, v in step_limits if args.step_seconds / 2 <= at < args.step_seconds]
+        print(
+            f"\n load step 4x -> 0.5x at {args.step_seconds:g} s: L median "
+            f"{statistics.median(at_high):.0f} at 4x, steady {steady:g} at 0.5x, back within "
+            f"10% after {seconds:.1f} s"
+        )
+        print(
+            "  L over time (every 2 s): "
+            + " ".join(
+                f"{value}" for at, value in step_limits if abs(at / 2 - round(at / 2)) < 1e-9
+            )
+        )
+        report["workloads"][workload.name] = {  # type: ignore[index]
+            "capacity": cap,
+            "loads": loads,
+            "series": series,
+            "rows": {
+                f"{load:g}": {label: dataclasses.asdict(row) for label, row in rows.items()}
+                for (name, load), rows in results.items()
+                if name == workload.name
+            },
+            "step_limits": step_limits,
+            "drop_at": args.step_seconds,
+            "recovery": {"steady": steady, "seconds": seconds},
+        }
+
+    print("\ntargets of the issue:")
+    for verdict in check_targets(results, configs, recoveries):
+        print(f"  [{'met' if verdict.met else 'MISSED'}] {verdict.target}: {verdict.figure}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+    if args.plot:
+        _plot(args.plot, report)
+
+
+if __name__ == "__main__":
+    main()
