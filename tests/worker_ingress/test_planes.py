@@ -446,3 +446,22 @@ def test_coalesce_keeps_every_requests_text_and_token_count(
 
     assert per_request(merged) == per_request(frames)
     assert len(merged) <= len(frames)
+
+
+async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_for_it() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=4, ttft_slo=0.05)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            async with event_plane(address) as events:
+                limits = [event.effective_limit for event in await read_events(events)]
+                assert limits and set(limits) == {1}
+            await send(ws, completion(1))
+            await send(ws, completion(2))
+            # Request 2 waits behind 1 (held by the engine) until its wait leaves no room.
+            (refused,) = (await collect_until_final(ws, {2}))[2]
+            assert refused == Rejected(request_id=2, reason=wire.REASON_SLO)
+            assert worker.gate.state.slo_rejected_total == 1
+            engine.release.set()
+            assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
