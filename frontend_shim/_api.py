@@ -315,7 +315,9 @@ class FrontendAPI:
         exchange.status = self._overload_status
         self._metrics.count_rejection(exchange.label, exchange.endpoint)
         retry_after = retry_after_seconds(
-            self._in_flight, self._completions.rate(trio.current_time())
+            self._in_flight,
+            self._completions.rate(trio.current_time()),
+            slot_share=self._fleet.slot_share(),
         )
         headers = json_headers((b"retry-after", b"%d" % retry_after))
         await responder.send(self._overload_status, headers, self._overload_body)

@@ -88,6 +88,8 @@ class WorkerLoad:
         "config",
         "counted_unsaturated",
         "draining",
+        "effective_limit",
+        "engine_requests",
         "free",
         "lagging",
         "last_seen",
@@ -97,6 +99,7 @@ class WorkerLoad:
         "pool",
         "queued_for_mark",
         "queued_for_stale",
+        "queued_requests",
         "ranks",
         "removed",
         "reported_ranks",
@@ -119,9 +122,16 @@ class WorkerLoad:
         #: The ``kv`` router's cost: mean over ranks of ``blocks/kv_total_blocks +
         #: prefill_tokens/max_num_batched_tokens`` (both with the router's own count). Both
         #: terms are fractions of a rank's capacity, so a full KV cache and a full prefill
-        #: batch weigh the same (1.0); an idle worker costs 0. Kept current by every rank
-        #: update, so a pick reads it without computing.
+        #: batch weigh the same (1.0); an idle worker costs 0. A worker that reports an
+        #: effective limit L (it has a TTFT objective) adds the share of L its gate holds,
+        #: ``max(engine + queued requests, this router's in flight) / L``: 1.0 when it runs L and
+        #: queues nothing, so a worker whose objective has lowered L draws fewer requests. Kept
+        #: current by every rank and gauge update, so a pick reads it without computing.
         self.load_cost = 0.0
+        #: The ingress gauges of the worker's last event, and L when it reports one.
+        self.engine_requests = 0
+        self.queued_requests = 0
+        self.effective_limit: int | None = None
         self.last_seen = now
         self.last_seq = -1
         self.stale_after = stale
@@ -177,7 +187,12 @@ def load_cost(worker: WorkerLoad) -> float:
     cost = worker.sum_prefill / max_batched(config)
     if config.kv_total_blocks > 0:
         cost += worker.sum_blocks / config.kv_total_blocks
-    return cost / len(worker.ranks)
+    cost /= len(worker.ranks)
+    limit = worker.effective_limit
+    if limit is not None and limit > 0:
+        held = max(worker.engine_requests + worker.queued_requests, len(worker.charges))
+        cost += held / limit
+    return cost
 
 
 class FreeSet(Generic[_T]):

@@ -27,6 +27,11 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
 5. Time-driven changes (staleness, mark expiry) are applied by :meth:`Fleet.expire`, which every
    query that depends on them calls first. Each uses a heap holding at most one entry per
    worker; an event only stores a time, so it stays O(1).
+6. Effective limit. A worker with a time-to-first-token objective reports L, the engine limit in
+   force, with its ingress gauges in every event. The ``kv`` router weighs its gate's occupancy
+   of L (see :attr:`~frontend_shim._free_sets.WorkerLoad.load_cost`), and the fleet keeps, in
+   O(1) per event, the sum of L and of requests running over the workers that report it:
+   :meth:`Fleet.slot_share` (below 1 right after L fell, while more run than L allows).
 
 Router-own accounting. The frontend does not know which DP rank a worker gives a request, so
 :meth:`Fleet.request_sent` charges it to the rank with the fewest own blocks (ties: lowest rank).
@@ -43,7 +48,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Final, NamedTuple
 
-from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad
+from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad, load_cost
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -119,6 +124,9 @@ class Fleet:
         self._stale_heap: list[tuple[float, int, WorkerLoad]] = []
         self._mark_heap: list[tuple[float, int, WorkerLoad]] = []
         self._tie = itertools.count()
+        # Over the workers that report an effective limit: the sum of L, and of what they run.
+        self._limit_sum = 0
+        self._limited_running = 0
 
     # ------------------------------------------------------------------ membership
 
@@ -160,6 +168,7 @@ class Fleet:
         if worker is None:
             return False
         worker.removed = True
+        self._set_gauges(worker, 0, 0, None)
         self._sets.update_membership(worker)
         del worker.pool.workers[worker_id]
         for in_flight in worker.charges:
@@ -219,6 +228,9 @@ class Fleet:
         worker.mark_until = None
         if not worker.queued_for_stale:
             self._push_stale_deadline(worker)
+        self._set_gauges(
+            worker, event.engine_requests, event.queued_requests, event.effective_limit
+        )
         if isinstance(event, wire.LoadEvent):
             self._report(worker, event.load)
         else:
@@ -235,6 +247,27 @@ class Fleet:
             How many were applied.
         """
         return sum(self.apply(worker_id, event, now) for event in events)
+
+    def slot_share(self) -> float:
+        """L in force over the requests running, summed over the workers that report L, at most
+        1 (1 when none does, or nothing runs): the share of today's completion pace that will
+        hold once the workers have come down to their limits."""
+        if self._limited_running <= self._limit_sum or self._limited_running == 0:
+            return 1.0
+        return self._limit_sum / self._limited_running
+
+    def _set_gauges(self, worker: WorkerLoad, engine: int, queued: int, limit: int | None) -> None:
+        # Rule 6: the worker's gauges and L, and the fleet's sums over the workers with an L.
+        if worker.effective_limit is not None:
+            self._limit_sum -= worker.effective_limit
+            self._limited_running -= worker.engine_requests
+        worker.engine_requests = engine
+        worker.queued_requests = queued
+        worker.effective_limit = limit
+        if limit is not None:
+            self._limit_sum += limit
+            self._limited_running += engine
+        worker.load_cost = load_cost(worker)
 
     def _report(self, worker: WorkerLoad, load: wire.RankLoad) -> None:
         if not 0 <= load.dp_rank < len(worker.ranks):

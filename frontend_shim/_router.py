@@ -43,7 +43,10 @@ Rules:
    router's own prefill count, so the next release sees it), or every waiter of a model that
    has no free worker left (they then get their 529/503 at once instead of waiting).
 6. Retry-After: ``ceil(in_flight / completions_per_second)``, the time the fleet needs to turn
-   over what it holds now, clamped to [1, 30] s; 1 s before any completion was seen.
+   over what it holds now, clamped to [1, 30] s; 1 s before any completion was seen. When
+   workers with a TTFT objective have lowered their effective limit below what they still run
+   (:meth:`~frontend_shim._load.Fleet.slot_share` < 1), the rate measured so far overstates the
+   pace to come, and is scaled down by that share.
 """
 
 from __future__ import annotations
@@ -516,6 +519,7 @@ def retry_after_seconds(
     completions_per_second: float | None,
     *,
     cap: int = DEFAULT_RETRY_AFTER_CAP,
+    slot_share: float = 1.0,
 ) -> int:
     """Retry-After for a 529: the time the fleet needs to turn over what it holds now.
 
@@ -523,6 +527,8 @@ def retry_after_seconds(
         in_flight: requests in flight in the fleet (or of the model).
         completions_per_second: from :meth:`CompletionRate.rate`; ``None`` when unknown.
         cap: the largest value returned (>= 1).
+        slot_share: the fleet's effective limits over what it runs (in (0, 1]; rule 6): the
+            part of the measured pace that will last.
 
     Returns:
         Whole seconds in ``[1, cap]``: ``ceil(in_flight / rate)`` clamped; 1 when the rate is
@@ -534,7 +540,7 @@ def retry_after_seconds(
         return 1
     if not completions_per_second > 0:
         return cap
-    seconds = in_flight / completions_per_second
+    seconds = in_flight / (completions_per_second * min(1.0, max(slot_share, 1e-9)))
     if not math.isfinite(seconds):
         return cap
     return max(1, min(cap, math.ceil(seconds)))

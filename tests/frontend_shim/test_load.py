@@ -612,3 +612,57 @@ class FreeSetMachine(RuleBasedStateMachine):
 
 FreeSetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestFreeSetMachine = FreeSetMachine.TestCase
+
+
+# ----------------------------------------------------------------------------- effective limit
+
+
+def gauges(
+    fleet: Fleet, feed: Feed, worker_id: str, engine: int, queued: int, limit: int | None
+) -> None:
+    event = wire.LoadEvent(
+        seq=feed._next(worker_id),
+        ts=0.0,
+        load=wire.RankLoad(
+            dp_rank=0, active_decode_blocks=0, active_prefill_tokens=0, kv_used_blocks=0
+        ),
+        engine_requests=engine,
+        queued_requests=queued,
+        effective_limit=limit,
+    )
+    assert fleet.apply(worker_id, event, 0.0)
+
+
+def test_slot_share_follows_the_workers_that_report_l() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    for worker_id in ("a", "b", "c"):
+        fleet.register(config(worker_id), 0.0)
+    assert fleet.slot_share() == 1.0
+    gauges(fleet, feed, "a", 8, 0, 8)
+    gauges(fleet, feed, "c", 100, 0, None)  # no objective: not counted
+    assert fleet.slot_share() == 1.0
+    gauges(fleet, feed, "b", 8, 2, 2)  # L fell to 2 with 8 still running
+    assert fleet.slot_share() == pytest.approx(10 / 16)
+    gauges(fleet, feed, "b", 2, 2, 2)
+    assert fleet.slot_share() == 1.0
+    gauges(fleet, feed, "b", 8, 2, 2)
+    fleet.remove("b")
+    assert fleet.slot_share() == 1.0
+    # A reconnect forgets what the old connection reported.
+    gauges(fleet, feed, "a", 8, 0, 4)
+    assert fleet.slot_share() == pytest.approx(0.5)
+    fleet.register(config("a"), 0.0)
+    assert fleet.slot_share() == 1.0
+
+
+def test_load_cost_weighs_the_gates_share_of_l_only_when_reported() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config("a"), 0.0)
+    gauges(fleet, feed, "a", 4, 0, None)
+    assert state(fleet, "a").load_cost == 0.0
+    gauges(fleet, feed, "a", 4, 2, 4)
+    assert state(fleet, "a").load_cost == pytest.approx(1.5)
+    # What this router has in flight there counts when the worker's report lags behind.
+    for _ in range(8):
+        fleet.request_sent("a", 0)
+    assert state(fleet, "a").load_cost == pytest.approx(2.0)

@@ -341,3 +341,33 @@ def test_completion_rate_is_unknown_during_warmup() -> None:
     assert rate.rate(10.01) is None
     assert rate.rate(10.5) is None
     assert rate.rate(11.0) is not None
+
+
+def test_retry_after_scales_the_pace_by_the_slot_share() -> None:
+    assert retry_after_seconds(100, 10.0, slot_share=1.0) == 10
+    assert retry_after_seconds(100, 10.0, slot_share=0.5) == 20
+    assert retry_after_seconds(100, 10.0, slot_share=0.0) == 30  # capped, never a division by 0
+
+
+def test_kv_prefers_the_worker_with_room_under_its_effective_limit() -> None:
+    fleet = Fleet()
+    for worker_id in ("full", "room"):
+        fleet.register(config(worker_id), 0.0)
+    for seq, (worker_id, engine, queued, limit) in enumerate(
+        (("full", 4, 3, 4), ("room", 4, 0, 16)), start=1
+    ):
+        load = wire.RankLoad(
+            dp_rank=0, active_decode_blocks=0, active_prefill_tokens=0, kv_used_blocks=0
+        )
+        event = wire.LoadEvent(
+            seq=seq,
+            ts=0.0,
+            load=load,
+            engine_requests=engine,
+            queued_requests=queued,
+            effective_limit=limit,
+        )
+        assert fleet.apply(worker_id, event, 0.0)
+    router = Router(fleet, RouterMode.KV)
+    picks = {router.pick(MODEL, 0.0) for _ in range(4)}
+    assert picks == {Routed("room")}

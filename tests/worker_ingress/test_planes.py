@@ -456,7 +456,8 @@ async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_fo
         async with running(worker) as address, request_plane(address) as ws:
             async with event_plane(address) as events:
                 limits = [event.effective_limit for event in await read_events(events)]
-                assert limits and set(limits) == {1}
+                assert limits
+                assert set(limits) == {1}
             await send(ws, completion(1))
             await send(ws, completion(2))
             # Request 2 waits behind 1 (held by the engine) until its wait leaves no room.
