@@ -1,6 +1,13 @@
-"""Fleet benchmark: the real frontend following the events of 64 to 2,048 simulated workers.
+"""Fleet benchmark: the real frontend following the events of 64 to 4,096 simulated workers.
 
-Run: ``python bench/bench_fleet.py [--sizes 64,256,1024,2048] [--seconds 10] [--flips 5]``.
+Run: ``python bench/bench_fleet.py [--sizes 64,256,1024,2048,4096] [--protocols new,current,v1]
+[--seconds 10] [--flips 5] [--frontend-arg=--event-budget=6000 ...]``.
+
+Every size is measured once per protocol the simulated workers speak (``bench/fleet_sim.py``):
+``new`` (the workers as they are), ``current`` (the protocol of the fleet work: busy edges and
+the workers' own 0.1 s publish interval, without the additions negotiated since) and ``v1``
+(version-1 workers as first released: no publish interval, every change sent at once, 20 a
+second; no busy edges).
 
 Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when there are two):
 
@@ -8,25 +15,32 @@ Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when
    with 4 data-parallel ranks each.
 2. ``python -m frontend_shim --router-mode kv --active-decode-blocks-threshold 0.5 --http-port 0``
    with one ``--worker`` per worker. Measured from its start: the first ``GET /live`` answered,
-   and ``/health`` reporting ``workers_connected == K``. Meanwhile the workers send heartbeats
-   only: a simulator core busy with 1,024 workers' load changes answers a websocket handshake
-   in seconds, and the frontend's 5 s connect bound would then measure the simulator
-   (``--startup-under-load`` changes loads from the start anyway).
+   and ``/health`` reporting ``workers_connected == K``; the ready line's time is noted too.
+   Meanwhile the workers send heartbeats only: a simulator core busy with 1,024 workers' load
+   changes answers a websocket handshake in seconds, and the frontend's 5 s connect bound would
+   then measure the simulator (``--startup-under-load`` changes loads from the start anyway).
 3. Every rank's load then changes 20 times a second, the fleet free; after ``--warmup`` s,
    for ``--seconds`` while events flow: events the workers sent (counted in the simulator) and
    the frontend's CPU share (``/proc/<pid>/stat``), its RSS, the simulators' CPU share, the bytes
    the frontend had not read yet from its worker sockets (``/proc/net/tcp``), and ``GET /live``
-   latency (one request every 10 ms on a keep-alive connection).
+   latency (one request every 10 ms on a keep-alive connection), and completion latency (one
+   small completion every 20 ms on another connection: a real 200 from a worker, through the
+   router and the request plane, while the events flow).
 4. ``--flips`` times: the whole fleet goes busy (decode blocks above 0.5 of the total), then free
    again. Each time, from the command to the simulators, a cheap completion is sent back to back
    until the answer changes (busy: 529; free: a real 200 from a worker); the time to that first
    changed answer is the propagation. The simulators stamp when they had applied the flip: that
    share of the propagation is theirs, not the frontend's.
 
-The frontend exports no applied-events counter and no event-lag metric today: when ``/metrics``
-has a counter named ``dynamo_frontend_*event*_total`` or a ``*_lag_seconds`` series, they are
-read; otherwise those columns say ``n/a``. A size that does not come up within its time bounds
-is reported as such. Figures only, no verdict: a 2-core machine shared with other work is noisy.
+From the frontend's ``/metrics``: the event batches it applied
+(``dynamo_frontend_*event*_total``), the largest event lag (``*_lag_seconds``) and, when it has
+them, its event budget and the interval it asks or reads its workers at
+(``dynamo_frontend_event_budget_messages_per_second``,
+``dynamo_frontend_event_interval_seconds``); a column whose metric is absent says ``n/a``.
+Several simulator processes (``--workers-per-sim``) share their CPU: they spread the sockets over
+processes (each holds four per worker), not the work over cores. A size that does not come up
+within its time bounds is reported as such. Figures only, no verdict: a 2-core machine shared
+with other work is noisy.
 """
 
 from __future__ import annotations
@@ -56,9 +70,13 @@ SIM_CPU: Final = 1
 SIM_SCRIPT: Final = Path(__file__).resolve().with_name("fleet_sim.py")
 COMPLETION: Final = b'{"model":"mock-model","prompt":"ping","max_tokens":1}'
 LIVE_PERIOD: Final = 0.010
+COMPLETION_PERIOD: Final = 0.020
 HEALTH_PERIOD: Final = 0.050
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
-DEFAULT_SIZES: Final = "64,256,1024,2048"
+DEFAULT_SIZES: Final = "64,256,1024,2048,4096"
+PROTOCOLS: Final = ("new", "current", "v1")
+BUDGET_METRIC: Final = "dynamo_frontend_event_budget_messages_per_second"
+INTERVAL_METRIC: Final = "dynamo_frontend_event_interval_seconds"
 
 
 def _pin(pid: int, cpu: int) -> None:
@@ -301,13 +319,23 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def event_metrics(text: str) -> tuple[float | None, float | None]:
-    """An applied-events total and the largest event lag from a Prometheus text exposition.
+@dataclasses.dataclass
+class EventMetrics:
+    """What the frontend's ``/metrics`` says about the events it follows (``None``: absent)."""
 
-    Returns:
-        ``(applied, lag_seconds)``: the sum of ``dynamo_frontend_*event*_total`` samples, and the
-        largest ``*_lag_seconds`` gauge sample (or a histogram's mean); ``None`` when absent.
-    """
+    #: The sum of ``dynamo_frontend_*event*_total`` samples.
+    applied: float | None = None
+    #: The largest ``*_lag_seconds`` gauge sample (or a histogram's mean).
+    lag: float | None = None
+    #: :data:`BUDGET_METRIC`.
+    budget: float | None = None
+    #: The largest :data:`INTERVAL_METRIC` sample.
+    interval: float | None = None
+
+
+def event_metrics(text: str) -> EventMetrics:
+    """The event figures of a Prometheus text exposition (see :class:`EventMetrics`)."""
+    found = EventMetrics()
     applied: float | None = None
     lag: float | None = None
     lag_sum: float | None = None
@@ -321,7 +349,11 @@ def event_metrics(text: str) -> tuple[float | None, float | None]:
             value = float(value_part)
         except ValueError:
             continue
-        if name.startswith("dynamo_frontend_") and "event" in name and name.endswith("_total"):
+        if name == BUDGET_METRIC:
+            found.budget = value
+        elif name == INTERVAL_METRIC:
+            found.interval = value if found.interval is None else max(found.interval, value)
+        elif name.startswith("dynamo_frontend_") and "event" in name and name.endswith("_total"):
             applied = (applied or 0.0) + value
         elif "lag_seconds" in name:
             if name.endswith("_sum"):
@@ -332,7 +364,8 @@ def event_metrics(text: str) -> tuple[float | None, float | None]:
                 lag = value if lag is None else max(lag, value)
     if lag is None and lag_sum is not None and lag_count:
         lag = lag_sum / lag_count
-    return applied, lag
+    found.applied, found.lag = applied, lag
+    return found
 
 
 @dataclasses.dataclass
@@ -343,8 +376,10 @@ class SizeResult:
     ranks: int
     simulators: int
     rate: float
+    protocol: str = "new"
     error: str | None = None
     sims_ready_s: float | None = None
+    ready_line_s: float | None = None
     http_first_s: float | None = None
     all_up_s: float | None = None
     connected_after: int | None = None
@@ -365,6 +400,9 @@ class SizeResult:
     unread_kb_end: float | None = None
     live_ms: list[float] = dataclasses.field(default_factory=list)
     live_errors: int = 0
+    #: Completions answered 200 during the steady window, and the others.
+    completion_ms: list[float] = dataclasses.field(default_factory=list)
+    completion_errors: int = 0
     #: ``(seconds since the frontend started, workers connected)`` while it came up.
     up_curve: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     busy_ms: list[float] = dataclasses.field(default_factory=list)
@@ -376,6 +414,8 @@ class SizeResult:
     saw_200: bool = False
     metrics_scrape_ms: float | None = None
     lag_s: float | None = None
+    budget: float | None = None
+    interval_s: float | None = None
     #: What was being done last (names the phase a timeout interrupted).
     phase: str = "starting the simulators"
 
@@ -385,7 +425,7 @@ class SizeResult:
 
     def summary(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("live_ms", "busy_ms", "free_ms", "sim_apply_ms"):
+        for name in ("live_ms", "completion_ms", "busy_ms", "free_ms", "sim_apply_ms"):
             values = data.pop(name)
             data[name] = {
                 "n": len(values),
@@ -412,6 +452,7 @@ class Options:
     settle: float
     warmup: float
     startup_under_load: bool
+    frontend_args: tuple[str, ...] = ()
 
 
 async def _wait_live(client: HttpClient, deadline: float) -> bool:
@@ -467,19 +508,52 @@ async def _watch_exit(child: Child, result: SizeResult, stop: trio.CancelScope) 
 
 
 async def _probe_live(client: HttpClient, until: float, result: SizeResult) -> None:
+    result.live_errors += await _probe(
+        client, "GET", "/live", b"", until, LIVE_PERIOD, result.live_ms
+    )
+
+
+async def _probe_completions(client: HttpClient, until: float, result: SizeResult) -> None:
+    result.completion_errors += await _probe(
+        client,
+        "POST",
+        "/v1/completions",
+        COMPLETION,
+        until,
+        COMPLETION_PERIOD,
+        result.completion_ms,
+    )
+
+
+async def _probe(
+    client: HttpClient,
+    method: str,
+    target: str,
+    body: bytes,
+    until: float,
+    period: float,
+    latencies_ms: list[float],
+) -> int:
+    """Send one request every ``period`` until ``until``; note the latency of each 200.
+
+    Returns:
+        How many answers were not 200 (or failed).
+    """
+    errors = 0
     next_at = trio.current_time()
     while next_at < until:
         await trio.sleep_until(next_at)
         started = trio.current_time()
         try:
-            status, _ = await client.request("GET", "/live")
+            status, _ = await client.request(method, target, body)
         except (OSError, trio.BrokenResourceError, h11.ProtocolError):
             status = 0
         if status == 200:
-            result.live_ms.append((trio.current_time() - started) * 1000)
+            latencies_ms.append((trio.current_time() - started) * 1000)
         else:
-            result.live_errors += 1
-        next_at = max(next_at + LIVE_PERIOD, trio.current_time())
+            errors += 1
+        next_at = max(next_at + period, trio.current_time())
+    return errors
 
 
 async def _flip(
@@ -515,10 +589,14 @@ async def _scrape(client: HttpClient, result: SizeResult) -> tuple[float, float 
     _, body = await client.request("GET", "/metrics")
     finished = trio.current_time()
     result.metrics_scrape_ms = (finished - started) * 1000
-    applied, lag = event_metrics(body.decode())
-    if lag is not None:
-        result.lag_s = lag if result.lag_s is None else max(result.lag_s, lag)
-    return finished, applied
+    found = event_metrics(body.decode())
+    if found.lag is not None:
+        result.lag_s = found.lag if result.lag_s is None else max(result.lag_s, found.lag)
+    if found.budget is not None:
+        result.budget = found.budget
+    if found.interval is not None:
+        result.interval_s = found.interval
+    return finished, found.applied
 
 
 @contextlib.asynccontextmanager
@@ -531,10 +609,18 @@ async def _children(children: list[Child]) -> AsyncIterator[list[Child]]:
             await child.stop()
 
 
-async def measure_size(workers: int, options: Options, logs: Path) -> SizeResult:
+async def measure_size(
+    workers: int, options: Options, logs: Path, protocol: str = "new"
+) -> SizeResult:
     """Run one fleet size end to end; a size that fails is recorded as such, never raised."""
     shards = max(1, math.ceil(workers / options.workers_per_sim))
-    result = SizeResult(workers=workers, ranks=options.ranks, simulators=shards, rate=options.rate)
+    result = SizeResult(
+        workers=workers,
+        ranks=options.ranks,
+        simulators=shards,
+        rate=options.rate,
+        protocol=protocol,
+    )
     budget = (
         2 * options.start_timeout
         + options.up_timeout
@@ -574,10 +660,10 @@ def _leaves(error: BaseException) -> list[BaseException]:
     return [error]
 
 
-def _log_files(logs: Path, workers: int) -> tuple[IO[bytes], IO[bytes]]:
+def _log_files(logs: Path, name: str) -> tuple[IO[bytes], IO[bytes]]:
     return (
-        open(logs / f"simulator-{workers}.log", "wb"),
-        open(logs / f"frontend-{workers}.log", "wb"),
+        open(logs / f"simulator-{name}.log", "wb"),
+        open(logs / f"frontend-{name}.log", "wb"),
     )
 
 
@@ -586,7 +672,12 @@ class _Failed(Exception):
 
 
 async def _start_simulators(
-    workers: int, shards: int, options: Options, log: IO[bytes], children: list[Child]
+    workers: int,
+    shards: int,
+    options: Options,
+    protocol: str,
+    log: IO[bytes],
+    children: list[Child],
 ) -> list[Simulator]:
     sims: list[Simulator] = []
     for shard in range(shards):
@@ -594,7 +685,7 @@ async def _start_simulators(
         args = [
             sys.executable, str(SIM_SCRIPT), "--workers", str(count),
             "--ranks", str(options.ranks), "--rate", str(options.rate),
-            "--id-prefix", f"sim{shard}",
+            "--id-prefix", f"sim{shard}", "--protocol", protocol,
         ]  # fmt: skip
         if not options.startup_under_load:
             args.append("--paused")
@@ -615,6 +706,7 @@ async def _start_frontend(
     args = [
         sys.executable, "-m", "frontend_shim", "--router-mode", "kv",
         "--active-decode-blocks-threshold", "0.5", "--http-port", "0",
+        *options.frontend_args,
     ]  # fmt: skip
     for port in ports:
         args += ["--worker", f"ws://127.0.0.1:{port}"]
@@ -633,17 +725,20 @@ async def _measure(
     workers: int, shards: int, options: Options, logs: Path, result: SizeResult
 ) -> None:
     children: list[Child] = []
-    sim_log, frontend_log = _log_files(logs, workers)
+    sim_log, frontend_log = _log_files(logs, _run_name(workers, result.protocol))
     with sim_log, frontend_log:
         async with _children(children):
             began = trio.current_time()
-            sims = await _start_simulators(workers, shards, options, sim_log, children)
+            sims = await _start_simulators(
+                workers, shards, options, result.protocol, sim_log, children
+            )
             result.sims_ready_s = trio.current_time() - began
             ports = [port for sim in sims for port in sim.ports]
 
             result.phase = "starting the frontend"
             began = trio.current_time()
             frontend, host, port = await _start_frontend(ports, options, frontend_log, children)
+            result.ready_line_s = trio.current_time() - began
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_exits, list(children), result, nursery.cancel_scope)
                 await _measure_frontend(sims, frontend, host, port, began, options, result)
@@ -687,8 +782,12 @@ async def _measure_frontend(
     sim_wait0 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
     result.unread_kb_start = unread_bytes(worker_ports) / 1024
     live = HttpClient(host, port)
-    await _probe_live(live, window_start + options.seconds, result)
+    completions = HttpClient(host, port)
+    async with trio.open_nursery() as probes:
+        probes.start_soon(_probe_live, live, window_start + options.seconds, result)
+        probes.start_soon(_probe_completions, completions, window_start + options.seconds, result)
     await live.aclose()
+    await completions.aclose()
     result.unread_kb_end = unread_bytes(worker_ports) / 1024
     cpu1, wait1 = cpu_seconds(pid), wait_seconds(pid)
     sim_cpu1 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
@@ -745,36 +844,54 @@ def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 HEADER: Final = (
-    "| workers x ranks | target ev/s | offered ev/s (msg/s) | applied ev/s "
-    "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB | HTTP up s "
-    "| all up s | busy->529 ms p50/p99 "
+    "| workers x ranks | protocol | target ev/s | offered ev/s (msg/s) | applied msg/s "
+    "| budget msg/s (interval s) "
+    "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB "
+    "| ready line / HTTP up / all up s | busy->529 ms p50/p99 "
     "| free->200 ms p50/p99 | sim's share of a flip ms p50/p99 | /live ms p50/p99 "
-    "| unread KB start->end | max lag | note |"
+    "| completions ms p50/p99 | unread KB start->end | max lag | note |"
 )
 
 
 def table_row(r: SizeResult) -> str:
     if r.all_up_s is None:
         return (
-            f"| {r.workers} x {r.ranks} | {r.target_events_per_s:.0f} | "
-            f"{r.error or 'not up'} |" + " |" * 13
+            f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} | "
+            f"{r.error or 'not up'} |" + " |" * 15
         )
     lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
     applied = (
         "n/a (no counter)" if r.applied_events_per_s is None else f"{r.applied_events_per_s:.0f}"
     )
     busy = _ms(r.busy_ms) + (f" ({r.flip_timeouts} timed out)" if r.flip_timeouts else "")
+    completions = _ms(r.completion_ms) + (
+        f" ({r.completion_errors} not 200)" if r.completion_errors else ""
+    )
     return (
-        f"| {r.workers} x {r.ranks} | {r.target_events_per_s:.0f} "
+        f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} "
         f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}) "
-        f"| {applied} | {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
+        f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}) "
+        f"| {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
         f"| {_num(r.simulator_cpu, '.0f', 100)}% ({_num(r.simulator_wait, '.0f', 100)}%) "
-        f"| {_num(r.frontend_rss_mb, '.0f')} | {_num(r.http_first_s, '.2f')} "
-        f"| {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.sim_apply_ms)} "
-        f"| {_ms(r.live_ms)} "
+        f"| {_num(r.frontend_rss_mb, '.0f')} "
+        f"| {_num(r.ready_line_s, '.2f')} / {_num(r.http_first_s, '.2f')} "
+        f"/ {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.sim_apply_ms)} "
+        f"| {_ms(r.live_ms)} | {completions} "
         f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} "
         f"| {r.error or ''} |"
     )
+
+
+def _protocols(text: str) -> list[str]:
+    protocols = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(protocols) - set(PROTOCOLS))
+    if not protocols or unknown:
+        raise argparse.ArgumentTypeError(f"protocols are among {', '.join(PROTOCOLS)}")
+    return protocols
+
+
+def _run_name(workers: int, protocol: str) -> str:
+    return f"{workers}-{protocol}"
 
 
 def _sizes(text: str) -> list[int]:
@@ -784,16 +901,22 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-async def run(sizes: Sequence[int], options: Options, logs: Path | None) -> list[SizeResult]:
-    """Measure every size in turn; SIGTERM stops the run, and its processes, cleanly."""
+async def run(
+    sizes: Sequence[int],
+    options: Options,
+    logs: Path | None,
+    protocols: Sequence[str] = ("new",),
+) -> list[SizeResult]:
+    """Measure every size and protocol in turn; SIGTERM stops the run, and its processes,
+    cleanly."""
     results: list[SizeResult] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_sigterm, nursery.cancel_scope)
         if logs is None:
             with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
-                await _run_sizes(sizes, options, Path(scratch), results)
+                await _run_sizes(sizes, protocols, options, Path(scratch), results)
         else:
-            await _run_sizes(sizes, options, logs, results)
+            await _run_sizes(sizes, protocols, options, logs, results)
         nursery.cancel_scope.cancel()
     return results
 
@@ -807,20 +930,25 @@ async def _cancel_on_sigterm(scope: trio.CancelScope) -> None:
 
 
 async def _run_sizes(
-    sizes: Sequence[int], options: Options, logs: Path, results: list[SizeResult]
+    sizes: Sequence[int],
+    protocols: Sequence[str],
+    options: Options,
+    logs: Path,
+    results: list[SizeResult],
 ) -> None:
     for workers in sizes:
-        result = await measure_size(workers, options, logs)
-        results.append(result)
-        if result.error:
-            tail = _log_tail(logs, workers)
-            print(f"{workers} workers: {result.error}{tail}", file=sys.stderr, flush=True)
-        print(table_row(result), flush=True)
+        for protocol in protocols:
+            result = await measure_size(workers, options, logs, protocol)
+            results.append(result)
+            if result.error:
+                tail = _log_tail(logs, _run_name(workers, protocol))
+                print(f"{workers} workers: {result.error}{tail}", file=sys.stderr, flush=True)
+            print(table_row(result), flush=True)
 
 
-def _log_tail(logs: Path, workers: int) -> str:
+def _log_tail(logs: Path, run_name: str) -> str:
     lines: list[str] = []
-    for name in (f"simulator-{workers}.log", f"frontend-{workers}.log"):
+    for name in (f"simulator-{run_name}.log", f"frontend-{run_name}.log"):
         path = logs / name
         if path.exists():
             text = path.read_text(errors="replace").strip().splitlines()[-5:]
@@ -835,6 +963,18 @@ def main() -> None:
     parser.add_argument("--flips", type=int, default=5, help="busy/free flip pairs per size")
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
     parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
+    parser.add_argument(
+        "--protocols",
+        type=_protocols,
+        default=["new"],
+        help=f"what the simulated workers speak, comma-separated among {', '.join(PROTOCOLS)}",
+    )
+    parser.add_argument(
+        "--frontend-arg",
+        action="append",
+        default=[],
+        help="one more argument for the frontend (repeat; e.g. --frontend-arg=--event-budget=6000)",
+    )
     parser.add_argument("--workers-per-sim", type=int, default=1024, help="workers per process")
     parser.add_argument("--start-timeout", type=float, default=120.0, help="process start bound")
     parser.add_argument("--up-timeout", type=float, default=180.0, help="all-workers-up bound")
@@ -863,6 +1003,7 @@ def main() -> None:
         settle=args.settle,
         warmup=args.warmup,
         startup_under_load=args.startup_under_load,
+        frontend_args=tuple(args.frontend_arg),
     )
     print(
         f"frontend on CPU {FRONTEND_CPU}, simulators and probes on CPU {SIM_CPU}; "
@@ -873,7 +1014,7 @@ def main() -> None:
     print("|" + "---|" * HEADER.count(" |"), flush=True)
     if args.logs is not None:
         args.logs.mkdir(parents=True, exist_ok=True)
-    results = trio.run(run, args.sizes, options, args.logs)
+    results = trio.run(run, args.sizes, options, args.logs, args.protocols)
     if args.json is not None:
         args.json.write_text(json.dumps([r.summary() for r in results], indent=2) + "\n")
 

@@ -1,15 +1,26 @@
 """A simulated fleet for ``bench/bench_fleet.py``: K real workers in one process.
 
-Run: ``python bench/fleet_sim.py --workers 64 [--ranks 4] [--rate 20]``. Each worker is a real
-:class:`worker_ingress._server.Worker` (its request and event planes, its admission gate, its
-:class:`~worker_ingress._events.EventPublisher`, keepalive pings and system port) on its own
-port-0 listener; only the engine is the simulator's: :class:`FleetEngine`, which answers
-requests like the zero-work instant engine and whose per-rank load (``active_decode_blocks``,
-``kv_used_blocks``) changes ``--rate`` times a second on every rank. So the frames a frontend
+Run: ``python bench/fleet_sim.py --workers 64 [--ranks 4] [--rate 20] [--protocol current]``. Each
+worker is a real :class:`worker_ingress._server.Worker` (its request and event planes, its
+admission gate, its :class:`~worker_ingress._events.EventPublisher`, keepalive pings and system
+port) on its own port-0 listener; only the engine is the simulator's: :class:`FleetEngine`,
+which answers requests like the zero-work instant engine and whose per-rank load
+(``active_decode_blocks``, ``kv_used_blocks``) changes ``--rate`` times a second on every rank. So the frames a frontend
 receives are the worker's own, byte for byte, and cannot drift from the protocol.
 
-Two modes, fleet-wide: ``free`` (decode blocks below 0.2 of the total on every rank) and ``busy``
-(between 0.6 and 0.9 of the total on every rank). A flip is applied to every engine at once.
+Protocols (``--protocol``), fleet-wide:
+
+- ``new``: the worker as it is, every feature it lists in its hello;
+- ``current``: the worker as it speaks the protocol of the fleet work (busy edges and a publish
+  interval of its own, :data:`CURRENT_FEATURES`): features added since are not listed, so a
+  frontend cannot use them;
+- ``v1``: a worker of protocol version 1 as first released: no features, no
+  ``load_publish_interval`` in its hello, and every change sent at once (at ``--rate`` changes a
+  second, one batch each).
+
+Two load modes, fleet-wide: ``free`` (decode blocks below 0.2 of the total on every rank) and
+``busy`` (between 0.6 and 0.9 of the total on every rank). A flip is applied to every engine at
+once.
 
 Control, one command per line on stdin, one answer line per command on stdout:
 
@@ -41,11 +52,20 @@ import resource
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import Any, Final, TextIO
+from typing import Any, Final, Literal, TextIO
 
+import msgspec
 import trio
 
-from shim_common.wire import BusyThresholds, Endpoint, Heartbeat, RankLoad, WorkerEvent
+from shim_common.wire import (
+    FEATURE_BUSY_EDGES,
+    BusyThresholds,
+    Endpoint,
+    Heartbeat,
+    Hello,
+    RankLoad,
+    WorkerEvent,
+)
 from worker_ingress._config import WorkerSettings
 from worker_ingress._events import EventPublisher, Subscription
 from worker_ingress._server import Worker
@@ -53,7 +73,12 @@ from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import EngineConfig, EngineOutput, PreparedRequest
 from worker_ingress.engines._instant import InstantEngine
 
-__all__ = ["CountingPublisher", "Counters", "FleetEngine", "main"]
+__all__ = ["CURRENT_FEATURES", "CountingPublisher", "Counters", "FleetEngine", "main"]
+
+Protocol = Literal["new", "current", "v1"]
+PROTOCOLS: Final = ("new", "current", "v1")
+#: The features a worker of the fleet work's protocol lists.
+CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)
 
 MODEL: Final = "mock-model"
 KV_TOTAL_BLOCKS: Final = 1000
@@ -95,6 +120,13 @@ class _CountingSubscription(Subscription):
 
     def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
         self._inner.set_thresholds(thresholds)
+
+    def set_publish_interval(self, asked: float) -> None:
+        self._inner.set_publish_interval(asked)
+
+    @property
+    def publish_interval(self) -> float:
+        return self._inner.publish_interval
 
     @property
     def pending(self) -> int:
@@ -190,6 +222,36 @@ class FleetEngine:
         self._load_changed.bump()
 
 
+class ProtocolWorker(Worker):
+    """A real worker whose hello announces an older protocol (see the module docstring)."""
+
+    def __init__(self, settings: WorkerSettings, engine: FleetEngine, protocol: Protocol) -> None:
+        super().__init__(settings, engine)
+        self._protocol = protocol
+        self._older_hello: Hello | None = None
+
+    @property
+    def hello(self) -> Hello:
+        hello = super().hello
+        if self._protocol == "new":
+            return hello
+        if self._older_hello is None:
+            if self._protocol == "current":
+                features = [name for name in hello.features if name in CURRENT_FEATURES]
+                self._older_hello = msgspec.structs.replace(hello, features=features)
+            else:
+                config = msgspec.structs.replace(hello.config, load_publish_interval=0.0)
+                self._older_hello = msgspec.structs.replace(hello, config=config, features=[])
+        return self._older_hello
+
+
+def _limits_of(engine: FleetEngine) -> Callable[[], tuple[int, int]]:
+    def limits() -> tuple[int, int]:
+        return engine.config.kv_total_blocks, engine.config.max_num_batched_tokens
+
+    return limits
+
+
 def _gauges_of(worker: Worker) -> Callable[[], tuple[int, int]]:
     gate = worker.gate
 
@@ -202,7 +264,15 @@ def _gauges_of(worker: Worker) -> Callable[[], tuple[int, int]]:
 class Fleet:
     """The simulator's workers, engines and mode."""
 
-    def __init__(self, workers: int, ranks: int, rate: float, prefix: str, paused: bool) -> None:
+    def __init__(
+        self,
+        workers: int,
+        ranks: int,
+        rate: float,
+        prefix: str,
+        paused: bool,
+        protocol: Protocol = "new",
+    ) -> None:
         self.counters = Counters()
         self.busy = False
         self.rate = rate
@@ -228,14 +298,17 @@ class Fleet:
                 model=MODEL,
                 worker_id=f"{prefix}-{index}",
             )
-            worker = Worker(settings, engine)
-            # The same arguments as Worker.__init__ gives its own publisher, plus the counters.
+            worker = ProtocolWorker(settings, engine, protocol)
+            # The same arguments as Worker.__init__ gives its own publisher, plus the counters
+            # (a version-1 worker had no publish interval: it sent every change at once).
             worker.publisher = CountingPublisher(
                 self.counters,
                 load=engine.load,
                 load_changed=engine.load_changed,
                 gauges=_gauges_of(worker),
                 heartbeat_interval=settings.heartbeat_interval,
+                publish_interval=0.0 if protocol == "v1" else settings.load_publish_interval,
+                limits=_limits_of(engine),
             )
             self.engines.append(engine)
             self.workers.append(worker)
@@ -339,6 +412,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
     parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
     parser.add_argument("--id-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1...")
+    parser.add_argument(
+        "--protocol", choices=PROTOCOLS, default="new", help="what the workers announce and do"
+    )
     parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
     parser.add_argument(
         "--paused", action="store_true", help="no load changes before the first busy/free"
@@ -351,7 +427,14 @@ def main() -> None:
     # Every Worker prints its own ready line to stdout; stdout is the control channel here.
     control = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
-    fleet = Fleet(options.workers, options.ranks, options.rate, options.id_prefix, options.paused)
+    fleet = Fleet(
+        options.workers,
+        options.ranks,
+        options.rate,
+        options.id_prefix,
+        options.paused,
+        options.protocol,
+    )
     trio.run(serve_fleet, fleet, control)
 
 
