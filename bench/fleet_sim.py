@@ -5,8 +5,9 @@ worker is a real :class:`worker_ingress._server.Worker` (its request and event p
 admission gate, its :class:`~worker_ingress._events.EventPublisher`, keepalive pings and system
 port) on its own port-0 listener; only the engine is the simulator's: :class:`FleetEngine`,
 which answers requests like the zero-work instant engine and whose per-rank load
-(``active_decode_blocks``, ``kv_used_blocks``) changes ``--rate`` times a second on every rank. So the frames a frontend
-receives are the worker's own, byte for byte, and cannot drift from the protocol.
+(``active_decode_blocks``, ``kv_used_blocks``) changes ``--rate`` times a second on every rank.
+So the frames a frontend receives are the worker's own, byte for byte, and cannot drift from the
+protocol.
 
 Protocols (``--protocol``), fleet-wide:
 

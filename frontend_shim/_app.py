@@ -33,7 +33,7 @@ from frontend_shim._fleet_bridge import FleetBridge
 from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
-from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
+from frontend_shim._metrics import BudgetSample, FrontendMetrics, LinkSample, RankLoadSample
 from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._waiting import WaitingRoom
@@ -126,6 +126,7 @@ async def run_frontend(
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
+            event_budget=settings.event_budget or None,
         )
         bridge = FleetBridge(fleet, on_change=waiting.release, links=pool.links)
         metrics.watch_links(lambda: _link_samples(pool))
@@ -135,6 +136,7 @@ async def run_frontend(
             token=settings.admin_token,
             on_change=pool.thresholds_changed,
         )
+        metrics.watch_event_budget(lambda: _budget_sample(pool))
         api = FrontendAPI(
             settings=settings,
             fleet=fleet,
@@ -167,12 +169,14 @@ async def run_frontend(
                 task_status=task_status,
             )
         )
+        # Ready once the HTTP port listens, before any link: /live and /health answer while a
+        # large fleet connects.
+        url = base_url("https" if tls is not None else "http", settings.http_host, port)
+        print(f"frontend-shim ready http={url}", flush=True)
         await nursery.start(pool.run, bridge)
         # Everything built so far (the links, the fleet, imported modules) lives as long as the
         # process: out of the collector's sight, full collections stop rescanning it.
         gc.freeze()
-        url = base_url("https" if tls is not None else "http", settings.http_host, port)
-        print(f"frontend-shim ready http={url}", flush=True)
         task_status.started(url)
         nursery.start_soon(_tick, waiting)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -241,6 +245,21 @@ def _link_samples(pool: WorkerPool) -> list[LinkSample]:
         )
         for link in list(pool.links.values())
     ]
+
+
+def _budget_sample(pool: WorkerPool) -> BudgetSample:
+    budget = pool.budget
+    paced = negotiated = 0
+    for link in list(pool.links.values()):
+        paced += link.paced
+        negotiated += link.connected and link.negotiated
+    return BudgetSample(
+        messages_per_second=budget.messages_per_second if budget is not None else 0.0,
+        interval=budget.interval if budget is not None else 0.0,
+        negotiated=negotiated,
+        paced=paced,
+        slice_yields=pool.slices.yields,
+    )
 
 
 async def _tick(waiting: WaitingRoom) -> None:

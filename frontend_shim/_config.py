@@ -8,9 +8,11 @@ import os
 from collections.abc import Mapping
 from typing import Final, Literal
 
+from frontend_shim._event_budget import DEFAULT_EVENT_BUDGET
 from shim_common._busy import BusyThresholds
 
 __all__ = [
+    "DEFAULT_EVENT_BUDGET",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_OVERLOAD_STATUS",
     "FrontendSettings",
@@ -64,6 +66,8 @@ class FrontendSettings:
     max_event_lag: float = 1.0
     #: Worker connection attempts in flight at once (a large fleet starts without a stampede).
     connect_concurrency: int = 64
+    #: Event messages a second taken from all workers together (0: no budget).
+    event_budget: float = DEFAULT_EVENT_BUDGET
     #: Seconds an overload mark lasts at most without a load event from the worker. Not a flag:
     #: the documented behaviour is 1 s; tests shorten it rather than wait.
     overload_mark_lease: float = 1.0

@@ -16,7 +16,9 @@ Rules of a session (the state machine of a link):
    :data:`wire.PROTOCOL_VERSION`, the announced sizes within the bounds of
    :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``, the
    backoff is reset). A worker that lists :data:`wire.FEATURE_BUSY_EDGES` is sent the
-   thresholds of its model (:class:`wire.Subscribe`), again whenever they change.
+   thresholds of its model (:class:`wire.Subscribe`), again whenever they change; one that lists
+   :data:`wire.FEATURE_PUBLISH_INTERVAL` is sent the interval of the pool's
+   :class:`~frontend_shim._event_budget.EventBudget` in it too, again whenever it changes.
 2. While ``up``, four tasks run: a tight reader per plane, the request plane's sender, and a
    watchdog. Nothing runs per message but decoding and handing over (no timeout scope, no task
    hop). The watchdog wakes a few times per keepalive interval and ends the session when the
@@ -33,11 +35,18 @@ Rules of a session (the state machine of a link):
    smallest ``arrival - sent`` seen in the last two windows of ``lag_window`` seconds (clock skew
    and transit); the excess over it is how far behind this frontend reads that worker. Above
    ``max_event_lag`` the listener hears ``worker_lagging(True)`` (routing skips the worker,
-   counted, logged once per episode); back under half of it, ``worker_lagging(False)``.
+   counted, logged once per episode); back under half of it, ``worker_lagging(False)``. A link
+   read at the budget's interval (rule 5) waits up to one interval on purpose: that much is
+   allowed on top of the bound.
 4. Any of these ends the session: a closed connection, the watchdog, a message that does not
    decode (logged and counted in :class:`LinkStats`), a second hello. Every request still open
    on the session then ends at once with ``Failed(kind="unavailable")``; nothing is left hanging.
    ``worker_down`` is called, then the link sleeps out its backoff and goes to 1.
+5. The event budget (:mod:`frontend_shim._event_budget`): a worker that does not list
+   :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
+   read brings, however many batches, is applied as one batch of its latest state
+   (:func:`~frontend_shim._event_budget.latest_wins`), for every link. Each read takes a turn
+   from the pool's :class:`~frontend_shim._event_budget.EventSlices` before it is applied.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -67,6 +76,7 @@ from frontend_shim._connection import (
     open_plane,
 )
 from frontend_shim._discovery import WorkerKey
+from frontend_shim._event_budget import EventBudget, EventSlices, latest_wins
 from frontend_shim._request_plane import (
     LinkStats,
     RequestPlane,
@@ -181,6 +191,7 @@ class LagMeter:
         "_previous_min",
         "_window",
         "_window_end",
+        "allowance",
         "lag",
         "lagging",
         "max_lag",
@@ -198,6 +209,8 @@ class LagMeter:
         self.max_lag = 0.0
         #: Whether the stream is lagging now (with the hysteresis above).
         self.lagging = False
+        #: Seconds of lag allowed on top of the bound (a link read at an interval on purpose).
+        self.allowance = 0.0
 
     def observe(self, arrival: float, sent: float, now: float) -> bool:
         """Record one batch: wall-clock ``arrival`` here, ``sent`` there; ``now`` is monotonic.
@@ -218,10 +231,10 @@ class LagMeter:
         if lag > self.max_lag:
             self.max_lag = lag
         if self.lagging:
-            if lag < self._bound / 2:
+            if lag < self._bound / 2 + self.allowance:
                 self.lagging = False
                 return True
-        elif lag > self._bound:
+        elif lag > self._bound + self.allowance:
             self.lagging = True
             return True
         return False
@@ -257,6 +270,8 @@ class WorkerLink:
         listener: who hears about the worker.
         settings: timeouts, sizes and credentials.
         connect_limiter: bounds the connection attempts of a pool in flight at once.
+        budget: the pool's event budget (rule 5); ``None``: none, every event read at once.
+        slices: the pool's turns for event work (rule 5); ``None``: no turns.
         server_hostname: the name a ``wss://`` worker's certificate must carry.
         rng: the random source of the backoff jitter.
 
@@ -277,6 +292,8 @@ class WorkerLink:
         settings: LinkSettings | None = None,
         *,
         connect_limiter: trio.CapacityLimiter | None = None,
+        budget: EventBudget | None = None,
+        slices: EventSlices | None = None,
         server_hostname: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -288,6 +305,8 @@ class WorkerLink:
         self._settings = settings if settings is not None else LinkSettings()
         self.lag = self._new_lag_meter()
         self._limiter = connect_limiter
+        self._budget = budget
+        self._slices = slices
         self._server_hostname = server_hostname
         self._backoff = Backoff(
             initial=self._settings.backoff_initial,
@@ -305,6 +324,9 @@ class WorkerLink:
         self._plane: RequestPlane | None = None
         self._events: PlaneConnection | None = None
         self._edges = False
+        #: Whether the worker of the current session takes the budget's interval (rule 5).
+        self.negotiated = False
+        self._thresholds: wire.BusyThresholds | None = None
         self._up_event = trio.Event()
         self._reached_up = False
 
@@ -360,12 +382,34 @@ class WorkerLink:
             # A no-op when the request already ended or the session is gone.
             plane.cancel(request_id)
 
+    @property
+    def paced(self) -> bool:
+        """Whether this link reads its worker at the budget's interval (rule 5)."""
+        return self.connected and not self.negotiated and self._budget is not None
+
     async def send_thresholds(self, thresholds: wire.BusyThresholds | None) -> None:
         """Tell the worker the thresholds its model is routed by (if it takes them)."""
+        self._thresholds = thresholds
+        await self._subscribe()
+
+    async def send_interval(self) -> None:
+        """Ask the worker for the budget's interval again (if it takes one)."""
+        if self.negotiated:
+            await self._subscribe()
+
+    async def _subscribe(self) -> None:
         events = self._events
-        if events is None or not self._edges or thresholds is None:
+        thresholds = self._thresholds
+        if events is None:
             return
-        message = wire.encode(wire.Subscribe(thresholds=thresholds))
+        if self.negotiated and self._budget is not None:
+            interval = self._budget.interval
+            thresholds = thresholds if thresholds is not None else wire.BusyThresholds()
+        elif self._edges and thresholds is not None:
+            interval = 0.0
+        else:
+            return
+        message = wire.encode(wire.Subscribe(thresholds=thresholds, publish_interval=interval))
         # A failure means the session is ending; the next one sends them again.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await events.send_message(message)
@@ -468,6 +512,7 @@ class WorkerLink:
             stats=self.stats,
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
+        self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
         self._events = events
         self.lag = self._new_lag_meter()
         self._up(config, plane)
@@ -507,27 +552,40 @@ class WorkerLink:
         self._listener.worker_down(self.key, trio.current_time())
 
     async def _read_events(self, events: PlaneConnection) -> None:
-        # Tight: decode and hand over, nothing else (rule 2).
+        # Tight: decode and hand over, nothing else (rule 2); paced and sliced (rule 5).
         listener = self._listener
         key = self.key
         decode = wire.decode_event_message
         stats = self.stats
         lag = self.lag
+        budget = None if self.negotiated else self._budget
+        slices = self._slices
+        read_at = -math.inf
         while True:
+            if budget is not None and budget.interval > 0:
+                lag.allowance = budget.interval
+                await trio.sleep_until(read_at + budget.interval)
             messages = await events.messages()
+            read_at = trio.current_time()
+            if slices is not None:
+                await slices.turn()
             arrival = time.time()
             now = trio.current_time()
+            batches: list[list[wire.WorkerEvent]] = []
+            sent = 0.0
             for data in messages:
                 message = self._decode(data, decode)
                 if isinstance(message, wire.Hello):
                     stats.protocol_errors += 1
                     raise ProtocolError("a second hello on the event plane")
                 batch = message.events
-                sent = message.sent or (batch[-1].ts if batch else 0.0)
-                if sent and lag.observe(arrival, sent, now):
-                    self._lag_edge(lag, now)
-                stats.event_batches += 1
-                listener.worker_events(key, batch, now)
+                sent = message.sent or (batch[-1].ts if batch else sent)
+                batches.append(batch)
+            # The newest batch says how far behind this read is.
+            if sent and lag.observe(arrival, sent, now):
+                self._lag_edge(lag, now)
+            stats.event_batches += len(batches)
+            listener.worker_events(key, latest_wins(batches), now)
 
     def _new_lag_meter(self) -> LagMeter:
         return LagMeter(self._settings.lag_window, self._settings.max_event_lag)

@@ -18,7 +18,13 @@ from prometheus_client.registry import Collector
 
 from shim_common._status import render_registry
 
-__all__ = ["FrontendMetrics", "LinkSample", "RankLoadSample", "UNKNOWN_MODEL_LABEL"]
+__all__ = [
+    "BudgetSample",
+    "FrontendMetrics",
+    "LinkSample",
+    "RankLoadSample",
+    "UNKNOWN_MODEL_LABEL",
+]
 
 #: The ``model`` label of requests for a model no worker has announced: client input must not
 #: create series without bound.
@@ -51,6 +57,58 @@ class LinkSample(NamedTuple):
     max_lag: float
     event_batches: int
     lag_episodes: int
+
+
+class BudgetSample(NamedTuple):
+    """The event budget in use, read at scrape time."""
+
+    #: The budget (event messages a second over the fleet; 0: none).
+    messages_per_second: float
+    #: The interval each worker is asked for or read at (seconds).
+    interval: float
+    #: Connected workers that take the interval, and links read at it.
+    negotiated: int
+    paced: int
+    #: Times event work waited for the next slice.
+    slice_yields: int
+
+
+_BUDGET_SNAPSHOT: contextvars.ContextVar[BudgetSample | None] = contextvars.ContextVar(
+    "budget_snapshot", default=None
+)
+
+
+class _BudgetCollector(Collector):
+    def __init__(self, sample: Callable[[], BudgetSample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        sample = _BUDGET_SNAPSHOT.get() or self._sample()
+        yield GaugeMetricFamily(
+            "dynamo_frontend_event_budget_messages_per_second",
+            "Event messages a second this frontend takes from all its workers (0: no budget)",
+            value=sample.messages_per_second,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_event_interval_seconds",
+            "Seconds between two event batches each worker is asked for, or read at",
+            value=sample.interval,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_workers_event_interval_negotiated",
+            "Connected workers that send at the interval asked of them",
+            value=sample.negotiated,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_workers_event_read_paced",
+            "Connected workers that do not negotiate the interval, read at it (latest wins)",
+            value=sample.paced,
+        )
+        yield CounterMetricFamily(
+            "dynamo_frontend_event_slice_yields",
+            "Times event work waited a pass of the event loop for HTTP and link set-up",
+            value=sample.slice_yields,
+        )
 
 
 #: Samples taken on the event loop for one exposition formatted in a worker thread: the
@@ -190,6 +248,7 @@ class FrontendMetrics:
         )
         self._worker_loads = worker_loads
         self._link_samples: Callable[[], Iterable[LinkSample]] = lambda: ()
+        self._budget_sample: Callable[[], BudgetSample] | None = None
         self._send_stalls = Counter(
             "dynamo_frontend_http_send_stalls",
             "HTTP clients dropped because they read nothing for the send timeout",
@@ -209,6 +268,11 @@ class FrontendMetrics:
         """Export the worker links' own figures (connected, lag), read at scrape time."""
         self._link_samples = samples
         self.registry.register(_LinkCollector(samples))
+
+    def watch_event_budget(self, sample: Callable[[], BudgetSample]) -> None:
+        """Export the event budget in use and the interval it gives, read at scrape time."""
+        self._budget_sample = sample
+        self.registry.register(_BudgetCollector(sample))
 
     def count_rejection(self, model: str, endpoint: str) -> None:
         """One request answered with the overload status (all workers busy or rejecting)."""
@@ -267,8 +331,11 @@ class FrontendMetrics:
         """
         links = self._link_samples()
         _SNAPSHOT.set((list(self._worker_loads()), list(links)))
+        if self._budget_sample is not None:
+            _BUDGET_SNAPSHOT.set(self._budget_sample())
         try:
             # The thread runs in a copy of this context, so its collectors see the snapshot.
             return await trio.to_thread.run_sync(self.render, accept_header)
         finally:
             _SNAPSHOT.set(None)
+            _BUDGET_SNAPSHOT.set(None)

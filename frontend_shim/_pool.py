@@ -6,6 +6,10 @@
 vanished ones are stopped. A lookup that fails keeps the addresses that name had before. The
 links share one connect limiter, so a fleet of thousands starts with a bounded number of
 handshakes in flight, and every link starts at once (none waits for another to connect).
+
+The pool owns the frontend's event budget (:mod:`frontend_shim._event_budget`): the budget's
+interval is recomputed whenever links are added or stopped, and asked again of every connected
+worker that takes one when it changes; the links share one :class:`EventSlices`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from frontend_shim._discovery import (
     WorkerUrl,
     parse_worker_url,
     resolve_addresses,
+)
+from frontend_shim._event_budget import (
+    DEFAULT_EVENT_BUDGET,
+    DEFAULT_EVENTS_PER_SLICE,
+    EventBudget,
+    EventSlices,
 )
 from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
 from shim_common import wire
@@ -54,6 +64,8 @@ class WorkerPool:
         resolve_interval: float = 30.0,
         resolver: Resolver = resolve_addresses,
         connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY,
+        event_budget: float | None = DEFAULT_EVENT_BUDGET,
+        events_per_slice: int = DEFAULT_EVENTS_PER_SLICE,
     ) -> None:
         """Parse the URLs; nothing is resolved or connected before :meth:`run`.
 
@@ -63,6 +75,9 @@ class WorkerPool:
             resolve_interval: seconds between lookups of the host names.
             resolver: the lookup (tests replace it); IP literals never reach it.
             connect_concurrency: connection attempts in flight at once across all links.
+            event_budget: event messages a second the links take in all; ``None``: no budget
+                (every worker at its own pace, every event read at once).
+            events_per_slice: reads applied in one pass of the scheduler.
 
         Raises:
             ValueError: a URL that :func:`parse_worker_url` refuses.
@@ -77,6 +92,10 @@ class WorkerPool:
         self._resolved: dict[WorkerUrl, list[WorkerKey]] = {}
         self._limiter = trio.CapacityLimiter(connect_concurrency)
         self._nursery: trio.Nursery | None = None
+        #: The event budget shared by the links (``None``: none).
+        self.budget = EventBudget(event_budget) if event_budget is not None else None
+        #: The turns for event work shared by the links.
+        self.slices = EventSlices(events_per_slice)
 
     @property
     def links(self) -> Mapping[WorkerKey, WorkerLink]:
@@ -106,6 +125,7 @@ class WorkerPool:
         )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            await nursery.start(self.slices.run)
             complete = await self._reconcile(nursery, listener)
             task_status.started()
             while True:
@@ -145,6 +165,16 @@ class WorkerPool:
                 logger.info("worker %s no longer resolved: stopping its link", key)
                 del self._links[key]
                 self._scopes.pop(key).cancel()
+        if self.budget is not None and self.budget.resize(len(wanted)):
+            logger.info(
+                "event budget %.0f messages/s over %d workers: one every %.3f s per worker",
+                self.budget.messages_per_second,
+                len(wanted),
+                self.budget.interval,
+            )
+            for link in self._links.values():
+                if link.connected and link.negotiated:
+                    nursery.start_soon(link.send_interval)
         for key, host in wanted.items():
             if key not in self._links:
                 link = WorkerLink(
@@ -152,6 +182,8 @@ class WorkerPool:
                     listener,
                     self._settings,
                     connect_limiter=self._limiter,
+                    budget=self.budget,
+                    slices=self.slices,
                     server_hostname=host,
                 )
                 self._links[key] = link

@@ -28,6 +28,9 @@ Rules:
    that changed. With the :data:`FEATURE_BUSY_EDGES` feature a subscriber sends a
    :class:`Subscribe` with the thresholds it routes by; a change that turns one of the worker's
    ranks busy or free under them is then sent at once instead of waiting out the interval.
+   With :data:`FEATURE_PUBLISH_INTERVAL` the subscriber may also ask for a longer interval of
+   its own (:attr:`Subscribe.publish_interval`): the worker sends it at most one batch every
+   ``max(load_publish_interval, publish_interval)`` seconds, edges still at once.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ __all__ = [
     "CLOSE_UNDECODABLE",
     "EVENTS_PATH",
     "FEATURE_BUSY_EDGES",
+    "FEATURE_PUBLISH_INTERVAL",
+    "MAX_SUBSCRIBER_INTERVAL",
     "REQUESTS_PATH",
     "SUBPROTOCOL_BATCH",
     "MAX_MESSAGE_BYTES",
@@ -118,6 +123,12 @@ FEATURE_CLASSES: Final = "classes"
 PRIORITY_MIN: Final = -1000
 PRIORITY_MAX: Final = 1000
 TENANT_MAX_CHARS: Final = 256
+
+#: Hello feature: the worker honours :attr:`Subscribe.publish_interval` (it reads
+#: :class:`Subscribe` even without :data:`FEATURE_BUSY_EDGES`).
+FEATURE_PUBLISH_INTERVAL: Final = "publish-interval"
+#: The longest :attr:`Subscribe.publish_interval` a subscriber may ask for (seconds).
+MAX_SUBSCRIBER_INTERVAL: Final = 60.0
 
 #: Websocket subprotocol a client offers on the request plane to say it reads :class:`Batch`.
 #: A worker that accepts it may put several replies in one message; one that does not (an older
@@ -251,11 +262,16 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_fi
 
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_field="type"):
     """Sent by a subscriber on the event plane, to a worker that lists
-    :data:`FEATURE_BUSY_EDGES`; a later one replaces the earlier. ``thresholds`` is the one
-    thresholds type of both sides (:class:`shim_common._busy.BusyThresholds`, which says what
-    each field means and checks its range on decode)."""
+    :data:`FEATURE_BUSY_EDGES` or :data:`FEATURE_PUBLISH_INTERVAL`; a later one replaces the
+    earlier. ``thresholds`` is the one thresholds type of both sides
+    (:class:`shim_common._busy.BusyThresholds`, which says what each field means and checks its
+    range on decode)."""
 
     thresholds: BusyThresholds
+    #: Seconds between two batches this subscriber asks for at most (0: the worker's own
+    #: interval). Honoured by workers listing :data:`FEATURE_PUBLISH_INTERVAL`, bounded below by
+    #: their own ``load_publish_interval``; older workers ignore it.
+    publish_interval: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBSCRIBER_INTERVAL)] = 0.0
 
 
 # ----------------------------------------------------------------------------- request plane

@@ -32,6 +32,7 @@ import trio
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
+from frontend_shim._event_budget import EventBudget
 from frontend_shim._links import LinkSettings, WorkerLink
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
@@ -474,3 +475,160 @@ async def test_the_send_timeout_leaves_slow_but_reading_clients_alone(stream: bo
             assert received > 0
             metrics = (await client.get(url + "/metrics")).text
             assert metric(metrics, "dynamo_frontend_http_send_stalls_total") == 0
+
+
+# ----------------------------------------------------------------------------- the event budget
+
+
+def v1_heartbeat_frame(seq: int) -> bytes:
+    """A version-1 worker's batch: no ``sent`` stamp (the link falls back to the event's ts)."""
+    beat = wire.Heartbeat(seq=seq, ts=time.time(), loads=[], engine_requests=0, queued_requests=0)
+    return frame(wire.encode(wire.EventBatch(events=[beat])))
+
+
+class SeqListener(Listener):
+    """Notes the batches handed over and the newest ``seq`` seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+        self.newest = 0
+
+    def worker_events(self, key: str, events: Sequence[wire.WorkerEvent], now: float) -> None:
+        self.batches += 1
+        self.newest = max([self.newest, *(event.seq for event in events)])
+
+
+async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins() -> None:
+    # A version-1 worker: no features in its hello, a batch every 5 ms whatever anyone asks. The
+    # new frontend sends it nothing and reads it at the budget's interval, keeping the latest.
+    sent = 0
+    received = bytearray()
+
+    async def old_worker_events(stream: trio.SocketStream) -> None:
+        nonlocal sent
+
+        async def read_everything() -> None:
+            while data := await stream.receive_some(4096):
+                received.extend(data)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_everything)
+            await stream.send_all(hello_frame())
+            while True:
+                sent += 1
+                await stream.send_all(v1_heartbeat_frame(sent))
+                await trio.sleep(0.005)
+
+    budget = EventBudget(10)
+    budget.resize(2)  # two links: one read every 0.2 s each
+    assert budget.interval == pytest.approx(0.2)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await serve_fake_worker(
+                nursery, events=old_worker_events, requests=hello_then_never_read
+            )
+            listener = SeqListener()
+            # The fake request plane answers no ping: no keepalive within the test.
+            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
+            link = WorkerLink(url, listener, quiet, budget=budget)
+            await nursery.start(link.run)
+            await poll(lambda: link.connected, "the link to come up")
+            assert link.paced
+            assert not link.negotiated
+            await poll(lambda: sent > 20, "the worker to send")
+            start_batches, start = listener.batches, trio.current_time()
+            await trio.sleep(1.0)
+            reads = listener.batches - start_batches
+            elapsed = trio.current_time() - start
+            # About one read per 0.2 s (the worker sent about 200 batches meanwhile) ...
+            assert 1 <= reads <= elapsed / 0.2 + 2
+            # ... and each applies the newest state the read found, not a backlog.
+            assert sent - listener.newest <= 0.2 / 0.005 * 3
+            assert link.stats.event_batches > reads  # everything read was decoded
+            nursery.cancel_scope.cancel()
+    assert received == b""  # no subscribe for a worker that does not list the feature
+
+
+async def test_a_new_worker_is_asked_for_the_budget_interval() -> None:
+    # The real worker sends a heartbeat every 50 ms and lists the publish-interval feature: the
+    # link asks for 0.3 s and gets about three batches a second.
+    settings = worker_settings(load_publish_interval=0.01)
+    budget = EventBudget(10)
+    budget.resize(3)
+    with trio.fail_after(TIMEOUT):
+        async with running_worker(settings) as (worker, address):
+            hello = worker.hello
+            assert wire.FEATURE_PUBLISH_INTERVAL in hello.features
+            async with trio.open_nursery() as nursery:
+                listener = SeqListener()
+                link = WorkerLink(address.ws_url, listener, LINK, budget=budget)
+                await nursery.start(link.run)
+                await poll(lambda: link.connected, "the link to come up")
+                assert link.negotiated
+                assert not link.paced
+                await trio.sleep(0.4)  # the subscribe is read; one batch under the old interval
+                start_batches = listener.batches
+                await trio.sleep(1.2)
+                batches = listener.batches - start_batches
+                # 24 heartbeats were produced; at 0.3 s apart at most 5 batches went out.
+                assert 2 <= batches <= 5
+                await serve_one_request(link)
+                nursery.cancel_scope.cancel()
+
+
+async def test_an_old_frontend_gets_the_workers_own_interval() -> None:
+    # A frontend of the fleet work's protocol: it sends the subscribe it knows (thresholds only,
+    # no publish_interval) and then reads; the new worker keeps its own interval for it.
+    settings = worker_settings(load_publish_interval=0.01)
+    with trio.fail_after(TIMEOUT):
+        async with running_worker(settings) as (_worker, address):
+            host, port = address.ws_url.removeprefix("ws://").rsplit(":", 1)
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(
+                    b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\n\r\n"
+                )
+                buffer = b""
+                while b"\r\n\r\n" not in buffer:
+                    buffer += await stream.receive_some(4096)
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                assert head.startswith(b"HTTP/1.1 101")
+                old_subscribe = msgspec.msgpack.encode(
+                    {"type": "subscribe", "thresholds": {"active_decode_blocks": 0.5}}
+                )
+                await stream.send_all(client_frame(old_subscribe))
+                messages: list[bytes] = []
+                start = trio.current_time()
+                while trio.current_time() - start < 1.0:
+                    buffer += await stream.receive_some(65536)
+                    while (parsed := _server_message(buffer)) is not None:
+                        message, buffer = parsed
+                        messages.append(message)
+    hello = wire.decode_event_message(messages[0])
+    assert isinstance(hello, wire.Hello)
+    batches = [wire.decode_event_message(message) for message in messages[1:]]
+    assert all(isinstance(batch, wire.EventBatch) for batch in batches)
+    # Heartbeats every 50 ms, each sent at once under the worker's own 10 ms interval.
+    assert len(batches) >= 10
+
+
+def _server_message(buffer: bytes) -> tuple[bytes, bytes] | None:
+    """One unmasked binary frame off the front of ``buffer`` (``None``: not all there yet)."""
+    if len(buffer) < 2:
+        return None
+    size, offset = buffer[1] & 0x7F, 2
+    if size == 126:
+        if len(buffer) < 4:
+            return None
+        size, offset = struct.unpack("!H", buffer[2:4])[0], 4
+    elif size == 127:
+        if len(buffer) < 10:
+            return None
+        size, offset = struct.unpack("!Q", buffer[2:10])[0], 10
+    if len(buffer) < offset + size:
+        return None
+    assert buffer[0] == 0x82
+    return buffer[offset : offset + size], buffer[offset + size :]

@@ -26,6 +26,10 @@ Rules:
    that turns a rank busy or free under them compared with what the subscriber was last sent.
    Those still keep ``publish_interval / 20`` apart, so a load flapping around a threshold
    costs at most ``21 / publish_interval`` batches a second.
+8. A subscriber may ask for a longer interval of its own
+   (:meth:`Subscription.set_publish_interval`, a frontend keeping to its event budget): its
+   batches then keep ``max(publish_interval, asked)`` apart. The worker's own interval bounds it
+   below, and the edges and status heartbeats of rule 7 keep their own, shorter gap.
 
 The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that watches the engine's
 :class:`~worker_ingress._watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
@@ -217,6 +221,7 @@ class Subscription:
         self._mailbox = Mailbox()
         self._signal = ChangeSignal()
         self._seen = 0
+        self._own_interval = publish_interval
         self._interval = publish_interval
         self._edge_gap = publish_interval * EDGE_GAP_SHARE
         self._limits = limits
@@ -230,6 +235,17 @@ class Subscription:
     def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
         """Route-relevant edges under ``thresholds`` skip the interval from now on."""
         self._thresholds = thresholds
+
+    def set_publish_interval(self, asked: float) -> None:
+        """Send at most one batch every ``asked`` seconds, never more often than the worker's
+        own interval (rule 8); 0 goes back to the worker's own. A batch already waiting out
+        the old interval keeps it; the next one waits out the new."""
+        self._interval = max(self._own_interval, asked)
+
+    @property
+    def publish_interval(self) -> float:
+        """The interval in force for this subscriber (seconds)."""
+        return self._interval
 
     def deliver(self, event: WorkerEvent, *, urgent: bool = False) -> None:
         """Put an event in the mailbox and wake the subscriber (synchronous, never blocks).

@@ -543,6 +543,7 @@ class EventConnection:
                     await self._ws.aclose(CLOSE_UNDECODABLE, f"undecodable message: {exc}"[:120])
                     break
                 subscription.set_thresholds(message.thresholds)
+                subscription.set_publish_interval(message.publish_interval)
         stop.cancel()
 
     async def close(self) -> None:

@@ -52,6 +52,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     REQUESTS_PATH,
@@ -172,7 +173,7 @@ class Worker:
                     heartbeat_interval=self.settings.heartbeat_interval,
                     load_publish_interval=self.settings.load_publish_interval,
                 ),
-                features=[FEATURE_BUSY_EDGES, FEATURE_CLASSES],
+                features=[FEATURE_BUSY_EDGES, FEATURE_CLASSES, FEATURE_PUBLISH_INTERVAL],
             )
         return self._hello
 

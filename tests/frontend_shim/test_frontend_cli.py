@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +41,7 @@ VARIABLES = [
     "DYN_TLS_CERT_PATH",
     "DYN_TLS_KEY_PATH",
     "DYN_TLS_CA_PATH",
+    "DYN_EVENT_BUDGET",
 ]
 
 
@@ -72,6 +74,33 @@ def test_workers_from_flags_and_comma_separated_variable(monkeypatch: pytest.Mon
     monkeypatch.setenv("DYN_WORKERS", "ws://c:3, ws://d:4")
     assert parse_args([])[0].workers == ("ws://c:3", "ws://d:4")
     assert parse_args(["--worker", "ws://e:5"])[0].workers == ("ws://e:5",)
+
+
+def test_thousands_of_worker_flags_parse_in_order_and_quickly() -> None:
+    urls = [f"ws://10.0.{i // 256}.{i % 256}:9100" for i in range(4096)]
+    argv = ["--router-mode", "kv"]
+    for index, url in enumerate(urls):
+        argv += ["--worker", url] if index % 2 else [f"--worker={url}"]
+    argv += ["--http-port", "0"]
+    started = time.perf_counter()
+    settings, _ = parse_args(argv)
+    elapsed = time.perf_counter() - started
+    assert settings.workers == tuple(urls)
+    assert settings.router_mode == "kv"
+    assert settings.http_port == 0
+    # One flag each used to cost the parser minutes at this size; now it is one flag.
+    assert elapsed < 10
+
+
+def test_the_event_budget_from_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([])[0].event_budget == 6000
+    assert parse_args(["--event-budget", "0"])[0].event_budget == 0
+    monkeypatch.setenv("DYN_EVENT_BUDGET", "2500.5")
+    assert parse_args([])[0].event_budget == 2500.5
+    for bad in ("-1", "nan", "lots"):
+        monkeypatch.setenv("DYN_EVENT_BUDGET", bad)
+        with pytest.raises(CliError, match="DYN_EVENT_BUDGET"):
+            parse_args([])
 
 
 def test_command_line_beats_environment(monkeypatch: pytest.MonkeyPatch) -> None:

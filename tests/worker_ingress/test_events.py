@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
-from worker_ingress._events import EventPublisher, LoadTracker, Mailbox
+from worker_ingress._events import EventPublisher, LoadTracker, Mailbox, Subscription
 from worker_ingress._watch import ChangeSignal
 
 
@@ -369,3 +369,55 @@ async def test_without_thresholds_a_busy_change_waits_for_the_interval(
             start = trio.current_time()
             await subscription.next_batch()
     assert trio.current_time() - start >= 4.9
+
+
+async def test_a_subscriber_may_ask_for_a_longer_interval_never_a_shorter_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=0.1)
+    ) as publisher:
+        with publisher.subscribe() as slow, publisher.subscribe() as fast:
+            slow.set_publish_interval(0.5)
+            fast.set_publish_interval(0.01)  # below the worker's own: the worker's own holds
+            assert (slow.publish_interval, fast.publish_interval) == (0.5, 0.1)
+            counts = {"slow": 0, "fast": 0}
+
+            async def count(name: str, subscription: Subscription) -> None:
+                await subscription.next_batch()
+                while True:
+                    await subscription.next_batch()
+                    counts[name] += 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(count, "slow", slow)
+                nursery.start_soon(count, "fast", fast)
+                nursery.start_soon(_step_load, source, 2000, 0.001)
+                await trio.sleep(2.0)
+                nursery.cancel_scope.cancel()
+    # 2 s of changes every millisecond: about 4 batches at 0.5 s, about 20 at 0.1 s.
+    assert 3 <= counts["slow"] <= 5
+    assert 15 <= counts["fast"] <= 21
+
+
+async def test_edges_skip_a_subscribers_longer_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=0.1)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            subscription.set_thresholds(BusyThresholds(active_decode_blocks=0.5))
+            subscription.set_publish_interval(10.0)
+            await subscription.next_batch()
+            source.loads = [rank(0, blocks=60), rank(1)]
+            source.changed.bump()
+            start = trio.current_time()
+            (event,) = await subscription.next_batch()
+            assert isinstance(event, LoadEvent)
+            # The edge gap is the worker's own (0.1 / 20), not a share of the asked 10 s.
+            assert trio.current_time() - start <= 0.1 / 20 + 0.01
+            subscription.set_publish_interval(0.0)
+            assert subscription.publish_interval == 0.1

@@ -1,0 +1,221 @@
+"""The event budget: the interval a fleet's links get, latest-wins over one read, event slices."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frontend_shim._event_budget import (
+    MAX_BUDGET_INTERVAL,
+    EventBudget,
+    EventSlices,
+    latest_wins,
+)
+from shim_common import wire
+
+# ----------------------------------------------------------------------------- EventBudget
+
+
+def test_the_budget_is_shared_evenly_by_the_links() -> None:
+    budget = EventBudget(6000)
+    assert budget.resize(2048)
+    assert budget.interval == pytest.approx(2048 / 6000)
+    assert budget.links == 2048
+    # Every link at that interval: the fleet sends the budget.
+    assert budget.expected_messages_per_second([0.1] * 2048) == pytest.approx(6000)
+
+
+def test_a_small_fleet_gets_no_more_than_the_workers_own_rate() -> None:
+    budget = EventBudget(6000)
+    budget.resize(64)
+    assert budget.interval == pytest.approx(64 / 6000)
+    # Their own 0.1 s interval is longer than the budget's: they send at their own pace.
+    assert budget.expected_messages_per_second([0.1] * 64) == pytest.approx(640)
+
+
+def test_the_interval_is_capped_and_then_the_budget_is_exceeded() -> None:
+    budget = EventBudget(1000)
+    budget.resize(100_000)
+    assert budget.interval == MAX_BUDGET_INTERVAL
+    assert budget.expected_messages_per_second([0.1] * 100_000) == pytest.approx(100_000)
+
+
+def test_small_changes_in_the_fleet_do_not_re_ask_every_worker() -> None:
+    budget = EventBudget(1000, resend_share=0.2)
+    assert budget.resize(500)
+    first = budget.interval
+    assert not budget.resize(550)  # 10 % more: the interval stays
+    assert budget.interval == first
+    assert budget.resize(700)  # 40 % more: asked again
+    assert budget.interval == pytest.approx(0.7)
+    assert budget.resize(0)
+    assert budget.interval == 0.0
+    assert not budget.resize(0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_a_budget_that_is_not_a_positive_number_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="event budget"):
+        EventBudget(bad)
+
+
+@given(
+    budget=st.floats(min_value=1.0, max_value=1e6),
+    links=st.integers(min_value=1, max_value=100_000),
+    own=st.floats(min_value=0.0, max_value=2.0),
+)
+def test_under_the_cap_the_fleet_never_sends_more_than_the_budget(
+    budget: float, links: int, own: float
+) -> None:
+    shared = EventBudget(budget)
+    shared.resize(links)
+    expected = shared.expected_messages_per_second([own] * links)
+    if shared.interval < MAX_BUDGET_INTERVAL:
+        assert expected <= budget * (1 + 1e-9)
+    else:
+        assert expected <= links / MAX_BUDGET_INTERVAL * (1 + 1e-9)
+
+
+# ----------------------------------------------------------------------------- latest_wins
+
+
+def load(seq: int, rank: int, blocks: int) -> wire.LoadEvent:
+    return wire.LoadEvent(
+        seq=seq,
+        ts=float(seq),
+        load=wire.RankLoad(
+            dp_rank=rank, active_decode_blocks=blocks, active_prefill_tokens=0, kv_used_blocks=0
+        ),
+        engine_requests=seq,
+        queued_requests=0,
+    )
+
+
+def heartbeat(
+    seq: int, blocks: list[int], status: Literal["ready", "draining"] = "ready"
+) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        seq=seq,
+        ts=float(seq),
+        loads=[
+            wire.RankLoad(
+                dp_rank=rank, active_decode_blocks=b, active_prefill_tokens=0, kv_used_blocks=0
+            )
+            for rank, b in enumerate(blocks)
+        ],
+        engine_requests=seq,
+        queued_requests=0,
+        status=status,
+    )
+
+
+def applied(events: list[wire.WorkerEvent]) -> tuple[dict[int, int], str, int]:
+    """What a subscriber knows after applying events in order: blocks per rank, status, gauge."""
+    blocks: dict[int, int] = {}
+    status = "ready"
+    gauge = -1
+    for event in events:
+        if isinstance(event, wire.Heartbeat):
+            blocks = {rank.dp_rank: rank.active_decode_blocks for rank in event.loads}
+            status = event.status
+        else:
+            blocks[event.load.dp_rank] = event.load.active_decode_blocks
+        gauge = event.engine_requests
+    return blocks, status, gauge
+
+
+def test_one_batch_is_applied_as_it_is() -> None:
+    batch: list[wire.WorkerEvent] = [load(1, 0, 5), load(2, 1, 6)]
+    assert latest_wins([batch]) == batch
+
+
+def test_several_batches_keep_the_latest_per_rank_and_the_latest_heartbeat() -> None:
+    batches: list[list[wire.WorkerEvent]] = [
+        [load(1, 0, 5), load(2, 1, 6)],
+        [heartbeat(3, [7, 8], "draining")],
+        [load(4, 0, 9)],
+        [load(5, 0, 10)],
+    ]
+    assert latest_wins(batches) == [heartbeat(3, [7, 8], "draining"), load(5, 0, 10)]
+
+
+@st.composite
+def event_batches(draw: st.DrawFn) -> list[list[wire.WorkerEvent]]:
+    count = draw(st.integers(min_value=1, max_value=30))
+    events: list[wire.WorkerEvent] = []
+    for seq in range(1, count + 1):
+        if draw(st.booleans()):
+            events.append(load(seq, draw(st.integers(0, 3)), draw(st.integers(0, 100))))
+        else:
+            blocks = draw(st.lists(st.integers(0, 100), min_size=4, max_size=4))
+            events.append(heartbeat(seq, blocks, draw(st.sampled_from(["ready", "draining"]))))
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, count - 1)), max_size=count)))
+    batches: list[list[wire.WorkerEvent]] = []
+    start = 0
+    for cut in [*cuts, count]:
+        if cut > start:
+            batches.append(events[start:cut])
+            start = cut
+    return batches
+
+
+@settings(max_examples=50, deadline=None)
+@given(event_batches())
+def test_applying_the_latest_leaves_what_applying_everything_leaves(
+    batches: list[list[wire.WorkerEvent]],
+) -> None:
+    everything = [event for batch in batches for event in batch]
+    kept = latest_wins(batches)
+    assert applied(kept) == applied(everything)
+    assert [event.seq for event in kept] == sorted(event.seq for event in kept)
+    if len(batches) > 1:  # one batch is the worker's mailbox already: applied as it is
+        assert len(kept) <= 4 + 1
+
+
+# ----------------------------------------------------------------------------- EventSlices
+
+
+async def test_event_work_yields_to_other_tasks_after_each_slice() -> None:
+    per_slice = 3
+    slices = EventSlices(per_slice)
+    turns = 0
+    most_between = 0
+    done = trio.Event()
+
+    async def reader() -> None:
+        nonlocal turns
+        for _ in range(10):
+            await slices.turn()
+            turns += 1  # no checkpoint between turns: only the slices make it yield
+
+    async def other_task() -> None:
+        # Stands for an HTTP request: how many turns pass between two of its steps?
+        nonlocal most_between
+        while not done.is_set():
+            before = turns
+            await trio.lowlevel.checkpoint()
+            most_between = max(most_between, turns - before)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(slices.run)
+            nursery.start_soon(other_task)
+            async with trio.open_nursery() as readers:
+                for _ in range(20):
+                    readers.start_soon(reader)
+            done.set()
+            nursery.cancel_scope.cancel()
+    assert turns == 200
+    assert slices.yields >= 200 // per_slice - 1
+    # Turns left of one slice and the next slice's may meet in one pass, no more.
+    assert most_between <= 2 * per_slice
+
+
+def test_a_slice_takes_at_least_one_turn() -> None:
+    with pytest.raises(ValueError, match="per_slice"):
+        EventSlices(0)
