@@ -857,7 +857,7 @@ def table_row(r: SizeResult) -> str:
     if r.all_up_s is None:
         return (
             f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} | "
-            f"{r.error or 'not up'} |" + " |" * 15
+            f"{r.error or 'not up'} |" + " |" * 14
         )
     lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
     applied = (

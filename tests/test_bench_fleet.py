@@ -7,12 +7,22 @@ counted. No figure is asserted: the machine running the tests may be small and b
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import trio
+
+from bench.bench_fleet import (
+    HEADER,
+    SizeResult,
+    _protocols,
+    event_metrics,
+    quantile,
+    table_row,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +78,40 @@ async def test_fleet_benchmark_reports_a_size_that_does_not_come_up(tmp_path: Pa
     [result] = json.loads(report.read_text())
     assert "not all 2 workers up" in result["error"]
     assert result["all_up_s"] is None
+
+
+def test_event_metrics_reads_the_budget_the_interval_the_batches_and_the_lag() -> None:
+    text = "\n".join(
+        [
+            "# HELP dynamo_frontend_event_batches_total Load-event batches",
+            "dynamo_frontend_event_batches_total 1234.0",
+            'dynamo_frontend_worker_event_lag_seconds{worker_id="a"} 0.25',
+            'dynamo_frontend_worker_event_lag_seconds{worker_id="b"} 0.5',
+            "dynamo_frontend_event_budget_messages_per_second 6000.0",
+            "dynamo_frontend_event_interval_seconds 0.341",
+        ]
+    )
+    found = event_metrics(text)
+    assert found.applied == 1234.0
+    assert found.lag == 0.5
+    assert found.budget == 6000.0
+    assert found.interval == 0.341
+    # A frontend without them: every figure absent, none made up.
+    assert event_metrics("dynamo_frontend_workers_connected 3") == type(found)()
+
+
+def test_protocols_are_checked_and_a_row_has_every_column() -> None:
+    assert _protocols("current, v1") == ["current", "v1"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        _protocols("v2")
+    result = SizeResult(workers=8, ranks=4, simulators=1, rate=20.0, protocol="v1")
+    columns = HEADER.count(" |")
+    assert table_row(result).count(" |") == columns  # not up: the error fills the row
+    result.all_up_s = 1.0
+    result.live_ms = [1.0, 2.0, 3.0]
+    result.completion_ms = [4.0, 5.0]
+    row = table_row(result)
+    assert row.count(" |") == columns
+    assert "| v1 |" in row
+    assert "| 4 / 5 |" in row
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.0
