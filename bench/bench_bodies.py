@@ -1,6 +1,7 @@
 """What hostile request bodies cost the frontend: memory (RSS) and the latency of a small request.
 
-Run: ``python bench/bench_bodies.py [--bodies 6] [--keys 1000000] [TREE ...]``
+Run from the repository's root:
+``python -m bench.bench_bodies [--bodies 6] [--keys 1000000] [--long-prompt BYTES] [TREE ...]``
 
 Each TREE (a checkout of this repository; default: this one) runs in turn, in this one
 invocation, so the figures compare side by side: a frontend with one local mocker worker
@@ -32,16 +33,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
-SERVER_CPU = "0"
-LOAD_CPU = "1"
+from bench.bench_frontend import LOAD_CPU, SERVER_CPU, _pinned, _wait_connected
+
 MODEL = "mock-model"
 SMALL = json.dumps({"model": MODEL, "prompt": "one two", "max_tokens": 1}).encode()
-
-
-def _pinned(cpu: str, args: list[str]) -> list[str]:
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        return ["taskset", "-c", cpu, *args]
-    return args
 
 
 def hostile_body(keys: int) -> bytes:
@@ -78,17 +73,6 @@ def _post(url: str, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
         return reply.status, time.perf_counter() - started
     finally:
         connection.close()
-
-
-def _wait_connected(url: str) -> None:
-    import urllib.request
-
-    for _ in range(500):
-        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
-            if json.load(reply)["workers_connected"] >= 1:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"{url} never connected to its worker")
 
 
 def measure(tree: Path, bodies: int, body: bytes) -> dict[str, object]:

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import trio
+from worker_configs import runtime_config
 
 from frontend_shim._accounting import CLIENT_CLOSED, Exchange, Progress
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import FrontendMetrics
 from shim_common import wire
-
-
-def _config(worker_id: str) -> wire.RuntimeConfig:
-    return wire.RuntimeConfig(
-        worker_id=worker_id,
-        model="m",
-        kv_total_blocks=100,
-        block_size=16,
-        max_num_batched_tokens=1000,
-        max_num_seqs=8,
-        data_parallel_size=2,
-        engine_request_limit=None,
-        request_queue_limit=40000,
-        heartbeat_interval=1.0,
-    )
 
 
 def _chunk(tokens: int) -> wire.Chunk:
@@ -47,7 +33,7 @@ def test_an_exchange_counts_as_client_closed_until_an_answer_is_noted() -> None:
 
 async def test_progress_charges_the_worker_moves_the_charge_with_output_and_drops_it_once() -> None:
     fleet = Fleet()
-    fleet.register(_config("w-1"), now=0.0)
+    fleet.register(runtime_config(data_parallel_size=2), now=0.0)
     metrics = FrontendMetrics(lambda: ())
     exchange = Exchange("completions", "m", trio.current_time())
     progress = Progress.start(fleet, metrics, exchange, "w-1", prompt_tokens=40)
@@ -78,7 +64,7 @@ async def test_progress_of_a_worker_gone_before_the_start_charges_nothing() -> N
 
 async def test_output_blocks_are_charged_with_track_output_blocks() -> None:
     fleet = Fleet(track_output_blocks=True)
-    fleet.register(_config("w-1"), now=0.0)
+    fleet.register(runtime_config(data_parallel_size=2), now=0.0)
     metrics = FrontendMetrics(lambda: ())
     progress = Progress.start(
         fleet, metrics, Exchange("completions", "m", 0.0), "w-1", prompt_tokens=16

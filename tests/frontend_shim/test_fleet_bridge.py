@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
+from worker_configs import runtime_config
+
 from frontend_shim._fleet_bridge import FleetBridge
 from frontend_shim._load import Fleet
 from shim_common import wire
-
-
-def _config(worker_id: str = "w-1") -> wire.RuntimeConfig:
-    return wire.RuntimeConfig(
-        worker_id=worker_id,
-        model="m",
-        kv_total_blocks=100,
-        block_size=16,
-        max_num_batched_tokens=1000,
-        max_num_seqs=8,
-        data_parallel_size=1,
-        engine_request_limit=None,
-        request_queue_limit=40000,
-        heartbeat_interval=1.0,
-    )
 
 
 def _load(seq: int, blocks: int) -> wire.LoadEvent:
@@ -33,8 +20,8 @@ def test_one_worker_at_two_addresses_is_counted_once_and_survives_losing_one() -
     fleet = Fleet()
     changes: list[None] = []
     bridge = FleetBridge(fleet, on_change=lambda: changes.append(None))
-    bridge.worker_up("ws://127.0.0.1:1", _config(), now=0.0)
-    bridge.worker_up("ws://[::1]:1", _config(), now=0.0)
+    bridge.worker_up("ws://127.0.0.1:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://[::1]:1", runtime_config(), now=0.0)
     assert fleet.connected_count == 1
     assert bridge.key_of("w-1") == "ws://127.0.0.1:1"
     # The standby's events are not applied twice; the owner's are.
@@ -55,8 +42,8 @@ def test_one_worker_at_two_addresses_is_counted_once_and_survives_losing_one() -
 def test_a_standby_going_down_changes_nothing() -> None:
     fleet = Fleet()
     bridge = FleetBridge(fleet, on_change=lambda: None)
-    bridge.worker_up("ws://a:1", _config(), now=0.0)
-    bridge.worker_up("ws://b:1", _config(), now=0.0)
+    bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://b:1", runtime_config(), now=0.0)
     bridge.worker_down("ws://b:1", now=0.1)
     assert fleet.connected_count == 1
     assert bridge.key_of("w-1") == "ws://a:1"
@@ -70,8 +57,8 @@ def test_the_link_of_a_worker_id_is_its_owners_and_none_once_it_is_down() -> Non
     links = {"ws://a:1": owner, "ws://b:1": standby}
     bridge = FleetBridge(fleet, on_change=lambda: None, links=links)  # type: ignore[arg-type]
     assert bridge.link_of("w-1") is None
-    bridge.worker_up("ws://a:1", _config(), now=0.0)
-    bridge.worker_up("ws://b:1", _config(), now=0.0)
+    bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://b:1", runtime_config(), now=0.0)
     assert bridge.link_of("w-1") is owner
     bridge.worker_down("ws://a:1", now=1.0)
     assert bridge.link_of("w-1") is standby

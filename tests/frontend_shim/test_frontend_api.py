@@ -686,6 +686,17 @@ async def test_busy_threshold_get_and_post_cases() -> None:
             )
             assert unknown.status == 404
             assert "nope" in unknown.json()["error"]
+            # Hostile bodies: refused in the admin shape, naming the bound, echoing no input.
+            deep = await f.post("/busy_threshold", raw=b'{"model": ' + _nested(1000) + b"}")
+            assert deep.status == 400
+            assert "levels deep" in deep.json()["error"]
+            many = b",".join(b'"k%d":1' % index for index in range(200_000))
+            wide = await f.post("/busy_threshold", raw=b'{"model": "m", ' + many + b"}")
+            assert wide.status == 413
+            assert "JSON values" in wide.json()["error"]
+            long_name = await f.post("/busy_threshold", {"model": "n" * (1 << 20)})
+            assert long_name.status == 404
+            assert len(long_name.body) < 1000
             # Nothing above changed what is in force.
             assert (await f.get("/busy_threshold")).json()["thresholds"][0] == both.json()
 

@@ -495,7 +495,9 @@ def reference_free(fleet: Fleet, now: float) -> set[str]:
             )
             for r in reported
         )
-        stale = now - worker.last_seen > worker.stale_after
+        # Stale past last_seen + stale_after, written as Fleet.expire writes it: as a difference,
+        # float rounding could put the two on either side of the deadline.
+        stale = worker.last_seen + worker.stale_after < now
         marked = worker.mark_until is not None and worker.mark_until > now
         if not (worker_busy or stale or marked or worker.draining):
             result.add(worker.worker_id)

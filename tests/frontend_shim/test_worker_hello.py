@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import httpx
-import msgspec
 import pytest
 import trio
 import trio_websocket
+from worker_configs import runtime_config
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
@@ -17,27 +18,11 @@ from frontend_shim._worker_hello import MAX_COUNT, MAX_DATA_PARALLEL_SIZE, refus
 from shim_common import wire
 
 
-def _config(**changes: object) -> wire.RuntimeConfig:
-    config = wire.RuntimeConfig(
-        worker_id="w-1",
-        model="m",
-        kv_total_blocks=100,
-        block_size=16,
-        max_num_batched_tokens=1000,
-        max_num_seqs=8,
-        data_parallel_size=1,
-        engine_request_limit=None,
-        request_queue_limit=40000,
-        heartbeat_interval=1.0,
-    )
-    return msgspec.structs.replace(config, **changes)
-
-
 def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
-    assert refusal(_config()) is None
-    assert refusal(_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE)) is None
-    assert refusal(_config(kv_total_blocks=MAX_COUNT, engine_request_limit=0)) is None
-    assert refusal(_config(heartbeat_interval=0.0, load_publish_interval=3600.0)) is None
+    assert refusal(runtime_config()) is None
+    assert refusal(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE)) is None
+    assert refusal(runtime_config(kv_total_blocks=MAX_COUNT, engine_request_limit=0)) is None
+    assert refusal(runtime_config(heartbeat_interval=0.0, load_publish_interval=3600.0)) is None
 
 
 @pytest.mark.parametrize(
@@ -59,9 +44,9 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
     ],
 )
 def test_an_absurd_hello_is_refused_naming_the_field(
-    changes: dict[str, object], named: str
+    changes: dict[str, Any], named: str
 ) -> None:
-    reason = refusal(_config(**changes))
+    reason = refusal(runtime_config(**changes))
     assert reason is not None
     assert named in reason
     assert len(reason) < 200
@@ -73,7 +58,7 @@ async def test_a_worker_claiming_two_million_ranks_is_refused_and_metrics_stay_s
     hello = wire.encode(
         wire.Hello(
             protocol_version=wire.PROTOCOL_VERSION,
-            config=_config(data_parallel_size=2_000_000),
+            config=runtime_config(data_parallel_size=2_000_000),
         )
     )
     hellos = 0
