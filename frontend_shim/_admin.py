@@ -126,10 +126,10 @@ def parse_threshold_update(raw: bytes) -> tuple[str, BusyThresholds]:
             422, f"`{_THRESHOLD_FIELDS[1]}` must be an integer, got {quote(tokens)}", admin=True
         )
     try:
-        update = BusyThresholds(
-            active_decode_blocks=None if decode is None else float(decode),
+        update = BusyThresholds.checked(
+            active_decode_blocks=decode,
             active_prefill_tokens=tokens,
-            active_prefill_tokens_frac=None if frac is None else float(frac),
+            active_prefill_tokens_frac=frac,
         )
     except ThresholdError as exc:
         raise BadRequest(400, str(exc), admin=True) from None

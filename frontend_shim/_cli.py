@@ -45,9 +45,11 @@ from shim_common._cli import (
     exit_invalid,
     finite,
     invoke,
+    of_kind,
     strict_int,
     valid_port,
 )
+from shim_common._numbers import COUNT, FRACTION, RATIO, SECONDS
 from worker_ingress import local_worker_parameters
 
 __all__ = ["CliError", "main", "parse_args"]
@@ -106,7 +108,7 @@ def _frontend(
         float | None,
         Parameter(
             env_var="DYN_ACTIVE_DECODE_BLOCKS_THRESHOLD",
-            validator=(validators.Number(gte=0, lte=1), finite),
+            validator=of_kind(FRACTION),
         ),
     ] = None,
     active_prefill_tokens_threshold: Annotated[
@@ -114,14 +116,14 @@ def _frontend(
         Parameter(
             converter=strict_int,
             env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD",
-            validator=validators.Number(gte=0),
+            validator=of_kind(COUNT),
         ),
     ] = None,
     active_prefill_tokens_threshold_frac: Annotated[
         float | None,
         Parameter(
             env_var="DYN_ACTIVE_PREFILL_TOKENS_THRESHOLD_FRAC",
-            validator=(validators.Number(gte=0), finite),
+            validator=of_kind(RATIO),
         ),
     ] = None,
     router_track_output_blocks: Annotated[
@@ -130,7 +132,7 @@ def _frontend(
     router_queue_threshold: Annotated[
         float | None,
         Parameter(
-            env_var="DYN_ROUTER_QUEUE_THRESHOLD", validator=(validators.Number(gt=0), finite)
+            env_var="DYN_ROUTER_QUEUE_THRESHOLD", validator=of_kind(RATIO, gt=0)
         ),
     ] = None,
     router_queue_capacity: Annotated[
@@ -138,13 +140,13 @@ def _frontend(
         Parameter(
             converter=strict_int,
             env_var="DYN_ROUTER_QUEUE_CAPACITY",
-            validator=validators.Number(gte=1),
+            validator=of_kind(COUNT, gte=1),
         ),
     ] = 1024,
     migration_limit: Annotated[
         int,
         Parameter(
-            converter=strict_int, env_var="DYN_MIGRATION_LIMIT", validator=validators.Number(gte=0)
+            converter=strict_int, env_var="DYN_MIGRATION_LIMIT", validator=of_kind(COUNT)
         ),
     ] = 0,
     max_body_bytes: Annotated[
@@ -152,7 +154,7 @@ def _frontend(
         Parameter(
             converter=strict_int,
             env_var="DYN_HTTP_MAX_BODY_BYTES",
-            validator=validators.Number(gte=1),
+            validator=of_kind(COUNT, gte=1),
         ),
     ] = DEFAULT_MAX_BODY_BYTES,
     admission_control: Annotated[
@@ -162,14 +164,14 @@ def _frontend(
         float | None,
         Parameter(
             env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
-            validator=(validators.Number(gte=0), finite),
+            validator=of_kind(SECONDS),
         ),
     ] = None,
     max_event_lag: Annotated[
         float,
         Parameter(
             env_var="DYN_MAX_EVENT_LAG",
-            validator=(validators.Number(gt=0, lte=3600), finite),
+            validator=of_kind(SECONDS, gt=0, lte=3600),
         ),
     ] = 1.0,
     worker_connect_concurrency: Annotated[

@@ -16,9 +16,21 @@ is exceeded (strict ``>``; unset checks are skipped; all unset: never busy), see
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
+
+from shim_common._numbers import (
+    COUNT,
+    FRACTION,
+    RATIO,
+    Count,
+    Fraction,
+    Kind,
+    NumberError,
+    Ratio,
+    shown,
+)
 
 __all__ = [
     "UNKNOWN_MAX_BATCHED_TOKENS",
@@ -32,6 +44,8 @@ __all__ = [
 
 #: ``max_num_batched_tokens`` assumed when a worker announces none (Dynamo's default).
 UNKNOWN_MAX_BATCHED_TOKENS: Final = 10_000_000
+
+_N = TypeVar("_N", int, float)
 
 
 class ThresholdError(ValueError):
@@ -48,64 +62,65 @@ class ThresholdError(ValueError):
         self.value = value
 
 
-def validate_active_decode_blocks_threshold(value: float) -> float:
-    """Check a decode-blocks threshold: a finite float in [0.0, 1.0].
-
-    Args:
-        value: the threshold given.
+def validate_active_decode_blocks_threshold(value: object) -> float:
+    """Check a decode-blocks threshold: a :data:`~shim_common._numbers.FRACTION`.
 
     Returns:
         ``value`` as a float.
 
     Raises:
-        ThresholdError: out of range, NaN or infinite.
+        ThresholdError: not a number, out of range, NaN or infinite.
     """
-    value = float(value)
-    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        field = "active_decode_blocks_threshold"
-        raise ThresholdError(field, value, f"{field} must be between 0.0 and 1.0, got {value}")
-    return value
+    refusal = "must be between 0.0 and 1.0"
+    return _checked(FRACTION, "active_decode_blocks_threshold", value, refusal, dynamo_high=1.0)
 
 
-def validate_active_prefill_tokens_threshold(value: int) -> int:
-    """Check an absolute prefill-tokens threshold: an integer >= 0.
-
-    Args:
-        value: the threshold given.
+def validate_active_prefill_tokens_threshold(value: object) -> int:
+    """Check an absolute prefill-tokens threshold: a :data:`~shim_common._numbers.COUNT`.
 
     Returns:
         ``value``.
 
     Raises:
-        ThresholdError: negative.
+        ThresholdError: not a whole number, negative, or past 2**53.
     """
-    if value < 0:
-        field = "active_prefill_tokens_threshold"
-        raise ThresholdError(field, value, f"{field} must be >= 0, got {value}")
-    return value
+    return _checked(COUNT, "active_prefill_tokens_threshold", value, "must be >= 0")
 
 
-def validate_active_prefill_tokens_threshold_frac(value: float) -> float:
-    """Check a prefill-tokens fraction threshold: a finite float >= 0.0.
-
-    Args:
-        value: the threshold given.
+def validate_active_prefill_tokens_threshold_frac(value: object) -> float:
+    """Check a prefill-tokens fraction threshold: a :data:`~shim_common._numbers.RATIO`.
 
     Returns:
         ``value`` as a float.
 
     Raises:
-        ThresholdError: negative, NaN or infinite.
+        ThresholdError: not a number, negative, NaN, infinite or past 1e6.
     """
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0.0):
-        field = "active_prefill_tokens_threshold_frac"
-        raise ThresholdError(
-            field,
-            value,
-            f"{field} must be a finite value greater than or equal to 0.0, got {value}",
+    return _checked(
+        RATIO,
+        "active_prefill_tokens_threshold_frac",
+        value,
+        "must be a finite value greater than or equal to 0.0",
+    )
+
+
+def _checked(
+    kind: Kind[_N], field: str, value: object, refusal: str, *, dynamo_high: float = math.inf
+) -> _N:
+    """``value`` checked as ``kind``. Refused with Dynamo's text (``refusal``) for what Dynamo
+    refuses too; a finite value that Dynamo takes (up to ``dynamo_high``) but that is past the
+    kind's top is refused with the kind's own text."""
+    try:
+        return kind.check(value)
+    except NumberError as exc:
+        past_the_top = (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and (not isinstance(value, float) or math.isfinite(value))
+            and kind.high < value <= dynamo_high
         )
-    return value
+        message = f"{field} {exc}" if past_the_top else f"{field} {refusal}, got {shown(value)}"
+        raise ThresholdError(field, value, message) from None
 
 
 class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,9 +136,9 @@ class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
             ``ValidationError`` on decode).
     """
 
-    active_decode_blocks: float | None = None
-    active_prefill_tokens: int | None = None
-    active_prefill_tokens_frac: float | None = None
+    active_decode_blocks: Fraction | None = None
+    active_prefill_tokens: Count | None = None
+    active_prefill_tokens_frac: Ratio | None = None
 
     def __post_init__(self) -> None:
         if self.active_decode_blocks is not None:
@@ -132,6 +147,32 @@ class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True):
             validate_active_prefill_tokens_threshold(self.active_prefill_tokens)
         if self.active_prefill_tokens_frac is not None:
             validate_active_prefill_tokens_threshold_frac(self.active_prefill_tokens_frac)
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        active_decode_blocks: object = None,
+        active_prefill_tokens: object = None,
+        active_prefill_tokens_frac: object = None,
+    ) -> BusyThresholds:
+        """Thresholds from values as they came from outside (JSON, say), each checked and
+        converted by its rule (an integer fraction becomes a float); ``None`` leaves it unset.
+
+        Raises:
+            ThresholdError: the first value out of range, or not a number of its kind.
+        """
+        return cls(
+            active_decode_blocks=None
+            if active_decode_blocks is None
+            else validate_active_decode_blocks_threshold(active_decode_blocks),
+            active_prefill_tokens=None
+            if active_prefill_tokens is None
+            else validate_active_prefill_tokens_threshold(active_prefill_tokens),
+            active_prefill_tokens_frac=None
+            if active_prefill_tokens_frac is None
+            else validate_active_prefill_tokens_threshold_frac(active_prefill_tokens_frac),
+        )
 
     @property
     def configured(self) -> bool:

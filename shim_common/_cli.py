@@ -11,11 +11,13 @@ import logging
 import math
 import re
 import sys
-from collections.abc import Sequence
-from typing import NamedTuple, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import cyclopts
 from cyclopts import App, Parameter, Token, validators
+
+from shim_common._numbers import COUNT, Kind
 
 __all__ = [
     "DEFAULT_LOG_FILTER",
@@ -30,6 +32,7 @@ __all__ = [
     "exit_invalid",
     "finite",
     "invoke",
+    "of_kind",
     "positive",
     "strict_int",
     "valid_port",
@@ -40,8 +43,23 @@ class CliError(Exception):
     """An invalid flag or variable; the message is the one line printed before exit 2."""
 
 
+def of_kind(kind: Kind[Any], **bounds: float) -> tuple[Callable[..., None], ...]:
+    """The validators of a flag whose value is of ``kind`` (see :mod:`shim_common._numbers`),
+    narrowed by ``bounds`` (cyclopts' ``Number`` keywords: ``gt``, ``gte``, ``lt``, ``lte``).
+
+    The kind is checked first, so NaN, an infinity or a value past the kind's top is refused with
+    the kind's own message, whatever the flag's narrower bounds.
+    """
+    if not bounds:
+        return (kind.validator,)
+    return (kind.validator, validators.Number(**bounds))
+
+
 def finite(type_: type, value: float | None) -> None:
-    """A cyclopts validator refusing NaN and infinities (which pass range checks unnoticed)."""
+    """A cyclopts validator refusing NaN and infinities (which pass range checks unnoticed).
+
+    A float flag should rather be given its kind with :func:`of_kind`, which also bounds it.
+    """
     if value is not None and not math.isfinite(value):
         raise ValueError("Must be a finite number.")
 
@@ -60,9 +78,9 @@ def valid_port() -> validators.Number:
     return validators.Number(gte=0, lte=65535)
 
 
-def positive() -> validators.Number:
-    """A cyclopts validator for a count of at least one."""
-    return validators.Number(gte=1)
+def positive() -> tuple[Callable[..., None], ...]:
+    """The validators of a count of at least one (a :data:`~shim_common._numbers.COUNT`)."""
+    return of_kind(COUNT, gte=1)
 
 
 def invoke(command_app: App, argv: Sequence[str]) -> object:

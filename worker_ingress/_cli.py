@@ -26,12 +26,13 @@ from shim_common._cli import (
     LogFilter,
     apply_log_filter,
     exit_invalid,
-    finite,
     invoke,
+    of_kind,
     positive,
     strict_int,
     valid_port,
 )
+from shim_common._numbers import COUNT, RANKS, RATIO, SECONDS
 from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
 from worker_ingress._version import __version__
 
@@ -127,12 +128,12 @@ def _worker(
         float | None,
         Parameter(
             env_var="DYN_REQUEST_QUEUE_TIMEOUT",
-            validator=(validators.Number(gt=0), finite),
+            validator=of_kind(SECONDS, gt=0),
         ),
     ] = None,
     ttft_slo: Annotated[
         float | None,
-        Parameter(env_var="DYN_TTFT_SLO", validator=(validators.Number(gt=0), finite)),
+        Parameter(env_var="DYN_TTFT_SLO", validator=of_kind(SECONDS, gt=0)),
     ] = None,
     adaptive_min_limit: Annotated[
         int,
@@ -142,21 +143,21 @@ def _worker(
         float,
         Parameter(
             env_var="DYN_GRACEFUL_SHUTDOWN_TIMEOUT",
-            validator=(validators.Number(gte=0), finite),
+            validator=of_kind(SECONDS),
         ),
     ] = 30.0,
     heartbeat_interval: Annotated[
         float,
         Parameter(
             env_var="DYN_HEARTBEAT_INTERVAL",
-            validator=(validators.Number(gt=0, lte=60), finite),
+            validator=of_kind(SECONDS, gt=0, lte=60),
         ),
     ] = 1.0,
     load_publish_interval: Annotated[
         float,
         Parameter(
             env_var="DYN_LOAD_PUBLISH_INTERVAL",
-            validator=(validators.Number(gte=0, lte=10), finite),
+            validator=of_kind(SECONDS, lte=10),
         ),
     ] = 0.1,
     num_gpu_blocks: Annotated[
@@ -179,12 +180,12 @@ def _worker(
     data_parallel_size: Annotated[
         int,
         Parameter(
-            converter=strict_int, env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=positive()
+            converter=strict_int, env_var="DYN_MOCKER_DATA_PARALLEL_SIZE", validator=of_kind(RANKS)
         ),
     ] = 1,
     speedup_ratio: Annotated[
         float,
-        Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=(validators.Number(gt=0), finite)),
+        Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=of_kind(RATIO, gt=0)),
     ] = 1.0,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
@@ -378,9 +379,12 @@ def _queue_limit_from_env() -> int:
     if raw is None:
         return DEFAULT_QUEUE_LIMIT
     try:
-        value = int(raw.strip())
+        value = COUNT.check(int(raw.strip()))
     except ValueError:
-        raise CliError(f'Invalid value for {name} from env: "{raw}" is not an integer.') from None
+        raise CliError(
+            f'Invalid value for {name} from env: "{raw[:40]}" is not a whole number '
+            "from 2 to 2**53."
+        ) from None
     if value < 2:
         raise CliError(
             f'Invalid value "{raw}" for {name} provided by env. Must be >= 2 '
@@ -400,10 +404,10 @@ def _tenant_weights(raw: str | None) -> dict[str, float]:
             weight = float(number)
         except ValueError:
             weight = float("nan")
-        if not sep or not name or not 0 < weight < float("inf"):
+        if not sep or not name or not 0 < weight <= RATIO.high:
             raise CliError(
                 f'Invalid value "{raw}" for --tenant-weights (DYN_TENANT_WEIGHTS): "{item}" is '
-                "not name=weight with a positive number."
+                "not name=weight with a positive number up to 1e6."
             )
         if name in weights:
             raise CliError(
