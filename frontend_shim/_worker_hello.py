@@ -8,21 +8,22 @@ and nothing of the worker reaches the load state.
 
 - ``worker_id``: 1 to :data:`MAX_WORKER_ID_CHARS` characters; ``model``: 1 to
   :data:`MAX_MODEL_CHARS` (both become metric labels).
-- ``data_parallel_size``: 1 to :data:`MAX_DATA_PARALLEL_SIZE`, so one worker costs at most that
-  many rank states and three per-rank series on ``/metrics``, whatever it claims.
+- ``data_parallel_size``: of the kind :data:`~shim_common._numbers.RANKS` (1 to 1,024), so one
+  worker costs at most that many rank states and three per-rank series on ``/metrics``,
+  whatever it claims.
 - Counts (``kv_total_blocks``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
-  ``request_queue_limit``, ``engine_request_limit`` when set): integers from 0 to
-  :data:`MAX_COUNT`.
-- Intervals (``heartbeat_interval``, ``load_publish_interval``): finite seconds from 0 to
-  :data:`MAX_INTERVAL`.
+  ``request_queue_limit``, ``engine_request_limit`` when set): of the kind
+  :data:`~shim_common._numbers.COUNT` (0 to 2**53), as the worker's own flags are.
+- Intervals (``heartbeat_interval``, ``load_publish_interval``): of the kind
+  :data:`~shim_common._numbers.SECONDS`, narrowed to at most :data:`MAX_INTERVAL`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Final
 
 from shim_common import wire
+from shim_common._numbers import COUNT, RANKS, SECONDS, Kind, NumberError
 
 __all__ = [
     "MAX_COUNT",
@@ -33,10 +34,10 @@ __all__ = [
     "refusal",
 ]
 
-#: Data-parallel ranks one worker may announce.
-MAX_DATA_PARALLEL_SIZE: Final = 1024
-#: Largest announced count (blocks, tokens, sequences, queue places): 2**48, exact as a float.
-MAX_COUNT: Final = 2**48
+#: Data-parallel ranks one worker may announce (the kind's bound).
+MAX_DATA_PARALLEL_SIZE: Final = RANKS.high
+#: Largest announced count (blocks, tokens, sequences, queue places): the kind's bound.
+MAX_COUNT: Final = COUNT.high
 #: Longest announced interval, in seconds.
 MAX_INTERVAL: Final = 3600.0
 MAX_WORKER_ID_CHARS: Final = 256
@@ -51,7 +52,7 @@ def refusal(config: wire.RuntimeConfig) -> str | None:
     ):
         if not 1 <= len(text) <= longest:
             return f"{name} of {len(text)} characters (1 to {longest} accepted)"
-    if not 1 <= config.data_parallel_size <= MAX_DATA_PARALLEL_SIZE:
+    if not _of_kind(RANKS, config.data_parallel_size):
         return (
             f"data_parallel_size {config.data_parallel_size} "
             f"(1 to {MAX_DATA_PARALLEL_SIZE} accepted)"
@@ -65,12 +66,20 @@ def refusal(config: wire.RuntimeConfig) -> str | None:
         "engine_request_limit": config.engine_request_limit,
     }
     for name, count in counts.items():
-        if count is not None and not 0 <= count <= MAX_COUNT:
+        if count is not None and not _of_kind(COUNT, count):
             return f"{name} {count} (0 to {MAX_COUNT} accepted)"
     for name, seconds in (
         ("heartbeat_interval", config.heartbeat_interval),
         ("load_publish_interval", config.load_publish_interval),
     ):
-        if not (math.isfinite(seconds) and 0 <= seconds <= MAX_INTERVAL):
+        if not (_of_kind(SECONDS, seconds) and seconds <= MAX_INTERVAL):
             return f"{name} {seconds} (0 to {MAX_INTERVAL:g} seconds accepted)"
     return None
+
+
+def _of_kind(kind: Kind[int] | Kind[float], value: object) -> bool:
+    try:
+        kind.check(value)
+    except NumberError:
+        return False
+    return True

@@ -34,7 +34,7 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
         ({"block_size": -1}, "block_size"),
         ({"max_num_batched_tokens": 2**63}, "max_num_batched_tokens"),
         ({"max_num_seqs": -5}, "max_num_seqs"),
-        ({"request_queue_limit": 2**50}, "request_queue_limit"),
+        ({"request_queue_limit": 2**53 + 1}, "request_queue_limit"),
         ({"engine_request_limit": -1}, "engine_request_limit"),
         ({"heartbeat_interval": float("nan")}, "heartbeat_interval nan"),
         ({"heartbeat_interval": float("inf")}, "heartbeat_interval inf"),
