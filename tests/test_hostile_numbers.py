@@ -166,6 +166,28 @@ def test_every_numeric_flag_and_variable_refuses_hostile_numbers(
         os.environ.update(clean)
 
 
+#: Numbers the commands read outside their numeric flags: variables without a flag, and the
+#: numbers inside a flag's text.
+OTHER_ENTRIES = [
+    ("DYN_DYNAMO_REQUEST_QUEUE_LIMIT", None),
+    ("DYN_BACKEND_ADMISSION_REQUEST_QUEUE_LIMIT", None),
+    (None, "--tenant-weights"),
+]
+
+
+@settings(max_examples=100, deadline=None)
+@given(entry=st.sampled_from(OTHER_ENTRIES), value=HOSTILE)
+def test_numbers_read_from_other_text_refuse_hostile_numbers(
+    entry: tuple[str | None, str | None], value: int | float
+) -> None:
+    variable, flag = entry
+    if flag is not None:
+        _refused(worker_cli.parse_args, [flag, f"gold={_text(value)}"], flag)
+    if variable is not None:
+        with environment(variable, _text(value)):
+            _refused(worker_cli.parse_args, [], variable)
+
+
 @pytest.mark.parametrize(
     ("command", "argv"),
     [

@@ -406,13 +406,13 @@ def _tenant_weights(raw: str | None) -> dict[str, float]:
             weight = float("nan")
         if not sep or not name or not 0 < weight <= RATIO.high:
             raise CliError(
-                f'Invalid value "{raw}" for --tenant-weights (DYN_TENANT_WEIGHTS): "{item}" is '
-                "not name=weight with a positive number up to 1e6."
+                f'Invalid value "{raw[:80]}" for --tenant-weights (DYN_TENANT_WEIGHTS): '
+                f'"{item[:80]}" is not name=weight with a positive number up to 1e6.'
             )
         if name in weights:
             raise CliError(
-                f'Invalid value "{raw}" for --tenant-weights (DYN_TENANT_WEIGHTS): tenant '
-                f'"{name}" is given twice.'
+                f'Invalid value "{raw[:80]}" for --tenant-weights (DYN_TENANT_WEIGHTS): tenant '
+                f'"{name[:80]}" is given twice.'
             )
         weights[name] = weight
     return weights
