@@ -24,6 +24,7 @@ import msgspec
 import trio
 
 from shim_common._net import Backoff
+from shim_common._numbers import COUNT, NumberError
 from worker_ingress.engines._base import EngineConfig
 from worker_ingress.engines.upstream._client import Origin, UpstreamClient, UpstreamConnectionError
 from worker_ingress.engines.upstream._metrics import parse_metrics_text
@@ -184,10 +185,15 @@ class UpstreamDiscovery:
         else:
             load_source = "nothing: the estimate alone is reported"
         config = EngineConfig(
-            kv_total_blocks=facts.kv_total_blocks or fallback.kv_total_blocks,
-            block_size=facts.block_size or fallback.block_size,
-            max_num_batched_tokens=facts.max_num_batched_tokens or fallback.max_num_batched_tokens,
-            max_num_seqs=facts.max_num_seqs or fallback.max_num_seqs,
+            kv_total_blocks=_count(facts.kv_total_blocks, "kv_total_blocks", source)
+            or fallback.kv_total_blocks,
+            block_size=_count(facts.block_size, "block_size", source) or fallback.block_size,
+            max_num_batched_tokens=_count(
+                facts.max_num_batched_tokens, "max_num_batched_tokens", source
+            )
+            or fallback.max_num_batched_tokens,
+            max_num_seqs=_count(facts.max_num_seqs, "max_num_seqs", source)
+            or fallback.max_num_seqs,
             data_parallel_size=1,
         )
         return Discovered(config=config, source=source, load_source=load_source)
@@ -238,4 +244,17 @@ class UpstreamDiscovery:
             if reading is None:
                 return None
             return min(config.kv_total_blocks, -(-reading.tokens // config.block_size))
+        return None
+
+
+def _count(value: int | None, name: str, source: str) -> int | None:
+    """A limit the upstream announced, if it is a count (shim_common._numbers) that the worker
+    can compute with and announce in its hello; else ``None`` (the flag's value), with a warning.
+    """
+    if value is None:
+        return None
+    try:
+        return COUNT.check(value)
+    except NumberError as exc:
+        logger.warning("upstream %s from %s %s; using the flag's value", name, source, exc)
         return None

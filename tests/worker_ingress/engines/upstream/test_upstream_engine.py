@@ -568,6 +568,26 @@ async def test_run_without_metrics_keeps_the_fallback(upstream: FakeUpstream) ->
     assert probed == ["GET /v1/models", "GET /metrics", "GET /get_server_info", "GET /props"]
 
 
+async def test_absurd_limits_from_the_upstream_fall_back_to_the_flags(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A count past 2**53 could not go into the worker's hello (msgpack carries 64 bits at most).
+    async def server_info(exchange: Exchange) -> None:
+        info = {"max_total_num_tokens": 10**40, "page_size": 1, "max_running_requests": 4}
+        await exchange.send_json(200, info)
+
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["GET /get_server_info"] = server_info
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            nursery.cancel_scope.cancel()
+    assert engine.config.kv_total_blocks == FALLBACK.kv_total_blocks
+    assert engine.config.max_num_seqs == 4  # the sane values are still taken
+    assert any("kv_total_blocks" in r.getMessage() for r in caplog.records)
+
+
 async def test_config_read_before_run_stays_fixed(
     upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
