@@ -43,12 +43,10 @@ import trio
 
 from frontend_shim._accounting import Exchange, Progress
 from frontend_shim._admin import AdminRoutes
-from frontend_shim._config import FrontendSettings
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
 from frontend_shim._request_body import BadRequest, parse_completion_body, shorten
-from frontend_shim._request_plane import RequestStream
 from frontend_shim._responses import (
     error_type,
     overload_body,
@@ -99,7 +97,7 @@ class FrontendAPI:
     """The request handler of the frontend's HTTP server.
 
     Args:
-        settings: the frontend settings.
+        overload_status: the status of an overload answer (529 unless configured).
         fleet: the load state.
         router: picks workers over the fleet.
         links: the link of each routed worker.
@@ -111,7 +109,7 @@ class FrontendAPI:
     def __init__(
         self,
         *,
-        settings: FrontendSettings,
+        overload_status: int,
         fleet: Fleet,
         router: Router,
         links: WorkerLinks,
@@ -124,8 +122,8 @@ class FrontendAPI:
         self._links = links
         self._waiting = waiting
         self._metrics = metrics
-        self._overload_status = settings.overload_status
-        self._overload_body = overload_body(settings.overload_status)
+        self._overload_status = overload_status
+        self._overload_body = overload_body(overload_status)
         self._completions = CompletionRate()
         self._in_flight = 0
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
@@ -276,7 +274,14 @@ class FrontendAPI:
             async with link.request(exchange.endpoint, body) as stream:
                 first = await stream.first()
                 if isinstance(first, wire.Started):
-                    await self._serve(responder, exchange, stream, worker_id, first, body)
+                    progress = Progress.start(
+                        self._fleet, self._metrics, exchange, worker_id, first.prompt_tokens
+                    )
+                    try:
+                        await serve_started(responder, exchange.endpoint, stream, body, progress)
+                    finally:
+                        progress.finished()
+                        self._completions.record(trio.current_time())
                     return
                 if isinstance(first, wire.Rejected):
                     reason = first.reason
@@ -292,24 +297,6 @@ class FrontendAPI:
             else:
                 await send_unavailable(responder, exchange)
             return
-
-    async def _serve(
-        self,
-        responder: HTTPResponder,
-        exchange: Exchange,
-        stream: RequestStream,
-        worker_id: str,
-        started: wire.Started,
-        body: dict[str, Any],
-    ) -> None:
-        progress = Progress.start(
-            self._fleet, self._metrics, exchange, worker_id, started.prompt_tokens
-        )
-        try:
-            await serve_started(responder, exchange.endpoint, stream, body, progress)
-        finally:
-            progress.finished()
-            self._completions.record(trio.current_time())
 
     async def _send_overloaded(self, responder: HTTPResponder, exchange: Exchange) -> None:
         exchange.status = self._overload_status

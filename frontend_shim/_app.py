@@ -138,7 +138,7 @@ async def run_frontend(
         )
         metrics.watch_event_budget(lambda: _budget_sample(pool))
         api = FrontendAPI(
-            settings=settings,
+            overload_status=settings.overload_status,
             fleet=fleet,
             router=router,
             links=bridge,

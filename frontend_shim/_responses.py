@@ -10,6 +10,10 @@ The status line of a completion goes out only once the worker has started the re
 2. Whole: one JSON body once the worker ends the request; a failure before that is answered
    400 (bad input), 503 (the worker became unavailable) or 500.
 3. Embeddings: one vector per input, in input order, once the worker ends the request.
+4. What a worker sends is bounded like what a client sends (:mod:`frontend_shim._request_body`):
+   choice indexes below ``MAX_CHOICES``, at most ``MAX_EMBEDDING_INPUTS`` vectors, and at most
+   :data:`MAX_ANSWER_CHARS` of text gathered for one whole answer. A worker past them fails the
+   request as a 500 (an error event once streaming), logged, and the request is cancelled.
 
 A streamed chunk differs from the last only in its choice, so :class:`ResponseShape` encodes the
 envelope around the choice once per request and each chunk encodes just its choice.
@@ -30,11 +34,13 @@ from typing import Any, Final, Protocol
 
 import msgspec
 
+from frontend_shim._request_body import MAX_CHOICES, MAX_EMBEDDING_INPUTS
 from frontend_shim._request_plane import RequestStream
 from shim_common import wire
 from shim_common._httpserver import HTTPResponder, error_body, json_headers
 
 __all__ = [
+    "MAX_ANSWER_CHARS",
     "UNAVAILABLE_BODY",
     "OutputTally",
     "ResponseShape",
@@ -56,6 +62,9 @@ _SSE_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
 ]
 _DONE: Final = b"data: [DONE]\n\n"
+#: Characters of text one whole (not streamed) answer may gather (rule 4): far more than any
+#: context window, and a bound on what a worker that ignores ``max_tokens`` can cost.
+MAX_ANSWER_CHARS: Final = 16 * 1024 * 1024
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -121,6 +130,9 @@ async def _serve_stream(
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
             tally.output(reply)
+            if not 0 <= reply.index < MAX_CHOICES:
+                await _end_stream_with_error(responder, tally, _bad_index(reply.index))
+                return
             first = reply.index not in started_choices
             started_choices.add(reply.index)
             await responder.send_chunk(_sse(shape.chunk(reply, first)))
@@ -133,13 +145,29 @@ async def _serve_stream(
             tally.completed()
             return
         else:
-            _log.warning("request failed after it started: %s", reply.message)
-            # The head said 200, but for the counters this request failed.
-            tally.status = 500
-            error = {"error": {"message": reply.message, "type": reply.kind, "code": 500}}
-            await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
-            await responder.end_stream()
+            await _end_stream_with_error(responder, tally, reply.message, reply.kind)
             return
+
+
+async def _end_stream_with_error(
+    responder: HTTPResponder, tally: Tally, message: str, kind: str = "internal_server_error"
+) -> None:
+    _log.warning("request failed after it started: %s", message)
+    # The head said 200, but for the counters this request failed.
+    tally.status = 500
+    error = {"error": {"message": message, "type": kind, "code": 500}}
+    await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
+    await responder.end_stream()
+
+
+def _bad_index(index: int) -> str:
+    return f"the worker sent choice index {index}, outside [0, {MAX_CHOICES})"
+
+
+async def _send_worker_overrun(responder: HTTPResponder, tally: Tally, message: str) -> None:
+    """Answer 500 for a worker whose answer broke the bounds of rule 4."""
+    failed = wire.Failed(request_id=0, kind="engine", message=message)
+    await send_failure(responder, tally, failed)
 
 
 async def _serve_whole(
@@ -152,9 +180,18 @@ async def _serve_whole(
     shape = ResponseShape(endpoint, body)
     pieces: dict[int, list[str]] = {0: []}  # choice index -> its texts
     finish_reasons: dict[int, str] = {}
+    chars = 0
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
             tally.output(reply)
+            chars += len(reply.text)
+            if not 0 <= reply.index < MAX_CHOICES:
+                await _send_worker_overrun(responder, tally, _bad_index(reply.index))
+                return
+            if chars > MAX_ANSWER_CHARS:
+                message = f"the worker's answer is over {MAX_ANSWER_CHARS} characters"
+                await _send_worker_overrun(responder, tally, message)
+                return
             pieces.setdefault(reply.index, []).append(reply.text)
             if reply.finish_reason:
                 finish_reasons[reply.index] = reply.finish_reason
@@ -183,6 +220,10 @@ async def _serve_embeddings(
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
             if reply.embedding is not None:
+                if len(vectors) == MAX_EMBEDDING_INPUTS:
+                    message = f"the worker sent more than {MAX_EMBEDDING_INPUTS} vectors"
+                    await _send_worker_overrun(responder, tally, message)
+                    return
                 vectors.append(
                     {"object": "embedding", "index": reply.index, "embedding": reply.embedding}
                 )

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import ast
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import msgspec
+import pytest
+import trio
+import trio_websocket
+from worker_configs import runtime_config
 
 import frontend_shim._responses as responses
-from frontend_shim._responses import ResponseShape
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
+from frontend_shim._request_body import MAX_EMBEDDING_INPUTS
+from frontend_shim._responses import MAX_ANSWER_CHARS, ResponseShape
 from shim_common import wire
 
 #: What formatting must not reach: routing, load state, the links, the books.
@@ -70,3 +81,97 @@ def test_a_whole_text_completion_lists_its_choices_with_usage() -> None:
 def test_response_ids_are_unique_per_request() -> None:
     ids = {ResponseShape("completions", {"model": "m"}).id for _ in range(100)}
     assert len(ids) == 100
+
+
+# ----------------------------------------------------------------------------- a hostile worker
+
+
+async def _serve_overrunning_worker(
+    nursery: trio.Nursery, answer: Callable[[wire.Generate], list[msgspec.Struct]]
+) -> int:
+    """A worker speaking the real protocol whose every answer is ``answer(generate)``."""
+    hello = wire.encode(
+        wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=runtime_config(model="m"))
+    )
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message(hello)
+        with contextlib.suppress(trio_websocket.ConnectionClosed):
+            while True:
+                data = await ws.get_message()
+                assert isinstance(data, bytes)
+                message = wire.decode_client_message(data)
+                if isinstance(message, wire.Generate):
+                    for reply in answer(message):
+                        await ws.send_message(wire.encode(reply))
+
+    server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
+    return int(server.port)
+
+
+def _started(generate: wire.Generate) -> wire.Started:
+    return wire.Started(request_id=generate.request_id, prompt_tokens=1)
+
+
+def _end(generate: wire.Generate) -> wire.End:
+    return wire.End(request_id=generate.request_id, prompt_tokens=1, completion_tokens=1)
+
+
+def _too_much_text(generate: wire.Generate) -> list[msgspec.Struct]:
+    half = "x" * (MAX_ANSWER_CHARS // 2 + 1)
+    chunks = [wire.Chunk(request_id=generate.request_id, text=half) for _ in range(2)]
+    return [_started(generate), *chunks, _end(generate)]
+
+
+def _far_index(generate: wire.Generate) -> list[msgspec.Struct]:
+    chunk = wire.Chunk(request_id=generate.request_id, text="x", index=10**12)
+    return [_started(generate), chunk, _end(generate)]
+
+
+def _too_many_vectors(generate: wire.Generate) -> list[msgspec.Struct]:
+    vectors = [
+        wire.Chunk(request_id=generate.request_id, embedding=[0.5], index=index)
+        for index in range(MAX_EMBEDDING_INPUTS + 1)
+    ]
+    return [_started(generate), *vectors, _end(generate)]
+
+
+@pytest.mark.parametrize(
+    ("answer", "path", "body", "says"),
+    [
+        (_too_much_text, "/v1/completions", {"prompt": "x"}, "characters"),
+        (_far_index, "/v1/completions", {"prompt": "x"}, "choice index"),
+        (_far_index, "/v1/completions", {"prompt": "x", "stream": True}, "choice index"),
+        (_too_many_vectors, "/v1/embeddings", {"input": "x"}, "vectors"),
+    ],
+)
+async def test_a_worker_past_the_bounds_of_an_answer_fails_that_request_alone(
+    answer: Callable[[wire.Generate], list[msgspec.Struct]],
+    path: str,
+    body: dict[str, Any],
+    says: str,
+) -> None:
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await _serve_overrunning_worker(nursery, answer)
+            settings = FrontendSettings(http_port=0, workers=(f"ws://127.0.0.1:{port}",))
+            url: str = await nursery.start(run_frontend, settings)
+            async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+                for _ in range(500):
+                    if (await client.get("/health")).json()["workers_connected"] == 1:
+                        break
+                    await trio.sleep(0.01)
+                reply = await client.post(path, json={"model": "m", **body})
+                if body.get("stream"):
+                    assert reply.status_code == 200
+                    assert b"event: error" in reply.content
+                    assert says.encode() in reply.content
+                    assert b"[DONE]" not in reply.content
+                else:
+                    assert reply.status_code == 500
+                    assert says in reply.json()["error"]["message"]
+                metrics = (await client.get("/metrics")).text
+                assert 'status="500"' in metrics
+                assert (await client.get("/live")).status_code == 200
+            nursery.cancel_scope.cancel()
