@@ -1,7 +1,8 @@
 """SLO-aware admission: goodput at a TTFT objective, fixed N and the adaptive limit side by side.
 
 Run from the repository's root: ``python -m bench.bench_slo [--seconds 30] [--loads 0.5,1,2,4]
-[--objective 0.3] [--sweep 2,4,8,12,16,24,32,64] [--plot slo.png] [--json slo.json]``.
+[--objective 0.3] [--sweep 2,4,8,12,16,24,32,64] [--sweep-queues 2,8] [--plot slo.png]
+[--json slo.json]`` (``--plot`` needs ``pip install -e '.[plot]'``).
 
 What runs: the worker's own admission gate (:class:`worker_ingress._admission.AdmissionGate`)
 in front of the mocker engine (:class:`worker_ingress.engines._mocker.MockerEngine`), in this
@@ -27,8 +28,9 @@ For each, in one run:
    second after a warm-up;
 2. for each offered load (a multiple of that capacity), one seeded Poisson arrival sequence,
    played to every configuration: the usual setting (N = the engine's batch, Q as in the issue's
-   table: 64 for ``short``, 16 for ``long``), every fixed N of ``--sweep`` with Q = 2, and the
-   adaptive limit (``--ttft-slo``: N and Q of the usual setting, the objective S);
+   table: 64 for ``short``, 16 for ``long``), every fixed N of ``--sweep`` with every Q of
+   ``--sweep-queues`` (2 and 8), and the adaptive limit (``--ttft-slo``: N and Q of the usual
+   setting, the objective S);
 3. a load step for the adaptive limit: 4x the capacity, then 0.5x, and how long L takes to come
    back within 10% of where it settles at 0.5x.
 
@@ -48,8 +50,10 @@ import functools
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
@@ -61,6 +65,7 @@ import trio.testing
 from bench.bench_goodput import percentile, poisson_arrivals
 from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._config import MockerSettings
+from worker_ingress.engines import Engine
 from worker_ingress.engines._mocker import MockerEngine
 
 _T = TypeVar("_T")
@@ -83,6 +88,8 @@ class Workload:
     max_num_seqs: int
     max_num_batched_tokens: int
     usual_queue: int
+    #: The ``model`` field of the body (an upstream server checks it); none for the mocker.
+    model: str | None = None
 
     @property
     def usual_limit(self) -> int:
@@ -322,23 +329,31 @@ TABLE_HEAD: Final = (
 # ----------------------------------------------------------------------------- running
 
 
-def _engine(workload: Workload, speedup: float) -> MockerEngine:
-    return MockerEngine(
-        MockerSettings(
-            max_num_seqs=workload.max_num_seqs,
-            max_num_batched_tokens=workload.max_num_batched_tokens,
-            speedup_ratio=speedup,
-        )
+#: Builds a fresh engine for one run (the mocker of a workload, or a client of an upstream).
+EngineFactory = Callable[[], Engine]
+
+
+def mocker_for(workload: Workload, speedup: float) -> EngineFactory:
+    """The mocker shaped as the workload says, at the speedup ratio."""
+    settings = MockerSettings(
+        max_num_seqs=workload.max_num_seqs,
+        max_num_batched_tokens=workload.max_num_batched_tokens,
+        speedup_ratio=speedup,
     )
+    return functools.partial(MockerEngine, settings)
 
 
 def _body(workload: Workload) -> dict[str, object]:
     prompt = " ".join(["word"] * workload.prompt_tokens)
-    return {"prompt": prompt, "max_tokens": workload.max_tokens}
+    body: dict[str, object] = {"prompt": prompt, "max_tokens": workload.max_tokens}
+    if workload.model is not None:
+        # Greedy and without an early stop, so every request does the same work upstream.
+        body |= {"model": workload.model, "temperature": 0, "ignore_eos": True}
+    return body
 
 
 async def _serve(
-    gate: AdmissionGate, engine: MockerEngine, workload: Workload, records: list[Record]
+    gate: AdmissionGate, engine: Engine, workload: Workload, records: list[Record]
 ) -> None:
     """One request as the request plane serves it: shed fast, else wait for a slot, stream."""
     prepared = engine.prepare("completions", _body(workload))
@@ -375,7 +390,7 @@ async def play(
     config: Config,
     arrivals: Sequence[float],
     *,
-    speedup: float,
+    make_engine: EngineFactory,
     drain: float,
 ) -> tuple[list[Record], list[tuple[float, int]]]:
     """Play one arrival sequence (offsets in seconds) to one configuration.
@@ -383,7 +398,7 @@ async def play(
     Returns:
         Every request's record (arrival times relative to the start) and L over time.
     """
-    engine = _engine(workload, speedup)
+    engine = make_engine()
     gate = AdmissionGate(
         engine_slots=config.limit,
         queue_limit=config.queue,
@@ -407,9 +422,9 @@ async def play(
     return records, limits
 
 
-async def capacity(workload: Workload, *, speedup: float, seconds: float) -> float:
+async def capacity(workload: Workload, *, make_engine: EngineFactory, seconds: float) -> float:
     """Completions per second of a closed loop as many as the engine's batch, no gate limit."""
-    engine = _engine(workload, speedup)
+    engine = make_engine()
     prepared = engine.prepare("completions", _body(workload))
     done: list[float] = []
 
@@ -438,12 +453,95 @@ def run_async(clock: str, fn: Callable[[], Awaitable[_T]]) -> _T:
     return trio.run(fn)
 
 
-def configs_for(workload: Workload, sweep: Sequence[int], objective: float) -> list[Config]:
-    """The usual setting, the sweep (Q = 2, N below the batch) and the adaptive limit."""
+def configs_for(
+    workload: Workload, sweep: Sequence[int], objective: float, queues: Sequence[int] = (2,)
+) -> list[Config]:
+    """The usual setting, the sweep (every N up to the batch with every Q of ``queues``) and the
+    adaptive limit."""
     configs = [Config("usual", workload.usual_limit, workload.usual_queue)]
-    configs += [Config("fixed", n, 2) for n in sweep if n <= workload.usual_limit]
+    configs += [Config("fixed", n, q) for q in queues for n in sweep if n <= workload.usual_limit]
     configs.append(Config("adaptive", workload.usual_limit, workload.usual_queue, objective))
     return configs
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+
+
+async def llama_section(args: argparse.Namespace) -> None:
+    """The same comparison at one load behind a real ``llama-server`` (on the CPU, real time).
+
+    The server runs ``--llama-slots`` slots on one thread (pinned to CPU 0 when ``taskset`` is
+    there); the gate and the ``openai`` engine run in this process. The usual setting is N = the
+    server's slots with Q = 16; the sweep is N = 1, 2, 4, ... up to the slots with Q = 2.
+    """
+    from bench.bench_llama_server import SERVER_READY, started
+    from worker_ingress._config import WorkerSettings
+    from worker_ingress.engines.upstream._engine import create
+
+    slots = args.llama_slots
+    workload = Workload(
+        name="llama",
+        prompt_tokens=args.llama_prompt_words,
+        max_tokens=args.llama_max_tokens,
+        max_num_seqs=slots,
+        max_num_batched_tokens=2048,
+        usual_queue=16,
+        model="tiny",
+    )
+    server = [args.llama_server, "-m", args.llama_model, "--alias", "tiny", "--host"]
+    server += ["127.0.0.1", "--port", "0", "-np", str(slots), "-c", str(slots * 4096), "-t", "1"]
+    if shutil.which("taskset"):
+        server = ["taskset", "-c", "0", *server]
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"
+    async with started(server, log, SERVER_READY) as url:
+
+        def engine_with(limit: int) -> EngineFactory:
+            settings = WorkerSettings(
+                worker_id="bench",
+                model="tiny",
+                engine="openai",
+                upstream_url=url,
+                engine_request_limit=limit,
+            )
+            return functools.partial(create, settings)
+
+        cap = await capacity(workload, make_engine=engine_with(slots), seconds=15.0)
+        objective = args.llama_objective
+        load = args.llama_load
+        print(
+            f"\nllama: llama-server ({slots} slots, 1 thread, the suite's tiny model), "
+            f"{workload.prompt_tokens}-word prompts, {workload.max_tokens} out; capacity "
+            f"{cap:.1f}/s (closed loop); {load:g}x offered; S = {objective * 1e3:.0f} ms"
+        )
+        sweep = [n for n in (1, 2, 4, 8, 16, 32) if n < slots]
+        configs = [Config("usual", slots, 16)]
+        configs += [Config("fixed", n, 2) for n in [*sweep, slots]]
+        configs.append(Config("adaptive", slots, 16, objective))
+        arrivals = poisson_arrivals(load * cap, args.llama_seconds, random.Random(args.seed))
+        rows: dict[str, Row] = {}
+        for config in configs:
+            records, limits = await play(
+                workload,
+                config,
+                arrivals,
+                make_engine=engine_with(config.limit),
+                drain=4 * objective + 60.0,
+            )
+            rows[config.label] = summarize(
+                records,
+                objective=objective,
+                start=args.llama_seconds * WARMUP_SHARE,
+                end=args.llama_seconds,
+                limits=limits,
+            )
+        best = best_fixed(rows, configs)
+        print(TABLE_HEAD)
+        for line in format_rows(rows, [c.label for c in configs], best.label):
+            print(line)
+        ours, usual = rows[configs[-1].label], rows[configs[0].label]
+        share = ours.goodput / rows[best.label].goodput if rows[best.label].goodput else math.inf
+        ratio = ours.goodput / usual.goodput if usual.goodput else math.inf
+        print(f"  adaptive: {share:.0%} of the best fixed, {ratio:.1f}x the usual")
 
 
 # ----------------------------------------------------------------------------- the command
@@ -491,7 +589,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="arrival window per run")
     parser.add_argument("--loads", default="0.5,1,2,4", help="multiples of the capacity")
     parser.add_argument("--objective", type=float, default=0.3, help="S, seconds")
-    parser.add_argument("--sweep", default="2,4,8,12,16,24,32,64", help="fixed N with Q = 2")
+    parser.add_argument("--sweep", default="2,4,8,12,16,24,32,64", help="fixed N of the sweep")
+    parser.add_argument("--sweep-queues", default="2,8", help="Q of the sweep's fixed N")
     parser.add_argument("--workloads", default="short,long")
     parser.add_argument("--speedup", type=float, default=2.0, help="the mocker's speedup ratio")
     parser.add_argument("--clock", choices=("virtual", "real"), default="virtual")
@@ -499,9 +598,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--step-seconds", type=float, default=30.0, help="each half of the step")
     parser.add_argument("--plot", metavar="FILE", help="draw the figures into a PNG")
     parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    parser.add_argument("--llama-server", metavar="BIN", help="also run behind llama-server")
+    parser.add_argument("--llama-model", metavar="GGUF", help="its model (tests/tiny_gguf.py)")
+    parser.add_argument("--llama-slots", type=int, default=8)
+    parser.add_argument("--llama-prompt-words", type=int, default=512)
+    parser.add_argument("--llama-max-tokens", type=int, default=32)
+    parser.add_argument("--llama-objective", type=float, default=0.25, help="S there, seconds")
+    parser.add_argument("--llama-load", type=float, default=2.0, help="multiple of capacity")
+    parser.add_argument("--llama-seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
     loads = [float(v) for v in args.loads.split(",")]
     sweep = [int(v) for v in args.sweep.split(",") if v]
+    queues = [int(v) for v in args.sweep_queues.split(",") if v]
     chosen = [w for w in WORKLOADS if w.name in args.workloads.split(",")]
     objective = args.objective
     drain = 4 * objective + 60.0
@@ -517,9 +625,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, object] = {"objective": objective, "workloads": {}}
     for workload in chosen:
         cap = run_async(
-            args.clock, functools.partial(capacity, workload, speedup=args.speedup, seconds=20.0)
+            args.clock,
+            functools.partial(
+                capacity, workload, make_engine=mocker_for(workload, args.speedup), seconds=20.0
+            ),
         )
-        configs[workload.name] = configs_for(workload, sweep, objective)
+        configs[workload.name] = configs_for(workload, sweep, objective, queues)
         print(f"\n{workload.name}: {workload.describe()}; capacity {cap:.1f}/s (closed loop)")
         series: dict[str, dict[str, list[float]]] = {}
         for load in loads:
@@ -530,7 +641,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 played = run_async(
                     args.clock,
                     functools.partial(
-                        play, workload, config, arrivals, speedup=args.speedup, drain=drain
+                        play,
+                        workload,
+                        config,
+                        arrivals,
+                        make_engine=mocker_for(workload, args.speedup),
+                        drain=drain,
                     ),
                 )
                 records, limits = played
@@ -562,7 +678,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         played = run_async(
             args.clock,
             functools.partial(
-                play, workload, adaptive, arrivals, speedup=args.speedup, drain=drain
+                play,
+                workload,
+                adaptive,
+                arrivals,
+                make_engine=mocker_for(workload, args.speedup),
+                drain=drain,
             ),
         )
         _, step_limits = played
@@ -601,8 +722,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"  [{'met' if verdict.met else 'MISSED'}] {verdict.target}: {verdict.figure}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=float))
-    if args.plot:
+    if args.plot and chosen:
         _plot(args.plot, report)
+    if args.llama_server:
+        if not args.llama_model:
+            parser.error("--llama-server needs --llama-model")
+        trio.run(llama_section, args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from bench.bench_slo import (
     best_fixed,
     check_targets,
     configs_for,
+    mocker_for,
     play,
     recovery_seconds,
     run_async,
@@ -80,7 +81,9 @@ def test_a_short_adaptive_run_accounts_for_every_request() -> None:
     config = Config("adaptive", 32, 4, 0.3)
 
     async def run() -> tuple[list[Record], list[tuple[float, int]]]:
-        return await play(workload, config, arrivals, speedup=2.0, drain=30.0)
+        return await play(
+            workload, config, arrivals, make_engine=mocker_for(workload, 2.0), drain=30.0
+        )
 
     records, limits = run_async("virtual", run)
     assert len(records) == len(arrivals)
