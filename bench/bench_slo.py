@@ -234,6 +234,17 @@ def recovery_seconds(
     return steady, settled_at - drop_at
 
 
+def every(limits: Sequence[tuple[float, int]], seconds: float) -> list[int]:
+    """The first sample of L in each period of ``seconds`` (for printing L over time)."""
+    picked: list[int] = []
+    period = -1
+    for at, value in limits:
+        if math.floor(at / seconds) > period:
+            period = math.floor(at / seconds)
+            picked.append(value)
+    return picked
+
+
 def best_fixed(rows: Mapping[str, Row], configs: Sequence[Config]) -> Config:
     """The fixed configuration (usual included) with the highest goodput among ``rows``."""
     fixed = [c for c in configs if c.kind != "adaptive" and c.label in rows]
@@ -697,12 +708,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{statistics.median(at_high):.0f} at 4x, steady {steady:g} at 0.5x, back within "
             f"10% after {seconds:.1f} s"
         )
-        print(
-            "  L over time (every 2 s): "
-            + " ".join(
-                f"{value}" for at, value in step_limits if abs(at / 2 - round(at / 2)) < 1e-9
-            )
-        )
+        print("  L over time (every 2 s): " + " ".join(str(v) for v in every(step_limits, 2.0)))
         report["workloads"][workload.name] = {  # type: ignore[index]
             "capacity": cap,
             "loads": loads,

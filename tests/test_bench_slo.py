@@ -19,6 +19,7 @@ from bench.bench_slo import (
     best_fixed,
     check_targets,
     configs_for,
+    every,
     mocker_for,
     play,
     recovery_seconds,
@@ -51,6 +52,11 @@ def test_recovery_is_measured_to_the_last_excursion_from_the_band() -> None:
     assert steady == 100
     assert seconds == pytest.approx(2.0)  # 90 at 3.0 s is within 10% of 100
     assert math.isnan(recovery_seconds([], drop_at=1.0, end=2.0)[1])
+
+
+def test_every_takes_the_first_sample_of_each_period() -> None:
+    limits = [(0.0, 1), (0.26, 2), (1.99, 3), (2.01, 4), (3.0, 5), (6.5, 6)]
+    assert every(limits, 2.0) == [1, 4, 6]
 
 
 def test_configurations_and_the_best_fixed_one() -> None:
