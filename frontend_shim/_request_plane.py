@@ -9,6 +9,9 @@ Rules (one request-plane connection per worker session):
   the client gets fewer, larger deltas, the total bounded by the request's ``max_tokens``. A
   message that cannot be merged (an embedding vector) fails that request alone with
   ``Failed(kind="cancelled")`` and a message naming the cause, and ``Cancel`` goes to the worker.
+  So an embeddings request's buffer has room for one vector per input besides: its vectors
+  arrive in a burst that no HTTP client holds up (the answer is one body, sent once all are in),
+  and the number of inputs is bounded before the request is sent.
   The terminal message of a request always fits (one place is kept for it).
 - Outgoing messages go through one sender task. ``Generate`` waits for room in the outbox
   (``send_queue`` places: backpressure to the caller); ``Cancel`` never waits, so leaving a
@@ -182,7 +185,7 @@ class RequestPlane:
             await self._room.wait()
         request_id = self._next_id
         self._next_id += 1
-        buffer = ResponseBuffer(self._request_buffer)
+        buffer = ResponseBuffer(self._request_buffer + _vectors_expected(endpoint, body))
         if self._closed_reason is not None:
             buffer.finish(unavailable(request_id, self._closed_reason))
             return request_id, buffer
@@ -396,3 +399,9 @@ class RequestStream:
         return reply
 
 
+def _vectors_expected(endpoint: wire.Endpoint, body: dict[str, Any]) -> int:
+    """How many embedding vectors the answer to this body holds (0 for a completion)."""
+    if endpoint != "embeddings":
+        return 0
+    inputs = body.get("input")
+    return len(inputs) if isinstance(inputs, list) else 1

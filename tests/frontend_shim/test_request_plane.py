@@ -118,16 +118,38 @@ async def test_a_consumer_too_far_behind_fails_alone_and_cancels_on_the_worker()
         other_id, other = await plane.open("embeddings", {"input": ["c"]})
         await _drain_outbox(plane)
         plane.deliver(wire.Started(request_id=slow_id, prompt_tokens=2))
-        plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=0))
+        # Room for one message and one vector per input: a third vector overflows.
+        for index in range(3):
+            plane.deliver(wire.Chunk(request_id=slow_id, embedding=[1.0], index=index))
         plane.deliver(wire.Started(request_id=other_id, prompt_tokens=1))
         assert stats.requests_overflowed == 1
         assert _generate_ids(await _drain_outbox(plane)) == [("Cancel", slow_id)]
         assert isinstance(await slow.get(), wire.Started)
+        assert [type(await slow.get()) for _ in range(2)] == [wire.Chunk, wire.Chunk]
         failure = await slow.get()
         assert isinstance(failure, wire.Failed)
         assert failure.kind == "cancelled"
         assert "too slowly" in failure.message
         assert isinstance(await other.get(), wire.Started)  # the other request is untouched
+
+
+async def test_the_vectors_of_an_embeddings_request_fit_in_one_burst() -> None:
+    stats = LinkStats()
+    plane = RequestPlane(request_buffer=1, send_queue=256, stats=stats)
+    with trio.fail_after(5):
+        request_id, buffer = await plane.open("embeddings", {"input": ["w"] * 2048})
+        await _drain_outbox(plane)
+        plane.deliver(wire.Started(request_id=request_id, prompt_tokens=2048))
+        for index in range(2048):
+            plane.deliver(wire.Chunk(request_id=request_id, embedding=[0.5], index=index))
+        plane.deliver(wire.End(request_id=request_id, prompt_tokens=2048, completion_tokens=0))
+        assert stats.requests_overflowed == 0
+        assert isinstance(await buffer.get(), wire.Started)
+        vectors = [await buffer.get() for _ in range(2048)]
+        assert [vector.index for vector in vectors if isinstance(vector, wire.Chunk)] == list(
+            range(2048)
+        )
+        assert isinstance(await buffer.get(), wire.End)
 
 
 async def test_closing_the_session_fails_every_open_request() -> None:
