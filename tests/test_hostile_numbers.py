@@ -6,6 +6,8 @@
   process exits 2 with that line.
 - ``POST /busy_threshold`` on a real frontend: 400 naming the field, nothing changed, and the
   frontend still serves completions.
+- Completion bodies on a real frontend: a number the worker's protocol cannot carry is a 400, any
+  other gets a short 4xx or is served, never a 5xx; the frontend serves on.
 - A ``subscribe`` on a real worker's event plane: closed with 1007, and the worker still serves.
 
 The ranges each kind of number takes are those of ``shim_common/_numbers.py``.
@@ -317,6 +319,47 @@ def test_the_frontend_still_serves_after_hostile_thresholds(fleet: Fleet) -> Non
             raw = json.dumps({"model": MODEL, field: value})
             response = httpx.post(f"{fleet.http_url}/busy_threshold", content=raw, timeout=TIMEOUT)
             assert response.status_code in (400, 422), response.text
+    assert_serves(fleet)
+
+
+#: Completion fields a client may fill with any number; none of them lengthens the generation.
+COMPLETION_FIELDS = ("seed", "temperature", "top_p", "n", "frequency_penalty", "logprobs")
+
+
+@SLOW
+@given(
+    field=st.sampled_from(COMPLETION_FIELDS),
+    value=st.one_of(HOSTILE, st.integers(min_value=2**63)),
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
+def test_completion_bodies_with_hostile_numbers_get_a_short_4xx_or_are_served(
+    fleet: Fleet, field: str, value: int | float, path: str
+) -> None:
+    body = {"model": MODEL, "prompt": "one", "messages": [{"role": "user", "content": "one"}]}
+    raw = json.dumps({**body, "max_tokens": 1, field: value})
+    with httpx.Client(base_url=fleet.http_url, timeout=TIMEOUT) as client:
+        response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert len(response.text) < 400
+        error = response.json()["error"]
+        assert error["code"] == response.status_code
+        assert error["type"] == "invalid_request_error"
+    carried = (
+        -(2**63) <= value < 2**63 if isinstance(value, int) else math.isfinite(value)
+    )  # NaN and the infinities are not JSON either
+    if not carried:
+        assert response.status_code == 400, response.text
+
+
+def test_the_frontend_still_serves_after_hostile_completion_bodies(fleet: Fleet) -> None:
+    for value in (2**64 + 1, 10**40, -(2**70)):
+        raw = json.dumps({"model": MODEL, "prompt": "one", "max_tokens": value})
+        response = httpx.post(f"{fleet.http_url}/v1/completions", content=raw, timeout=TIMEOUT)
+        assert response.status_code == 400, response.text
+    deep = b'{"model": "mock-model", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    response = httpx.post(f"{fleet.http_url}/v1/completions", content=deep, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
     assert_serves(fleet)
 
 
