@@ -13,20 +13,28 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
    status from the request head, before the body is read: no JSON parse, and the server drops
    a small body unread and keeps the connection (a large one closes it). The answer cannot
    depend on the body, so under a fully busy fleet a request for an unknown model or with a
-   malformed body also gets the overload answer instead of its 404 or 400.
+   malformed body also gets the overload answer instead of its 404 or 400. With
+   ``--busy-exempt-priority P`` only a request whose ``x-dynamo-priority`` header says it is
+   worse than P is shed here (without the header, its body may make it exempt).
 2. Read the body (413 over the cap), parse it once within the bounds of
    :mod:`frontend_shim._request_body` (413 past its value bound, 400 when malformed, too deep or
    out of range), check the few fields the frontend itself needs (``model``, ``stream``, ``n``,
-   the number of embedding inputs). Every refusal is counted by status.
+   the number of embedding inputs) and its admission class (:mod:`frontend_shim._request_class`:
+   priority and tenant, 400 naming the header or field). Every refusal is counted by status.
 3. Frontend queue (``--router-queue-threshold``): park while every free worker is saturated
-   (:mod:`frontend_shim._waiting`).
+   (:mod:`frontend_shim._waiting`); a busy-exempt request does not park.
 4. Route (:class:`~frontend_shim._router.Router`): 529 all busy, 503 no worker, 404 unknown model.
+   A busy-exempt request that finds no free worker goes to the least loaded unmarked one.
+   Every 529 and 503 says why in ``x-dynamo-reject-reason`` (``busy``, ``marked``,
+   ``no_workers``, ``draining``, or the worker's ``queue_full``, ``displaced``,
+   ``queue_timeout``, ``slo``), counted in ``dynamo_frontend_rejection_by_reason_total``.
 5. Send to the worker and wait for its first answer. ``Rejected`` marks the worker and, within
    ``--migration-limit``, tries another free worker; otherwise 529 (``Server overloaded:``) or 503
    (``Server unavailable:``). ``Failed`` before the start is a 400 (bad input) or a 5xx.
 6. ``Started``: only now may a status line go out. Streaming requests get SSE chunks and end with
    ``data: [DONE]``; a failure after the start ends the stream with an ``event: error`` and no
-   ``[DONE]``. Other requests get one JSON body when the worker ends the request.
+   ``[DONE]``. Other requests get one JSON body when the worker ends the request. Either way the
+   head carries ``x-dynamo-queue-wait-ms`` (the wait the worker reported in ``Started``).
 
 A client that disconnects cancels the handler (the HTTP server watches for EOF); leaving the
 worker request's context then sends ``Cancel``, which frees the slot or queue place at once.
@@ -47,7 +55,9 @@ from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
 from frontend_shim._request_body import BadRequest, parse_completion_body, shorten
+from frontend_shim._request_class import header_priority, request_class
 from frontend_shim._responses import (
+    REJECT_REASON_HEADER,
     error_type,
     overload_body,
     send_failure,
@@ -104,6 +114,8 @@ class FrontendAPI:
         admin: the ``/busy_threshold`` handlers.
         waiting: where requests park with ``--router-queue-threshold``.
         metrics: where requests are counted.
+        busy_exempt_priority: requests of this priority or better are not shed by the busy
+            thresholds (``--busy-exempt-priority``); ``None``: every request may be.
     """
 
     def __init__(
@@ -116,6 +128,7 @@ class FrontendAPI:
         admin: AdminRoutes,
         waiting: WaitingRoom,
         metrics: FrontendMetrics,
+        busy_exempt_priority: int | None = None,
     ) -> None:
         self._fleet = fleet
         self._router = router
@@ -124,6 +137,7 @@ class FrontendAPI:
         self._metrics = metrics
         self._overload_status = overload_status
         self._overload_body = overload_body(overload_status)
+        self._busy_exempt = busy_exempt_priority
         self._completions = CompletionRate()
         self._in_flight = 0
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
@@ -198,15 +212,16 @@ class FrontendAPI:
         if self._draining:
             exchange = Exchange(endpoint, self._shed_label(), arrival)
             try:
-                await send_unavailable(responder, exchange, close=True)
+                await self._send_unavailable(responder, exchange, "draining", close=True)
             finally:
                 self._count(exchange)
             return
-        if self._fleet.all_models_busy(arrival):
+        if self._fleet.all_models_busy(arrival) and not self._may_be_exempt(request):
             # Fast shed: nothing is free for any model, so the body cannot change the answer.
             exchange = Exchange(endpoint, self._shed_label(), arrival)
             try:
-                await self._send_overloaded(responder, exchange)
+                reason = "marked" if self._fleet.every_worker_marked() else "busy"
+                await self._send_overloaded(responder, exchange, reason)
             finally:
                 self._count(exchange)
             return
@@ -216,6 +231,7 @@ class FrontendAPI:
         try:
             try:
                 body = parse_completion_body(await request.read_body(), endpoint)
+                priority, tenant = request_class(request.headers, body)
             except BadRequest as exc:
                 self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
                 raise
@@ -228,7 +244,7 @@ class FrontendAPI:
             inflight = self._metrics.inflight(label)
             inflight.inc()
             try:
-                await self._route(responder, exchange, model, body)
+                await self._route(responder, exchange, model, body, priority, tenant)
             finally:
                 inflight.dec()
                 self._count(exchange)
@@ -238,26 +254,47 @@ class FrontendAPI:
             if self._in_flight == 0:
                 self._idle.set()
 
+    def _may_be_exempt(self, request: HTTPRequest) -> bool:
+        # Whether a request may be busy-exempt, judged from its head: without the header its
+        # body decides, so it is read; a malformed header is answered 400 after the read.
+        if self._busy_exempt is None:
+            return False
+        try:
+            priority = header_priority(request.headers)
+        except BadRequest:
+            return True
+        return priority is None or priority <= self._busy_exempt
+
     def _shed_label(self) -> str:
         models = self._fleet.models()
         return models[0] if len(models) == 1 else UNKNOWN_MODEL_LABEL
 
     async def _route(
-        self, responder: HTTPResponder, exchange: Exchange, model: str, body: dict[str, Any]
+        self,
+        responder: HTTPResponder,
+        exchange: Exchange,
+        model: str,
+        body: dict[str, Any],
+        priority: int,
+        tenant: str,
     ) -> None:
-        parks = self._waiting.should_park(model, trio.current_time())
+        exempt = self._busy_exempt is not None and priority <= self._busy_exempt
+        parks = not exempt and self._waiting.should_park(model, trio.current_time())
         if parks and not await self._waiting.wait(model):
-            await self._send_overloaded(responder, exchange)
+            await self._send_overloaded(responder, exchange, "busy")
             return
         attempt = self._router.new_attempt()
         while True:
             now = trio.current_time()
             outcome = self._router.pick(model, now, exclude=attempt.rejected_by)
+            if isinstance(outcome, AllBusy) and exempt:
+                outcome = self._router.pick_exempt(model, now, attempt.rejected_by) or outcome
             if isinstance(outcome, AllBusy):
-                await self._send_overloaded(responder, exchange)
+                reason = "marked" if self._fleet.every_worker_marked(model) else "busy"
+                await self._send_overloaded(responder, exchange, reason)
                 return
             if isinstance(outcome, NoWorkers):
-                await send_unavailable(responder, exchange)
+                await self._send_unavailable(responder, exchange, "no_workers")
                 return
             if isinstance(outcome, UnknownModel):
                 exchange.status = 404
@@ -269,16 +306,23 @@ class FrontendAPI:
             if link is None:  # the worker went away between the event and this pick
                 if attempt.on_rejected(self._router, worker_id, wire.REASON_DRAINING, now):
                     continue
-                await send_unavailable(responder, exchange)
+                await self._send_unavailable(responder, exchange, "draining")
                 return
-            async with link.request(exchange.endpoint, body) as stream:
+            async with link.request(exchange.endpoint, body, priority, tenant) as stream:
                 first = await stream.first()
                 if isinstance(first, wire.Started):
                     progress = Progress.start(
                         self._fleet, self._metrics, exchange, worker_id, first.prompt_tokens
                     )
                     try:
-                        await serve_started(responder, exchange.endpoint, stream, body, progress)
+                        await serve_started(
+                            responder,
+                            exchange.endpoint,
+                            stream,
+                            body,
+                            progress,
+                            first.queue_wait_ms,
+                        )
                     finally:
                         progress.finished()
                         self._completions.record(trio.current_time())
@@ -293,21 +337,32 @@ class FrontendAPI:
             if attempt.on_rejected(self._router, worker_id, reason, trio.current_time()):
                 continue
             if classify_rejection(reason) is RejectionKind.OVERLOADED:
-                await self._send_overloaded(responder, exchange)
+                await self._send_overloaded(responder, exchange, wire.reject_reason_key(reason))
             else:
-                await send_unavailable(responder, exchange)
+                await self._send_unavailable(responder, exchange, "draining")
             return
 
-    async def _send_overloaded(self, responder: HTTPResponder, exchange: Exchange) -> None:
+    async def _send_overloaded(
+        self, responder: HTTPResponder, exchange: Exchange, reason: str
+    ) -> None:
         exchange.status = self._overload_status
         self._metrics.count_rejection(exchange.label, exchange.endpoint)
+        self._metrics.count_rejection_reason(exchange.label, reason)
         retry_after = retry_after_seconds(
             self._in_flight,
             self._completions.rate(trio.current_time()),
             slot_share=self._fleet.slot_share(),
         )
-        headers = json_headers((b"retry-after", b"%d" % retry_after))
+        headers = json_headers(
+            (b"retry-after", b"%d" % retry_after), (REJECT_REASON_HEADER, reason.encode())
+        )
         await responder.send(self._overload_status, headers, self._overload_body)
+
+    async def _send_unavailable(
+        self, responder: HTTPResponder, exchange: Exchange, reason: str, *, close: bool = False
+    ) -> None:
+        self._metrics.count_rejection_reason(exchange.label, reason)
+        await send_unavailable(responder, exchange, reason, close=close)
 
     def _count(self, exchange: Exchange) -> None:
         self._metrics.count_request(exchange.label, exchange.endpoint, exchange.status)

@@ -139,6 +139,7 @@ async def run_frontend(
         metrics.watch_event_budget(lambda: _budget_sample(pool))
         api = FrontendAPI(
             overload_status=settings.overload_status,
+            busy_exempt_priority=settings.busy_exempt_priority,
             fleet=fleet,
             router=router,
             links=bridge,

@@ -149,6 +149,14 @@ def _frontend(
             converter=strict_int, env_var="DYN_MIGRATION_LIMIT", validator=of_kind(COUNT)
         ),
     ] = 0,
+    busy_exempt_priority: Annotated[
+        int | None,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_BUSY_EXEMPT_PRIORITY",
+            validator=validators.Number(gte=-1000, lte=1000),
+        ),
+    ] = None,
     max_body_bytes: Annotated[
         int,
         Parameter(
@@ -231,6 +239,10 @@ def _frontend(
         Requests the frontend queue holds at most; beyond it a request is rejected.
     migration_limit
         Times a request that a worker rejected before it started is retried on another worker.
+    busy_exempt_priority
+        Requests with a priority <= this (x-dynamo-priority, else the body's priority) are not
+        shed by the busy thresholds: with every worker busy they go to the least loaded one not
+        marked overloaded, whose own cap decides. Unset: every request may be shed.
     max_body_bytes
         Largest request body accepted (413 beyond).
     admission_control
@@ -290,6 +302,7 @@ def _frontend(
         router_queue_threshold=router_queue_threshold,
         router_queue_capacity=router_queue_capacity,
         migration_limit=migration_limit,
+        busy_exempt_priority=busy_exempt_priority,
         max_body_bytes=max_body_bytes,
         overload_status=overload_status_from_env(),
         admin_api_disabled=admin_api_disabled(),

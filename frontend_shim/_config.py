@@ -51,6 +51,8 @@ class FrontendSettings:
     #: Requests the frontend queue holds at most (with --router-queue-threshold).
     router_queue_capacity: int = 1024
     migration_limit: int = 0
+    #: ``--busy-exempt-priority``: requests of this priority or better skip the busy thresholds.
+    busy_exempt_priority: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Status code of an overload answer (``DYN_HTTP_OVERLOAD_STATUS_CODE``).
     overload_status: int = DEFAULT_OVERLOAD_STATUS

@@ -244,13 +244,24 @@ class FreeSet(Generic[_T]):
 class ModelPool:
     """The workers of one model and its thresholds."""
 
-    __slots__ = ("available", "free", "name", "thresholds", "unsaturated_free", "workers")
+    __slots__ = (
+        "available",
+        "free",
+        "name",
+        "thresholds",
+        "unmarked",
+        "unsaturated_free",
+        "workers",
+    )
 
     def __init__(self, name: str, thresholds: BusyThresholds) -> None:
         self.name = name
         self.thresholds = thresholds
         self.workers: dict[str, WorkerLoad] = {}
         self.free: FreeSet[WorkerLoad] = FreeSet()
+        #: Workers available and not marked overloaded, busy or not: where a request of a
+        #: busy-exempt priority may go, and what tells "busy" from "marked" when none is free.
+        self.unmarked: FreeSet[WorkerLoad] = FreeSet()
         #: Workers registered, fresh and not draining.
         self.available = 0
         #: Free workers under the frontend-queue threshold.
@@ -317,6 +328,10 @@ class FreeSets:
         if available != worker.available:
             worker.available = available
             pool.available += 1 if available else -1
+        if available and worker.mark_until is None:
+            pool.unmarked.add(worker)
+        else:
+            pool.unmarked.discard(worker)
         if free != worker.free:
             worker.free = free
             if free:

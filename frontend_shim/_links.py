@@ -344,7 +344,7 @@ class WorkerLink:
         await self._up_event.wait()
 
     def request(
-        self, endpoint: wire.Endpoint, body: dict[str, Any]
+        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int = 0, tenant: str = ""
     ) -> AbstractAsyncContextManager[RequestStream]:
         """Run one request on the worker; use as ``async with link.request(...) as stream``.
 
@@ -359,15 +359,17 @@ class WorkerLink:
         Args:
             endpoint: which OpenAI endpoint the body is for.
             body: the OpenAI request body, as the client sent it.
+            priority: the request's priority (lower first), for a worker that reads it.
+            tenant: the request's tenant, for a worker that reads it.
 
         Returns:
             An async context manager yielding the :class:`RequestStream`.
         """
-        return self._request(endpoint, body)
+        return self._request(endpoint, body, priority, tenant)
 
     @asynccontextmanager
     async def _request(
-        self, endpoint: wire.Endpoint, body: dict[str, Any]
+        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int, tenant: str
     ) -> AsyncIterator[RequestStream]:
         plane = self._plane
         if plane is None:
@@ -375,7 +377,7 @@ class WorkerLink:
             buffer.finish(unavailable(0, f"{self.key} is not connected"))
             yield RequestStream(0, buffer)
             return
-        request_id, buffer = await plane.open(endpoint, body)
+        request_id, buffer = await plane.open(endpoint, body, priority, tenant)
         try:
             yield RequestStream(request_id, buffer)
         finally:
@@ -510,6 +512,7 @@ class WorkerLink:
             request_buffer=self._settings.request_buffer,
             send_queue=self._settings.send_queue,
             stats=self.stats,
+            classes=wire.FEATURE_CLASSES in hello.features,
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features

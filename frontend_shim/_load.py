@@ -506,6 +506,22 @@ class Fleet:
         pool = self._pools.get(model)
         return pool.unsaturated_free if pool else 0
 
+    def unmarked_workers(self, model: str, now: float) -> FreeSet[WorkerLoad] | None:
+        """Available workers of a model not marked overloaded, busy or not (a live view)."""
+        self.expire(now)
+        pool = self._sets.pools.get(model)
+        return pool.unmarked if pool else None
+
+    def every_worker_marked(self, model: str | None = None) -> bool:
+        """Whether no available worker (of ``model``, or of any model) is unmarked: a request
+        that found nothing free was refused by overload marks, not by the busy thresholds.
+        O(1) per model."""
+        pools = self._sets.pools
+        if model is not None:
+            pool = pools.get(model)
+            return pool is not None and not pool.unmarked
+        return all(not pool.unmarked for pool in pools.values())
+
     def all_models_busy(self, now: float) -> bool:
         """O(1): every known model has available workers and none of them is free.
 

@@ -260,7 +260,14 @@ class FrontendMetrics:
             registry=self.registry,
         )
         self.registry.register(_WorkerLoadCollector(worker_loads))
+        self._rejections_by_reason = Counter(
+            "dynamo_frontend_rejection_by_reason",
+            "Requests answered 529 or 503, by model and by reason (x-dynamo-reject-reason)",
+            ["model", "reason"],
+            registry=self.registry,
+        )
         self._rejection_children: dict[tuple[str, str], Counter] = {}
+        self._reason_children: dict[tuple[str, str], Counter] = {}
         self._request_children: dict[tuple[str, str, int], Counter] = {}
         self._inflight_children: dict[str, Gauge] = {}
 
@@ -280,6 +287,14 @@ class FrontendMetrics:
         child = self._rejection_children.get(key)
         if child is None:
             child = self._rejection_children[key] = self._rejections.labels(model, endpoint)
+        child.inc()
+
+    def count_rejection_reason(self, model: str, reason: str) -> None:
+        """One request answered 529 or 503, by reason (``queue_full``, ``busy``, ...)."""
+        key = (model, reason)
+        child = self._reason_children.get(key)
+        if child is None:
+            child = self._reason_children[key] = self._rejections_by_reason.labels(model, reason)
         child.inc()
 
     def count_request(self, model: str, endpoint: str, status: int) -> None:

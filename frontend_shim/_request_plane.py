@@ -152,8 +152,12 @@ class RequestPlane:
     everything else is a no-op.
     """
 
-    def __init__(self, *, request_buffer: int, send_queue: int, stats: LinkStats) -> None:
+    def __init__(
+        self, *, request_buffer: int, send_queue: int, stats: LinkStats, classes: bool = False
+    ) -> None:
         self._request_buffer = request_buffer
+        # The worker acts on priority and tenant (its hello lists wire.FEATURE_CLASSES).
+        self._classes = classes
         self._send_queue = send_queue
         self._stats = stats
         self._next_id = 1
@@ -178,9 +182,12 @@ class RequestPlane:
         return self._closed_reason is not None
 
     async def open(
-        self, endpoint: wire.Endpoint, body: dict[str, Any]
+        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int = 0, tenant: str = ""
     ) -> tuple[int, ResponseBuffer]:
-        """Register a request and queue its ``Generate``; waits while the outbox is full."""
+        """Register a request and queue its ``Generate``; waits while the outbox is full.
+
+        ``priority`` and ``tenant`` are sent only to a worker that speaks them.
+        """
         while self._closed_reason is None and self._generates_queued >= self._send_queue:
             await self._room.wait()
         request_id = self._next_id
@@ -189,7 +196,17 @@ class RequestPlane:
         if self._closed_reason is not None:
             buffer.finish(unavailable(request_id, self._closed_reason))
             return request_id, buffer
-        data = wire.encode(wire.Generate(request_id=request_id, endpoint=endpoint, body=body))
+        if not self._classes:
+            priority, tenant = 0, ""
+        data = wire.encode(
+            wire.Generate(
+                request_id=request_id,
+                endpoint=endpoint,
+                body=body,
+                priority=priority,
+                tenant=tenant,
+            )
+        )
         if len(data) > wire.MAX_MESSAGE_BYTES:
             buffer.finish(
                 wire.Failed(

@@ -41,6 +41,8 @@ from shim_common._httpserver import HTTPResponder, error_body, json_headers
 
 __all__ = [
     "MAX_ANSWER_CHARS",
+    "QUEUE_WAIT_HEADER",
+    "REJECT_REASON_HEADER",
     "UNAVAILABLE_BODY",
     "OutputTally",
     "ResponseShape",
@@ -65,6 +67,10 @@ _DONE: Final = b"data: [DONE]\n\n"
 #: Characters of text one whole (not streamed) answer may gather (rule 4): far more than any
 #: context window, and a bound on what a worker that ignores ``max_tokens`` can cost.
 MAX_ANSWER_CHARS: Final = 16 * 1024 * 1024
+#: Why a 529 or 503 was answered (``queue_full``, ``displaced``, ``busy``, ...).
+REJECT_REASON_HEADER: Final = b"x-dynamo-reject-reason"
+#: Whole milliseconds a started request waited in the worker's queue.
+QUEUE_WAIT_HEADER: Final = b"x-dynamo-queue-wait-ms"
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -106,14 +112,19 @@ async def serve_started(
     stream: RequestStream,
     body: dict[str, Any],
     tally: OutputTally,
+    queue_wait_ms: int = 0,
 ) -> None:
-    """Answer a request the worker has started, from its replies (see the module rules)."""
+    """Answer a request the worker has started, from its replies (see the module rules).
+
+    Every 200 carries ``x-dynamo-queue-wait-ms``: how long the worker queued the request.
+    """
+    wait = (QUEUE_WAIT_HEADER, b"%d" % queue_wait_ms)
     if endpoint == "embeddings":
-        await _serve_embeddings(responder, stream, body, tally)
+        await _serve_embeddings(responder, stream, body, tally, wait)
     elif body.get("stream") is True:
-        await _serve_stream(responder, endpoint, stream, body, tally)
+        await _serve_stream(responder, endpoint, stream, body, tally, wait)
     else:
-        await _serve_whole(responder, endpoint, stream, body, tally)
+        await _serve_whole(responder, endpoint, stream, body, tally, wait)
 
 
 async def _serve_stream(
@@ -122,10 +133,11 @@ async def _serve_stream(
     stream: RequestStream,
     body: dict[str, Any],
     tally: OutputTally,
+    wait: tuple[bytes, bytes],
 ) -> None:
     shape = ResponseShape(endpoint, body)
     tally.status = 200
-    await responder.start_stream(200, list(_SSE_HEADERS))
+    await responder.start_stream(200, [*_SSE_HEADERS, wait])
     started_choices: set[int] = set()  # a request with n > 1 interleaves its choices
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
@@ -176,6 +188,7 @@ async def _serve_whole(
     stream: RequestStream,
     body: dict[str, Any],
     tally: OutputTally,
+    wait: tuple[bytes, bytes],
 ) -> None:
     shape = ResponseShape(endpoint, body)
     pieces: dict[int, list[str]] = {0: []}  # choice index -> its texts
@@ -202,7 +215,7 @@ async def _serve_whole(
                 for index, texts in sorted(pieces.items())
             }
             payload = shape.whole(choices, reply)
-            await responder.send(200, json_headers(), payload)
+            await responder.send(200, json_headers(wait), payload)
             tally.completed()
             return
         else:
@@ -215,6 +228,7 @@ async def _serve_embeddings(
     stream: RequestStream,
     body: dict[str, Any],
     tally: OutputTally,
+    wait: tuple[bytes, bytes],
 ) -> None:
     vectors: list[dict[str, Any]] = []
     async for reply in stream:
@@ -239,7 +253,7 @@ async def _serve_embeddings(
                     "total_tokens": reply.prompt_tokens,
                 },
             }
-            await responder.send(200, json_headers(), _json_encode(payload))
+            await responder.send(200, json_headers(wait), _json_encode(payload))
             tally.completed()
             return
         else:
@@ -247,10 +261,13 @@ async def _serve_embeddings(
             return
 
 
-async def send_unavailable(responder: HTTPResponder, tally: Tally, *, close: bool = False) -> None:
-    """Answer 503 with ``Retry-After: 1``; ``close``: and end the connection (draining)."""
+async def send_unavailable(
+    responder: HTTPResponder, tally: Tally, reason: str, *, close: bool = False
+) -> None:
+    """Answer 503 with ``Retry-After: 1`` and ``x-dynamo-reject-reason: <reason>``
+    (``no_workers`` or ``draining``); ``close``: and end the connection (draining)."""
     tally.status = 503
-    headers = json_headers((b"retry-after", b"1"))
+    headers = json_headers((b"retry-after", b"1"), (REJECT_REASON_HEADER, reason.encode()))
     if close:  # draining: the client should reconnect, to another frontend
         headers.append((b"connection", b"close"))
     await responder.send(503, headers, UNAVAILABLE_BODY)
@@ -261,7 +278,7 @@ async def send_failure(responder: HTTPResponder, tally: Tally, failed: wire.Fail
     if failed.kind == "bad_request":
         status, kind = 400, "invalid_request_error"
     elif failed.kind == "unavailable":
-        await send_unavailable(responder, tally)
+        await send_unavailable(responder, tally, "draining")
         return
     else:
         _log.warning("worker request failed: %s: %s", failed.kind, failed.message)

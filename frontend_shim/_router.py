@@ -264,6 +264,21 @@ class Router:
                 return worker
         return None
 
+    def pick_exempt(self, model: str, now: float, exclude: Collection[str] = ()) -> Routed | None:
+        """For a busy-exempt request that found no free worker: the least loaded worker that
+        is available and not marked, busy or not (``None``: every one is marked or excluded).
+
+        Only that worker's own cap (and displacement) can then refuse the request.
+        """
+        workers = self.fleet.unmarked_workers(model, now)
+        if not workers:
+            return None
+        candidates: Iterable[WorkerLoad] = workers
+        if exclude:
+            candidates = [w for w in workers if w.config.worker_id not in exclude]
+        chosen = min(candidates, key=_by_load_cost, default=None)
+        return None if chosen is None else Routed(chosen.config.worker_id)
+
     # ------------------------------------------------------------------ rejections, migration
 
     def on_rejected(self, worker_id: str, reason: str, now: float) -> RejectionKind:

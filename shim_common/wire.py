@@ -277,8 +277,14 @@ class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_
 # ----------------------------------------------------------------------------- request plane
 
 
-class Generate(msgspec.Struct, frozen=True, kw_only=True, tag="generate", tag_field="type"):
-    """Run one request. ``body`` is the OpenAI request body as the client sent it."""
+class Generate(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="generate", tag_field="type"
+):
+    """Run one request. ``body`` is the OpenAI request body as the client sent it.
+
+    Fields at their defaults are left out of the encoding, so a request of the default class
+    is the same bytes an older peer sends and reads.
+    """
 
     request_id: int
     endpoint: Endpoint

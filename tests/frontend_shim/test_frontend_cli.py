@@ -32,6 +32,7 @@ VARIABLES = [
     "DYN_ROUTER_TRACK_OUTPUT_BLOCKS",
     "DYN_ROUTER_QUEUE_THRESHOLD",
     "DYN_MIGRATION_LIMIT",
+    "DYN_BUSY_EXEMPT_PRIORITY",
     "DYN_HTTP_MAX_BODY_BYTES",
     "DYN_HTTP_OVERLOAD_STATUS_CODE",
     "DYN_DISABLE_FRONTEND_ADMIN_API",
@@ -119,6 +120,13 @@ def test_track_output_blocks_from_environment(monkeypatch: pytest.MonkeyPatch) -
     assert parse_args([])[0].router_track_output_blocks is True
 
 
+def test_busy_exempt_priority_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([])[0].busy_exempt_priority is None
+    monkeypatch.setenv("DYN_BUSY_EXEMPT_PRIORITY", "-5")
+    assert parse_args([])[0].busy_exempt_priority == -5
+    assert parse_args(["--busy-exempt-priority", "0"])[0].busy_exempt_priority == 0
+
+
 def test_worker_flags_pass_through_to_local_workers() -> None:
     settings, _ = parse_args(
         ["--local-workers", "2", "--engine-request-limit", "4", "--speedup-ratio", "10"]
@@ -143,6 +151,8 @@ def test_worker_flags_pass_through_to_local_workers() -> None:
         (["--router-mode", "fastest"], {}, "--router-mode"),
         (["--router-queue-threshold", "0"], {}, "--router-queue-threshold"),
         (["--migration-limit", "-1"], {}, "--migration-limit"),
+        (["--busy-exempt-priority", "high"], {}, "--busy-exempt-priority"),
+        ([], {"DYN_BUSY_EXEMPT_PRIORITY": "2000"}, "DYN_BUSY_EXEMPT_PRIORITY"),
         ([], {"DYN_HTTP_PORT": "http"}, "DYN_HTTP_PORT"),
         (["--local-workers", "-1"], {}, "--local-workers"),
         (["--worker", "http://a:1"], {}, "--worker"),

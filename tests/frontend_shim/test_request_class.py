@@ -1,0 +1,63 @@
+"""A completion's priority and tenant (frontend_shim/_request_class.py): where each is read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from frontend_shim._request_body import BadRequest
+from frontend_shim._request_class import header_priority, request_class
+
+
+def _headers(**values: str) -> list[tuple[bytes, bytes]]:
+    return [(f"x-dynamo-{key}".encode(), value.encode()) for key, value in values.items()]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "expected"),
+    [
+        ({}, {}, (0, "")),
+        ({}, {"priority": 7, "user": "alice"}, (7, "alice")),
+        ({"priority": "-3"}, {"priority": 7}, (-3, "")),
+        ({"tenant": "team-a"}, {"user": "alice"}, (0, "team-a")),
+        ({"priority": "1000", "tenant": ""}, {"user": "alice"}, (1000, "")),
+        ({}, {"priority": None, "user": None}, (0, "")),
+        ({}, {"priority": -1000}, (-1000, "")),
+    ],
+)
+def test_header_first_then_body_then_default(
+    headers: dict[str, str], body: dict[str, Any], expected: tuple[int, str]
+) -> None:
+    assert request_class(_headers(**headers), body) == expected
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "named"),
+    [
+        ({"priority": "high"}, {}, "x-dynamo-priority"),
+        ({"priority": "1001"}, {}, "x-dynamo-priority"),
+        ({"priority": "+5"}, {}, "x-dynamo-priority"),
+        ({"priority": "1.5"}, {}, "x-dynamo-priority"),
+        ({"priority": ""}, {}, "x-dynamo-priority"),
+        ({}, {"priority": "5"}, "`priority`"),
+        ({}, {"priority": 2.0}, "`priority`"),
+        ({}, {"priority": True}, "`priority`"),
+        ({}, {"priority": -1001}, "`priority`"),
+        ({"tenant": "x" * 257}, {}, "x-dynamo-tenant"),
+        ({}, {"user": "x" * 257}, "`user`"),
+        ({}, {"user": 42}, "`user`"),
+    ],
+)
+def test_bad_values_are_a_400_naming_the_header_or_field(
+    headers: dict[str, str], body: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(BadRequest) as caught:
+        request_class(_headers(**headers), body)
+    assert caught.value.status == 400
+    assert named in str(caught.value)
+
+
+def test_the_priority_header_alone_is_readable_from_the_head() -> None:
+    assert header_priority([]) is None
+    assert header_priority(_headers(priority=" 12 ")) == 12
