@@ -409,7 +409,9 @@ class AdmissionState:
         # that keeps arrivals from overtaking the queue.
         if self._queued == 0 and self._running < self.slot_limit and self._waiting < self._wait_cap:
             record = self._queue.tenant(tenant)
-            record.service += prompt_tokens * record.inverse_weight
+            cost = prompt_tokens * record.inverse_weight
+            record.service += cost
+            record.attained += cost
             self._running += 1
             self._waiting += 1
             self.started_total += 1
@@ -429,7 +431,9 @@ class AdmissionState:
             if self._hand is None:
                 # Chosen to start next the moment it arrives: charged now, as the policy
                 # charges whatever it picks for the hand.
-                record.service += prompt_tokens * record.inverse_weight
+                cost = prompt_tokens * record.inverse_weight
+                record.service += cost
+                record.attained += cost
                 ticket = Ticket(number, _HAND, priority, record, prompt_tokens)
                 self._hand = ticket
             else:
@@ -508,7 +512,9 @@ class AdmissionState:
     def charge(self, ticket: Ticket, generated_tokens: int) -> None:
         """Count generated tokens of a ticket as its tenant's service (two per token)."""
         tenant = ticket.tenant
-        tenant.service += 2 * generated_tokens * tenant.inverse_weight
+        cost = 2 * generated_tokens * tenant.inverse_weight
+        tenant.service += cost
+        tenant.attained += cost
         ticket.account.service_tokens += 2 * generated_tokens
 
     def finish(self, ticket: Ticket) -> Ticket | None:

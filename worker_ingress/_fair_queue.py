@@ -13,8 +13,9 @@ Rules of the discipline
    priority ``p`` waits.
 2. **Then the tenant with the least attained service.** Within one priority (a *band*), each
    tenant with entries waiting there is a *flow*. The next to start is the oldest entry of the
-   flow whose tenant has the smallest service counter; ties go to the flow that became
-   backlogged first. A tenant's counter is its attained service divided by its weight: prompt
+   flow whose tenant has the smallest service counter; ties go to the tenant that attained less
+   service in fact (its counter before any lift: a tenant lifted on arrival is usually the
+   light one), then to the flow that became backlogged first. A tenant's counter is its attained service divided by its weight: prompt
    tokens (charged when its request is chosen to start) plus two per generated token (charged
    by the gate as output arrives), as in Virtual Token Counter fair queuing.
 3. **No credit for idle time.** A flow that becomes backlogged in a band lifts its tenant's
@@ -74,17 +75,20 @@ class Tenant:
     Attributes:
         name: The tenant's name (``""`` is the shared tenant of requests that name none).
         weight: Its share: service counts divided by this.
-        service: Attained service divided by the weight (the fair-queuing counter).
+        service: Attained service divided by the weight, lifted by rule 3 (the fair-queuing
+            counter).
+        attained: The same without lifts (the tie-break of rule 2).
         requests: Requests of the tenant in the gate now (queued or running).
     """
 
-    __slots__ = ("inverse_weight", "name", "requests", "service", "weight")
+    __slots__ = ("attained", "inverse_weight", "name", "requests", "service", "weight")
 
     def __init__(self, name: str, weight: float) -> None:
         self.name = name
         self.weight = weight
         self.inverse_weight = 1.0 / weight
         self.service = 0.0
+        self.attained = 0.0
         self.requests = 0
 
     def __repr__(self) -> str:
@@ -132,9 +136,10 @@ class _Band:
         self.priority = priority
         #: Backlogged flows by tenant.
         self.flows: dict[Tenant, _Flow] = {}
-        #: (service when pushed, tie-break, flow): least attained service on top; an entry is
-        #: stale when its flow left the band or its tenant's service has grown since.
-        self.heap: list[tuple[float, int, _Flow]] = []
+        #: (service and attained service when pushed, tie-break, flow): least service on top;
+        #: an entry is stale when its flow left the band or its tenant's service has grown
+        #: since (attained service grows only with service, so it is never stale alone).
+        self.heap: list[tuple[float, float, int, _Flow]] = []
         #: Every entry of the band in arrival order (for "the most recently queued").
         self.order: deque[QueueEntry] = deque()
         #: Flows by how many places they hold (the count buckets of an LFU): ``most`` is the
@@ -224,7 +229,9 @@ class FairQueue:
     @staticmethod
     def charge(tenant: Tenant, tokens: float) -> None:
         """Add ``tokens`` of service (already weighted by kind: 2 per generated token)."""
-        tenant.service += tokens * tenant.inverse_weight
+        cost = tokens * tenant.inverse_weight
+        tenant.service += cost
+        tenant.attained += cost
 
     # -- entries --------------------------------------------------------------------------------
 
@@ -243,7 +250,7 @@ class FairQueue:
                     tenant.service = floor
             band.flows[tenant] = flow
             self._tick += 1
-            heapq.heappush(band.heap, (tenant.service, self._tick, flow))
+            heapq.heappush(band.heap, (tenant.service, tenant.attained, self._tick, flow))
             if len(band.heap) > 2 * len(band.flows) + _COMPACT_SLACK:
                 self._compact_heap(band)
         else:
@@ -367,12 +374,13 @@ class FairQueue:
         # (services only grow, so a stale key is too small: refresh it and look again).
         heap, flows = band.heap, band.flows
         while True:
-            service, _, flow = heap[0]
-            if flows.get(flow.tenant) is not flow:
+            service, _, _, flow = heap[0]
+            tenant = flow.tenant
+            if flows.get(tenant) is not flow:
                 heapq.heappop(heap)
-            elif service != flow.tenant.service:
+            elif service != tenant.service:
                 self._tick += 1
-                heapq.heapreplace(heap, (flow.tenant.service, self._tick, flow))
+                heapq.heapreplace(heap, (tenant.service, tenant.attained, self._tick, flow))
             else:
                 return flow
 
@@ -380,7 +388,7 @@ class FairQueue:
         return self._least_served_flow(band).tenant.service
 
     def _compact_heap(self, band: _Band) -> None:
-        live = [item for item in band.heap if band.flows.get(item[2].tenant) is item[2]]
+        live = [item for item in band.heap if band.flows.get(item[3].tenant) is item[3]]
         heapq.heapify(live)
         band.heap = live
 
