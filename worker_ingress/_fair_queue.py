@@ -15,9 +15,10 @@ Rules of the discipline
    tenant with entries waiting there is a *flow*. The next to start is the oldest entry of the
    flow whose tenant has the smallest service counter; ties go to the tenant that attained less
    service in fact (its counter before any lift: a tenant lifted on arrival is usually the
-   light one), then to the flow that became backlogged first. A tenant's counter is its attained service divided by its weight: prompt
-   tokens (charged when its request is chosen to start) plus two per generated token (charged
-   by the gate as output arrives), as in Virtual Token Counter fair queuing.
+   light one), then to the flow that became backlogged first. A tenant's counter is its
+   attained service divided by its weight: prompt tokens (charged when its request is chosen
+   to start) plus two per generated token (charged by the gate as output arrives), as in
+   Virtual Token Counter fair queuing.
 3. **No credit for idle time.** A flow that becomes backlogged in a band lifts its tenant's
    counter to the smallest counter among the flows already backlogged there (never lowers it).
    So a tenant that was idle cannot then monopolise the band to "catch up", and a heavy tenant
