@@ -140,6 +140,12 @@ async def _start_worker() -> tuple[trio.Process, str]:
     return process, ws
 
 
+def _binary(message: str | bytes) -> bytes:
+    if isinstance(message, str):
+        raise RuntimeError("the worker sent a text message: the protocol is binary")
+    return message
+
+
 Chooser = Callable[[random.Random], tuple[str, int, str]]
 
 
@@ -152,12 +158,12 @@ async def _drive(
     done = trio.Event()
     sending = True
     async with open_websocket_url(ws_url + wire.REQUESTS_PATH) as ws:
-        hello = msgspec.msgpack.decode(await ws.get_message())
+        hello = msgspec.msgpack.decode(_binary(await ws.get_message()))
         assert hello["type"] == "hello"
 
         async def receive() -> None:
             while sending or open_requests:
-                message = wire.decode_worker_message(await ws.get_message())
+                message = wire.decode_worker_message(_binary(await ws.get_message()))
                 now = trio.current_time()
                 request_id = getattr(message, "request_id", None)
                 outcome = open_requests.get(request_id) if request_id is not None else None
