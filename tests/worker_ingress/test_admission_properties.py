@@ -603,7 +603,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
 
 
 TestClassesStateMachine = ClassesStateMachine.TestCase
-TestClassesStateMachine.settings = settings(max_examples=200, stateful_step_count=60)
+TestClassesStateMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 
 
 @settings(max_examples=100, deadline=None)
