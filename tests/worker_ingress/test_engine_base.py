@@ -259,3 +259,20 @@ def test_every_engine_refuses_a_bad_body_the_same_way(
         with pytest.raises(EngineInputError) as caught:
             engine.prepare(endpoint, body)
         assert message in str(caught.value), type(engine).__name__
+
+
+@pytest.mark.parametrize("n", [2, 128, 0, "3"])
+def test_the_one_choice_engines_refuse_several_choices_and_the_upstream_passes_them_on(
+    n: object,
+) -> None:
+    body = {"model": "m", "prompt": "a b", "max_tokens": 1, "n": n}
+    mocker, instant, upstream = engines()
+    for engine in (mocker, instant):
+        with pytest.raises(EngineInputError) as caught:
+            engine.prepare("completions", body)
+        assert "one choice per request" in str(caught.value), type(engine).__name__
+    if n == 2:
+        upstream.prepare("completions", body)  # the upstream server answers n itself
+    for engine in (mocker, instant):
+        engine.prepare("completions", {**body, "n": 1})
+        engine.prepare("embeddings", {"model": "m", "input": "x", "n": 2})

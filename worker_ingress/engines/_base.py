@@ -23,6 +23,8 @@ Request reading shared by every engine, so all of them answer one body the same 
   embedding generates nothing. Absent or ``null`` means :data:`DEFAULT_MAX_TOKENS`.
 - :func:`prompt_texts` / :func:`prompt_words`: the prompt of a body and its token count, one token
   per whitespace-separated word (all message contents, for chat), as docs/mocker.md counts them.
+- :func:`refuse_several_choices`: for an engine that generates one choice per request, ``n``
+  other than 1 is refused (400) rather than silently answered with one choice.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "count_words",
     "prompt_texts",
     "prompt_words",
+    "refuse_several_choices",
     "requested_max_tokens",
 ]
 
@@ -144,6 +147,22 @@ class Engine(Protocol):
 
 # --------------------------------------------------------------------------------------------
 # Request reading (sans-IO), shared by the engines
+
+
+def refuse_several_choices(endpoint: Endpoint, body: Mapping[str, Any]) -> None:
+    """Refuse a completion that asks for several choices (``n`` other than 1 or absent).
+
+    For an engine that generates one choice per request: answering ``n: 3`` with one choice
+    would be a silent lie.
+
+    Raises:
+        EngineInputError: ``n`` is given, and is not 1.
+    """
+    choices = body.get("n")
+    if endpoint != "embeddings" and choices is not None and choices != 1:
+        shown = repr(choices)
+        shown = shown if len(shown) <= 64 else f"{shown[:64]}... ({len(shown)} characters)"
+        raise EngineInputError(f"this engine generates one choice per request: 'n' is {shown}")
 
 
 def requested_max_tokens(

@@ -25,6 +25,7 @@ from worker_ingress.engines._base import (
     PreparedRequest,
     count_words,
     prompt_texts,
+    refuse_several_choices,
     requested_max_tokens,
 )
 
@@ -78,6 +79,7 @@ class InstantEngine:
             EngineInputError: The body lacks its prompt or has a bad ``max_tokens``
                 (see :func:`~worker_ingress.engines._base.requested_max_tokens`).
         """
+        refuse_several_choices(endpoint, body)
         texts = prompt_texts(endpoint, body)
         return PreparedRequest(
             endpoint=endpoint,

@@ -33,6 +33,7 @@ from worker_ingress.engines._base import (
     PreparedRequest,
     count_words,
     prompt_texts,
+    refuse_several_choices,
     requested_max_tokens,
 )
 from worker_ingress.engines._mock_scheduler import GpuStepModel, MockSequence, RankScheduler
@@ -179,6 +180,7 @@ class MockerEngine:
         """
         if not isinstance(body, dict):
             raise EngineInputError("the request body must be a JSON object")
+        refuse_several_choices(endpoint, body)
         texts = prompt_texts(endpoint, body)
         max_tokens = requested_max_tokens(endpoint, body)
         payload = MockerPayload(embedding_inputs=texts if endpoint == "embeddings" else None)
