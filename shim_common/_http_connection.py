@@ -66,6 +66,10 @@ Rules of one connection (a loop of request/response cycles):
    blocks run, a worker request is cancelled) and ``on_send_stall`` counts it. A large write
    goes out in pieces of ``send_piece_bytes``, each with its own deadline, so a client that
    reads slowly but steadily is kept. The same timer task as rule 1 watches this deadline.
+8. While a connection waits for a request it has received nothing of (the first one, or the
+   next on a keep-alive connection), it is listed in the server's :class:`IdleConnections`; a
+   server out of file descriptors closes the longest idle of them first
+   (:mod:`shim_common._httpserver`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,15 @@ from shim_common._http_exchange import (
     error_body,
 )
 
-__all__ = ["END", "Connection", "EndOfRequest", "ParseFailure", "RequestHead", "RequestParser"]
+__all__ = [
+    "END",
+    "Connection",
+    "EndOfRequest",
+    "IdleConnections",
+    "ParseFailure",
+    "RequestHead",
+    "RequestParser",
+]
 
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
@@ -419,6 +431,40 @@ _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 # -- the connection ---------------------------------------------------------------------------
 
 
+class IdleConnections:
+    """The connections of a server that wait for a request with none of it received yet.
+
+    When the process runs out of file descriptors, closing the longest idle of these frees
+    descriptors at the least cost: no request is lost, and a keep-alive client opens a new
+    connection when it needs one (RFC 9112 9.3 lets a server close an idle connection).
+    """
+
+    def __init__(self) -> None:
+        # Insertion-ordered: the longest idle first.
+        self._idle: dict[Connection, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def add(self, connection: Connection) -> None:
+        """Record that ``connection`` went idle."""
+        self._idle[connection] = None
+
+    def discard(self, connection: Connection) -> None:
+        """Record that ``connection`` is busy again (or gone)."""
+        self._idle.pop(connection, None)
+
+    def close_oldest(self, count: int) -> int:
+        """Close up to ``count`` of the longest idle connections; returns how many."""
+        closed = 0
+        while self._idle and closed < count:
+            connection = next(iter(self._idle))
+            del self._idle[connection]
+            connection.close_idle()
+            closed += 1
+        return closed
+
+
 class Connection:
     """The request/response cycles of one connection: see the rules at the top of the module.
 
@@ -440,8 +486,10 @@ class Connection:
         limits: HTTPLimits,
         on_error: Callable[[BaseException], None] | None,
         on_send_stall: Callable[[], None] | None = None,
+        idle: IdleConnections | None = None,
     ) -> None:
         self._stream = stream
+        self._idle = idle
         self._parser = RequestParser(limits.max_head_bytes)
         self._events = self._parser.events
         self._handler = handler
@@ -614,12 +662,20 @@ class Connection:
     # -- the connection loop ------------------------------------------------------------------
 
     async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_forever)
-            nursery.start_soon(self._enforce_deadlines)
-            with self._scope:
-                await self._run_cycles()
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_forever)
+                nursery.start_soon(self._enforce_deadlines)
+                with self._scope:
+                    await self._run_cycles()
+                nursery.cancel_scope.cancel()
+        finally:
+            if self._idle is not None:
+                self._idle.discard(self)
+
+    def close_idle(self) -> None:
+        """End the connection now, as it waits for a request it has received nothing of."""
+        self._scope.cancel()
 
     async def _run_cycles(self) -> None:
         first = True
@@ -660,7 +716,15 @@ class Connection:
                 return None  # pragma: no cover - a head always comes first
             if self._eof:
                 return None  # a clean close between requests, or a partial head at EOF
-            await self._wait_for_data()
+            if self._idle is None or events or self._parser.mid_request:
+                await self._wait_for_data()
+            else:
+                # Nothing of a request yet: closable when the process runs out of descriptors.
+                self._idle.add(self)
+                try:
+                    await self._wait_for_data()
+                finally:
+                    self._idle.discard(self)
             if idle:
                 idle = False
                 self._head_deadline = trio.current_time() + limits.header_timeout

@@ -8,17 +8,27 @@ runs in its own task, bounded by the header timeout; a failure is counted and cl
 connection only). A handler gets an :class:`HTTPRequest` and answers through an
 :class:`HTTPResponder` (:mod:`shim_common._http_exchange`); what one connection does, request after
 request, and the limits it enforces are the rules of :mod:`shim_common._http_connection`.
+
+At the file-descriptor limit (``accept`` fails with ``EMFILE`` and the like) the server closes
+the longest idle connections (those waiting for a request with nothing of it received yet, rule
+8 of :mod:`shim_common._http_connection`) and accepts again, so new clients are served while
+idle keep-alive connections pile up; only with none idle does it wait 0.1 s before the next try.
+It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts since the last line.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 import trio
 
 from shim_common._access import accept_tls
-from shim_common._http_connection import Connection
+from shim_common._http_connection import Connection, IdleConnections
 from shim_common._http_exchange import (
     DEFAULT_LIMITS,
     BodyTooLarge,
@@ -42,6 +52,7 @@ __all__ = [
     "HTTPRequest",
     "HTTPResponder",
     "Handler",
+    "IdleConnections",
     "InvalidResponse",
     "MalformedRequest",
     "RequestTimeout",
@@ -60,6 +71,7 @@ async def serve_connection(
     limits: HTTPLimits = DEFAULT_LIMITS,
     on_error: Callable[[BaseException], None] | None = None,
     on_send_stall: Callable[[], None] | None = None,
+    idle: IdleConnections | None = None,
 ) -> None:
     """Serve HTTP/1.1 on one connection until either side ends it; never raises ``Exception``.
 
@@ -70,8 +82,10 @@ async def serve_connection(
         on_error: called with each unexpected exception (a failing handler), e.g. to count it.
         on_send_stall: called when the connection is dropped because a write made no progress
             for ``limits.send_timeout`` (a client that stopped reading).
+        idle: where the connection is listed while it is idle (closable at the descriptor
+            limit).
     """
-    connection = Connection(stream, handler, limits, on_error, on_send_stall)
+    connection = Connection(stream, handler, limits, on_error, on_send_stall, idle)
     try:
         await connection.run()
     except Exception as exc:
@@ -90,6 +104,7 @@ async def serve_http_listeners(
     on_send_stall: Callable[[], None] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     on_tls_failure: Callable[[BaseException], None] | None = None,
+    idle: IdleConnections | None = None,
 ) -> None:
     """Serve HTTP on listeners the caller opened, until cancelled.
 
@@ -103,6 +118,8 @@ async def serve_http_listeners(
             task, within ``limits.header_timeout``, before its first request head is awaited.
         on_tls_failure: called for each failed or late TLS handshake (the connection is closed;
             nothing else is affected).
+        idle: the registry of idle connections to use (e.g. shared with code that also needs
+            descriptors, to close some when it runs out); a fresh one by default.
     """
 
     def tls_failed(exc: BaseException) -> None:
@@ -110,17 +127,95 @@ async def serve_http_listeners(
             on_tls_failure(exc)
 
     async def on_connection(stream: trio.SocketStream) -> None:
-        served: trio.abc.Stream = stream
-        if ssl_context is not None:
-            tls = await accept_tls(stream, ssl_context, limits.header_timeout, tls_failed)
-            if tls is None:
-                return
-            served = tls
-        await serve_connection(
-            served, handler, limits=limits, on_error=on_error, on_send_stall=on_send_stall
-        )
+        try:
+            served: trio.abc.Stream = stream
+            if ssl_context is not None:
+                tls = await accept_tls(stream, ssl_context, limits.header_timeout, tls_failed)
+                if tls is None:
+                    return
+                served = tls
+            await serve_connection(
+                served,
+                handler,
+                limits=limits,
+                on_error=on_error,
+                on_send_stall=on_send_stall,
+                idle=idle_connections,
+            )
+        finally:
+            await trio.aclose_forcefully(stream)
 
-    await trio.serve_listeners(on_connection, listeners)
+    idle_connections = IdleConnections() if idle is None else idle
+    log = _DescriptorLimitLog()
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(
+                _accept_forever, listener, nursery, on_connection, idle_connections, log
+            )
+
+
+# accept(2) errors that mean the process or the system is out of a resource, not that the
+# listener broke (the same set as trio.serve_listeners).
+_OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+# Idle connections closed at once when accept runs out of descriptors.
+_CLOSE_BATCH: Final = 16
+# With nothing idle to close, the wait before accepting again (trio.serve_listeners' too).
+_RETRY_SECONDS: Final = 0.1
+# After closing idle connections: time for their tasks to release the descriptors.
+_RELEASE_SECONDS: Final = 0.001
+# The least time between two log lines about the descriptor limit.
+_FD_LOG_INTERVAL: Final = 10.0
+
+logger = logging.getLogger(__name__)
+
+
+class _DescriptorLimitLog:
+    """Logs running out of descriptors at a bounded rate: the first time, then at most once per
+    ``_FD_LOG_INTERVAL`` with what happened since."""
+
+    def __init__(self) -> None:
+        self._last = -float("inf")
+        self._failures = 0
+        self._closed = 0
+
+    def note(self, exc: OSError, closed: int) -> None:
+        self._failures += 1
+        self._closed += closed
+        now = trio.current_time()
+        if now - self._last < _FD_LOG_INTERVAL:
+            return
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        logger.warning(
+            "accept failed with %s (%s) %d times since the last report; closed %d idle"
+            " connections to make room",
+            code,
+            os.strerror(exc.errno or 0),
+            self._failures,
+            self._closed,
+        )
+        self._last = now
+        self._failures = self._closed = 0
+
+
+async def _accept_forever(
+    listener: trio.SocketListener,
+    nursery: trio.Nursery,
+    on_connection: Callable[[trio.SocketStream], Awaitable[None]],
+    idle: IdleConnections,
+    log: _DescriptorLimitLog,
+) -> None:
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                closed = idle.close_oldest(_CLOSE_BATCH)
+                log.note(exc, closed)
+                await trio.sleep(_RELEASE_SECONDS if closed else _RETRY_SECONDS)
+                continue
+            nursery.start_soon(on_connection, stream)
 
 
 async def serve_http(
@@ -133,6 +228,7 @@ async def serve_http(
     on_send_stall: Callable[[], None] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     on_tls_failure: Callable[[BaseException], None] | None = None,
+    idle: IdleConnections | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind ``host:port`` and serve HTTP (HTTPS with ``ssl_context``) until cancelled.
@@ -146,6 +242,7 @@ async def serve_http(
         on_send_stall: called for each connection dropped for a stalled write.
         ssl_context: serve HTTPS (see :func:`serve_http_listeners`).
         on_tls_failure: called for each failed or late TLS handshake.
+        idle: the registry of idle connections (see :func:`serve_http_listeners`).
         task_status: receives the bound port once listening (use with ``nursery.start``).
 
     Raises:
@@ -162,4 +259,5 @@ async def serve_http(
         on_send_stall=on_send_stall,
         ssl_context=ssl_context,
         on_tls_failure=on_tls_failure,
+        idle=idle,
     )

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
+from functools import partial
 
 import trio
 import trio.testing
@@ -103,3 +107,71 @@ async def test_a_failing_on_error_callback_does_not_break_the_server() -> None:
                 async with stream:
                     await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
                     assert (await read_until_eof(stream)).startswith(b"HTTP/1.1 500 ")
+
+
+# -- the file-descriptor limit ----------------------------------------------------------------
+
+# A server in a child process whose open-file limit is 64: the test fills it with idle
+# keep-alive connections, then a new client must still be served.
+_LIMITED_SERVER = """
+import logging, resource, sys, trio
+from shim_common._httpserver import json_headers, serve_http
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(name)s %(message)s")
+
+async def hello(request, responder):
+    await responder.send(200, json_headers(), b'{"hello":true}')
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_http, hello, "127.0.0.1", 0)
+        print(port, flush=True)
+
+trio.run(main)
+"""
+
+
+async def test_at_the_descriptor_limit_idle_connections_make_room_for_new_clients() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                partial(
+                    trio.run_process,
+                    [sys.executable, "-c", _LIMITED_SERVER],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=env,
+                    check=False,
+                )
+            )
+            assert server.stdout is not None
+            assert server.stderr is not None
+            port = int((await server.stdout.receive_some(100)).strip())
+            idle: list[trio.SocketStream] = []
+            try:
+                # Far more idle keep-alive connections than the limit allows at once.
+                for _ in range(150):
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    idle.append(stream)
+                    with trio.move_on_after(0.5):
+                        head, _ = await Client(stream).request("GET", "/idle")
+                        assert head.status_code == 200
+                # Served, though every descriptor was taken when it connected.
+                for _ in range(3):
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    async with stream:
+                        head, body = await Client(stream).request("GET", "/new")
+                    assert (head.status_code, body) == (200, b'{"hello":true}')
+            finally:
+                for stream in idle:
+                    await stream.aclose()
+                server.terminate()
+            log = b""
+            while chunk := await server.stderr.receive_some(65536):
+                log += chunk
+    lines = [line for line in log.decode().splitlines() if "accept failed with EMFILE" in line]
+    # Many accepts failed, yet the log says so once per interval (the run takes seconds).
+    assert 1 <= len(lines) <= 2, log.decode()
+    assert "closed" in lines[0]
