@@ -20,6 +20,9 @@ taking turns within each repeat, medians of ``--repeats``:
 4. chat for an unknown model on the fast frontend (404);
 5. one connection: p50/p99 of the chat of 3 and of ``GET /live``, on the fast frontend.
 
+With both systems present, the report ends with ours over Dynamo's for figures 1-4, from the
+same run.
+
 Both sides log at warning level (``--dynamo-log`` sets Dynamo's ``DYN_LOG``): at info level
 Dynamo writes lines for every request, a cost of its own. Even at warning level it writes three
 to four error lines for every 529 and every 404; ours writes none. wrk's count of non-2xx answers
@@ -446,6 +449,14 @@ def report(columns: dict[str, Figures]) -> str:
         added = chat1.get("p50_ms", float("nan")) - live1.get("p50_ms", float("nan"))
         cells.append(f"{added:.2f} ms")
     lines.append("| one connection: chat p50 - /live p50 | " + " | ".join(cells) + " |")
+    if len(names) == 2:
+        ours, theirs = names
+        lines.append("")
+        lines.append(f"| ratio, {ours} / {theirs} (same run) | requests/s |")
+        lines.append("|---|---|")
+        for label, key, _ in ROWS[:4]:
+            ratio = columns[ours][key]["rps"] / columns[theirs][key]["rps"]
+            lines.append(f"| {label.removesuffix(' (req/s)')} | {ratio:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,19 +1,29 @@
-"""Requests per second of our HTTP server, side by side with a bare h11 loop and hypercorn.
+"""The HTTP floor: our frontend's answers side by side with bare Trio servers on the same client.
 
-Each server runs in its own process (pinned to the first core when the machine has two or more),
-answering ``GET /`` with a small JSON body over keep-alive connections. The load comes from ``wrk``
-when it is on PATH (pinned to the second core), else from a Python client process holding many
-keep-alive connections (pinned to the second core too). The bare loop is the floor of trio + h11
-with none of the server's duties (no timeouts, no disconnect watcher, no error handling); the
-ratio shows what those duties cost. The hypercorn row is hypercorn's Trio worker serving a raw
-ASGI hello-world (no framework on top): the off-the-shelf server this project would otherwise
-use. It is measured when hypercorn is importable (``pip install hypercorn``; it is not a
-dependency of the project) and skipped otherwise.
+Every server runs in its own process pinned to CPU 0; ``wrk`` (one thread, keep-alive
+connections) runs pinned to CPU 1, so each figure is one core's worth of server. Rows, all
+measured in this one run, the servers taking turns within each round, medians of ``--rounds``:
+
+1. floor: a bare Trio keep-alive hello world parsing with httptools (llhttp, the parser our
+   server uses), replies written by hand: no timeouts, no disconnect watcher, no limits;
+2. floor: the same hello world on h11 (what our server was built on before llhttp);
+3. ``frontend-shim`` ``GET /live``, on a frontend whose fleet is busy;
+4. ``frontend-shim`` answering a completion 529 (the same busy frontend: a mocker slowed down
+   50 times holds one long request, and the decode threshold is 0.0);
+5. ``frontend-shim`` completion with ``max_tokens`` 1 through an instant-engine worker;
+6. ``frontend-shim`` streamed completion of 64 tokens through the instant-engine worker.
+
+For each row: requests/s, the server's CPU per request (one core divided by the rate, so it
+includes the kernel's share of the server's system calls), and the ratio to the llhttp floor.
+Then the ratios the HTTP layer is judged by: a 529 against ``/live``, ``/live`` against the
+floor. The hypercorn row (hypercorn's Trio worker serving a raw ASGI hello world, the
+off-the-shelf server this project would otherwise use) is measured when hypercorn is installed
+(``pip install hypercorn``; not a dependency of the project).
 
 Usage::
 
-    python bench/bench_http.py                   # every server, 64 connections, 5 s each
-    python bench/bench_http.py --duration 10 --connections 16 --client python
+    python -m bench.bench_http                    # 64 connections, 5 s per figure, 3 rounds
+    python -m bench.bench_http --seconds 3 --rounds 5 --connections 64
 """
 
 from __future__ import annotations
@@ -21,41 +31,77 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
 
 import h11
+import httptools
 import trio
 
-from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+from bench.bench_frontend import Wrk, _pinned, _process, _wait_connected
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
-HELLO_BODY = b'{"message":"hello"}'
-REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+SERVER_CPU: Final = "0"
+HELLO_BODY: Final = b'{"message":"hello"}'
+HELLO_RESPONSE: Final = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n\r\n"
+    + HELLO_BODY
+)
+COMPLETION: Final = {"model": "mock-model", "prompt": "one two", "max_tokens": 1}
+STREAMED: Final = {
+    "model": "mock-model",
+    "prompt": "one two",
+    "max_tokens": 64,
+    "stream": True,
+}
 
 
-# -- servers (run in a child process) ---------------------------------------------------------
+# -- the bare servers (each run in a child process) -------------------------------------------
 
 
-async def hello(request: HTTPRequest, responder: HTTPResponder) -> None:
-    await responder.send(200, json_headers(), HELLO_BODY)
+async def serve_bare_llhttp() -> None:
+    """Keep-alive hello world: httptools parses, the reply is one constant."""
+
+    async def connection(stream: trio.SocketStream) -> None:
+        class Ends:
+            complete = 0
+
+            def on_message_complete(self) -> None:
+                self.complete += 1
+
+        ends = Ends()
+        parser = httptools.HttpRequestParser(ends)
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                parser.feed_data(data)
+                if ends.complete:
+                    await stream.send_all(HELLO_RESPONSE * ends.complete)
+                    ends.complete = 0
+            except (trio.BrokenResourceError, httptools.HttpParserError):
+                return  # wrk resets its connections at the end of a run
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    print(listeners[0].socket.getsockname()[1], flush=True)
+    await trio.serve_listeners(connection, listeners)
 
 
-async def serve_ours() -> None:
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_http, hello, "127.0.0.1", 0)
-        print(port, flush=True)
+async def serve_bare_h11() -> None:
+    """Keep-alive hello world on h11."""
 
-
-async def serve_bare() -> None:
     async def connection(stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER)
         while True:
@@ -64,7 +110,7 @@ async def serve_bare() -> None:
                 try:
                     data = await stream.receive_some(65536)
                 except trio.BrokenResourceError:
-                    return  # wrk resets its connections at the end of a run
+                    return
                 conn.receive_data(data)
                 continue
             if isinstance(event, h11.Request):
@@ -85,7 +131,7 @@ async def serve_bare() -> None:
 
 
 async def asgi_hello(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-    """The hello-world as a raw ASGI application: the least hypercorn can be asked to do."""
+    """The hello world as a raw ASGI application: the least hypercorn can be asked to do."""
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
@@ -118,153 +164,173 @@ async def serve_hypercorn() -> None:
         print(binds[0].rsplit(":", 1)[1], flush=True)
 
 
-def hypercorn_installed() -> bool:
-    return importlib.util.find_spec("hypercorn") is not None
+BARE_SERVERS: Final = {
+    "llhttp": serve_bare_llhttp,
+    "h11": serve_bare_h11,
+    "hypercorn": serve_hypercorn,
+}
 
 
-SERVERS = {"ours": serve_ours, "bare": serve_bare, "hypercorn": serve_hypercorn}
-
-
-# -- the Python load generator (run in a child process) ---------------------------------------
-
-
-async def python_load(port: int, connections: int, duration: float) -> int:
-    """Keep-alive load, one request in flight per connection; returns responses received."""
-    response_size = await _probe_response_size(port)
-    done = 0
-    deadline = trio.current_time() + duration
-
-    async def one_connection() -> None:
-        nonlocal done
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        async with stream:
-            while trio.current_time() < deadline:
-                await stream.send_all(REQUEST)
-                remaining = response_size
-                while remaining > 0:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    remaining -= len(data)
-                done += 1
-
-    async with trio.open_nursery() as nursery:
-        for _ in range(connections):
-            nursery.start_soon(one_connection)
-    return done
-
-
-async def _probe_response_size(port: int) -> int:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(REQUEST)
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="GET", target="/", headers=[("Host", "127.0.0.1")]))
-        conn.send(h11.EndOfMessage())
-        raw = b""
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
-                raw += data
-                conn.receive_data(data)
-            elif isinstance(event, h11.EndOfMessage):
-                return len(raw)
-
-
-# -- orchestration ----------------------------------------------------------------------------
-
-
-def _pin(core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(0, {core})
-
-
-def _start_server(kind: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    port = int(proc.stdout.readline())
-    return proc, port
-
-
-def _measure(port: int, client: str, connections: int, duration: float) -> float:
-    if client == "wrk":
-        cmd = [
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{max(1, round(duration))}s",
-            f"http://127.0.0.1:{port}/",
-        ]
-        if shutil.which("taskset") and (os.cpu_count() or 1) >= 2:
-            cmd = ["taskset", "-c", "1", *cmd]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-        assert match, out
-        return float(match.group(1))
-    out = subprocess.run(
-        [sys.executable, __file__, "--load", str(port), str(connections), str(duration)],
-        capture_output=True,
+@contextlib.contextmanager
+def bare_server(kind: str) -> Iterator[str]:
+    """Start a bare server in a pinned child process; yield its URL."""
+    process = subprocess.Popen(
+        _pinned(SERVER_CPU, [sys.executable, "-m", "bench.bench_http", "--serve", kind]),
+        stdout=subprocess.PIPE,
         text=True,
-        check=True,
-    ).stdout
-    return float(out.strip())
+    )
+    try:
+        assert process.stdout is not None
+        yield f"http://127.0.0.1:{int(process.stdout.readline())}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+# -- our frontend -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def frontends() -> Iterator[tuple[str, str]]:
+    """A busy frontend (every completion answered 529) and a fast one; yields their URLs."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
+    python = sys.executable
+    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
+    worker += ["--log-level", "warning"]
+    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+    long_body = json.dumps({**COMPLETION, "max_tokens": 100_000, "stream": True})
+    with (
+        _process([*worker, "--speedup-ratio", "0.02"], env) as (slow_ws, _),
+        _process([*worker, "--engine", "instant"], env) as (instant_ws, _),
+        _process(
+            [*frontend, "--worker", slow_ws, "--active-decode-blocks-threshold", "0.0"], env
+        ) as (busy,),
+        _process([*frontend, "--worker", instant_ws], env) as (fast,),
+    ):
+        _wait_connected(busy)
+        _wait_connected(fast)
+        # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
+        holder = subprocess.Popen(
+            ["curl", "-sN", "-o", os.devnull, "-H", "Content-Type: application/json",
+             "-d", long_body, busy + "/v1/completions"]
+        )  # fmt: skip
+        try:
+            for _ in range(300):
+                probe = subprocess.run(
+                    ["curl", "-s", "-o", os.devnull, "-w", "%{http_code}", "-d", "{}",
+                     busy + "/v1/completions"],
+                    capture_output=True, text=True, check=False,
+                ).stdout  # fmt: skip
+                if probe == "529":
+                    break
+                time.sleep(0.05)
+            else:
+                raise RuntimeError("the busy fleet never became busy")
+            yield busy, fast
+        finally:
+            holder.terminate()
+            holder.wait()
+
+
+# -- the run ------------------------------------------------------------------------------
+
+#: The rows, in order: (label, key).
+ROWS: Final = [
+    ("floor: bare Trio + httptools hello world", "llhttp"),
+    ("floor: bare Trio + h11 hello world", "h11"),
+    ("hypercorn (Trio) raw ASGI hello world", "hypercorn"),
+    ("frontend-shim GET /live", "live"),
+    ("frontend-shim completion answered 529", "shed"),
+    ("frontend-shim completion, 1 token", "one_token"),
+    ("frontend-shim streamed completion, 64 tokens", "streamed"),
+]
+
+
+def _lua(folder: Path, name: str, body: dict[str, object]) -> str:
+    path = folder / f"{name}.lua"
+    path.write_text(
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(json.dumps(body))}\n"
+    )
+    return str(path)
+
+
+def report(rates: dict[str, list[float]]) -> str:
+    """The medians as a Markdown table, then the ratios the HTTP layer is judged by."""
+    medians = {key: statistics.median(values) for key, values in rates.items() if values}
+    floor = medians.get("llhttp")
+    lines = [
+        "| server | requests/s | CPU per request (us) | ratio to the llhttp floor | runs |",
+        "|---|---|---|---|---|",
+    ]
+    for label, key in ROWS:
+        if key not in medians:
+            continue
+        rate = medians[key]
+        ratio = f"{rate / floor:.2f}" if floor else "n/a"
+        runs = ", ".join(f"{value:,.0f}" for value in rates[key])
+        lines.append(f"| {label} | {rate:,.0f} | {1e6 / rate:.1f} | {ratio} | {runs} |")
+    if "live" in medians and "shed" in medians:
+        shed, live = medians["shed"], medians["live"]
+        lines.append("")
+        lines.append(
+            f"529s / GET /live: {shed / live:.2f} "
+            f"({1e6 / shed - 1e6 / live:+.1f} us of CPU per request)"
+        )
+    if "live" in medians and floor:
+        lines.append(f"GET /live / llhttp floor: {medians['live'] / floor:.2f}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per figure")
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per server")
-    parser.add_argument("--client", choices=["auto", "wrk", "python"], default="auto")
-    parser.add_argument("--serve", choices=sorted(SERVERS), help=argparse.SUPPRESS)
-    parser.add_argument("--load", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-
-    if args.serve:
-        _pin(0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the servers taking turns")
+    parser.add_argument("--serve", choices=sorted(BARE_SERVERS), help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            trio.run(SERVERS[args.serve])
+            trio.run(BARE_SERVERS[options.serve])
         return
-    if args.load:
-        _pin(1)
-        port, connections, duration = int(args.load[0]), int(args.load[1]), float(args.load[2])
-        started = time.perf_counter()
-        done = trio.run(python_load, port, connections, duration)
-        print(done / (time.perf_counter() - started))
-        return
-
-    client = args.client
-    if client == "auto":
-        client = "wrk" if shutil.which("wrk") else "python"
-    kinds = ["ours", "bare"]
-    if hypercorn_installed():
-        kinds.append("hypercorn")
+    if not shutil.which("wrk"):
+        sys.exit("wrk is needed (apt-get install -y wrk)")
+    bare = ["llhttp", "h11"]
+    if importlib.util.find_spec("hypercorn") is not None:
+        bare.append("hypercorn")
     else:
         print("hypercorn is not installed (pip install hypercorn): its row is skipped")
-    servers = {kind: _start_server(kind) for kind in kinds}
-    results: dict[str, list[float]] = {kind: [] for kind in servers}
-    try:
-        for _, port in servers.values():
-            _measure(port, client, args.connections, 1.0)  # warm-up
-        for _ in range(args.rounds):
-            for kind, (_, port) in servers.items():
-                results[kind].append(_measure(port, client, args.connections, args.duration))
-    finally:
-        for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(timeout=10)
-
-    print(f"client={client} connections={args.connections} duration={args.duration}s")
-    medians = {kind: statistics.median(values) for kind, values in results.items()}
-    for kind, values in results.items():
-        runs = ", ".join(f"{v:,.0f}" for v in values)
-        print(f"{kind:>9}: median {medians[kind]:,.0f} req/s  (runs: {runs})")
-    print(f"ratio ours/bare: {medians['ours'] / medians['bare']:.2f}")
-    if "hypercorn" in medians:
-        print(f"ratio ours/hypercorn: {medians['ours'] / medians['hypercorn']:.2f}")
+    rates: dict[str, list[float]] = {key: [] for _, key in ROWS}
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
+        completion = _lua(Path(scratch), "completion", COMPLETION)
+        streamed = _lua(Path(scratch), "streamed", STREAMED)
+        plain = Wrk(options.seconds, options.connections, completion)
+        stream_wrk = Wrk(options.seconds, options.connections, streamed)
+        urls = {kind: stack.enter_context(bare_server(kind)) for kind in bare}
+        busy, fast = stack.enter_context(frontends())
+        figures = {
+            **{kind: (plain, url + "/", False) for kind, url in urls.items()},
+            "live": (plain, busy + "/live", False),
+            "shed": (plain, busy + "/v1/completions", True),
+            "one_token": (plain, fast + "/v1/completions", True),
+            "streamed": (stream_wrk, fast + "/v1/completions", True),
+        }
+        for wrk, url, post in figures.values():
+            Wrk(1.0, options.connections, wrk.lua).run(url, post=post)  # warm-up
+        for _ in range(options.rounds):
+            for key, (wrk, url, post) in figures.items():
+                result = wrk.run(url, post=post)
+                expected_non_2xx = key == "shed"
+                if (result["non_2xx"] > 0) != expected_non_2xx:
+                    raise RuntimeError(f"{key}: {result['non_2xx']:.0f} non-2xx answers")
+                rates[key].append(result["rps"])
+    print(
+        f"wrk: 1 thread on CPU 1, {options.connections} keep-alive connections, "
+        f"{options.seconds:.0f} s per figure; servers on CPU {SERVER_CPU}; "
+        f"medians of {options.rounds} rounds"
+    )
+    print(report(rates))
 
 
 if __name__ == "__main__":

@@ -79,4 +79,6 @@ def test_report_puts_systems_side_by_side_with_ratios() -> None:
     assert "| chat answered 529, fleet busy (req/s) | 800 | 400 | 100% / 100% |" in table
     assert "| 529s / GET /live | 0.80 | 0.80 |" in table
     assert "| one connection: chat p50 - /live p50 | 2.00 ms | 2.00 ms |" in table
+    assert "| ratio, ours / theirs (same run) | requests/s |" in table
+    assert "| chat answered 529, fleet busy | 2.00 |" in table
     assert not math.isnan(columns["ours"]["live"]["rps"])
