@@ -506,6 +506,7 @@ def _exposed_metric_names() -> set[str]:
     frontend = FrontendMetrics(lambda: [RankLoadSample("w", 0, 1, 2, 10)])
     frontend.watch_links(lambda: [LinkSample("w", True, False, 0.001, 0.002, 5, 0)])
     frontend.count_rejection("m", "chat_completions")
+    frontend.count_rejection_reason("m", "busy")
     frontend.count_request("m", "chat_completions", 200)
     frontend.inflight("m").inc()
     frontend.observe_ttft("m", 0.1)
