@@ -10,9 +10,10 @@ jitter. :meth:`WorkerLink.request` runs one request on the request plane
 
 Rules of a session (the state machine of a link):
 
-1. ``down`` -> connect both planes and read one :class:`wire.Hello` on each, within
-   ``connect_timeout`` and holding one place of the pool's connect limiter (so a fleet of
-   thousands starts without thousands of handshakes at once); the protocol versions must be
+1. ``down`` -> take one place of the pool's connect limiter (so a fleet of thousands starts
+   without thousands of handshakes at once), then connect both planes and read one
+   :class:`wire.Hello` on each within ``connect_timeout`` (counted from when the place is held:
+   a link waiting its turn behind 2,000 others has not been slow); the protocol versions must be
    :data:`wire.PROTOCOL_VERSION`, the announced sizes within the bounds of
    :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``, the
    backoff is reset). A worker that lists :data:`wire.FEATURE_BUSY_EDGES` is sent the
@@ -76,7 +77,7 @@ from frontend_shim._connection import (
     open_plane,
 )
 from frontend_shim._discovery import WorkerKey
-from frontend_shim._event_budget import EventBudget, EventSlices, latest_wins
+from frontend_shim._event_budget import EventBudget, EventSlices, ReadPacer, latest_wins
 from frontend_shim._request_plane import (
     LinkStats,
     RequestPlane,
@@ -261,6 +262,9 @@ _SESSION_ERRORS: Final = (
 
 _M = TypeVar("_M")
 
+#: Stands for the connect limiter of a link outside a pool.
+_NO_LIMIT: Final = contextlib.nullcontext()
+
 
 class WorkerLink:
     """The two websocket connections to one worker, kept up for as long as :meth:`run` runs.
@@ -272,6 +276,7 @@ class WorkerLink:
         connect_limiter: bounds the connection attempts of a pool in flight at once.
         budget: the pool's event budget (rule 5); ``None``: none, every event read at once.
         slices: the pool's turns for event work (rule 5); ``None``: no turns.
+        pacer: the pool's read pacer (rule 5); ``None``: each paced read sleeps on its own.
         server_hostname: the name a ``wss://`` worker's certificate must carry.
         rng: the random source of the backoff jitter.
 
@@ -294,6 +299,7 @@ class WorkerLink:
         connect_limiter: trio.CapacityLimiter | None = None,
         budget: EventBudget | None = None,
         slices: EventSlices | None = None,
+        pacer: ReadPacer | None = None,
         server_hostname: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -307,6 +313,7 @@ class WorkerLink:
         self._limiter = connect_limiter
         self._budget = budget
         self._slices = slices
+        self._wait_until = pacer.wait_until if pacer is not None else trio.sleep_until
         self._server_hostname = server_hostname
         self._backoff = Backoff(
             initial=self._settings.backoff_initial,
@@ -451,11 +458,8 @@ class WorkerLink:
         events: PlaneConnection | None = None
         requests: PlaneConnection | None = None
         try:
-            with trio.fail_after(self._settings.connect_timeout):
-                if self._limiter is not None:
-                    async with self._limiter:
-                        events, requests, hello = await self._connect()
-                else:
+            async with self._limiter if self._limiter is not None else _NO_LIMIT:
+                with trio.fail_after(self._settings.connect_timeout):
                     events, requests, hello = await self._connect()
             await self._serve(events, requests, hello)
         finally:
@@ -563,11 +567,12 @@ class WorkerLink:
         lag = self.lag
         budget = None if self.negotiated else self._budget
         slices = self._slices
+        wait_until = self._wait_until
         read_at = -math.inf
         while True:
             if budget is not None and budget.interval > 0:
                 lag.allowance = budget.interval
-                await trio.sleep_until(read_at + budget.interval)
+                await wait_until(read_at + budget.interval)
             messages = await events.messages()
             read_at = trio.current_time()
             if slices is not None:

@@ -32,6 +32,7 @@ from frontend_shim._event_budget import (
     DEFAULT_EVENTS_PER_SLICE,
     EventBudget,
     EventSlices,
+    ReadPacer,
 )
 from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
 from shim_common import wire
@@ -96,6 +97,7 @@ class WorkerPool:
         self.budget = EventBudget(event_budget) if event_budget is not None else None
         #: The turns for event work shared by the links.
         self.slices = EventSlices(events_per_slice)
+        self._pacer = ReadPacer()
 
     @property
     def links(self) -> Mapping[WorkerKey, WorkerLink]:
@@ -126,6 +128,7 @@ class WorkerPool:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.slices.run)
+            await nursery.start(self._pacer.run)
             complete = await self._reconcile(nursery, listener)
             task_status.started()
             while True:
@@ -184,6 +187,7 @@ class WorkerPool:
                     connect_limiter=self._limiter,
                     budget=self.budget,
                     slices=self.slices,
+                    pacer=self._pacer,
                     server_hostname=host,
                 )
                 self._links[key] = link

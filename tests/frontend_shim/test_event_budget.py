@@ -7,6 +7,7 @@ from typing import Literal
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from frontend_shim._event_budget import (
     MAX_BUDGET_INTERVAL,
     EventBudget,
     EventSlices,
+    ReadPacer,
     latest_wins,
 )
 from shim_common import wire
@@ -219,3 +221,33 @@ async def test_event_work_yields_to_other_tasks_after_each_slice() -> None:
 def test_a_slice_takes_at_least_one_turn() -> None:
     with pytest.raises(ValueError, match="per_slice"):
         EventSlices(0)
+
+
+# ----------------------------------------------------------------------------- ReadPacer
+
+
+async def test_the_pacer_wakes_each_reader_at_its_time_within_a_tick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = ReadPacer(tick=0.01)
+    woken: dict[int, float] = {}
+
+    async def reader(index: int, when: float) -> None:
+        await pacer.wait_until(when)
+        woken[index] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        start = trio.current_time()
+        wanted = {index: start + 0.013 * index for index in range(1, 40)}
+        async with trio.open_nursery() as readers:
+            for index, when in wanted.items():
+                readers.start_soon(reader, index, when)
+        # A time already past: back at once, no waiting.
+        before = trio.current_time()
+        await pacer.wait_until(start)
+        await pacer.wait_until(-math.inf)
+        assert trio.current_time() == before
+        nursery.cancel_scope.cancel()
+    for index, when in wanted.items():
+        assert when <= woken[index] <= when + 0.01 + 1e-9
