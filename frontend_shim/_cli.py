@@ -49,7 +49,7 @@ from shim_common._cli import (
     strict_int,
     valid_port,
 )
-from shim_common._numbers import COUNT, FRACTION, RATIO, SECONDS
+from shim_common._numbers import COUNT, FRACTION, PRIORITY, RATIO, SECONDS
 from worker_ingress import local_worker_parameters
 
 __all__ = ["CliError", "main", "parse_args"]
@@ -154,7 +154,7 @@ def _frontend(
         Parameter(
             converter=strict_int,
             env_var="DYN_BUSY_EXEMPT_PRIORITY",
-            validator=validators.Number(gte=-1000, lte=1000),
+            validator=of_kind(PRIORITY),
         ),
     ] = None,
     max_body_bytes: Annotated[

@@ -21,6 +21,8 @@ The kinds and why their ranges are what they are:
 - :data:`RANKS`: data-parallel ranks of one worker, from 1 to :data:`MAX_RANKS` (1,024): each rank
   costs a scheduler in the mocker and per-rank state and gauges in every frontend, so the count
   is bounded by what a process can hold, not by what an integer can.
+- :data:`PRIORITY`: a request's priority, a whole number from -1000 to 1000 (lower is served
+  first): the one signed kind, narrow so that a priority is a class, never an identifier.
 
 NaN and the infinities are no kind at all. A flag may narrow its kind further (``> 0``, ``>= 1``);
 it never widens it. On the wire, a field is annotated with the kind's type (:data:`Count`,
@@ -48,6 +50,7 @@ __all__ = [
     "Fraction",
     "Kind",
     "NumberError",
+    "PRIORITY",
     "Ratio",
     "Seconds",
     "shown",
@@ -137,3 +140,4 @@ FRACTION: Final = Kind(float, 1.0, "a finite number from 0 to 1")
 RATIO: Final = Kind(float, MAX_RATIO, "a finite number from 0 to 1e6")
 SECONDS: Final = Kind(float, MAX_SECONDS, "a finite number of seconds from 0 to 1e9")
 RANKS: Final = Kind(int, MAX_RANKS, "a whole number from 1 to 1024", low=1)
+PRIORITY: Final = Kind(int, 1000, "a whole number from -1000 to 1000", low=-1000)
