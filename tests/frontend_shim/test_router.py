@@ -134,6 +134,27 @@ def test_busy_and_marked_workers_are_skipped() -> None:
     assert {picked(router.pick(MODEL, 0.0)) for _ in range(6)} == {"w2"}
 
 
+def test_an_exempt_pick_takes_the_least_loaded_busy_worker_but_never_a_marked_one() -> None:
+    fleet, feed = fleet_of(3)
+    feed.load("w0", prefill=50)
+    feed.load("w1", prefill=5)
+    feed.load("w2", prefill=1)
+    router = Router(fleet)
+    assert router.pick(MODEL, 0.0) == AllBusy()
+    assert not fleet.every_worker_marked(MODEL)
+    fleet.mark_overloaded("w2", 0.0)
+    # Busy ones may take it; the marked one may not, however lightly loaded.
+    assert router.pick_exempt(MODEL, 0.0) == Routed("w1")
+    assert router.pick_exempt(MODEL, 0.0, exclude={"w1"}) == Routed("w0")
+    assert router.pick_exempt(MODEL, 0.0, exclude={"w0", "w1"}) is None
+    fleet.mark_overloaded("w0", 0.0)
+    fleet.mark_overloaded("w1", 0.0)
+    assert fleet.every_worker_marked(MODEL)
+    assert fleet.every_worker_marked()
+    assert router.pick_exempt(MODEL, 0.0) is None
+    assert router.pick_exempt("other-model", 0.0) is None
+
+
 # ----------------------------------------------------------------------------- modes
 
 

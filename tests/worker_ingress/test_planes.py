@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncGenerator
 
 import msgspec
 import pytest
@@ -42,8 +43,9 @@ from shim_common.wire import (
     Rejected,
     Started,
 )
-from worker_ingress._config import MockerSettings
+from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._planes import coalesce_chunks
+from worker_ingress.engines._base import FIRST_OUTPUT, EngineOutput, PreparedRequest
 
 # ----------------------------------------------------------------------------- request plane
 
@@ -466,3 +468,74 @@ async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_fo
             assert worker.gate.state.slo_rejected_total == 1
             engine.release.set()
             assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
+
+
+# ----------------------------------------------------------------------------- admission classes
+
+
+class FirstOutputThenHeld(HeldEngine):
+    """Says "first output" at once with the marker, then holds the rest until released."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(settings)
+
+    async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
+        yield FIRST_OUTPUT
+        async for output in super().generate(request):
+            yield output
+
+
+def classed(request_id: int, priority: int = 0, tenant: str = "") -> Generate:
+    return Generate(
+        request_id=request_id,
+        endpoint="completions",
+        body={"prompt": "one two three", "max_tokens": 1},
+        priority=priority,
+        tenant=tenant,
+    )
+
+
+async def test_the_first_output_marker_frees_the_waiting_place_and_is_not_forwarded() -> None:
+    settings = make_settings(engine_request_limit=2, engine_request_waiting_limit=1)
+    engine = FirstOutputThenHeld(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))
+            await send(ws, completion(2))
+            # The first one's marker gave its waiting place back: the second started too.
+            await wait_for(lambda: worker.gate.running == 2, "both running")
+            await wait_for(lambda: worker.gate.waiting == 0, "both past their first output")
+            engine.release.set()
+            frames = await collect_until_final(ws, {1, 2})
+            for messages in frames.values():
+                assert isinstance(messages[0], Started)
+                assert isinstance(messages[-1], End)
+                chunks = [m for m in messages if isinstance(m, Chunk)]
+                # The marker is not a chunk: every chunk forwarded carries text.
+                assert chunks
+                assert all(chunk.text and chunk.tokens for chunk in chunks)
+                assert sum(chunk.tokens for chunk in chunks) == messages[-1].completion_tokens
+
+
+async def test_priority_and_tenant_of_generate_order_the_queue_and_displace() -> None:
+    # N = 1, Q = 3: the hand and two channel places.
+    settings = make_settings(engine_request_limit=1, request_queue_limit=3)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            for request_id, priority in [(1, 0), (2, 5), (3, 5), (4, 5)]:
+                await send(ws, classed(request_id, priority))
+                await wait_for(lambda n=request_id: worker.gate.in_flight == n, f"{request_id}")
+            await send(ws, classed(5, 0, "interactive"))  # displaces 4, the newest of priority 5
+            (displaced,) = (await collect_until_final(ws, {4}))[4]
+            assert displaced == Rejected(request_id=4, reason=wire.REASON_DISPLACED_PRIORITY)
+            assert worker.gate.state.displaced_total == 1
+            engine.release.set()
+            frames = await collect_until_final(ws, {1, 2, 3, 5})
+            starts = [m for messages in frames.values() for m in messages if isinstance(m, Started)]
+            assert len(starts) == 4
+            # Queued ones report a wait; the first one started at once.
+            assert frames[1][0] == Started(request_id=1, prompt_tokens=3, queue_wait_ms=0)
+            assert worker.gate.state.admitted_queue_total == 3
