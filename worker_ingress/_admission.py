@@ -767,6 +767,7 @@ class AdmissionGate:
             queue_limit=settings.queue_limit,
             waiting_limit=settings.engine_request_waiting_limit,
             tenant_weights=settings.tenant_weights,
+            max_tenants=settings.max_tracked_tenants,
             tenant_metrics_limit=settings.tenant_metrics_limit,
             queue_timeout=settings.queue_timeout,
             ttft_objective=settings.ttft_slo,

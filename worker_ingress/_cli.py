@@ -33,7 +33,12 @@ from shim_common._cli import (
     valid_port,
 )
 from shim_common._numbers import COUNT, RANKS, RATIO, SECONDS
-from worker_ingress._config import DEFAULT_QUEUE_LIMIT, MockerSettings, WorkerSettings
+from worker_ingress._config import (
+    DEFAULT_MAX_TRACKED_TENANTS,
+    DEFAULT_QUEUE_LIMIT,
+    MockerSettings,
+    WorkerSettings,
+)
 from worker_ingress._version import __version__
 
 __all__ = [
@@ -62,6 +67,7 @@ LOCAL_WORKER_FLAGS: Final = (
     "engine_request_waiting_limit",
     "tenant_weights",
     "tenant_metrics_limit",
+    "max_tracked_tenants",
     "queue_timeout",
     "ttft_slo",
     "adaptive_min_limit",
@@ -124,6 +130,14 @@ def _worker(
             validator=validators.Number(gte=0, lte=10_000),
         ),
     ] = 50,
+    max_tracked_tenants: Annotated[
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_MAX_TRACKED_TENANTS",
+            validator=validators.Number(gte=1, lte=1_000_000),
+        ),
+    ] = DEFAULT_MAX_TRACKED_TENANTS,
     queue_timeout: Annotated[
         float | None,
         Parameter(
@@ -234,6 +248,9 @@ def _worker(
     tenant_metrics_limit
         Tenants exported by name in the per-tenant metrics, in order of first appearance; the
         rest are summed under tenant="other".
+    max_tracked_tenants
+        Tenants the gate keeps fair-share state for at once (a tenant is tracked while it has a
+        request in the gate); beyond it, new tenants share one record until some leave.
     queue_timeout
         Seconds a request may wait in the queue before it is rejected with
         "Server overloaded: queue timeout" (default: no limit).
@@ -293,6 +310,7 @@ def _worker(
         engine_request_waiting_limit=engine_request_waiting_limit,
         tenant_weights=_tenant_weights(tenant_weights),
         tenant_metrics_limit=tenant_metrics_limit,
+        max_tracked_tenants=max_tracked_tenants,
         request_queue_limit=_queue_limit_from_env(),
         queue_timeout=queue_timeout,
         ttft_slo=ttft_slo,

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Final
 
 __all__ = [
+    "DEFAULT_MAX_TRACKED_TENANTS",
     "DEFAULT_QUEUE_LIMIT",
     "UNLIMITED_ENGINE_SLOTS",
     "UNLIMITED_QUEUE_LIMIT",
@@ -17,6 +18,8 @@ __all__ = [
     "WorkerSettings",
 ]
 
+#: Tenants the gate keeps fair-share state for at once, unless ``--max-tracked-tenants`` says.
+DEFAULT_MAX_TRACKED_TENANTS: Final = 4096
 #: Q when ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT`` is unset and N is set.
 DEFAULT_QUEUE_LIMIT: Final = 16
 #: The gate's size when N is unset: large enough never to reject in practice.
@@ -61,6 +64,8 @@ class WorkerSettings:
     tenant_weights: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Tenants exported by name in the per-tenant metrics; the rest are summed as ``other``.
     tenant_metrics_limit: int = 50
+    #: Tenants the gate keeps fair-share state for at once (``--max-tracked-tenants``).
+    max_tracked_tenants: int = DEFAULT_MAX_TRACKED_TENANTS
     #: S, seconds (``--ttft-slo``): the time-to-first-token objective; ``None``: off, L = N.
     ttft_slo: float | None = None
     #: The floor of the effective limit L (``--adaptive-min-limit``), used with an objective.

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from shim_common._cli import LOG_OFF, LogFilter, apply_log_filter, parse_log_filter
+from worker_ingress._admission import AdmissionGate
 from worker_ingress._cli import CliError, parse_args
 from worker_ingress._config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
 
@@ -43,6 +44,7 @@ ALL_VARIABLES = [
     "DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT",
     "DYN_TENANT_WEIGHTS",
     "DYN_TENANT_METRICS_LIMIT",
+    "DYN_MAX_TRACKED_TENANTS",
 ]
 
 
@@ -145,7 +147,9 @@ def test_dynamo_1_7_spellings_and_their_precedence(monkeypatch: pytest.MonkeyPat
 def test_waiting_limit_and_tenant_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT", "2")
     monkeypatch.setenv("DYN_TENANT_WEIGHTS", "gold=4, free=0.5")
-    settings, _ = parse_args(["--tenant-metrics-limit", "7"])
+    settings, _ = parse_args(["--tenant-metrics-limit", "7", "--max-tracked-tenants", "9"])
+    assert settings.max_tracked_tenants == 9
+    assert AdmissionGate.from_settings(settings).state.policy.max_tenants == 9
     assert settings.engine_request_waiting_limit == 2
     # W alone enables rejection, as N does: Q is the configured one, not 40000.
     assert settings.queue_limit == 16
@@ -203,6 +207,7 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
         (["--tenant-weights", "a"], {}, "--tenant-weights"),
         ([], {"DYN_TENANT_WEIGHTS": "a=1,a=2"}, "DYN_TENANT_WEIGHTS"),
         (["--tenant-metrics-limit", "-1"], {}, "--tenant-metrics-limit"),
+        (["--max-tracked-tenants", "0"], {}, "--max-tracked-tenants"),
         (["--port", "70000"], {}, "--port"),
         ([], {"DYN_SYSTEM_PORT": "-1"}, "DYN_SYSTEM_PORT"),
         (["--queue-timeout", "0"], {}, "--queue-timeout"),
