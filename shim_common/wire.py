@@ -35,7 +35,7 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -377,29 +377,42 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
+_Decoded = TypeVar("_Decoded")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_Decoded], data: bytes) -> _Decoded:
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        # Arrays or maps nested past the interpreter's depth (a body field is free-form):
+        # undecodable like any other bad input, never an unexpected exception.
+        raise msgspec.DecodeError("msgpack nested too deeply") from None
+
+
 def decode_client_message(data: bytes) -> ClientMessage:
     """Decode what a frontend sends on the request plane.
 
     Raises:
-        msgspec.DecodeError: the bytes are not msgpack or not a known message (a
-            ``msgspec.ValidationError`` for a known type with a bad field).
+        msgspec.DecodeError: the bytes are not msgpack, not a known message (a
+            ``msgspec.ValidationError`` for a known type with a bad field), or nested too
+            deeply to decode.
     """
-    return _client_decoder.decode(data)
+    return _decode(_client_decoder, data)
 
 
 def decode_worker_message(data: bytes) -> WorkerMessage:
     """Decode what a worker sends on the request plane (raises like the above)."""
-    return _worker_decoder.decode(data)
+    return _decode(_worker_decoder, data)
 
 
 def decode_event_message(data: bytes) -> Hello | EventBatch:
     """Decode what a worker sends on the event plane (raises like the above)."""
-    return _event_decoder.decode(data)
+    return _decode(_event_decoder, data)
 
 
 def decode_subscriber_message(data: bytes) -> Subscribe:
     """Decode what a subscriber sends on the event plane (raises like the above)."""
-    return _subscriber_decoder.decode(data)
+    return _decode(_subscriber_decoder, data)
 
 
 def merge_text_chunks(earlier: Chunk, later: Chunk) -> Chunk | None:

@@ -213,6 +213,32 @@ def test_client_decoder_rejects_what_is_not_a_client_message(data: bytes) -> Non
         wire.decode_client_message(data)
 
 
+#: A map nested 200,000 deep, and the same inside a message's free-form fields.
+DEEP_MAP = b"\x81\xa1a" * 200_000 + b"\xc0"
+DEEP_MESSAGES = [
+    DEEP_MAP,
+    b"\x84\xa4type\xa8generate\xaarequest_id\x01\xa8endpoint\xabcompletions\xa4body"
+    + DEEP_MAP,
+    b"\x82\xa4type\xa9subscribe\xaathresholds" + DEEP_MAP,
+    b"\x82\xa4type\xa5batch\xa6events" + b"\x91" * 200_000 + b"\xc0",
+]
+
+
+@pytest.mark.parametrize("data", DEEP_MESSAGES)
+@pytest.mark.parametrize(
+    "decode",
+    [
+        wire.decode_client_message,
+        wire.decode_worker_message,
+        wire.decode_event_message,
+        wire.decode_subscriber_message,
+    ],
+)
+def test_nesting_too_deep_to_decode_is_a_decode_error(decode: Any, data: bytes) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        decode(data)
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=20),
     lambda children: (

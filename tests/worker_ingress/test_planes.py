@@ -32,6 +32,7 @@ from worker_harness import (
 
 from shim_common import wire
 from shim_common.wire import (
+    EVENTS_PATH,
     REQUESTS_PATH,
     Cancel,
     Chunk,
@@ -198,6 +199,34 @@ async def test_bad_message_closes_that_connection_only(payload: bytes | str, cod
                 await send(healthy, completion(1))
                 assert isinstance((await collect_until_final(healthy, {1}))[1][-1], End)
             assert worker.health() == "ready"
+
+
+#: Maps nested 20,000 deep (the 64 KiB message cap of these tests keeps out the 200,000 of a
+#: real attack; past the interpreter's depth, both are the same).
+DEEP_MAP = b"\x81\xa0" * 20_000 + b"\xc0"
+DEEP_GENERATE = (
+    b"\x84\xa4type\xa8generate\xaarequest_id\x01\xa8endpoint\xabcompletions\xa4body" + DEEP_MAP
+)
+DEEP_SUBSCRIBE = b"\x82\xa4type\xa9subscribe\xaathresholds" + DEEP_MAP
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"), [(REQUESTS_PATH, DEEP_GENERATE), (EVENTS_PATH, DEEP_SUBSCRIBE)]
+)
+async def test_msgpack_nested_too_deep_closes_with_1007_and_logs_no_traceback(
+    path: str, payload: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    worker = new_worker(make_settings())
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            plane = request_plane(address) if path == REQUESTS_PATH else event_plane(address)
+            async with plane as ws:
+                await ws.send_message(payload)
+                assert await closed_code(ws) == 1007
+            async with request_plane(address) as healthy:
+                await send(healthy, completion(1))
+                assert isinstance((await collect_until_final(healthy, {1}))[1][-1], End)
+    assert not [record for record in caplog.records if record.exc_info is not None]
 
 
 async def test_duplicate_request_id_closes_with_1008() -> None:
