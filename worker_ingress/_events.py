@@ -18,7 +18,11 @@ Rules:
 5. Whatever sits in a mailbox when its subscriber's sender is ready is sent as one
    :class:`~wire.EventBatch`, oldest first: that is the coalescing.
 6. Publishing never blocks: producers write into mailboxes synchronously, so a slow subscriber
-   slows neither the engine nor the other subscribers.
+   slows neither the engine nor the other subscribers. A subscription costs nothing while its
+   sender writes a batch (it leaves the publisher when it takes the batch, and when its sender
+   asks for the next one it rejoins and gets, latest-wins, what it missed), so a subscriber that
+   never reads costs nothing once its socket is full. Delivering wakes a subscriber's sender only
+   when that sender is waiting for it: for a first pending event, or for the first urgent one.
 7. A subscriber gets at most one batch every ``publish_interval`` seconds, however fast the
    engine steps: what changes in between waits in its mailbox, latest-wins, so a change waits at
    most one interval. Two kinds of events do not wait: a status heartbeat (``draining``), and,
@@ -217,7 +221,15 @@ class Subscription:
         publish_interval: float = 0.0,
         limits: RankLimits = (0, 0),
         clock: Callable[[], float] = trio.current_time,
+        leave: Callable[[Subscription], None] = lambda _subscription: None,
+        rejoin: Callable[[Subscription], None] = lambda _subscription: None,
     ) -> None:
+        self._leave = leave
+        self._rejoin = rejoin
+        #: True from a batch's take until the sender asks for the next one (rule 6).
+        self._away = False
+        #: The ``seq`` of the newest event taken (0: none yet).
+        self.last_seq = 0
         self._mailbox = Mailbox()
         self._signal = ChangeSignal()
         self._seen = 0
@@ -254,10 +266,15 @@ class Subscription:
             event: The event.
             urgent: Send it without waiting out the publish interval.
         """
+        waiting_for_any = not len(self._mailbox)
         self._mailbox.put(event)
-        if urgent or (isinstance(event, LoadEvent) and self._is_edge(event.load)):
+        if not self._urgent and (
+            urgent or (isinstance(event, LoadEvent) and self._is_edge(event.load))
+        ):
             self._urgent = True
-        self._signal.bump()
+            waiting_for_any = True  # or sleeping out the interval: this ends the sleep
+        if waiting_for_any:
+            self._signal.bump()
 
     @property
     def pending(self) -> int:
@@ -270,6 +287,9 @@ class Subscription:
         Returns:
             A non-empty list of events, oldest first.
         """
+        if self._away:
+            self._away = False
+            self._rejoin(self)
         while True:
             if len(self._mailbox):
                 gap = self._edge_gap if self._urgent else self._interval
@@ -288,6 +308,9 @@ class Subscription:
         events = self._mailbox.take()
         self._last_sent = self._clock()
         self._urgent = False
+        self.last_seq = events[-1].seq
+        self._away = True
+        self._leave(self)
         for event in events:
             if isinstance(event, Heartbeat):
                 for load in event.loads:
@@ -360,7 +383,13 @@ class EventPublisher:
         self._changed = ChangeSignal()
         self._status: WorkerStatus = "ready"
         self._status_changed = trio.Event()
+        #: Subscriptions that events are delivered to (rule 6: not those whose sender writes).
         self._subscribers: set[Subscription] = set()
+        self._subscription_count = 0
+        # What a rejoining subscription may have missed: the newest heartbeat (and whether it
+        # was urgent), and the newest load event of each rank since it.
+        self._latest_heartbeat: tuple[Heartbeat, bool] | None = None
+        self._latest_loads: dict[int, LoadEvent] = {}
 
     @property
     def status(self) -> WorkerStatus:
@@ -370,7 +399,7 @@ class EventPublisher:
     @property
     def subscriber_count(self) -> int:
         """Subscribers connected now."""
-        return len(self._subscribers)
+        return self._subscription_count
 
     def notify(self) -> None:
         """Tell the publisher that the ingress gauges changed (synchronous; O(1))."""
@@ -392,15 +421,38 @@ class EventPublisher:
         Yields:
             The subscription to take batches from.
         """
-        subscription = Subscription(publish_interval=self._publish_interval, limits=self._limits())
+        subscription = Subscription(
+            publish_interval=self._publish_interval,
+            limits=self._limits(),
+            leave=self._subscribers.discard,
+            rejoin=self._rejoin,
+        )
         subscription.deliver(self._tracker.heartbeat(self._status), urgent=True)
         self._subscribers.add(subscription)
+        self._subscription_count += 1
         try:
             yield subscription
         finally:
+            self._subscription_count -= 1
             self._subscribers.discard(subscription)
 
+    def _rejoin(self, subscription: Subscription) -> None:
+        # Back from writing a batch: what was published meanwhile, latest-wins, in seq order.
+        self._subscribers.add(subscription)
+        seen = subscription.last_seq
+        if self._latest_heartbeat is not None and self._latest_heartbeat[0].seq > seen:
+            heartbeat, urgent = self._latest_heartbeat
+            subscription.deliver(heartbeat, urgent=urgent)
+        for event in self._latest_loads.values():
+            if event.seq > seen:
+                subscription.deliver(event)
+
     def _publish(self, event: WorkerEvent, *, urgent: bool = False) -> None:
+        if isinstance(event, Heartbeat):
+            self._latest_heartbeat = (event, urgent)
+            self._latest_loads.clear()
+        else:
+            self._latest_loads[event.load.dp_rank] = event
         for subscription in self._subscribers:
             subscription.deliver(event, urgent=urgent)
 

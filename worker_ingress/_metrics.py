@@ -30,6 +30,8 @@ Added here:
   bearer token, with ``DYN_WORKER_TOKEN`` set).
 - ``dynamo_worker_tls_handshake_failures_total``: TLS handshakes that failed or timed out, on the
   websocket port and the system port.
+- ``dynamo_worker_event_subscribers`` (gauge) and ``dynamo_worker_event_subscribers_refused_total``:
+  event-plane connections served now, and handshakes refused because the cap was reached.
 
 Admission classes (priorities, tenants, the waiting limit W):
 
@@ -97,6 +99,10 @@ class _GateCollector(Collector):
         self.unauthorized = 0
         #: Bumped by :meth:`WorkerMetrics.count_tls_failure`.
         self.tls_failures = 0
+        #: Set by :meth:`WorkerMetrics.set_event_subscribers`.
+        self.event_subscribers = 0
+        #: Bumped by :meth:`WorkerMetrics.count_subscriber_refused`.
+        self.subscribers_refused = 0
         #: Priorities that have a label of their own (first seen first), at most 16.
         self._priority_labels: dict[int, None] = {}
 
@@ -230,6 +236,16 @@ class _GateCollector(Collector):
                 "TLS handshakes that failed or timed out (websocket and system ports).",
                 value=self.tls_failures,
             ),
+            GaugeMetricFamily(
+                "dynamo_worker_event_subscribers",
+                "Event-plane connections served now.",
+                value=self.event_subscribers,
+            ),
+            CounterMetricFamily(
+                "dynamo_worker_event_subscribers_refused",
+                "Event-plane handshakes refused because the subscriber cap was reached.",
+                value=self.subscribers_refused,
+            ),
             *self._class_families(running, queued),
         ]
 
@@ -361,6 +377,14 @@ class WorkerMetrics:
     def count_tls_failure(self, _error: BaseException | None = None) -> None:
         """Count one TLS handshake that failed or timed out."""
         self._collector.tls_failures += 1
+
+    def set_event_subscribers(self, count: int) -> None:
+        """Report how many event-plane connections are served now."""
+        self._collector.event_subscribers = count
+
+    def count_subscriber_refused(self) -> None:
+        """Count one event-plane handshake refused at the subscriber cap."""
+        self._collector.subscribers_refused += 1
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
         """Encode every metric for a scrape, in the format the scraper asked for.

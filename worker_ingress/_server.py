@@ -90,6 +90,9 @@ RECEIVE_QUEUE_MESSAGES: Final = 4
 OPEN_TIMEOUT: Final = 10.0
 #: Seconds between two log lines about refused handshakes (each one is counted).
 REFUSAL_LOG_INTERVAL: Final = 10.0
+#: Event-plane subscribers a worker serves at once; a handshake beyond them gets 503 (counted).
+#: Each frontend is one subscriber of each of its workers.
+MAX_EVENT_SUBSCRIBERS: Final = 128
 
 HealthStatus = Literal["starting", "ready", "draining"]
 
@@ -112,6 +115,7 @@ class Worker:
         ping_interval: Seconds between keepalive pings on every connection.
         ping_timeout: Seconds a pong may take before the peer is dropped.
         close_timeout: Seconds a closing handshake may take before the socket is closed anyway.
+        max_event_subscribers: Event-plane connections served at once; more are refused.
     """
 
     def __init__(
@@ -124,6 +128,7 @@ class Worker:
         ping_interval: float = 10.0,
         ping_timeout: float = 20.0,
         close_timeout: float = 5.0,
+        max_event_subscribers: int = MAX_EVENT_SUBSCRIBERS,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -131,6 +136,8 @@ class Worker:
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
         self.close_timeout = close_timeout
+        self.max_event_subscribers = max_event_subscribers
+        self._event_subscribers = 0
         self.gate = AdmissionGate.from_settings(settings, on_change=self._gate_changed)
         self.publisher = EventPublisher(
             load=engine.load,
@@ -147,7 +154,10 @@ class Worker:
         self._drain_requested = trio.Event()
         self._connections: set[WorkerPlaneConnection] = set()
         self._token = settings.token.encode("ascii") if settings.token is not None else None
-        self._refusals = _RefusalLog()
+        self._refusals = _RefusalLog("without the right bearer token")
+        self._subscriber_refusals = _RefusalLog(
+            f"on the event plane: already {max_event_subscribers} subscribers"
+        )
 
     @property
     def hello(self) -> Hello:
@@ -369,6 +379,29 @@ class Worker:
         if self._status == "draining":
             await request.reject(503, body=b"worker draining\n")
             return
+        if factory is EventConnection:
+            if self._event_subscribers >= self.max_event_subscribers:
+                self.metrics.count_subscriber_refused()
+                self._subscriber_refusals.note(request.remote)
+                await request.reject(503, body=b"too many event-plane subscribers\n")
+                return
+            # Taken before the handshake's awaits, so concurrent handshakes cannot overshoot.
+            self._count_event_subscriber(+1)
+        try:
+            await self._accept_and_serve(request, factory)
+        finally:
+            if factory is EventConnection:
+                self._count_event_subscriber(-1)
+
+    def _count_event_subscriber(self, change: int) -> None:
+        self._event_subscribers += change
+        self.metrics.set_event_subscribers(self._event_subscribers)
+
+    async def _accept_and_serve(
+        self,
+        request: WebSocketRequest,
+        factory: Callable[[PlaneHost, WebSocketConnection], WorkerPlaneConnection],
+    ) -> None:
         # A client that reads batches says so with a subprotocol (request plane only).
         batching = factory is RequestConnection and SUBPROTOCOL_BATCH in (
             request.proposed_subprotocols or ()
@@ -398,9 +431,14 @@ def _authorized(request: WebSocketRequest, token: bytes) -> bool:
 
 class _RefusalLog:
     """Logs refused handshakes at most once per :data:`REFUSAL_LOG_INTERVAL` (a scanner or a
-    misconfigured frontend must not flood the log; the counter has every one)."""
+    misconfigured frontend must not flood the log; the counter has every one).
 
-    def __init__(self) -> None:
+    Args:
+        why: What the log line says after "refused N websocket handshake(s)".
+    """
+
+    def __init__(self, why: str) -> None:
+        self._why = why
         self._next = -math.inf
         self._since = 0
 
@@ -410,9 +448,7 @@ class _RefusalLog:
         if now < self._next:
             return
         logger.warning(
-            "refused %d websocket handshake(s) without the right bearer token, latest from %s",
-            self._since,
-            remote,
+            "refused %d websocket handshake(s) %s, latest from %s", self._since, self._why, remote
         )
         self._since = 0
         self._next = now + REFUSAL_LOG_INTERVAL

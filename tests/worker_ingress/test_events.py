@@ -421,3 +421,88 @@ async def test_edges_skip_a_subscribers_longer_interval(
             assert trio.current_time() - start <= 0.1 / 20 + 0.01
             subscription.set_publish_interval(0.0)
             assert subscription.publish_interval == 0.1
+
+
+# ----------------------------------------------------------------------------- senders that write
+
+
+async def test_a_subscription_whose_sender_writes_is_delivered_nothing_and_then_catches_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=0.1)
+    ) as publisher:
+        with publisher.subscribe() as writing, publisher.subscribe() as reading:
+            taken = await writing.next_batch()
+            await reading.next_batch()
+            # `writing` took a batch and has not asked for the next one: its sender is still
+            # writing (a socket that is full never returns). It costs nothing meanwhile.
+            for blocks in range(1, 101):
+                source.loads = [rank(0, blocks=blocks), rank(1)]
+                source.changed.bump()
+                await reading.next_batch()
+                assert writing.pending == 0
+            assert publisher.subscriber_count == 2
+            publisher.set_status("draining")
+            await trio.testing.wait_all_tasks_blocked()
+            assert writing.pending == 0
+            # Back for its next batch: at once (the status heartbeat is urgent), the latest
+            # state only, every seq newer than what it was sent.
+            start = trio.current_time()
+            caught_up = await writing.next_batch()
+            assert trio.current_time() - start <= 0.1 / 20 + 0.001
+    assert [type(event) for event in caught_up] == [Heartbeat]
+    (heartbeat,) = caught_up
+    assert isinstance(heartbeat, Heartbeat)
+    assert heartbeat.status == "draining"
+    assert heartbeat.loads == [rank(0, blocks=100), rank(1)]
+    assert heartbeat.seq > taken[-1].seq
+
+
+async def test_a_rejoining_subscription_gets_the_latest_load_of_each_rank_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=0.1)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            seqs = [event.seq for event in await subscription.next_batch()]
+            for blocks in range(1, 50):
+                source.loads = [rank(0, blocks=blocks), rank(1, blocks=blocks % 3)]
+                source.changed.bump()
+                await trio.sleep(0.01)
+            batch = await subscription.next_batch()
+            seqs += [event.seq for event in batch]
+            source.loads = [rank(0, blocks=7), rank(1, blocks=1)]
+            source.changed.bump()
+            later = await subscription.next_batch()
+            seqs += [event.seq for event in later]
+    assert [e.load for e in batch if isinstance(e, LoadEvent)] == [
+        rank(0, blocks=49),
+        rank(1, blocks=1),
+    ]
+    assert [e.load for e in later if isinstance(e, LoadEvent)] == [rank(0, blocks=7)]
+    assert seqs == sorted(set(seqs))
+
+
+async def test_a_waiting_sender_is_woken_once_per_batch_not_once_per_event(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source = FakeLoad()
+    wakeups = 0
+    async with open_event_publisher(
+        source.publisher(heartbeat_interval=100.0, publish_interval=1.0)
+    ) as publisher:
+        with publisher.subscribe() as subscription:
+            await subscription.next_batch()
+            signal = subscription._signal
+            before = signal.version
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_step_load, source, 500, 0.001)
+                await subscription.next_batch()
+                wakeups = signal.version - before
+                nursery.cancel_scope.cancel()
+    # 500 changes within the interval: one wake for the first pending event, none after.
+    assert wakeups == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket as stdlib_socket
 from collections.abc import AsyncGenerator
 
 import msgspec
@@ -364,6 +365,40 @@ async def read_until_idle(ws: WebSocketConnection) -> int:
         if isinstance(last, LoadEvent) and last.engine_requests == 0:
             return count
     raise AssertionError("never saw the idle state")
+
+
+async def test_a_subscriber_that_never_reads_costs_nothing_once_its_socket_is_full() -> None:
+    from worker_ingress.engines._mocker import create as create_mocker
+
+    # Fat heartbeats (64 ranks) every 5 ms, each sent at once: the socket of a subscriber that
+    # never reads (with a small receive buffer) fills within a second.
+    settings = make_settings(
+        heartbeat_interval=0.005,
+        load_publish_interval=0.0,
+        mocker=MockerSettings(data_parallel_size=64),
+    )
+    worker = new_worker(settings, create_mocker(settings))
+    publisher = worker.publisher
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            raw = stdlib_socket.socket()
+            raw.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_RCVBUF, 4096)
+            sock = trio.socket.from_stdlib_socket(raw)
+            with sock:
+                await sock.connect(("127.0.0.1", port_of(address)))
+                await sock.send(upgrade_request(EVENTS_PATH))
+                await wait_for(lambda: publisher.subscriber_count == 1, "the subscriber")
+                # Once the socket is full, the sender waits on it for good and the
+                # subscription stays out of the publisher's delivery: heartbeats go on, and
+                # none of them is even put in its mailbox.
+                out_for = 0
+                for _ in range(1000):
+                    out = not publisher._subscribers and publisher.subscriber_count == 1
+                    out_for = out_for + 1 if out else 0
+                    if out_for == 50:  # 0.5 s, a hundred heartbeats
+                        break
+                    await trio.sleep(0.01)
+                assert out_for == 50, "the subscriber is still delivered to"
 
 
 async def test_slow_subscriber_catches_up_with_the_latest_state() -> None:

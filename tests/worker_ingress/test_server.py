@@ -43,6 +43,21 @@ from worker_ingress._server import WorkerAddress, run_worker
 from worker_ingress.engines._base import EngineOutput, PreparedRequest
 from worker_ingress.engines._instant import InstantEngine, create
 
+
+async def upgrade_status(address: WorkerAddress, path: str) -> bytes:
+    """The status line the worker answers a raw upgrade on ``path`` with."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
+    async with stream:
+        await stream.send_all(upgrade_request(path))
+        response = b""
+        for _ in range(100):
+            data = await stream.receive_some()
+            response += data
+            if not data or b"\r\n" in response:
+                break
+    return response.split(b"\r\n", 1)[0]
+
+
 # ----------------------------------------------------------------------------- handshake
 
 
@@ -66,16 +81,27 @@ async def test_hello_comes_first_on_both_planes() -> None:
 async def test_unknown_path_is_rejected_with_404() -> None:
     with trio.fail_after(TIMEOUT):
         async with running(new_worker(make_settings())) as address:
-            stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
-            async with stream:
-                await stream.send_all(upgrade_request("/v2/nothing"))
-                response = b""
-                for _ in range(100):
-                    data = await stream.receive_some()
-                    response += data
-                    if not data or b"\r\n" in response:
-                        break
-    assert response.startswith(b"HTTP/1.1 404 ")
+            status = await upgrade_status(address, "/v2/nothing")
+    assert status.startswith(b"HTTP/1.1 404 ")
+
+
+async def test_event_subscribers_past_the_cap_are_refused_and_counted() -> None:
+    worker = new_worker(make_settings(), max_event_subscribers=2)
+    samples = worker.metrics.registry.get_sample_value
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            async with event_plane(address), event_plane(address):
+                assert samples("dynamo_worker_event_subscribers") == 2
+                status = await upgrade_status(address, EVENTS_PATH)
+                assert status.startswith(b"HTTP/1.1 503 ")
+                assert samples("dynamo_worker_event_subscribers_refused_total") == 1
+                # The request plane is not capped by it.
+                async with request_plane(address) as ws:
+                    await send(ws, completion(1))
+                    assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
+            await wait_for(lambda: samples("dynamo_worker_event_subscribers") == 0, "both gone")
+            async with event_plane(address) as events:
+                assert await read_events(events)
 
 
 # ----------------------------------------------------------------------------- drain

@@ -1,0 +1,210 @@
+"""What event-plane subscribers that never read cost a worker: its CPU and its completion latency.
+
+Run: ``python bench/bench_subscribers.py [--idle 256,1000] [--seconds 10] [--trees a=.,b=PATH]``.
+
+For each tree (a checkout of this repository; the worker process imports its code from there),
+a mocker worker process pinned to CPU 0 serves completions to this process (pinned to CPU 1),
+which keeps ``--clients`` streaming completions running back to back on one request plane and
+times each from its ``generate`` to its ``end``. Two phases per tree, in one run: no other
+connection, then for each count in ``--idle`` that many connections that upgrade to the event
+plane and never read a byte (a worker with a subscriber cap refuses those over it).
+Printed per tree and phase: the worker process's CPU share at rest with the idle connections
+open (no completions), its CPU time per completion under load, the completions done, and their
+latency p50 and p95; the ratios are against the same tree's first phase. Another engineer's load
+on the machine moves every figure; compare the rows of one run, never absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from shim_common import wire
+
+#: Seconds after the idle subscribers connected before measuring, and of the measure at rest.
+SETTLE_SECONDS = 5.0
+IDLE_SECONDS = 3.0
+BODY: dict[str, Any] = {"prompt": "one two three four five six seven eight", "max_tokens": 32}
+READY = re.compile(rb"ws=(\S+) system=(\S+)")
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _start_worker(tree: str) -> tuple[trio.Process, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
+    env["PYTHONPATH"] = tree
+    process = await trio.lowlevel.open_process(
+        ["taskset", "-c", "0", sys.executable, "-m", "worker_ingress", "--port", "0",
+         "--system-port", "0", "--engine-request-limit", "64", "--speedup-ratio", "4",
+         "--log-level", "error"],
+        stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert process.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while b"\n" not in line:
+            line += await process.stdout.receive_some(4096)
+    match = READY.search(line)
+    assert match is not None, line
+    return process, match[1].decode(), match[2].decode()
+
+
+async def _idle_subscriber(host: str, port: int, opened: trio.MemorySendChannel[None]) -> None:
+    """Upgrade to the event plane, then never read (the socket stays open until cancelled)."""
+    try:
+        stream = await trio.open_tcp_stream(host, port)
+    except OSError:
+        await opened.send(None)
+        return
+    async with stream:
+        request = (
+            f"GET {wire.EVENTS_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n"
+        )
+        with contextlib.suppress(trio.BrokenResourceError):  # refused and closed already
+            await stream.send_all(request.encode())
+        await opened.send(None)
+        await trio.sleep_forever()
+
+
+async def _receive(ws: WebSocketConnection) -> wire.WorkerMessage:
+    data = await ws.get_message()
+    assert isinstance(data, bytes)
+    return wire.decode_worker_message(data)
+
+
+async def _completions(ws_url: str, clients: int, seconds: float, latencies: list[float]) -> None:
+    """Run completions for ``seconds``; append the latency of each to ``latencies``."""
+    async with open_websocket_url(
+        ws_url + wire.REQUESTS_PATH, max_message_size=wire.MAX_MESSAGE_BYTES
+    ) as ws:
+        assert isinstance(await _receive(ws), wire.Hello)
+        started: dict[int, float] = {}
+        done: dict[int, trio.Event] = {}
+        deadline = trio.current_time() + seconds
+        # Clients stop at the deadline; the last one sends a request without a prompt, whose
+        # answer (a failure, at once) tells the reader that every answer is in. Nothing is
+        # cancelled inside trio-websocket's context manager (it re-raises cancellations).
+        stopped = 0
+
+        async def read() -> None:
+            while True:
+                message = await _receive(ws)
+                items = message.messages if isinstance(message, wire.Batch) else [message]
+                for item in items:
+                    if isinstance(item, wire.Hello):
+                        continue
+                    if item.request_id == 0:
+                        return
+                    if isinstance(item, wire.End | wire.Failed | wire.Rejected):
+                        latencies.append(time.perf_counter() - started.pop(item.request_id))
+                        done.pop(item.request_id).set()
+
+        async def client(first_id: int) -> None:
+            nonlocal stopped
+            request_id = first_id
+            while trio.current_time() < deadline:
+                request_id += clients
+                done[request_id] = event = trio.Event()
+                started[request_id] = time.perf_counter()
+                await ws.send_message(
+                    wire.encode(wire.Generate(request_id=request_id, endpoint="completions",
+                                              body=BODY))
+                )  # fmt: skip
+                await event.wait()
+            stopped += 1
+            if stopped == clients:
+                last = wire.Generate(request_id=0, endpoint="completions", body={})
+                await ws.send_message(wire.encode(last))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for number in range(clients):
+                nursery.start_soon(client, number)
+
+
+async def _phase(
+    ws_url: str, pid: int, idle: int, clients: int, seconds: float
+) -> tuple[float, float, int, float, float]:
+    host, port = ws_url.removeprefix("ws://").rsplit(":", 1)
+    latencies: list[float] = []
+    async with trio.open_nursery() as nursery:
+        opened_tx, opened_rx = trio.open_memory_channel[None](idle or 1)
+        for _ in range(idle):
+            nursery.start_soon(_idle_subscriber, host, int(port), opened_tx)
+        for _ in range(idle):
+            await opened_rx.receive()
+        await trio.sleep(SETTLE_SECONDS)  # the handshakes done, the publisher settled
+        cpu = _cpu_seconds(pid)
+        await trio.sleep(IDLE_SECONDS)
+        idle_share = (_cpu_seconds(pid) - cpu) / IDLE_SECONDS
+        cpu = _cpu_seconds(pid)
+        await _completions(ws_url, clients, seconds, latencies)
+        per_completion = (_cpu_seconds(pid) - cpu) / max(len(latencies), 1)
+        nursery.cancel_scope.cancel()
+    quantiles = statistics.quantiles(latencies, n=20)
+    return idle_share, per_completion, len(latencies), statistics.median(latencies), quantiles[18]
+
+
+async def _tree(tree: str, idle: list[int], clients: int, seconds: float) -> list[tuple[Any, ...]]:
+    process, ws_url, _system = await _start_worker(tree)
+    try:
+        rows = []
+        for count in (0, *idle):
+            rows.append((count, *await _phase(ws_url, process.pid, count, clients, seconds)))
+            await trio.sleep(1.0)
+        return rows
+    finally:
+        process.terminate()
+        with trio.move_on_after(40):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--idle", default="256,1000", help="idle subscriber counts, comma-separated"
+    )
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--trees", default="this=.", help="label=path,... (a checkout each)")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {1})
+    print(
+        "| tree | idle subscribers | worker CPU at rest | worker CPU ms per completion "
+        "| completions | p50 ms | p95 ms | p50 x | p95 x |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, path in (item.split("=", 1) for item in args.trees.split(",")):
+        tree = os.path.abspath(path)
+        idle = [int(count) for count in args.idle.split(",")]
+        rows = trio.run(_tree, tree, idle, args.clients, args.seconds)
+        base = rows[0]
+        for count, rest, per_completion, done, p50, p95 in rows:
+            print(
+                f"| {label} | {count} | {rest:.0%} | {per_completion * 1000:.1f} | {done} "
+                f"| {p50 * 1000:.0f} | {p95 * 1000:.0f} | {p50 / base[4]:.2f} "
+                f"| {p95 / base[5]:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
