@@ -148,7 +148,7 @@ def _worker(queue_limit: int, *flags: str) -> tuple[list[str], dict[str, str]]:
     return worker_cmd("--engine-request-limit", "1", *MOCKER_FLAGS, *flags), env
 
 
-async def _blocker(queue: Queue, nursery: trio.Nursery, tokens: int = 60) -> None:
+async def _blocker(queue: Queue, nursery: trio.Nursery, tokens: int = 100) -> None:
     """A long request of its own tenant that holds the one slot while the test queues."""
 
     async def hold() -> None:
