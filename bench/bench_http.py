@@ -13,8 +13,9 @@ measured in this one run, the servers taking turns within each round, medians of
 5. ``frontend-shim`` completion with ``max_tokens`` 1 through an instant-engine worker;
 6. ``frontend-shim`` streamed completion of 64 tokens through the instant-engine worker.
 
-For each row: requests/s, the server's CPU per request (one core divided by the rate, so it
-includes the kernel's share of the server's system calls), and the ratio to the llhttp floor.
+For each row: requests/s, the core time per request (one core divided by the rate: the server's
+CPU per request, the kernel's share of its system calls included, when it has the core to
+itself), and the ratio to the llhttp floor (the median of the rounds' ratios).
 Then the ratios the HTTP layer is judged by: a 529 against ``/live``, ``/live`` against the
 floor. The hypercorn row (hypercorn's Trio worker serving a raw ASGI hello world, the
 off-the-shelf server this project would otherwise use) is measured when hypercorn is installed
@@ -55,8 +56,7 @@ if TYPE_CHECKING:
 SERVER_CPU: Final = "0"
 HELLO_BODY: Final = b'{"message":"hello"}'
 HELLO_RESPONSE: Final = (
-    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n\r\n"
-    + HELLO_BODY
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n\r\n" + HELLO_BODY
 )
 COMPLETION: Final = {"model": "mock-model", "prompt": "one two", "max_tokens": 1}
 STREAMED: Final = {
@@ -257,30 +257,38 @@ def _lua(folder: Path, name: str, body: dict[str, object]) -> str:
 
 
 def report(rates: dict[str, list[float]]) -> str:
-    """The medians as a Markdown table, then the ratios the HTTP layer is judged by."""
+    """The medians as a Markdown table, then the ratios the HTTP layer is judged by.
+
+    A ratio is the median of its per-round ratios: the rows of one round ran back to back, so
+    a neighbour's load on the machine weighs on both sides of it alike.
+    """
     medians = {key: statistics.median(values) for key, values in rates.items() if values}
     floor = medians.get("llhttp")
     lines = [
-        "| server | requests/s | CPU per request (us) | ratio to the llhttp floor | runs |",
+        "| server | requests/s | core time per request (us) | ratio to the llhttp floor | runs |",
         "|---|---|---|---|---|",
     ]
     for label, key in ROWS:
         if key not in medians:
             continue
         rate = medians[key]
-        ratio = f"{rate / floor:.2f}" if floor else "n/a"
+        ratio = f"{_ratio(rates, key, 'llhttp'):.2f}" if floor else "n/a"
         runs = ", ".join(f"{value:,.0f}" for value in rates[key])
         lines.append(f"| {label} | {rate:,.0f} | {1e6 / rate:.1f} | {ratio} | {runs} |")
     if "live" in medians and "shed" in medians:
-        shed, live = medians["shed"], medians["live"]
-        lines.append("")
-        lines.append(
-            f"529s / GET /live: {shed / live:.2f} "
-            f"({1e6 / shed - 1e6 / live:+.1f} us of CPU per request)"
+        extra = statistics.median(
+            1e6 / shed - 1e6 / live for shed, live in zip(rates["shed"], rates["live"], strict=True)
         )
+        lines.append("")
+        shed_ratio = _ratio(rates, "shed", "live")
+        lines.append(f"529s / GET /live: {shed_ratio:.2f} ({extra:+.1f} us per 529)")
     if "live" in medians and floor:
-        lines.append(f"GET /live / llhttp floor: {medians['live'] / floor:.2f}")
+        lines.append(f"GET /live / llhttp floor: {_ratio(rates, 'live', 'llhttp'):.2f}")
     return "\n".join(lines)
+
+
+def _ratio(rates: dict[str, list[float]], top: str, bottom: str) -> float:
+    return statistics.median(a / b for a, b in zip(rates[top], rates[bottom], strict=True))
 
 
 def main() -> None:

@@ -1,0 +1,23 @@
+"""The pure part of ``bench/bench_http.py``: the report and its per-round ratios."""
+
+from __future__ import annotations
+
+from bench.bench_http import report
+
+
+def test_ratios_are_medians_of_the_rounds_ratios() -> None:
+    rates = {
+        "llhttp": [10_000.0, 20_000.0, 10_000.0],
+        "h11": [2_500.0, 5_000.0, 2_500.0],
+        "hypercorn": [],
+        "live": [5_000.0, 10_000.0, 6_000.0],
+        "shed": [5_000.0, 9_000.0, 6_000.0],
+        "one_token": [1_000.0, 2_000.0, 1_000.0],
+        "streamed": [100.0, 200.0, 100.0],
+    }
+    table = report(rates)
+    h11_row = "| floor: bare Trio + h11 hello world | 2,500 | 400.0 | 0.25 | 2,500, 5,000, 2,500 |"
+    assert h11_row in table
+    assert "hypercorn" not in table  # not measured, no row
+    assert "529s / GET /live: 1.00 (+0.0 us per 529)" in table
+    assert "GET /live / llhttp floor: 0.50" in table
