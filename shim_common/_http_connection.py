@@ -58,9 +58,9 @@ Rules of one connection (a loop of request/response cycles):
 6. Keep-alive: when both sides of a cycle are done and neither said ``Connection: close``
    (an HTTP/1.0 client always does, in effect), the next cycle starts; otherwise the connection
    closes gracefully (send EOF, drain the client's last bytes for a moment, close), so a client
-   still writing a body it was refused reads the answer instead of a TCP reset. A request that
-   asks to switch protocols (``Upgrade``, ``CONNECT``) is answered as any other and the
-   connection closed after it.
+   still writing a body it was refused reads the answer instead of a TCP reset. An ``Upgrade``
+   header is ignored (the server switches no protocol; RFC 9110 7.8); a ``CONNECT`` is answered
+   as any other request and the connection closed after it.
 7. A write that makes no progress for ``send_timeout`` (a client that stopped reading a stream)
    drops the connection: the handler is cancelled as if the client had left (its ``finally:``
    blocks run, a worker request is cancelled) and ``on_send_stall`` counts it. A large write
@@ -128,7 +128,8 @@ class RequestHead:
         expects_continue: whether the client waits for ``100 Continue`` (HTTP/1.1 only).
         content_length: the declared body length, or ``None``.
         chunked: whether the body is chunked (``Transfer-Encoding: chunked``).
-        upgrade: whether the request asks to switch protocols.
+        upgrade: whether the request is a ``CONNECT``, which asks for a tunnel: answered, then the
+            connection ends. (An ``Upgrade`` header is ignored: the request is served as any.)
     """
 
     __slots__ = (
@@ -210,7 +211,7 @@ class RequestParser:
     """Bytes in, request events out (see the rules at the top of the module for what is refused).
 
     Feed it with :meth:`feed`; take events from :attr:`events` in order. After a
-    :class:`ParseFailure`, or after a request that asks to switch protocols, it ignores what it
+    :class:`ParseFailure`, or after a ``CONNECT`` (which asks for a tunnel), it ignores what it
     is fed. Memory is bounded: a head by ``max_head_bytes`` (plus one piece of input while it is
     incomplete), body pieces by what is fed.
 
@@ -236,6 +237,10 @@ class RequestParser:
         self._body_seen = 0
         self._target = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._last_head: RequestHead | None = None
+        # Body bytes still due to a request that asked to upgrade (taken by hand, see
+        # _after_upgrade_request).
+        self._upgrade_body_left = 0
 
     @property
     def mid_request(self) -> bool:
@@ -244,28 +249,36 @@ class RequestParser:
 
     def feed(self, data: bytes | bytearray) -> None:
         """Parse ``data``, appending to :attr:`events` what it completes."""
-        if self._done:
-            return
+        # Each pass parses the rest of the piece, or up to the end of a request that asked to
+        # upgrade (llhttp stops there); bounded by the requests in one piece.
+        while data and not self._done:
+            if self._upgrade_body_left:
+                data = self._take_upgrade_body(data)
+                continue
+            rest = self._feed_llhttp(data)
+            if rest is None:
+                return
+            data = rest
+
+    def _feed_llhttp(self, data: bytes | bytearray) -> bytes | bytearray | None:
+        """Feed llhttp; the bytes after a request that asked to upgrade, else ``None``."""
         was_in_head = self._in_head
         begun_before = self._messages_begun
         body_before = self._body_seen
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # The request was complete (its events are queued); what follows would be another
-            # protocol, which this server does not speak: the connection ends after the answer.
-            self._done = True
-            return
+        except httptools.HttpParserUpgrade as exc:
+            return self._after_upgrade_request(data[exc.args[0] :])
         except httptools.HttpParserCallbackError as exc:
             refusal = exc.__context__
             if isinstance(refusal, _Refused):
                 self._fail(refusal.status, str(refusal))
             else:  # pragma: no cover - the callbacks raise only _Refused
                 raise
-            return
+            return None
         except httptools.HttpParserError as exc:
             self._fail(400, str(exc) or "malformed request")
-            return
+            return None
         if self._in_head:
             if was_in_head and self._messages_begun == begun_before:
                 self._head_pieces += len(data)  # all of it is part of one incomplete head
@@ -278,6 +291,43 @@ class RequestParser:
                 self._framing_bytes += len(data)
                 if self._framing_bytes > self._max_head_bytes:
                     self._fail(400, "chunk framing or trailers too large")
+        return None
+
+    def _after_upgrade_request(self, rest: bytes | bytearray) -> bytes | bytearray | None:
+        """llhttp ended a request that asked to switch protocols right after its head.
+
+        The server switches nothing (RFC 9110 7.8 lets it ignore ``Upgrade``), so the request
+        is an ordinary one: its ``Content-Length`` body is taken here, and a fresh parser reads
+        what follows. A ``CONNECT`` is answered and the connection ends (``upgrade`` is set on
+        its head); a chunked body with ``Upgrade`` is refused (501), being rare enough not to
+        parse by hand.
+        """
+        head = self._last_head
+        assert head is not None
+        assert self.events[-1] is END, "llhttp pauses only at the end of a request"
+        if head.upgrade:
+            self._done = True
+            return None
+        self._parser = httptools.HttpRequestParser(self)
+        if head.chunked:
+            self.events.pop()  # the body was never read: no end of it
+            self._fail(501, "a chunked body with Upgrade is not supported")
+            return None
+        if head.content_length:
+            self.events.pop()
+            self._upgrade_body_left = head.content_length
+            self._in_message = True
+        return rest
+
+    def _take_upgrade_body(self, data: bytes | bytearray) -> bytes | bytearray:
+        taken = bytes(data[: self._upgrade_body_left])
+        self._upgrade_body_left -= len(taken)
+        self._body_seen += len(taken)
+        self.events.append(taken)
+        if not self._upgrade_body_left:
+            self._in_message = False
+            self.events.append(END)
+        return data[len(taken) :]
 
     def _fail(self, status: int, reason: str) -> None:
         self._done = True
@@ -337,19 +387,20 @@ class RequestParser:
             chunked = True
         if hosts > 1 or (at_least_1_1 and not hosts):
             raise _Refused(400, "one Host header is needed (HTTP/1.1), and more is refused")
-        self.events.append(
-            RequestHead(
-                parser.get_method(),
-                self._target,
-                self._headers,
-                version,
-                keep_alive=at_least_1_1 and b"close" not in connection,
-                expects_continue=at_least_1_1 and b"100-continue" in expect,
-                content_length=content_length,
-                chunked=chunked,
-                upgrade=parser.should_upgrade(),
-            )
+        method = parser.get_method()
+        head = RequestHead(
+            method,
+            self._target,
+            self._headers,
+            version,
+            keep_alive=at_least_1_1 and b"close" not in connection,
+            expects_continue=at_least_1_1 and b"100-continue" in expect,
+            content_length=content_length,
+            chunked=chunked,
+            upgrade=method == b"CONNECT",
         )
+        self._last_head = head
+        self.events.append(head)
 
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)

@@ -78,6 +78,43 @@ async def test_an_http_1_0_client_gets_its_answer_and_a_close() -> None:
     assert raw.endswith(b"\r\n\r\ndata: 1\n\n")
 
 
+async def test_an_upgrade_header_is_ignored_and_the_body_read() -> None:
+    """curl --http2 on an http:// URL asks to upgrade to h2c: the server stays on HTTP/1.1."""
+    with trio.fail_after(10):
+        async with running_server(echo) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"POST /up HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                    b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+                    b"Content-Length: 7\r\n\r\npayload"
+                    b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n"
+                )
+                client = Client(stream)
+                answers = []
+                for method in ("POST", "GET"):
+                    client.expect_response_to(method)
+                    head, body = await client.response_head_and_body()
+                    client.conn.start_next_cycle()
+                    assert head.status_code == 200
+                    answers.append(json.loads(body))
+    assert [(a["path"], a["body"]) for a in answers] == [("/up", "payload"), ("/after", "")]
+
+
+async def test_a_connect_is_answered_and_the_connection_closed() -> None:
+    with trio.fail_after(10):
+        async with running_server(refuse) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    b"CONNECT host:443 HTTP/1.1\r\nHost: host:443\r\n\r\n"
+                    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+                )
+                raw = await read_until_eof(stream)
+    assert raw.count(b"HTTP/1.1 ") == 1
+    assert b"connection: close" in raw.lower()
+
+
 # -- bodies, 100-continue, 413 (rules 2 and 4) ------------------------------------------------
 
 

@@ -141,10 +141,8 @@ def read_with_h11(raw: bytes) -> Outcome:
 
 
 def _switches_protocol(request: h11.Request) -> bool:
-    if request.method == b"CONNECT":
-        return True
-    headers = dict(request.headers)
-    return b"upgrade" in headers and b"upgrade" in headers.get(b"connection", b"").lower()
+    # A CONNECT asks for a tunnel: the server answers it and closes. (An Upgrade is ignored.)
+    return request.method == b"CONNECT"
 
 
 # -- where the server is stricter than h11, on purpose ------------------------------------------
@@ -165,6 +163,8 @@ def _stricter_refusal(raw: bytes, request: tuple[bytes, bytes, list[tuple[bytes,
         return True  # one Content-Length header with one value, or nothing (h11 merges them)
     if re.search(rb"\r\n[ \t]", head):
         return True  # obs-fold (RFC 9112 5.2): refused rather than unfolded
+    if b"upgrade" in names and b"transfer-encoding" in names:
+        return True  # a chunked body with Upgrade: 501 (llhttp skips such a body)
     if method not in _TOKEN_METHODS and method != b"TRACE":
         return True  # llhttp knows the registered methods only
     # llhttp refuses some characters in a target that h11 lets through.
