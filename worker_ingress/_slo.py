@@ -59,8 +59,11 @@ Rules
    the gate refuses an arrival that would queue behind B or more requests
    (:attr:`SloController.queue_bound`, refreshed when a window closes). Under a sustained
    overload the queue stays full, so every admitted request is admitted at position B: the bound
-   must serve the percentile of the objective, not its mean. Before the first hold time B is
-   unbounded (no evidence, no refusal).
+   must serve the percentile of the objective, not its mean. B is at least 1 while the engine's
+   p90 leaves any room (``e < S``): one request waiting in the dispatcher's hand keeps the engine
+   from idling between a finish and the next arrival, and rule 7 refuses it if its wait runs
+   out; with no room at all B is 0. Before the first hold time B is unbounded (no evidence, no
+   refusal).
 7. Deadline. A queued request whose wait leaves no more room for its first token within S is
    refused: the deadline is S minus the engine's median time to first token (of the last closed
    window; S itself before the first), so a request that has waited S is refused at the latest.
@@ -393,4 +396,6 @@ class SloController:
             return 0
         z = _Z90
         starts = ((math.sqrt(z * z + 4 * room) - z) / 2) ** 2
-        return min(UNBOUNDED_QUEUE, math.floor(starts + 1e-9))
+        # At least one: a request ready in the dispatcher's hand keeps the engine from idling
+        # between a finish and the next arrival; the deadline refuses it if its wait runs out.
+        return min(UNBOUNDED_QUEUE, max(1, math.floor(starts + 1e-9)))

@@ -192,6 +192,15 @@ def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
     assert controller.engine_ttft_p90 == pytest.approx(0.1)
 
 
+def test_a_little_room_still_keeps_one_request_ready() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=1)
+    controller.observe_finish(object(), started=0.0, finished=2.0)
+    feed_window(controller, 0.0, engine_ttft=0.1)
+    # R = 0.2 * 1 / 2 = 0.1 start: no queued request would make it on average, but one in the
+    # dispatcher's hand keeps the engine busy, and the deadline refuses it if it waits too long.
+    assert controller.queue_bound == 1
+
+
 def test_no_room_at_all_refuses_every_queued_arrival() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=10)
     controller.observe_finish(object(), started=0.0, finished=1.0)
