@@ -1072,7 +1072,7 @@ class SlotLease:
             self.queue_wait = trio.current_time() - queued_at
             self._started = queued_at + self.queue_wait
         if slo is not None:
-            slo.observe_start(self, started=self._started)
+            slo.observe_start(self, started=self._started, running=state.running)
         return self
 
     async def __aexit__(

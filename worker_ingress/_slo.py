@@ -27,7 +27,9 @@ Rules
    time to first token and ``T = engine_share * S`` the engine's share of the objective:
 
    - ``p > T`` (the engine is over-subscribed): multiplicative decrease by the gradient,
-     ``L <- max(min_limit, min(L - 1, floor(L * max(min_decrease_factor, T / p))))``, and the
+     ``L <- max(min_limit, min(L - 1, max(floor(L * min_decrease_factor), floor(U * T / p))))``
+     with ``U`` the most requests that ran at once in the window (at most L: cutting the unused
+     part of a limit that was never reached would change nothing), and the
      old L becomes the *ceiling*: a level known to be too high, not tried again for
      ``probe_seconds``. When the window before raised L, the decrease goes back to the level it
      was raised from instead (that level was fine a window ago), and the ceiling is the level
@@ -174,6 +176,7 @@ class SloController:
         "_engine_samples",
         "_hold",
         "_limit_since",
+        "_peak_running",
         "_pending",
         "_raised_from",
         "_total_samples",
@@ -225,6 +228,7 @@ class SloController:
         self._engine_samples: list[float] = []
         self._total_samples: list[float] = []
         self._binding = False
+        self._peak_running = 0
         self._ceiling: int | None = None
         self._ceiling_since = now
         self._hold: float | None = None
@@ -242,14 +246,18 @@ class SloController:
         in use in this window."""
         self._binding = True
 
-    def observe_start(self, request: object, *, started: float) -> None:
+    def observe_start(self, request: object, *, started: float, running: int = 0) -> None:
         """A request entered the engine; until its first output it is an open sample (rule 2).
 
         Args:
             request: Any hashable token that names the request in the later calls.
             started: When it entered the engine.
+            running: Requests in the engine with it (the most in a window is what a decrease
+                starts from when the limit was not reached).
         """
         self._pending[request] = started
+        if running > self._peak_running:
+            self._peak_running = running
 
     def observe_first_output(
         self, request: object, *, arrived: float, started: float, first_output: float
@@ -339,6 +347,7 @@ class SloController:
         self._engine_samples = []
         self._total_samples = []
         self._binding = False
+        self._peak_running = 0
         return (self.limit, self.queue_bound) != before
 
     # -- internals ------------------------------------------------------------------------------
@@ -351,7 +360,13 @@ class SloController:
         if p90 > target:
             factor = max(tuning.min_decrease_factor, target / p90)
             # The epsilon keeps a float such as 0.15 / 0.2 = 0.7499... from costing a whole step.
-            lowered = max(self.min_limit, min(limit - 1, math.floor(limit * factor + 1e-9)))
+            # From what ran, when that stayed under L (cutting an unused limit changes nothing),
+            # but never below the largest cut of one step.
+            used = min(limit, self._peak_running) if self._peak_running else limit
+            cut = max(
+                math.floor(limit * tuning.min_decrease_factor), math.floor(used * factor + 1e-9)
+            )
+            lowered = max(self.min_limit, min(limit - 1, cut))
             ceiling = limit
             if raised_from is not None:
                 # A failed probe: back to the level it left, which was fine a window ago, and

@@ -30,14 +30,18 @@ def feed_window(
     samples: int = 20,
     queued: bool = False,
     queue_wait: float = 0.0,
+    running: int = 0,
 ) -> float:
     """One window of identical samples that started after the window opened; returns the time
     at which it is closed (one window later)."""
     end = now + controller.tuning.window_seconds
     for index in range(samples):
         started = now + (index + 1) * (end - now) / (samples + 2)
+        request = object()
+        if running:
+            controller.observe_start(request, started=started, running=running)
         controller.observe_first_output(
-            object(),
+            request,
             arrived=started - queue_wait,
             started=started,
             first_output=started + engine_ttft,
@@ -79,7 +83,11 @@ def run_plant(controller: SloController, plant: Plant, windows: int, now: float 
     for _ in range(windows):
         limit = controller.limit
         now = feed_window(
-            controller, now, engine_ttft=plant.engine_ttft(limit), queued=plant.binding(limit)
+            controller,
+            now,
+            engine_ttft=plant.engine_ttft(limit),
+            queued=plant.binding(limit),
+            running=min(limit, plant.demand),
         )
         limits.append(controller.limit)
     return limits
@@ -129,6 +137,17 @@ def test_decrease_follows_the_gradient_and_sets_a_ceiling() -> None:
     feed_window(controller, 0.0, engine_ttft=0.2)
     assert controller.limit == 75
     assert controller.ceiling == 100
+
+
+def test_a_limit_that_was_not_reached_is_cut_from_what_ran() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    # 20 ran at most, 0.2 s against 0.15 s: from 20 * 0.75 = 15, but one step cuts half at most.
+    now = feed_window(controller, 0.0, engine_ttft=0.2, running=20)
+    assert controller.limit == 50
+    now = feed_window(controller, now, engine_ttft=0.2, running=20)
+    assert controller.limit == 25
+    feed_window(controller, now, engine_ttft=0.2, running=20)
+    assert controller.limit == 15
 
 
 def test_a_small_overshoot_still_moves_by_one() -> None:
