@@ -879,7 +879,7 @@ class AdmissionGate:
         state = self._state
         if not state.would_reject(priority, tenant):
             if self._slo is not None and self._slo_refuses(priority):
-                state.count_slo_refusal()
+                state.count_slo_refusal(tenant)
                 return REASON_SLO
             return None
         if self._slo is not None and not state.draining:
@@ -1047,7 +1047,7 @@ class SlotLease:
             self._arrived = self._started = trio.current_time()
             if not state.would_reject(self._priority, self._tenant):
                 if gate._slo_refuses(self._priority):
-                    state.count_slo_refusal()
+                    state.count_slo_refusal(self._tenant)
                     raise Rejection(REASON_SLO)
             elif not state.draining:
                 slo.observe_backlog()

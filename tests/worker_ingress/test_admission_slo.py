@@ -124,6 +124,9 @@ async def test_an_arrival_behind_the_bound_is_refused_at_once_and_counted(
             slo.queue_bound = 1  # as a window would set it: one queued ahead leaves no room
             # The fast path (the request plane's receive loop) and slot() agree.
             assert gate.reject_now() == REASON_SLO
+            # Counted against the arrival's tenant, like any other refusal.
+            assert gate.reject_now(0, "acme") == REASON_SLO
+            assert gate.state.ledger.account("acme").rejected == 1
             (late,) = await _start(nursery, gate, 1)
             assert late.outcome == REASON_SLO
             assert gate.queued == 1
@@ -140,7 +143,7 @@ async def test_an_arrival_behind_the_bound_is_refused_at_once_and_counted(
                 request.first.set()
                 request.done.set()
     state = gate.state
-    assert state.slo_rejected_total == 2
+    assert state.slo_rejected_total == 3
     assert state.received_total == (
         state.started_total + state.rejected_total + state.cancelled_queued_total + state.queued
     )
