@@ -47,6 +47,10 @@ class FleetBridge:
         self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
         #: The link that speaks for each registered worker id.
         self._owner: dict[str, WorkerKey] = {}
+        #: Every link up for each worker id (the owner and its standbys), so that a worker going
+        #: down finds its standby without a scan of the fleet (a fleet of thousands going down
+        #: at once would otherwise cost the square of its size).
+        self._keys: dict[str, dict[WorkerKey, None]] = {}
 
     def key_of(self, worker_id: str) -> WorkerKey | None:
         """The link address of a registered worker."""
@@ -59,6 +63,7 @@ class FleetBridge:
 
     def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
         self._up[key] = config
+        self._keys.setdefault(config.worker_id, {})[key] = None
         owner = self._owner.get(config.worker_id)
         if owner is not None and owner != key:
             _log.warning(
@@ -93,12 +98,18 @@ class FleetBridge:
 
     def worker_down(self, key: WorkerKey, now: float) -> None:
         config = self._up.pop(key, None)
-        if config is None or self._owner.get(config.worker_id) != key:
+        if config is None:
+            return
+        keys = self._keys.get(config.worker_id, {})
+        keys.pop(key, None)
+        if not keys:
+            self._keys.pop(config.worker_id, None)
+        if self._owner.get(config.worker_id) != key:
             return
         del self._owner[config.worker_id]
         self._fleet.remove(config.worker_id)
         _log.info("worker %s at %s down", config.worker_id, key)
-        standby = next((k for k, c in self._up.items() if c.worker_id == config.worker_id), None)
+        standby = next(iter(keys), None)
         if standby is not None:
             self.worker_up(standby, self._up[standby], now)
         else:
