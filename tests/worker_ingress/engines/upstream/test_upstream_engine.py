@@ -21,9 +21,11 @@ import httpx
 import msgspec
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
+from shim_common import wire
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._server import Worker
 from worker_ingress.engines._base import (
@@ -793,3 +795,67 @@ async def test_n_choices_reach_the_client_apart(
             nursery.cancel_scope.cancel()
     assert texts == {0: "alpha beta", 1: "gamma delta"}
     assert finishes == {0: "stop", 1: "length"}
+
+
+async def test_the_first_upstream_chunk_gives_the_waiting_place_back(
+    upstream: FakeUpstream,
+) -> None:
+    # N = 2 slots but W = 1: the second request waits while the first one has no output yet,
+    # and starts as soon as the upstream's first chunk (role-only, no text) arrives.
+    send_role = trio.Event()
+    release = trio.Event()
+
+    async def chat(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await send_role.wait()
+        await exchange.event(chat_chunk(None))  # the role-only first chunk
+        await release.wait()
+        await exchange.event(chat_chunk(" hi", finish="stop"))
+        await exchange.end_sse()
+
+    upstream.routes["GET /v1/models"] = _models_m
+    upstream.routes["POST /v1/chat/completions"] = chat
+    settings = WorkerSettings(
+        worker_id="w",
+        host="127.0.0.1",
+        port=0,
+        system_port=0,
+        model="m",
+        engine_request_limit=2,
+        engine_request_waiting_limit=1,
+    )
+    worker = Worker(settings, make_engine(upstream))
+    gate = worker.gate
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if condition():
+                return
+            await trio.sleep(0.01)
+        raise AssertionError("the gate never got there")
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(worker.serve)
+            async with open_websocket_url(address.ws_url + wire.REQUESTS_PATH) as ws:
+                await ws.get_message()  # the hello
+                for request_id in (1, 2):
+                    generate = wire.Generate(
+                        request_id=request_id, endpoint="chat_completions", body=CHAT
+                    )
+                    await ws.send_message(wire.encode(generate))
+                await until(lambda: (gate.running, gate.waiting, gate.queued) == (1, 1, 1))
+                send_role.set()
+                await until(lambda: gate.running == 2)
+                await until(lambda: gate.waiting == 0)
+                release.set()
+                ended: set[int] = set()
+                while ended != {1, 2}:
+                    message = await ws.get_message()
+                    assert isinstance(message, bytes)
+                    reply = wire.decode_worker_message(message)
+                    assert not isinstance(reply, wire.Chunk) or reply.text  # no empty chunk
+                    if isinstance(reply, wire.End):
+                        ended.add(reply.request_id)
+            nursery.cancel_scope.cancel()
+    assert gate.state.admitted_queue_total == 1
