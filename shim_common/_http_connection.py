@@ -426,9 +426,10 @@ _FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t]*[\x21-\x7e\x
 # The framing headers the connection writes itself; a handler's own are dropped.
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding"})
 # Header lines already validated, by header, with whether each says ``Connection: close``;
-# bounded (cleared when full), as some values vary per response.
+# bounded (short lines only, cleared when full), as some values vary per response.
 _LINES: dict[tuple[bytes, bytes], tuple[bytes, bool]] = {}
 _MAX_CACHED_LINES: Final = 1024
+_MAX_CACHED_LINE_BYTES: Final = 256
 
 
 def _status_line(status: int) -> bytes:
@@ -454,9 +455,10 @@ def _header_lines(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
         cached = _LINES.get(header)
         if cached is None:
             cached = _header_line(header)
-            if len(_LINES) >= _MAX_CACHED_LINES:
-                _LINES.clear()
-            _LINES[header] = cached
+            if len(cached[0]) <= _MAX_CACHED_LINE_BYTES:
+                if len(_LINES) >= _MAX_CACHED_LINES:
+                    _LINES.clear()
+                _LINES[header] = cached
         lines += cached[0]
         says_close = says_close or cached[1]
     return lines, says_close
