@@ -22,10 +22,11 @@ worker link gets, and the links keep to it:
 4. The interval asked of workers changes only when the wanted one differs from it by more than
    ``resend_share`` (a fleet growing by one worker does not re-subscribe every link), and is
    asked again of each negotiating worker when it does.
-5. The links read at the interval wait for their next read on one :class:`ReadPacer` per pool:
-   one timer ticking every ``tick`` seconds wakes every link whose time has come, instead of a
-   timer per link per read (a Trio deadline costs tens of microseconds to expire, which at
-   thousands of reads a second was a fifth of the frontend's core).
+5. The links read at the interval wait for their next read on one :class:`ReadPacer` per pool
+   (and so do the links' watchdogs): one timer ticking every ``tick`` seconds wakes every link
+   whose time has come, instead of a timer per link per read (a Trio deadline costs tens of
+   microseconds to expire, which at thousands of reads a second was a fifth of the frontend's
+   core).
 6. Every read of any link takes a turn from the pool's :class:`EventSlices` before the events in
    it are applied: at most ``per_slice`` reads are applied in one pass of the scheduler, then the
    readers left wait for the next pass, so HTTP requests, ``/live``, ``/health`` and the set-up

@@ -276,7 +276,8 @@ class WorkerLink:
         connect_limiter: bounds the connection attempts of a pool in flight at once.
         budget: the pool's event budget (rule 5); ``None``: none, every event read at once.
         slices: the pool's turns for event work (rule 5); ``None``: no turns.
-        pacer: the pool's read pacer (rule 5); ``None``: each paced read sleeps on its own.
+        pacer: the pool's read pacer, which also wakes the watchdog (rules 2 and 5); ``None``:
+            each link sleeps on its own timers.
         server_hostname: the name a ``wss://`` worker's certificate must carry.
         rng: the random source of the backoff jitter.
 
@@ -639,8 +640,10 @@ class WorkerLink:
         settings = self._settings
         silence = max(settings.keepalive_timeout, 3 * heartbeat_interval)
         period = min(settings.keepalive_interval, settings.keepalive_timeout, silence) / 2
+        wait_until = self._wait_until
         while True:
-            await trio.sleep(period)
+            # On the pool's pacer, like paced reads: thousands of watchdogs, one timer.
+            await wait_until(trio.current_time() + period)
             now = trio.current_time()
             if now - events.last_received > silence:
                 raise self._keepalive_failed(f"no event or heartbeat within {silence} s")
