@@ -1,17 +1,20 @@
 """What event-plane subscribers that never read cost a worker: its CPU and its completion latency.
 
-Run: ``python bench/bench_subscribers.py [--idle 256,1000] [--seconds 10] [--trees a=.,b=PATH]``.
+Run: ``python bench/bench_subscribers.py [--idle 128,1000] [--clients 8] [--seconds 10]
+[--trees a=.,b=PATH]``.
 
 For each tree (a checkout of this repository; the worker process imports its code from there),
 a mocker worker process pinned to CPU 0 serves completions to this process (pinned to CPU 1),
-which keeps ``--clients`` streaming completions running back to back on one request plane and
-times each from its ``generate`` to its ``end``. Two phases per tree, in one run: no other
+which keeps ``--clients`` completions running back to back on one request plane and times each
+from its ``generate`` to its ``end``. The phases of a tree run in one worker: no other
 connection, then for each count in ``--idle`` that many connections that upgrade to the event
 plane and never read a byte (a worker with a subscriber cap refuses those over it).
-Printed per tree and phase: the worker process's CPU share at rest with the idle connections
-open (no completions), its CPU time per completion under load, the completions done, and their
-latency p50 and p95; the ratios are against the same tree's first phase. Another engineer's load
-on the machine moves every figure; compare the rows of one run, never absolute times.
+
+Printed per tree and phase: the worker's open file descriptors (the connections it holds), its
+CPU share at rest with the idle connections open, its CPU time per completion under load, the
+completions done, and their latency p50 and p95; the ratios are against the same tree's first
+phase. Other load on the machine moves every figure: compare the rows of one run, never absolute
+times.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ async def _completions(ws_url: str, clients: int, seconds: float, latencies: lis
 
 async def _phase(
     ws_url: str, pid: int, idle: int, clients: int, seconds: float
-) -> tuple[float, float, int, float, float]:
+) -> tuple[int, float, float, int, float, float]:
     host, port = ws_url.removeprefix("ws://").rsplit(":", 1)
     latencies: list[float] = []
     async with trio.open_nursery() as nursery:
@@ -150,6 +153,7 @@ async def _phase(
         for _ in range(idle):
             await opened_rx.receive()
         await trio.sleep(SETTLE_SECONDS)  # the handshakes done, the publisher settled
+        descriptors = len(os.listdir(f"/proc/{pid}/fd"))
         cpu = _cpu_seconds(pid)
         await trio.sleep(IDLE_SECONDS)
         idle_share = (_cpu_seconds(pid) - cpu) / IDLE_SECONDS
@@ -158,7 +162,14 @@ async def _phase(
         per_completion = (_cpu_seconds(pid) - cpu) / max(len(latencies), 1)
         nursery.cancel_scope.cancel()
     quantiles = statistics.quantiles(latencies, n=20)
-    return idle_share, per_completion, len(latencies), statistics.median(latencies), quantiles[18]
+    return (
+        descriptors,
+        idle_share,
+        per_completion,
+        len(latencies),
+        statistics.median(latencies),
+        quantiles[18],
+    )
 
 
 async def _tree(tree: str, idle: list[int], clients: int, seconds: float) -> list[tuple[Any, ...]]:
@@ -180,7 +191,7 @@ async def _tree(tree: str, idle: list[int], clients: int, seconds: float) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--idle", default="256,1000", help="idle subscriber counts, comma-separated"
+        "--idle", default="128,1000", help="idle subscriber counts, comma-separated"
     )
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -188,20 +199,20 @@ def main() -> None:
     args = parser.parse_args()
     os.sched_setaffinity(0, {1})
     print(
-        "| tree | idle subscribers | worker CPU at rest | worker CPU ms per completion "
+        "| tree | idle subscribers | worker fds | worker CPU at rest | CPU ms per completion "
         "| completions | p50 ms | p95 ms | p50 x | p95 x |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, path in (item.split("=", 1) for item in args.trees.split(",")):
         tree = os.path.abspath(path)
         idle = [int(count) for count in args.idle.split(",")]
         rows = trio.run(_tree, tree, idle, args.clients, args.seconds)
         base = rows[0]
-        for count, rest, per_completion, done, p50, p95 in rows:
+        for count, fds, rest, per_completion, done, p50, p95 in rows:
             print(
-                f"| {label} | {count} | {rest:.0%} | {per_completion * 1000:.1f} | {done} "
-                f"| {p50 * 1000:.0f} | {p95 * 1000:.0f} | {p50 / base[4]:.2f} "
-                f"| {p95 / base[5]:.2f} |",
+                f"| {label} | {count} | {fds} | {rest:.0%} | {per_completion * 1000:.1f} | {done} "
+                f"| {p50 * 1000:.0f} | {p95 * 1000:.0f} | {p50 / base[5]:.2f} "
+                f"| {p95 / base[6]:.2f} |",
                 flush=True,
             )
 
