@@ -229,6 +229,10 @@ class AdmissionState:
         "_hand",
         "_queue",
         "_queued",
+        "_refused_account",
+        "_refused_priority",
+        "_refused_tenant",
+        "_refused_version",
         "_running",
         "_wait_cap",
         "_waiting",
@@ -282,6 +286,13 @@ class AdmissionState:
         self._queue = FairQueue(weights=tenant_weights, max_tenants=max_tenants)
         self._draining = False
         self._admitted_total = 0
+        # The last arrival refused at a full queue, and the queue's version then: while the
+        # queue is unchanged, the same class is refused again without asking the policy (the
+        # overload fast path costs what the FIFO gate's did).
+        self._refused_priority = 0
+        self._refused_tenant = ""
+        self._refused_version = -1
+        self._refused_account = _NO_ACCOUNT
         #: Per-tenant outcomes and service (bounded; for metrics).
         self.ledger = TenantLedger(tenant_metrics_limit)
         #: Every arrival, whatever became of it.
@@ -442,10 +453,22 @@ class AdmissionState:
             ticket.account = self.ledger.account(tenant)
             return ticket
         queue = self._queue
-        found = queue.victim(priority, queue.tenants.get(tenant)) if len(queue) else None
+        if (
+            queue.version == self._refused_version
+            and priority == self._refused_priority
+            and tenant == self._refused_tenant
+        ):
+            self.rejected_total += 1
+            self._refused_account.rejected += 1
+            return _REJECTED_OVERLOADED
+        found = queue.victim(priority, queue.tenants.get(tenant)) if queue.size else None
         if found is None:
             self.rejected_total += 1
-            self.ledger.account(tenant).rejected += 1
+            account = self._refused_account = self.ledger.account(tenant)
+            account.rejected += 1
+            self._refused_priority = priority
+            self._refused_tenant = tenant
+            self._refused_version = queue.version
             return _REJECTED_OVERLOADED
         entry, why = found
         victim = cast("Ticket", entry)
@@ -473,7 +496,13 @@ class AdmissionState:
         if self._queued < self.queue_limit:
             return False
         queue = self._queue
-        return not len(queue) or queue.victim(priority, queue.tenants.get(tenant)) is None
+        if (
+            queue.version == self._refused_version
+            and priority == self._refused_priority
+            and tenant == self._refused_tenant
+        ):
+            return True
+        return not queue.size or queue.victim(priority, queue.tenants.get(tenant)) is None
 
     def can_start_now(self) -> bool:
         """Whether an arrival would start at once (a slot under L and a waiting place free,
@@ -510,7 +539,10 @@ class AdmissionState:
         return self._dispatch()
 
     def charge(self, ticket: Ticket, generated_tokens: int) -> None:
-        """Count generated tokens of a ticket as its tenant's service (two per token)."""
+        """Count generated tokens of a running ticket as its tenant's service (two per token);
+        a ticket that left charges nothing (its tenant may be forgotten already)."""
+        if ticket.status is not _RUNNING:
+            return
         tenant = ticket.tenant
         cost = 2 * generated_tokens * tenant.inverse_weight
         tenant.service += cost
@@ -538,6 +570,8 @@ class AdmissionState:
             self._waiting -= 1
         self.finished_total += 1
         self._queue.release(ticket.tenant)
+        if self._hand is None:
+            return None
         return self._dispatch()
 
     def cancel(self, ticket: Ticket) -> Ticket | None:

@@ -165,12 +165,14 @@ class FairQueue:
         "_bands",
         "_best",
         "_overflow",
-        "_size",
+        "_spare",
         "_tick",
         "_weights",
         "_worst",
         "max_tenants",
+        "size",
         "tenants",
+        "version",
     )
 
     def __init__(
@@ -187,16 +189,23 @@ class FairQueue:
         self.tenants: dict[str, Tenant] = {}
         self.max_tenants: Final = max_tenants
         self._overflow = Tenant(OVERFLOW_TENANT, 1.0)
+        # The record forgotten last, reused (reset: forgotten is forgotten) when the same
+        # tenant comes back: one tenant sending one request at a time allocates nothing.
+        self._spare: Tenant | None = None
         self._bands: dict[int, _Band] = {}
         # Priorities of the bands: a min-heap (best first) and a max-heap (negated: worst
         # first), both with lazy deletion (a priority whose band is gone is skipped).
         self._best: list[int] = []
         self._worst: list[int] = []
-        self._size = 0
+        #: Entries queued.
+        self.size = 0
+        #: Bumped by every change of what is queued (push, pop, remove): a decision that
+        #: depends only on the queue holds while it stays the same.
+        self.version = 0
         self._tick = 0
 
     def __len__(self) -> int:
-        return self._size
+        return self.size
 
     # -- tenants --------------------------------------------------------------------------------
 
@@ -216,7 +225,13 @@ class FairQueue:
             if len(self.tenants) >= self.max_tenants:
                 record = self._overflow
             else:
-                record = Tenant(name, self._weights.get(name, 1.0))
+                spare = self._spare
+                if spare is not None and spare.name == name:
+                    self._spare = None
+                    spare.service = spare.attained = 0.0
+                    record = spare
+                else:
+                    record = Tenant(name, self._weights.get(name, 1.0))
                 self.tenants[name] = record
         record.requests += 1
         return record
@@ -226,6 +241,7 @@ class FairQueue:
         tenant.requests -= 1
         if tenant.requests == 0 and tenant is not self._overflow:
             del self.tenants[tenant.name]
+            self._spare = tenant
 
     @staticmethod
     def charge(tenant: Tenant, tokens: float) -> None:
@@ -261,7 +277,8 @@ class FairQueue:
         self._enter_bucket(band, flow)
         band.order.append(entry)
         band.size += 1
-        self._size += 1
+        self.size += 1
+        self.version += 1
         entry._flow = flow
 
     def pop(self) -> QueueEntry | None:
@@ -270,7 +287,7 @@ class FairQueue:
         Returns:
             The entry, or ``None`` when nothing waits.
         """
-        if not self._size:
+        if not self.size:
             return None
         band = self._best_band()
         flow = self._least_served_flow(band)
@@ -313,7 +330,7 @@ class FairQueue:
         Returns:
             ``(entry, DISPLACED_BY_PRIORITY or DISPLACED_BY_SHARE)``, or ``None``.
         """
-        if not self._size:
+        if not self.size:
             return None
         band = self._worst_band()
         if priority < band.priority:
@@ -401,10 +418,11 @@ class FairQueue:
 
     def _unlink(self, band: _Band, flow: _Flow, entry: QueueEntry) -> None:
         entry._flow = None
+        self.version += 1
         self._leave_bucket(band, flow)
         flow.live -= 1
         band.size -= 1
-        self._size -= 1
+        self.size -= 1
         if flow.live:
             self._enter_bucket(band, flow)
         else:
