@@ -363,10 +363,11 @@ class Worker:
             # nothing about this worker.
             self.metrics.count_unauthorized()
             self._refusals.note(request.remote)
-            await request.reject(
+            await _refuse(
+                request,
                 401,
+                b"a bearer token is required (DYN_WORKER_TOKEN)\n",
                 extra_headers=[(b"www-authenticate", b"Bearer")],
-                body=b"a bearer token is required (DYN_WORKER_TOKEN)\n",
             )
             return
         if request.path == REQUESTS_PATH:
@@ -374,16 +375,16 @@ class Worker:
         elif request.path == EVENTS_PATH:
             factory = EventConnection
         else:
-            await request.reject(404, body=b"unknown path; use /v1/events or /v1/requests\n")
+            await _refuse(request, 404, b"unknown path; use /v1/events or /v1/requests\n")
             return
         if self._status == "draining":
-            await request.reject(503, body=b"worker draining\n")
+            await _refuse(request, 503, b"worker draining\n")
             return
         if factory is EventConnection:
             if self._event_subscribers >= self.max_event_subscribers:
                 self.metrics.count_subscriber_refused()
                 self._subscriber_refusals.note(request.remote)
-                await request.reject(503, body=b"too many event-plane subscribers\n")
+                await _refuse(request, 503, b"too many event-plane subscribers\n")
                 return
             # Taken before the handshake's awaits, so concurrent handshakes cannot overshoot.
             self._count_event_subscriber(+1)
@@ -414,6 +415,21 @@ class Worker:
                 await connection.serve()
         finally:
             self._connections.discard(connection)
+
+
+async def _refuse(
+    request: WebSocketRequest,
+    status: int,
+    body: bytes,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Answer a handshake with ``status`` and close its connection.
+
+    trio-websocket keeps a refused connection open until the client closes it: a client that
+    stays would hold a descriptor and two tasks of the worker for as long as it likes.
+    """
+    await request.reject(status, extra_headers=extra_headers, body=body)
+    await trio.aclose_forcefully(request._connection._stream)
 
 
 async def _close_all(connections: Sequence[WorkerPlaneConnection]) -> None:

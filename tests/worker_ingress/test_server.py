@@ -45,16 +45,19 @@ from worker_ingress.engines._instant import InstantEngine, create
 
 
 async def upgrade_status(address: WorkerAddress, path: str) -> bytes:
-    """The status line the worker answers a raw upgrade on ``path`` with."""
+    """The status line the worker answers a raw upgrade on ``path`` with. The client never
+    closes: the worker must, once it has refused (a client that stays holds nothing)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
     async with stream:
         await stream.send_all(upgrade_request(path))
         response = b""
         for _ in range(100):
             data = await stream.receive_some()
-            response += data
-            if not data or b"\r\n" in response:
+            if not data:
                 break
+            response += data
+        else:
+            raise AssertionError("the worker never closed the connection")
     return response.split(b"\r\n", 1)[0]
 
 
