@@ -325,8 +325,10 @@ async def test_two_subscribers_get_heartbeats_with_increasing_seq() -> None:
 async def test_events_follow_the_mockers_load() -> None:
     from worker_ingress.engines._mocker import create as create_mocker
 
+    # Slow enough that the request runs across several publish intervals (it is cancelled
+    # once seen busy): a request over within one interval may never be seen at all.
     settings = make_settings(
-        heartbeat_interval=0.5, mocker=MockerSettings(speedup_ratio=1000.0, block_size=4)
+        heartbeat_interval=0.5, mocker=MockerSettings(speedup_ratio=50.0, block_size=4)
     )
     worker = new_worker(settings, create_mocker(settings))
     with trio.fail_after(TIMEOUT):
