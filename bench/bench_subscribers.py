@@ -49,12 +49,12 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _start_worker(tree: str) -> tuple[trio.Process, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
-    env["PYTHONPATH"] = tree
+    env["PYTHONPATH"] = tree  # and run from it: `python -m` puts the working directory first
     process = await trio.lowlevel.open_process(
         ["taskset", "-c", "0", sys.executable, "-m", "worker_ingress", "--port", "0",
          "--system-port", "0", "--engine-request-limit", "64", "--speedup-ratio", "4",
          "--log-level", "error"],
-        stdout=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE, env=env, cwd=tree,
     )  # fmt: skip
     assert process.stdout is not None
     line = b""
