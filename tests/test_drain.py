@@ -28,9 +28,9 @@ REPETITIONS = 8
 #: Scenarios run this many at a time (each one a worker and a frontend of its own, or a
 #: frontend of its own in front of the shared worker).
 AT_ONCE = 2
-#: A fast mocker: a few hundred tokens stream in a fraction of a second.
+#: A fast mocker: a thousand tokens stream in a fraction of a second.
 MOCKER_FLAGS = ("--speedup-ratio", "20")
-MAX_TOKENS = 300
+MAX_TOKENS = 1000
 TIMEOUT = 120.0
 
 
@@ -105,9 +105,16 @@ async def stream_and_signal(url: str, process: trio.Process) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    events = await _exchange(
-        url, "POST", "/v1/completions", body, lambda: process.send_signal(signal.SIGTERM)
-    )
+    signalled_at = 0.0
+
+    def terminate() -> None:
+        nonlocal signalled_at
+        process.send_signal(signal.SIGTERM)
+        signalled_at = trio.current_time()
+
+    events = await _exchange(url, "POST", "/v1/completions", body, terminate)
+    # The stream was in flight when the signal went: it went on for a while after it.
+    assert trio.current_time() - signalled_at > 0.1
     status = next(e.status_code for e in events if isinstance(e, h11.Response))
     assert status == 200
     text = b"".join(bytes(e.data) for e in events if isinstance(e, h11.Data)).decode()
