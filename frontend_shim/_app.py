@@ -38,12 +38,16 @@ from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
-from shim_common._httpserver import HTTPLimits, serve_http
+from shim_common._httpserver import HTTPLimits, IdleConnections, serve_http
 from shim_common._net import base_url
 
 __all__ = ["run_frontend"]
 
 _log = logging.getLogger(__name__)
+
+#: Idle HTTP connections a link closes at once when connecting to a worker runs out of
+#: descriptors (two are needed per worker; the rest go to the next workers that reconnect).
+_MAKE_ROOM_BATCH = 16
 
 #: Seconds between expiry passes (staleness, mark leases) when no event arrives.
 TICK_INTERVAL = 0.25
@@ -117,12 +121,16 @@ async def run_frontend(
             )
         elif not settings.workers:
             _log.warning("no --worker and no --local-workers: every request will get 503")
+        # The HTTP server's idle keep-alive connections, which the links may close to reach a
+        # worker when the process is out of file descriptors.
+        idle_http = IdleConnections()
         pool = WorkerPool(
             [*settings.workers, *local_urls],
             settings=LinkSettings(
                 max_event_lag=settings.max_event_lag,
                 headers=_worker_headers(settings.worker_token),
                 ssl_context=_worker_tls(settings),
+                make_room=lambda: idle_http.close_oldest(_MAKE_ROOM_BATCH),
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
@@ -167,6 +175,7 @@ async def run_frontend(
                 on_send_stall=metrics.count_send_stall,
                 ssl_context=tls,
                 on_tls_failure=metrics.count_tls_failure,
+                idle=idle_http,
                 task_status=task_status,
             )
         )

@@ -88,7 +88,7 @@ from frontend_shim._request_plane import (
 from frontend_shim._websocket import HandshakeError, HandshakeRejected
 from frontend_shim._worker_hello import refusal
 from shim_common import wire
-from shim_common._net import Backoff
+from shim_common._net import Backoff, out_of_descriptors
 
 __all__ = [
     "FleetListener",
@@ -133,6 +133,10 @@ class LinkSettings:
     headers: tuple[tuple[str, str], ...] = ()
     #: TLS for ``wss://`` worker URLs; ``None``: the system's trust store.
     ssl_context: ssl.SSLContext | None = None
+    #: Called when a connection to a worker fails for want of file descriptors: closes idle
+    #: connections of this process (the HTTP server's keep-alive ones) and returns how many, so
+    #: that the link can try once more at once. ``None``: the failure ends the attempt.
+    make_room: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         if self.request_buffer < 1 or self.send_queue < 1:
@@ -264,6 +268,37 @@ _M = TypeVar("_M")
 
 #: Stands for the connect limiter of a link outside a pool.
 _NO_LIMIT: Final = contextlib.nullcontext()
+#: After idle connections were closed to make room: time for their tasks to let go.
+_RELEASE_SECONDS: Final = 0.001
+
+
+class _DescriptorLog:
+    """Logs links that ran out of descriptors, at most once per ``interval`` seconds, with the
+    counts since the last line (a fleet reconnecting at the limit would log per attempt)."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._last = -math.inf
+        self._failures = 0
+        self._closed = 0
+
+    def note(self, closed: int) -> None:
+        self._failures += 1
+        self._closed += closed
+        now = trio.current_time()
+        if now - self._last < self._interval:
+            return
+        logger.warning(
+            "connecting to workers ran out of file descriptors %d times since the last report;"
+            " closed %d idle HTTP connections to make room",
+            self._failures,
+            self._closed,
+        )
+        self._last = now
+        self._failures = self._closed = 0
+
+
+_descriptor_log = _DescriptorLog()
 
 
 class WorkerLink:
@@ -492,6 +527,25 @@ class WorkerLink:
 
     async def _open(
         self, path: str, receive_buffer: int | None, subprotocols: tuple[str, ...] = ()
+    ) -> PlaneConnection:
+        try:
+            return await self._open_once(path, receive_buffer, subprotocols)
+        except OSError as exc:
+            # Out of descriptors (idle keep-alive clients can hold them all): a worker that
+            # comes back must still be reached, so idle HTTP connections make room for it.
+            make_room = self._settings.make_room
+            if make_room is None or not out_of_descriptors(exc):
+                raise
+            closed = make_room()
+            _descriptor_log.note(closed)
+            if not closed:
+                raise
+        # Their tasks release the descriptors at their next checkpoint.
+        await trio.sleep(_RELEASE_SECONDS)
+        return await self._open_once(path, receive_buffer, subprotocols)
+
+    async def _open_once(
+        self, path: str, receive_buffer: int | None, subprotocols: tuple[str, ...]
     ) -> PlaneConnection:
         settings = self._settings
         ssl_context = None

@@ -43,6 +43,7 @@ from shim_common._http_exchange import (
     error_body,
     json_headers,
 )
+from shim_common._net import out_of_descriptors
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -154,12 +155,11 @@ async def serve_http_listeners(
             )
 
 
-# accept(2) errors that mean the process or the system is out of a resource, not that the
-# listener broke (the same set as trio.serve_listeners).
-_OUT_OF_RESOURCES: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # Idle connections closed at once when accept runs out of descriptors.
 _CLOSE_BATCH: Final = 16
-# With nothing idle to close, the wait before accepting again (trio.serve_listeners' too).
+# With nothing idle to close, the wait before accepting again (trio.serve_listeners' too). The
+# accept errors that lead here are those of shim_common._net.out_of_descriptors (the same set as
+# trio.serve_listeners'): the process is out of a resource, the listener is not broken.
 _RETRY_SECONDS: Final = 0.1
 # After closing idle connections: time for their tasks to release the descriptors.
 _RELEASE_SECONDS: Final = 0.001
@@ -209,7 +209,7 @@ async def _accept_forever(
             try:
                 stream = await listener.accept()
             except OSError as exc:
-                if exc.errno not in _OUT_OF_RESOURCES:
+                if not out_of_descriptors(exc):
                     raise
                 closed = idle.close_oldest(_CLOSE_BATCH)
                 log.note(exc, closed)

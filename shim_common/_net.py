@@ -1,10 +1,22 @@
-"""Small network helpers both sides use: URL host formatting and reconnect backoff."""
+"""Small network helpers both sides use: URL host formatting, reconnect backoff, and telling
+when the process has run out of descriptors."""
 
 from __future__ import annotations
 
+import errno
 import random
+from typing import Final
 
-__all__ = ["Backoff", "base_url", "host_for_url"]
+__all__ = ["Backoff", "base_url", "host_for_url", "out_of_descriptors"]
+
+# What accept() and connect() fail with when the process (or the system) has no descriptor or
+# socket buffer left: a condition that closing idle connections can cure.
+_OUT_OF_DESCRIPTORS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def out_of_descriptors(exc: OSError) -> bool:
+    """Whether ``exc`` says the process ran out of file descriptors (or socket memory)."""
+    return exc.errno in _OUT_OF_DESCRIPTORS
 
 
 def host_for_url(host: str) -> str:

@@ -1,8 +1,12 @@
 """Following a fleet: the lag meter, lagging workers out of routing, thresholds sent to workers,
-the connect limiter, and the request plane's batches, against real workers on loopback."""
+the connect limiter, the request plane's batches, and connecting out of descriptors, against
+real workers on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import os
 import random
 from typing import Any
 
@@ -11,6 +15,7 @@ import trio.lowlevel
 import trio.testing
 from test_workers import FAST, PROMPT, RecordingListener, _settings
 
+from frontend_shim import _connection, _links
 from frontend_shim._links import LagMeter, LinkSettings, WorkerLink
 from frontend_shim._load import Fleet
 from shim_common import wire
@@ -229,3 +234,80 @@ async def test_metrics_formatted_off_the_event_loop_match_the_live_rendering() -
     assert "dynamo_frontend_workers_connected 50.0" in text
     assert "dynamo_frontend_workers_lagging 1.0" in text
     assert 'dynamo_frontend_worker_active_decode_blocks{dp_rank="3",worker_id="w-49"} 3.0' in text
+
+
+# ----------------------------------------------------------------------------- descriptor limit
+
+
+def _connects_failing_with(monkeypatch: Any, failures: int, code: int) -> list[str]:
+    """Make the next ``failures`` plane connections fail as connect(2) does out of descriptors;
+    returns the log of attempts ("failed" or "opened")."""
+    attempts: list[str] = []
+    real_open_plane = _connection.open_plane
+
+    async def open_plane(**kwargs: Any) -> Any:
+        if attempts.count("failed") < failures:
+            attempts.append("failed")
+            raise OSError(code, os.strerror(code))
+        attempts.append("opened")
+        return await real_open_plane(**kwargs)
+
+    monkeypatch.setattr(_links, "open_plane", open_plane)
+    return attempts
+
+
+async def test_out_of_descriptors_a_link_makes_room_and_connects_at_once(
+    nursery: trio.Nursery, monkeypatch: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        attempts = _connects_failing_with(monkeypatch, 1, errno.EMFILE)
+        made_room: list[int] = []
+
+        def make_room() -> int:
+            made_room.append(16)
+            return 16
+
+        # A backoff far longer than the test: only the retry after making room can connect.
+        settings = dataclasses.replace(
+            FAST, make_room=make_room, backoff_initial=60.0, backoff_cap=60.0
+        )
+        listener = RecordingListener()
+        link = WorkerLink(url, listener, settings, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        assert made_room == [16]
+        assert attempts == ["failed", "opened", "opened"]  # the events plane twice, then requests
+
+
+async def test_with_nothing_to_close_the_failure_ends_the_attempt(
+    nursery: trio.Nursery, monkeypatch: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        attempts = _connects_failing_with(monkeypatch, 1, errno.EMFILE)
+        settings = dataclasses.replace(FAST, make_room=lambda: 0)
+        link = WorkerLink(url, RecordingListener(), settings, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        # No second try at once: the next attempt came after the backoff, as for any failure.
+        assert attempts[:2] == ["failed", "opened"]
+        assert link.stats.connect_failures >= 1
+
+
+async def test_other_connect_errors_never_close_idle_connections(
+    nursery: trio.Nursery, monkeypatch: Any
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        _connects_failing_with(monkeypatch, 1, errno.ECONNREFUSED)
+        made_room: list[int] = []
+        def make_room() -> int:
+            made_room.append(1)
+            return 1
+
+        settings = dataclasses.replace(FAST, make_room=make_room)
+        link = WorkerLink(url, RecordingListener(), settings, rng=random.Random(1))
+        await nursery.start(link.run)
+        await link.wait_connected()
+        assert made_room == []
