@@ -38,6 +38,7 @@ from frontend_shim._request_body import MAX_CHOICES, MAX_EMBEDDING_INPUTS
 from frontend_shim._request_plane import RequestStream
 from shim_common import wire
 from shim_common._httpserver import HTTPResponder, error_body, json_headers
+from shim_common._status import REJECT_REASON_HEADER
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -67,8 +68,6 @@ _DONE: Final = b"data: [DONE]\n\n"
 #: Characters of text one whole (not streamed) answer may gather (rule 4): far more than any
 #: context window, and a bound on what a worker that ignores ``max_tokens`` can cost.
 MAX_ANSWER_CHARS: Final = 16 * 1024 * 1024
-#: Why a 529 or 503 was answered (``queue_full``, ``displaced``, ``busy``, ...).
-REJECT_REASON_HEADER: Final = b"x-dynamo-reject-reason"
 #: Whole milliseconds a started request waited in the worker's queue.
 QUEUE_WAIT_HEADER: Final = b"x-dynamo-queue-wait-ms"
 _json_encode = msgspec.json.Encoder().encode

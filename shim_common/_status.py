@@ -7,7 +7,8 @@ rules are the same on both:
 - ``GET /metrics``: 200, the Prometheus exposition with the content type the renderer chose for
   the request's ``Accept`` header (so a scraper asking for OpenMetrics gets it).
 - ``GET /health``: ``{"status": <status>, <details>...}``; 200 when the status is ``ready``, 503
-  for any other (``starting``, ``draining``).
+  for any other (``starting``, ``draining``), and then the status is also the
+  ``x-dynamo-reject-reason`` header, as on every other 503 of the frontend.
 - ``GET /live``: 200 ``{"status": "live"}`` for as long as the process serves at all.
 - ``HEAD`` is accepted wherever ``GET`` is (the server sends the head without the body).
   Another method on one of these paths is 405 with ``Allow: GET, HEAD``; a path that is not
@@ -32,6 +33,7 @@ from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json
 
 __all__ = [
     "READY",
+    "REJECT_REASON_HEADER",
     "STATUS_PATHS",
     "HealthReport",
     "RenderMetrics",
@@ -41,6 +43,8 @@ __all__ = [
 
 #: The one health status answered 200.
 READY: Final = "ready"
+#: The header that says why a request got a 529 or a 503.
+REJECT_REASON_HEADER: Final = b"x-dynamo-reject-reason"
 #: The paths :class:`StatusRoutes` answers.
 STATUS_PATHS: Final = frozenset({"/metrics", "/health", "/live"})
 
@@ -107,8 +111,11 @@ class StatusRoutes:
         elif path == "/health":
             report = self._health()
             body = _json_encode({"status": report.status, **report.details})
-            code = 200 if report.status == READY else 503
-            await responder.send(code, json_headers(_NO_STORE), body)
+            if report.status == READY:
+                await responder.send(200, json_headers(_NO_STORE), body)
+            else:
+                reason = (REJECT_REASON_HEADER, report.status.encode("latin-1", "replace"))
+                await responder.send(503, json_headers(_NO_STORE, reason), body)
         else:
             accept = request.header(b"accept")
             rendered = self._render_metrics(None if accept is None else accept.decode("latin-1"))

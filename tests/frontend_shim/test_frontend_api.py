@@ -849,11 +849,15 @@ async def test_sigterm_drains_requests_in_flight_and_refuses_new_ones() -> None:
                     return (await f.get("/health")).status == 503
 
                 await wait_until_async(draining, "/health to say draining")
-                assert (await f.get("/health")).json()["status"] == "draining"
+                health = await f.get("/health")
+                assert health.json()["status"] == "draining"
+                # Every 503 says why, the health probe's too.
+                assert health.headers[b"x-dynamo-reject-reason"] == b"draining"
                 refused = await f.post("/v1/completions", completion_body())
                 assert refused.status == 503
                 assert refused.body == UNAVAILABLE_BODY
                 assert refused.headers[b"connection"] == b"close"
+                assert refused.headers[b"x-dynamo-reject-reason"] == b"draining"
                 f.engines[0].release.set()
             # The request in flight finished normally during the drain.
             assert [reply.status for reply in replies] == [200]
