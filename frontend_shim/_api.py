@@ -9,8 +9,10 @@ what is read of its body in :mod:`frontend_shim._request_body`.
 Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``,
 ``/v1/embeddings``):
 
-1. Fast shed: when every known model is busy (O(1) on the load state), answer the overload
-   status from the request head, before the body is read: no JSON parse, and the server drops
+1. Fast shed: when every known model is busy and no worker is held back by an overload mark
+   alone (O(1) on the load state: a marked worker that is not busy may still take a better
+   class, and the class may be in the body), answer the overload status from the request head,
+   before the body is read: no JSON parse, and the server drops
    a small body unread and keeps the connection (a large one closes it). The answer cannot
    depend on the body, so under a fully busy fleet a request for an unknown model or with a
    malformed body also gets the overload answer instead of its 404 or 400. With
@@ -25,6 +27,10 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
    (:mod:`frontend_shim._waiting`); a busy-exempt request does not park.
 4. Route (:class:`~frontend_shim._router.Router`): 529 all busy, 503 no worker, 404 unknown model.
    A busy-exempt request that finds no free worker goes to the least loaded unmarked one.
+   With no free (or, exempt, unmarked) worker, a request may still go to a marked worker whose
+   mark its class beats (rule 7 of :mod:`frontend_shim._router`): a better priority, or the
+   same priority and another tenant, may displace a waiting request there. A refusal marks the
+   worker for the refused request's class.
    Every 529 and 503 says why in ``x-dynamo-reject-reason`` (``busy``, ``marked``,
    ``no_workers``, ``draining``, or the worker's ``queue_full``, ``displaced``,
    ``queue_timeout``, ``slo``), counted in ``dynamo_frontend_rejection_by_reason_total``.
@@ -216,8 +222,9 @@ class FrontendAPI:
             finally:
                 self._count(exchange)
             return
-        if self._fleet.all_models_busy(arrival) and not self._may_be_exempt(request):
-            # Fast shed: nothing is free for any model, so the body cannot change the answer.
+        if self._fleet.may_shed_unread(arrival) and not self._may_be_exempt(request):
+            # Fast shed: nothing is free for any model and no mark alone holds a worker back
+            # (a better class could pass that), so the body cannot change the answer.
             exchange = Exchange(endpoint, self._shed_label(), arrival)
             try:
                 reason = "marked" if self._fleet.every_worker_marked() else "busy"
@@ -286,9 +293,9 @@ class FrontendAPI:
         attempt = self._router.new_attempt()
         while True:
             now = trio.current_time()
-            outcome = self._router.pick(model, now, exclude=attempt.rejected_by)
-            if isinstance(outcome, AllBusy) and exempt:
-                outcome = self._router.pick_exempt(model, now, attempt.rejected_by) or outcome
+            outcome = self._router.pick_class(
+                model, now, priority, tenant, attempt.rejected_by, exempt=exempt
+            )
             if isinstance(outcome, AllBusy):
                 reason = "marked" if self._fleet.every_worker_marked(model) else "busy"
                 await self._send_overloaded(responder, exchange, reason)
@@ -334,7 +341,9 @@ class FrontendAPI:
                 else:
                     await send_failure(responder, exchange, first)
                     return
-            if attempt.on_rejected(self._router, worker_id, reason, trio.current_time()):
+            if attempt.on_rejected(
+                self._router, worker_id, reason, trio.current_time(), priority, tenant
+            ):
                 continue
             if classify_rejection(reason) is RejectionKind.OVERLOADED:
                 await self._send_overloaded(responder, exchange, wire.reject_reason_key(reason))

@@ -12,12 +12,22 @@ Rules:
    are busy. A rank that never reported does not count; a worker with no reported rank is not
    busy. *Saturated* is the same AND over the frontend-queue check.
 2. A worker is *available* when it is registered, not stale, not lagging and not draining; it
-   is *free* when it is available, not busy and not marked overloaded. Only free workers are
-   routed to.
+   is *free* when it is available, not busy and not marked overloaded. Free workers are routed
+   to first; a marked one only by the class rule 4.
 3. Incremental: a change to one rank updates that rank's bits and its worker's counts
    (:meth:`FreeSets.recompute_rank`), then :meth:`FreeSets.update_membership` moves the worker in
    or out of its model's free set and fixes the counts. Both are O(1): applying one event never
    scans the fleet.
+4. A mark has a class: the priority ``p`` of the request the worker refused and the tenants
+   refused at that priority (at most ``mark_tenants`` names; past that, every tenant). It covers
+   the requests that could do no better there: a worse priority (a larger value), or ``p`` and
+   a refused tenant. A request of a strictly better priority, or of ``p`` and another tenant, may
+   still displace a waiting request at that worker (the gate's rule 5 in
+   worker_ingress/_fair_queue.py), so the mark *admits* it (:func:`mark_admits`). A refusal
+   while the mark is in force widens it: a better priority replaces the class (everything worse
+   is covered then), an equal one adds its tenant, a worse one changes nothing. A refusal whose
+   class is unknown covers every class. Each pool keeps the available marked workers in its own
+   set (``marked``), so the class check reads only those, and only when no worker is free.
 """
 
 from __future__ import annotations
@@ -30,7 +40,15 @@ from frontend_shim._thresholds import max_batched, rank_busy
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
-__all__ = ["FreeSet", "FreeSets", "InFlight", "ModelPool", "RankState", "WorkerLoad"]
+__all__ = [
+    "FreeSet",
+    "FreeSets",
+    "InFlight",
+    "ModelPool",
+    "RankState",
+    "WorkerLoad",
+    "mark_admits",
+]
 
 _T = TypeVar("_T")
 
@@ -86,6 +104,7 @@ class WorkerLoad:
         "busy_ranks",
         "charges",
         "config",
+        "counted_marked_idle",
         "counted_unsaturated",
         "draining",
         "effective_limit",
@@ -95,6 +114,8 @@ class WorkerLoad:
         "last_seen",
         "last_seq",
         "load_cost",
+        "mark_priority",
+        "mark_tenants",
         "mark_until",
         "pool",
         "queued_for_mark",
@@ -140,12 +161,18 @@ class WorkerLoad:
         self.lagging = False
         self.draining = False
         self.mark_until: float | None = None
+        #: The class the mark covers (rule 4), meaningful only while ``mark_until`` is set: the
+        #: best refused priority, and the tenants refused at it (``None``: every tenant).
+        self.mark_priority = 0
+        self.mark_tenants: set[str] | None = None
         self.queued_for_mark = False
         self.queued_for_stale = False
         self.available = False
         self.free = False
         #: Counted in its pool's ``unsaturated_free`` (remembered: saturation changes later).
         self.counted_unsaturated = False
+        #: Counted in the fleet's ``marked_idle`` (available, marked, not busy).
+        self.counted_marked_idle = False
         self.removed = False
         #: The router's charges for the requests in flight to this worker.
         self.charges: set[InFlight] = set()
@@ -179,6 +206,15 @@ class WorkerLoad:
     def in_flight(self) -> int:
         """Requests the router has charged to this worker and not yet finished."""
         return len(self.charges)
+
+
+def mark_admits(worker: WorkerLoad, priority: int, tenant: str) -> bool:
+    """Whether a request of ``priority`` and ``tenant`` beats the worker's mark (rule 4): it
+    may be routed there although the worker refused another class. ``True`` when unmarked."""
+    if worker.mark_until is None or priority < worker.mark_priority:
+        return True
+    tenants = worker.mark_tenants
+    return priority == worker.mark_priority and tenants is not None and tenant not in tenants
 
 
 def load_cost(worker: WorkerLoad) -> float:
@@ -247,6 +283,7 @@ class ModelPool:
     __slots__ = (
         "available",
         "free",
+        "marked",
         "name",
         "thresholds",
         "unmarked",
@@ -262,6 +299,8 @@ class ModelPool:
         #: Workers available and not marked overloaded, busy or not: where a request of a
         #: busy-exempt priority may go, and what tells "busy" from "marked" when none is free.
         self.unmarked: FreeSet[WorkerLoad] = FreeSet()
+        #: Workers available and marked, busy or not: where rule 4 looks when none is free.
+        self.marked: FreeSet[WorkerLoad] = FreeSet()
         #: Workers registered, fresh and not draining.
         self.available = 0
         #: Free workers under the frontend-queue threshold.
@@ -275,7 +314,13 @@ class FreeSets:
         queue_threshold: ``--router-queue-threshold`` (``None``: no rank is ever saturated).
     """
 
-    __slots__ = ("_models_available", "_models_with_free", "pools", "queue_threshold")
+    __slots__ = (
+        "_models_available",
+        "_models_with_free",
+        "marked_idle",
+        "pools",
+        "queue_threshold",
+    )
 
     def __init__(self, queue_threshold: float | None) -> None:
         self.queue_threshold = queue_threshold
@@ -283,6 +328,10 @@ class FreeSets:
         self.pools: dict[str, ModelPool] = {}
         self._models_available = 0
         self._models_with_free = 0
+        #: Workers (of every model) available, marked and not busy: while there is one, a
+        #: request's class may still find a worker (rule 4), so the fast shed must not answer
+        #: before the class is known.
+        self.marked_idle = 0
 
     def pool(self, model: str, thresholds: BusyThresholds) -> ModelPool:
         """The pool of ``model``, created with ``thresholds`` when the model is new."""
@@ -330,8 +379,17 @@ class FreeSets:
             pool.available += 1 if available else -1
         if available and worker.mark_until is None:
             pool.unmarked.add(worker)
+            pool.marked.discard(worker)
+        elif available:
+            pool.unmarked.discard(worker)
+            pool.marked.add(worker)
         else:
             pool.unmarked.discard(worker)
+            pool.marked.discard(worker)
+        marked_idle = available and worker.mark_until is not None and not worker.busy
+        if marked_idle != worker.counted_marked_idle:
+            worker.counted_marked_idle = marked_idle
+            self.marked_idle += 1 if marked_idle else -1
         if free != worker.free:
             worker.free = free
             if free:

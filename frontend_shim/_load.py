@@ -20,7 +20,9 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    up says so instead of routing on old load.
 3. Overload mark (a worker answered ``Server overloaded:``): the worker is not free until its next
    load event or heartbeat, or until the lease (1 s by default) runs out, whichever comes first.
-   A mark can never stick (Dynamo issue #14213).
+   A mark can never stick (Dynamo issue #14213). The mark has the class of the request refused
+   (:mod:`frontend_shim._free_sets` rule 4): a request of a better class may still be routed to a
+   marked worker when none is free, and a refusal of it widens the mark.
 4. A threshold change (:meth:`Fleet.set_thresholds`) recomputes every worker of that model at
    once (one scan per change), so it takes effect immediately: sooner than Dynamo's documented
    "next load event or within one second".
@@ -54,6 +56,7 @@ from shim_common._busy import BusyThresholds
 
 __all__ = [
     "DEFAULT_MARK_LEASE",
+    "DEFAULT_MARK_TENANTS",
     "DEFAULT_STALE_AFTER_INTERVALS",
     "Fleet",
     "RankGauge",
@@ -63,6 +66,8 @@ __all__ = [
 DEFAULT_MARK_LEASE: Final = 1.0
 #: A worker is stale after this many heartbeat intervals without an event or heartbeat.
 DEFAULT_STALE_AFTER_INTERVALS: Final = 3.0
+#: Tenants a mark names at its priority; past that it covers every tenant of the priority.
+DEFAULT_MARK_TENANTS: Final = 8
 
 
 class RankGauge(NamedTuple):
@@ -93,6 +98,7 @@ class Fleet:
             *saturated* (see :meth:`unsaturated_free_count`); ``None``: never.
         stale_after_intervals: heartbeat intervals of silence after which a worker is stale.
         mark_lease: seconds an overload mark lasts at most.
+        mark_tenants: tenants a mark names at its priority before it covers them all (>= 1).
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class Fleet:
         queue_threshold: float | None = None,
         stale_after_intervals: float = DEFAULT_STALE_AFTER_INTERVALS,
         mark_lease: float = DEFAULT_MARK_LEASE,
+        mark_tenants: int = DEFAULT_MARK_TENANTS,
     ) -> None:
         if queue_threshold is not None and not (
             math.isfinite(queue_threshold) and queue_threshold > 0
@@ -112,11 +119,14 @@ class Fleet:
             raise ValueError(f"stale_after_intervals must be > 0, got {stale_after_intervals}")
         if not mark_lease > 0:
             raise ValueError(f"mark_lease must be > 0, got {mark_lease}")
+        if mark_tenants < 1:
+            raise ValueError(f"mark_tenants must be >= 1, got {mark_tenants}")
         self.default_thresholds = default_thresholds or BusyThresholds()
         self.track_output_blocks = track_output_blocks
         self.queue_threshold = queue_threshold
         self.stale_after_intervals = stale_after_intervals
         self.mark_lease = mark_lease
+        self.mark_tenants = mark_tenants
         self._sets = FreeSets(queue_threshold)
         self._pools = self._sets.pools
         self._workers: dict[str, WorkerLoad] = {}
@@ -325,12 +335,20 @@ class Fleet:
     def _push(self, heap: list[tuple[float, int, WorkerLoad]], at: float, w: WorkerLoad) -> None:
         heapq.heappush(heap, (at, next(self._tie), w))
 
-    def mark_overloaded(self, worker_id: str, now: float) -> bool:
+    def mark_overloaded(
+        self, worker_id: str, now: float, priority: int | None = None, tenant: str = ""
+    ) -> bool:
         """Mark a worker overloaded (it answered ``Server overloaded:``) for one lease.
+
+        The mark covers the class of the refused request, widened by every refusal while it is
+        in force (:mod:`frontend_shim._free_sets` rule 4). Each refusal renews the lease.
 
         Args:
             worker_id: the worker that rejected.
             now: current time.
+            priority: the refused request's priority; ``None``: unknown, the mark covers every
+                class.
+            tenant: the refused request's tenant.
 
         Returns:
             Whether the worker is known.
@@ -338,6 +356,16 @@ class Fleet:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
+        fresh = worker.mark_until is None or worker.mark_until <= now
+        if priority is None:
+            # Below every valid priority, with every tenant: nothing beats it.
+            worker.mark_priority, worker.mark_tenants = wire.PRIORITY_MIN - 1, None
+        elif fresh or priority < worker.mark_priority:
+            worker.mark_priority, worker.mark_tenants = priority, {tenant}
+        elif priority == worker.mark_priority and worker.mark_tenants is not None:
+            worker.mark_tenants.add(tenant)
+            if len(worker.mark_tenants) > self.mark_tenants:
+                worker.mark_tenants = None
         worker.mark_until = now + self.mark_lease
         if not worker.queued_for_mark:
             self._push(self._mark_heap, worker.mark_until, worker)
@@ -512,6 +540,12 @@ class Fleet:
         pool = self._sets.pools.get(model)
         return pool.unmarked if pool else None
 
+    def marked_workers(self, model: str, now: float) -> FreeSet[WorkerLoad] | None:
+        """Available workers of a model that are marked overloaded, busy or not (a live view)."""
+        self.expire(now)
+        pool = self._sets.pools.get(model)
+        return pool.marked if pool else None
+
     def every_worker_marked(self, model: str | None = None) -> bool:
         """Whether no available worker (of ``model``, or of any model) is unmarked: a request
         that found nothing free was refused by overload marks, not by the busy thresholds.
@@ -525,11 +559,19 @@ class Fleet:
     def all_models_busy(self, now: float) -> bool:
         """O(1): every known model has available workers and none of them is free.
 
-        The HTTP layer can answer 529 before reading a request body when this holds: whatever
-        the model, the request could not be routed.
+        Whatever the model, a request could not be routed to a free worker; whether its class
+        could still pass a mark is :meth:`may_shed_unread`'s question.
         """
         self.expire(now)
         return self._sets.all_busy()
+
+    def may_shed_unread(self, now: float) -> bool:
+        """O(1): :meth:`all_models_busy`, and no worker is held back by a mark alone (marked and
+        not busy): then no request's class can find a worker, and the HTTP layer may answer
+        529 before reading the body. While some worker is marked but not busy, a request of a
+        better class may still go there (:mod:`frontend_shim._free_sets` rule 4), and its class
+        may be in the body."""
+        return self.all_models_busy(now) and self._sets.marked_idle == 0
 
     def rank_gauges(self) -> Iterator[RankGauge]:
         """Figures for the per-worker, per-rank gauges of every connected worker.

@@ -8,8 +8,9 @@ What the I/O side does for one request, and which piece here answers each questi
         hands the waiter back (called after applying events and on completions)
     attempt = router.new_attempt()
     loop:
-        outcome = router.pick(model, now, exclude=attempt.rejected_by)
-        Routed -> send; on Rejected(reason): if attempt.on_rejected(router, id, reason, now):
+        outcome = router.pick_class(model, now, priority, tenant, attempt.rejected_by, exempt)
+        Routed -> send; on Rejected(reason):
+                  if attempt.on_rejected(router, id, reason, now, priority, tenant):
                   pick again; else 529
         AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
 
@@ -29,10 +30,21 @@ Rules:
    ``blocks/kv_total_blocks + prefill_tokens/max_num_batched_tokens``, the router's own count
    included), starting the scan at the cursor so that ties rotate. ``kv`` is O(free workers)
    per pick: about 1,024 attribute reads for a 1,024-worker model (see bench/bench_router.py).
-4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event);
-   ``Server unavailable: ...`` takes it out until it reports ``ready``. Either way the request
-   never started, so it may go to another free worker while ``migration_limit`` allows, never
-   to one that already rejected it.
+4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event)
+   for the refused request's class; ``Server unavailable: ...`` takes it out until it reports
+   ``ready``. Either way the request never started, so it may go to another worker while
+   ``migration_limit`` allows, never to one that already rejected it.
+7. Class-aware marks (:meth:`Router.pick_class`; the mark's class is
+   :mod:`frontend_shim._free_sets` rule 4). Free workers come first, chosen by the mode, so the
+   common path costs what rule 3 says. Only when none is free (and, for a busy-exempt request,
+   no unmarked worker either): a look at no more than :data:`MARKED_LOOK` marked workers of the
+   model, from a rotating cursor, for the least loaded one whose mark the request's class beats
+   (not busy, unless the request is busy-exempt). So a request of a better priority, or of
+   equal priority and another tenant, still reaches the worker where it may displace a
+   waiting request; the cost per request stays bounded however many workers are marked, at
+   the price that a look over more than :data:`MARKED_LOOK` marked workers may miss one. None
+   found: :class:`AllBusy`, which the HTTP layer answers ``marked`` when every available worker
+   of the model is marked.
 5. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
    the model has free workers but all of them are saturated (every reported rank has more
    prefill tokens than ``int(f * max_num_batched_tokens)``), or when it has free workers and
@@ -59,12 +71,13 @@ import random
 from collections.abc import Collection, Hashable, Iterable
 from typing import Final, Generic, TypeVar
 
-from frontend_shim._free_sets import FreeSet, WorkerLoad
+from frontend_shim._free_sets import FreeSet, WorkerLoad, mark_admits
 from frontend_shim._load import Fleet
 from shim_common import wire
 
 __all__ = [
     "DEFAULT_RETRY_AFTER_CAP",
+    "MARKED_LOOK",
     "AllBusy",
     "Attempt",
     "CompletionRate",
@@ -82,6 +95,8 @@ __all__ = [
 
 #: Largest Retry-After (seconds) sent with a 529.
 DEFAULT_RETRY_AFTER_CAP: Final = 30
+#: Marked workers one request looks at, at most, for one whose mark its class beats (rule 7).
+MARKED_LOOK: Final = 16
 
 
 class RouterMode(enum.StrEnum):
@@ -279,22 +294,87 @@ class Router:
         chosen = min(candidates, key=_by_load_cost, default=None)
         return None if chosen is None else Routed(chosen.config.worker_id)
 
+    def _pick_marked(
+        self, model: str, now: float, priority: int, tenant: str, exclude: Collection[str],
+        busy_ok: bool,
+    ) -> Routed | None:  # fmt: skip
+        # Rule 7: the least loaded of at most MARKED_LOOK marked workers whose mark the class
+        # beats (busy ones only for a busy-exempt request); None: none among those looked at.
+        marked = self.fleet.marked_workers(model, now)
+        if not marked:
+            return None
+        count = len(marked)
+        start = self._cursor % count
+        self._cursor += 1
+        chosen: WorkerLoad | None = None
+        for step in range(min(count, MARKED_LOOK)):
+            worker = marked[(start + step) % count]
+            if (
+                (busy_ok or not worker.busy)
+                and mark_admits(worker, priority, tenant)
+                and worker.config.worker_id not in exclude
+                and (chosen is None or worker.load_cost < chosen.load_cost)
+            ):
+                chosen = worker
+        return None if chosen is None else Routed(chosen.config.worker_id)
+
+    def pick_class(
+        self,
+        model: str,
+        now: float,
+        priority: int,
+        tenant: str,
+        exclude: Collection[str] = (),
+        *,
+        exempt: bool = False,
+    ) -> Outcome:
+        """Choose a worker for a request of a class (rules 1-3, then 7).
+
+        Args:
+            model: the requested model.
+            now: current time.
+            priority: the request's priority.
+            tenant: the request's tenant.
+            exclude: ids of workers not to choose (those that already rejected this request).
+            exempt: the request is busy-exempt: a busy worker may take it.
+
+        Returns:
+            As :meth:`pick`.
+        """
+        outcome = self.pick(model, now, exclude)
+        if not isinstance(outcome, AllBusy):
+            return outcome
+        routed = self.pick_exempt(model, now, exclude) if exempt else None
+        if routed is None:
+            routed = self._pick_marked(model, now, priority, tenant, exclude, exempt)
+        return outcome if routed is None else routed
+
     # ------------------------------------------------------------------ rejections, migration
 
-    def on_rejected(self, worker_id: str, reason: str, now: float) -> RejectionKind:
+    def on_rejected(
+        self,
+        worker_id: str,
+        reason: str,
+        now: float,
+        priority: int | None = None,
+        tenant: str = "",
+    ) -> RejectionKind:
         """Take note that a worker rejected a request (rule 4).
 
         Args:
             worker_id: the worker that rejected.
             reason: the :class:`~shim_common.wire.Rejected` reason.
             now: current time.
+            priority: the rejected request's priority (``None``: unknown; an overload mark
+                then covers every class).
+            tenant: the rejected request's tenant.
 
         Returns:
             The kind of rejection.
         """
         kind = classify_rejection(reason)
         if kind is RejectionKind.OVERLOADED:
-            self.fleet.mark_overloaded(worker_id, now)
+            self.fleet.mark_overloaded(worker_id, now, priority, tenant)
         elif kind is RejectionKind.UNAVAILABLE:
             self.fleet.mark_draining(worker_id)
         return kind
@@ -323,7 +403,15 @@ class Attempt:
         """Retries used so far (one per rejection)."""
         return len(self.rejected_by)
 
-    def on_rejected(self, router: Router, worker_id: str, reason: str, now: float) -> bool:
+    def on_rejected(
+        self,
+        router: Router,
+        worker_id: str,
+        reason: str,
+        now: float,
+        priority: int | None = None,
+        tenant: str = "",
+    ) -> bool:
         """Record a rejection (marking the worker through ``router``); say whether to retry.
 
         Args:
@@ -331,12 +419,14 @@ class Attempt:
             worker_id: the worker that rejected.
             reason: the rejection reason.
             now: current time.
+            priority: the request's priority (``None``: unknown, the mark covers every class).
+            tenant: the request's tenant.
 
         Returns:
             ``True`` when the request may be tried on another worker: the rejection was a
             capacity or availability one and the migration limit is not used up.
         """
-        kind = router.on_rejected(worker_id, reason, now)
+        kind = router.on_rejected(worker_id, reason, now, priority, tenant)
         self.rejected_by.add(worker_id)
         return kind is not RejectionKind.OTHER and self.migrations <= self.migration_limit
 

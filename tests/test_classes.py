@@ -296,6 +296,73 @@ async def test_a_tenant_with_fewer_places_displaces_the_tenant_holding_the_most(
             assert "light" in queue.order
 
 
+# A worker that sends a load event or heartbeat at most every 10 s: a frontend's overload mark
+# then lasts its whole lease (1 s), so what the mark lets through is what the test sees.
+QUIET = ("--heartbeat-interval", "10", "--load-publish-interval", "10")
+
+
+async def _past_the_mark(
+    queue_limit: int,
+    fill: Sequence[str],
+    refused: Sequence[tuple[str, str]],
+    better: Sequence[tuple[str, str]],
+) -> tuple[Queue, bytes]:
+    """Fill a one-slot worker's queue with ``fill`` (of the ``refused`` class), overflow it
+    once, see the worker marked for that class, then send a ``better`` request (``better``): it
+    passes the mark and displaces the newest of ``fill``. Returns the queue and the frontend's
+    metrics."""
+    worker, env = _worker(queue_limit, *QUIET)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            started(worker, env) as (ws, system),
+            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
+        ):
+            await wait_connected(url)
+            queue = Queue(url, system)
+            async with trio.open_nursery() as nursery:
+                await _blocker(queue, nursery)
+                for name in fill:
+                    await queue.enqueue(nursery, name, *refused)
+                status, headers, _ = await post(url, completion(), refused)
+                assert (status, headers[b"x-dynamo-reject-reason"]) == (529, b"queue_full")
+                # Marked for the class it refused: the next of that class is refused here.
+                status, headers, body = await post(url, completion(), refused)
+                assert (status, body) == (529, OVERLOAD_BODY)
+                assert headers[b"x-dynamo-reject-reason"] == b"marked"
+                # A class that may displace there still reaches the worker, in the same lease.
+                await queue.enqueue(nursery, "better", *better, displaces=True)
+                for _ in range(500):
+                    if fill[-1] in queue.replies:
+                        break
+                    await trio.sleep(0.01)
+                status, headers, body = queue.replies[fill[-1]]
+                assert (status, body) == (529, OVERLOAD_BODY)
+                assert headers[b"x-dynamo-reject-reason"] == b"displaced"
+            _, text = await call(url, "GET", "/metrics")
+    assert queue.replies["better"][0] == 200
+    return queue, text
+
+
+async def test_a_priority_that_may_displace_passes_the_mark_a_batch_refusal_left() -> None:
+    # The hand and two channel places, all batch (priority 10).
+    fill = ["hand", "old10", "new10"]
+    batch = [("x-dynamo-priority", "10")]
+    queue, text = await _past_the_mark(3, fill, batch, [("x-dynamo-priority", "0")])
+    assert queue.order == ["hand", "better", "old10"]
+    name = "dynamo_frontend_rejection_by_reason_total"
+    for reason in ("queue_full", "marked", "displaced"):
+        assert f'{name}{{model="mock-model",reason="{reason}"}} 1.0' in text.decode()
+
+
+async def test_another_tenant_of_the_same_priority_passes_the_mark_of_the_heavy_one() -> None:
+    # The hand and three channel places, all the heavy tenant's.
+    fill = [f"heavy{index}" for index in range(4)]
+    heavy = [("x-dynamo-tenant", "heavy")]
+    queue, _ = await _past_the_mark(4, fill, heavy, [("x-dynamo-tenant", "light")])
+    assert queue.order[0] == "heavy0"
+    assert "better" in queue.order
+
+
 async def test_a_late_light_tenant_is_interleaved_with_a_heavy_one() -> None:
     worker, env = _worker(12)
     with trio.fail_after(TIMEOUT):

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from frontend_shim._free_sets import WorkerLoad
+from frontend_shim._free_sets import WorkerLoad, mark_admits
 from frontend_shim._load import Fleet, RankGauge
 from shim_common import wire
 from shim_common._busy import BusyThresholds
@@ -515,10 +515,13 @@ class FreeSetMachine(RuleBasedStateMachine):
         self.fleet = Fleet(
             default_thresholds=BusyThresholds(active_decode_blocks=0.5, active_prefill_tokens=20),
             track_output_blocks=True,
+            mark_tenants=1,
         )
         self.feed = Feed(self.fleet)
         self.now = 0.0
         self.in_flight: list[tuple[str, Any]] = []
+        #: The reference of class-aware marks: each worker's refusals since its mark was set.
+        self.refusals: dict[str, list[tuple[int, str]]] = {w: [] for w in WORKERS}
 
     @rule(worker_id=st.sampled_from(WORKERS), dp=st.integers(1, 3), model=st.sampled_from("ab"))
     def register(self, worker_id: str, dp: int, model: str) -> None:
@@ -543,9 +546,21 @@ class FreeSetMachine(RuleBasedStateMachine):
         status = "draining" if draining else "ready"
         self.feed.heartbeat(worker_id, [(0, 3)], status=status, now=self.now)
 
-    @rule(worker_id=st.sampled_from(WORKERS))
-    def mark(self, worker_id: str) -> None:
-        self.fleet.mark_overloaded(worker_id, self.now)
+    @rule(
+        worker_id=st.sampled_from(WORKERS),
+        priority=st.none() | st.integers(-1, 1),
+        tenant=st.sampled_from("ab"),
+    )
+    def mark(self, worker_id: str, priority: int | None, tenant: str) -> None:
+        worker = self.fleet.worker(worker_id)
+        until = None if worker is None else worker.mark_until
+        if until is None or until <= self.now:
+            self.refusals[worker_id] = []  # a mark whose lease ran out starts afresh
+        self.fleet.mark_overloaded(worker_id, self.now, priority, tenant)
+        if worker is not None:
+            # A refusal of unknown class: below every priority, so nothing beats it.
+            refused = wire.PRIORITY_MIN - 1 if priority is None else priority
+            self.refusals[worker_id].append((refused, tenant))
 
     @rule(worker_id=st.sampled_from(WORKERS), prompt=st.integers(0, 30))
     def send(self, worker_id: str, prompt: int) -> None:
@@ -590,6 +605,22 @@ class FreeSetMachine(RuleBasedStateMachine):
         assert incremental == reference_free(self.fleet, self.now)
 
     @invariant()
+    def a_mark_admits_a_class_iff_it_beats_every_refusal(self) -> None:
+        for worker in self.fleet.workers():
+            if worker.mark_until is None or worker.mark_until <= self.now:
+                continue
+            refusals = self.refusals[worker.worker_id]
+            best = min(p for p, _ in refusals)
+            tenants = {t for p, t in refusals if p == best}
+            for priority in range(-2, 3):
+                for tenant in "abc":
+                    # At most mark_tenants (1) named; past that, every tenant of the priority.
+                    beats = priority < best or (
+                        priority == best and len(tenants) <= 1 and tenant not in tenants
+                    )
+                    assert mark_admits(worker, priority, tenant) == beats
+
+    @invariant()
     def load_cost_matches_recomputation(self) -> None:
         for worker in self.fleet.workers():
             blocks = sum(max(r.reported_blocks, r.own_blocks) for r in worker.ranks)
@@ -610,6 +641,17 @@ class FreeSetMachine(RuleBasedStateMachine):
             for m in self.fleet.models()
         )
         assert self.fleet.all_models_busy(now) == busy_everywhere
+        marked = {w.worker_id for w in self.fleet.workers() if w.available and w.marked}
+        incremental: set[str] = set()
+        for model in self.fleet.models():
+            in_pool = self.fleet.marked_workers(model, now)
+            assert in_pool is not None
+            incremental |= {w.worker_id for w in in_pool}
+        assert incremental == marked
+        held_by_mark_alone = any(
+            w.available and w.marked and not w.busy for w in self.fleet.workers()
+        )
+        assert self.fleet.may_shed_unread(now) == (busy_everywhere and not held_by_mark_alone)
 
 
 FreeSetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

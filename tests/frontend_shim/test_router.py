@@ -6,9 +6,13 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from frontend_shim._free_sets import mark_admits
 from frontend_shim._load import Fleet
 from frontend_shim._router import (
+    MARKED_LOOK,
     AllBusy,
     CompletionRate,
     FrontendQueue,
@@ -153,6 +157,195 @@ def test_an_exempt_pick_takes_the_least_loaded_busy_worker_but_never_a_marked_on
     assert fleet.every_worker_marked()
     assert router.pick_exempt(MODEL, 0.0) is None
     assert router.pick_exempt("other-model", 0.0) is None
+
+
+# ----------------------------------------------------------------------------- class-aware marks
+
+
+def test_a_batch_refusal_leaves_the_worker_open_to_a_better_priority() -> None:
+    fleet, _ = fleet_of(1, BusyThresholds())
+    router = Router(fleet)
+    attempt = router.new_attempt()
+    assert not attempt.on_rejected(router, "w0", wire.REASON_OVERLOADED, 0.0, 10, "batch")
+    # Free sets first: the marked worker is not free, so plain pick() says all busy.
+    assert router.pick(MODEL, 0.1) == AllBusy()
+    assert fleet.every_worker_marked(MODEL)
+    # The refused class, and anything worse, is refused at once.
+    assert router.pick_class(MODEL, 0.1, 10, "batch") == AllBusy()
+    assert router.pick_class(MODEL, 0.1, 11, "other") == AllBusy()
+    # A better priority may still displace there; so may another tenant of the same one.
+    assert router.pick_class(MODEL, 0.1, 0, "batch") == Routed("w0")
+    assert router.pick_class(MODEL, 0.1, 10, "other") == Routed("w0")
+    # Never a worker that already refused this very request.
+    assert router.pick_class(MODEL, 0.1, 0, "x", exclude={"w0"}) == AllBusy()
+    # The lease still ends the mark for everyone.
+    assert router.pick_class(MODEL, 1.0, 10, "batch") == Routed("w0")
+
+
+def test_a_refusal_of_a_better_class_widens_the_mark() -> None:
+    fleet, _ = fleet_of(1, BusyThresholds())
+    router = Router(fleet)
+    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 10, "a")
+    router.on_rejected("w0", wire.REASON_DISPLACED_SHARE, 0.0, 10, "b")
+    assert router.pick_class(MODEL, 0.0, 10, "b") == AllBusy()
+    assert router.pick_class(MODEL, 0.0, 10, "c") == Routed("w0")
+    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 5, "c")
+    assert router.pick_class(MODEL, 0.0, 10, "d") == AllBusy()
+    assert router.pick_class(MODEL, 0.0, 5, "c") == AllBusy()
+    assert router.pick_class(MODEL, 0.0, 5, "d") == Routed("w0")
+    assert router.pick_class(MODEL, 0.0, 4, "c") == Routed("w0")
+    # A worse refusal (e.g. routed before the mark) changes nothing.
+    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 7, "e")
+    assert router.pick_class(MODEL, 0.0, 5, "d") == Routed("w0")
+    # A refusal whose class is unknown covers every class; so does any other caller's mark.
+    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0)
+    assert router.pick_class(MODEL, 0.0, wire.PRIORITY_MIN, "z") == AllBusy()
+
+
+def test_past_the_tenant_bound_a_mark_covers_every_tenant_of_its_priority() -> None:
+    fleet = Fleet(mark_tenants=2)
+    fleet.register(config("w0"), 0.0)
+    router = Router(fleet)
+    for tenant in ("a", "b"):
+        fleet.mark_overloaded("w0", 0.0, 3, tenant)
+    assert router.pick_class(MODEL, 0.0, 3, "c") == Routed("w0")
+    fleet.mark_overloaded("w0", 0.0, 3, "c")
+    assert router.pick_class(MODEL, 0.0, 3, "d") == AllBusy()
+    assert router.pick_class(MODEL, 0.0, 2, "a") == Routed("w0")
+    with pytest.raises(ValueError, match="mark_tenants"):
+        Fleet(mark_tenants=0)
+
+
+def test_the_next_load_event_clears_the_whole_class_mark() -> None:
+    fleet, feed = fleet_of(1, BusyThresholds())
+    router = Router(fleet)
+    fleet.mark_overloaded("w0", 0.0, -5, "a")
+    assert router.pick_class(MODEL, 0.0, 0, "b") == AllBusy()
+    feed.load("w0")
+    assert router.pick(MODEL, 0.0) == Routed("w0")
+    # A new mark starts from its own class, not from the one before.
+    fleet.mark_overloaded("w0", 0.0, 10, "a")
+    assert router.pick_class(MODEL, 0.0, 0, "b") == Routed("w0")
+
+
+def test_free_workers_come_first_and_a_marked_one_takes_only_what_beats_its_mark() -> None:
+    fleet, feed = fleet_of(3, BusyThresholds(active_prefill_tokens=10))
+    router = Router(fleet)
+    fleet.mark_overloaded("w0", 0.0, 10, "")
+    # w1 and w2 are free: the class check never runs, the marked worker gets nothing.
+    assert {picked(router.pick_class(MODEL, 0.0, 0, "")) for _ in range(6)} == {"w1", "w2"}
+    fleet.mark_overloaded("w1", 0.0, 0, "")
+    feed.load("w2", prefill=50)  # busy, unmarked
+    assert fleet.marked_workers(MODEL, 0.0) is not None
+    # Among the marked, the one whose mark the class beats; busy thresholds still apply...
+    assert router.pick_class(MODEL, 0.0, 0, "") == Routed("w0")
+    assert router.pick_class(MODEL, 0.0, -1, "") in (Routed("w0"), Routed("w1"))
+    assert router.pick_class(MODEL, 0.0, 11, "") == AllBusy()
+    assert not fleet.every_worker_marked(MODEL)  # w2 is busy, not marked: reason "busy"
+    # ...except for a busy-exempt request: an unmarked busy worker first, then a marked one.
+    assert router.pick_class(MODEL, 0.0, 11, "", exempt=True) == Routed("w2")
+    fleet.mark_overloaded("w2", 0.0, 5, "")
+    assert fleet.every_worker_marked(MODEL)
+    assert router.pick_class(MODEL, 0.0, 3, "", exempt=True) == Routed("w0")
+    assert router.pick_class(MODEL, 0.0, 11, "", exempt=True) == AllBusy()
+
+
+def test_a_busy_exempt_request_may_pass_the_mark_of_a_busy_worker() -> None:
+    fleet, feed = fleet_of(1)
+    feed.load("w0", prefill=5)  # busy
+    fleet.mark_overloaded("w0", 0.0, 5, "")
+    router = Router(fleet)
+    assert router.pick_exempt(MODEL, 0.0) is None
+    assert router.pick_class(MODEL, 0.0, 0, "") == AllBusy()  # not exempt: busy still sheds
+    assert router.pick_class(MODEL, 0.0, 0, "", exempt=True) == Routed("w0")
+    assert router.pick_class(MODEL, 0.0, 5, "", exempt=True) == AllBusy()
+
+
+def test_the_look_at_marked_workers_is_bounded_and_prefers_the_least_loaded() -> None:
+    count = 4 * MARKED_LOOK
+    fleet, feed = fleet_of(count, BusyThresholds(active_prefill_tokens=10_000))
+    router = Router(fleet)
+    for index in range(count):
+        feed.load(f"w{index}", prefill=index)
+        fleet.mark_overloaded(f"w{index}", 0.0, 10, "")
+    looked: list[int] = []
+    for _ in range(8):
+        index = int(picked(router.pick_class(MODEL, 0.0, 0, ""))[1:])
+        looked.append(index)
+    # Each pick looks at MARKED_LOOK workers from a rotating cursor, and takes the least
+    # loaded of those: not always the fleet's least loaded (w0), but spread over the fleet.
+    assert len(set(looked)) > 1
+    marked = fleet.marked_workers(MODEL, 0.0)
+    assert marked is not None
+    assert len(marked) == count
+
+
+class _Mark:
+    """The reference: the refusals a worker had since its mark was last cleared."""
+
+    def __init__(self) -> None:
+        self.refusals: list[tuple[int, str]] = []
+
+    def admits(self, priority: int, tenant: str, bound: int) -> bool:
+        if not self.refusals:
+            return True
+        best = min(p for p, _ in self.refusals)
+        tenants = {t for p, t in self.refusals if p == best}
+        if priority < best:
+            return True
+        return priority == best and len(tenants) <= bound and tenant not in tenants
+
+
+_refusal = st.tuples(st.integers(-2, 2), st.sampled_from("abcd"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    marks=st.lists(st.lists(_refusal, max_size=5), min_size=1, max_size=24),
+    loads=st.lists(st.integers(0, 50), min_size=24, max_size=24),
+    request=_refusal,
+    bound=st.integers(1, 3),
+)
+def test_a_marked_worker_is_eligible_iff_the_class_beats_its_mark(
+    marks: list[list[tuple[int, str]]],
+    loads: list[int],
+    request: tuple[int, str],
+    bound: int,
+) -> None:
+    fleet = Fleet(mark_tenants=bound)
+    feed = Feed(fleet)
+    references: dict[str, _Mark] = {}
+    for index, refusals in enumerate(marks):
+        worker_id = f"w{index}"
+        fleet.register(config(worker_id), 0.0)
+        feed.load(worker_id, prefill=loads[index])
+        references[worker_id] = _Mark()
+        for priority, tenant in refusals:
+            fleet.mark_overloaded(worker_id, 0.0, priority, tenant)
+            references[worker_id].refusals.append((priority, tenant))
+    priority, tenant = request
+    eligible = set()
+    for worker_id, reference in references.items():
+        worker = fleet.worker(worker_id)
+        assert worker is not None
+        assert mark_admits(worker, priority, tenant) == reference.admits(priority, tenant, bound)
+        if reference.admits(priority, tenant, bound):
+            eligible.add(worker_id)
+    outcome = Router(fleet).pick_class(MODEL, 0.5, priority, tenant)
+    unmarked = {w for w, r in references.items() if not r.refusals}
+    if unmarked:
+        assert picked(outcome) in unmarked
+    elif len(marks) <= MARKED_LOOK and eligible:
+        # The whole marked set is looked at: the least loaded eligible worker.
+        chosen = picked(outcome)
+        assert chosen in eligible
+        assert loads[int(chosen[1:])] == min(loads[int(w[1:])] for w in eligible)
+    elif eligible:
+        assert outcome == AllBusy() or picked(outcome) in eligible
+    else:
+        assert outcome == AllBusy()
+    # The lease ends every mark: then any class is routed.
+    assert isinstance(Router(fleet).pick_class(MODEL, 1.0, 1000, "z"), Routed)
 
 
 # ----------------------------------------------------------------------------- modes
