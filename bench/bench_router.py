@@ -5,7 +5,10 @@ Prints medians over several rounds of:
 - load events applied per second (one rank's LoadEvent each, random workers and values, a
   threshold configured so busy bits really flip), and heartbeats (4 ranks each) per second;
 - selections per second for each router mode, with about half of the fleet busy;
-- the ratio of kv to round-robin picks, measured side by side in the same run.
+- the ratio of kv to round-robin picks, measured side by side in the same run;
+- class-aware picks on a fleet whose every worker is marked overloaded for a batch class (no
+  worker free), for an interactive request that beats those marks: the bounded look at marked
+  workers, against round-robin picks over the free set in the same rounds.
 
 Run: ``python bench/bench_router.py`` (``--workers``, ``--ranks``, ``--rounds`` to change the
 shape). Figures depend on the machine; compare ratios, not absolute numbers across machines.
@@ -116,6 +119,21 @@ def pick_many(router: Router, count: int, now: float) -> None:
         assert isinstance(outcome, Routed)
 
 
+def pick_past_marks(router: Router, count: int, now: float) -> None:
+    pick = router.pick_class
+    for _ in range(count):
+        outcome = pick(MODEL, now, 0, "interactive")
+        assert isinstance(outcome, Routed)
+
+
+def marked_fleet(workers: int, ranks: int, now: float) -> Fleet:
+    """Every worker marked, for priority 10 of one tenant, at ``now``."""
+    fleet = build_fleet(workers, ranks)
+    for index in range(workers):
+        fleet.mark_overloaded(f"worker-{index}", now, 10, "batch")
+    return fleet
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=1024)
@@ -169,6 +187,22 @@ def main() -> None:
         )
     ]
     print(f"kv / round-robin selection rate: {statistics.median(ratios):.3f} (median per round)")
+
+    marked = Router(marked_fleet(args.workers, args.ranks, 0.7), RouterMode.KV)
+    plain = routers[RouterMode.ROUND_ROBIN]
+    class_rates: list[float] = []
+    class_ratios: list[float] = []
+    for _ in range(args.rounds):  # side by side in each round
+        class_rate = per_second(
+            args.picks, functools.partial(pick_past_marks, marked, args.picks, 0.7)
+        )
+        plain_rate = per_second(args.picks, functools.partial(pick_many, plain, args.picks, 0.7))
+        class_rates.append(class_rate)
+        class_ratios.append(class_rate / plain_rate)
+    print(
+        f"class picks past marks (every worker marked): {statistics.median(class_rates):,.0f} /s, "
+        f"{statistics.median(class_ratios):.3f} x round-robin (median per round)"
+    )
 
 
 if __name__ == "__main__":
