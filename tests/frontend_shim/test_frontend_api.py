@@ -735,6 +735,28 @@ async def test_router_queue_threshold_parks_then_releases() -> None:
             assert [reply.status for reply in replies] == [200]
 
 
+async def test_a_full_frontend_queue_answers_529_with_its_reason() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with fleet(
+            [worker_settings()], router_queue_threshold=0.5, router_queue_capacity=1
+        ) as f:
+            f.engines[0].set_load(prefill=80)
+            await wait_for_rank_gauge(f, "dynamo_frontend_worker_active_prefill_tokens", 80)
+            replies: list[Reply] = []
+
+            async def one() -> None:
+                replies.append(await f.post("/v1/completions", completion_body()))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one)
+                await wait_until_async(lambda: _inflight(f, 1), "the request to be parked")
+                refused = await f.post("/v1/completions", completion_body())
+                assert refused.status == 529
+                assert refused.headers[b"x-dynamo-reject-reason"] == b"busy"
+                f.engines[0].set_load(prefill=10)
+            assert [reply.status for reply in replies] == [200]
+
+
 async def _inflight(f: Fleet, count: int) -> bool:
     text = await f.metrics()
     return metric_value(text, "dynamo_frontend_inflight_requests", model=MODEL) == count

@@ -104,6 +104,9 @@ async def test_health_follows_the_worker_state() -> None:
                 assert head.status_code == code
                 assert header(head, b"content-type") == b"application/json"
                 assert json.loads(body) == {"status": status}
+                # A 503 says why, as every 503 of the frontend does; a 200 has no reason.
+                reason = header(head, b"x-dynamo-reject-reason")
+                assert reason == (None if code == 200 else status.encode())
 
 
 async def test_live_answers_whatever_the_health() -> None:
