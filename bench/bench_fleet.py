@@ -34,9 +34,10 @@ Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when
 
 From the frontend's ``/metrics``: the event batches it applied
 (``dynamo_frontend_*event*_total``), the largest event lag (``*_lag_seconds``) and, when it has
-them, its event budget and the interval it asks or reads its workers at
-(``dynamo_frontend_event_budget_messages_per_second``,
-``dynamo_frontend_event_interval_seconds``); a column whose metric is absent says ``n/a``.
+them, its event budget, the interval it asks or reads its workers at and the CPU it measured per
+event message (``dynamo_frontend_event_budget_messages_per_second``,
+``dynamo_frontend_event_interval_seconds``, ``dynamo_frontend_event_message_cost_seconds``); a
+column whose metric is absent says ``n/a``.
 Several simulator processes (``--workers-per-sim``) share their CPU: they spread the sockets over
 processes (each holds four per worker), not the work over cores. A size that does not come up
 within its time bounds is reported as such. Figures only, no verdict: a 2-core machine shared
@@ -77,6 +78,7 @@ DEFAULT_SIZES: Final = "64,256,1024,2048,4096"
 PROTOCOLS: Final = ("new", "current", "v1")
 BUDGET_METRIC: Final = "dynamo_frontend_event_budget_messages_per_second"
 INTERVAL_METRIC: Final = "dynamo_frontend_event_interval_seconds"
+COST_METRIC: Final = "dynamo_frontend_event_message_cost_seconds"
 
 
 def _pin(pid: int, cpu: int) -> None:
@@ -331,6 +333,8 @@ class EventMetrics:
     budget: float | None = None
     #: The largest :data:`INTERVAL_METRIC` sample.
     interval: float | None = None
+    #: :data:`COST_METRIC` (CPU seconds per event message, as the frontend measured it).
+    cost: float | None = None
 
 
 def event_metrics(text: str) -> EventMetrics:
@@ -351,6 +355,8 @@ def event_metrics(text: str) -> EventMetrics:
             continue
         if name == BUDGET_METRIC:
             found.budget = value
+        elif name == COST_METRIC:
+            found.cost = value
         elif name == INTERVAL_METRIC:
             found.interval = value if found.interval is None else max(found.interval, value)
         elif name.startswith("dynamo_frontend_") and "event" in name and name.endswith("_total"):
@@ -416,6 +422,7 @@ class SizeResult:
     lag_s: float | None = None
     budget: float | None = None
     interval_s: float | None = None
+    cost_s: float | None = None
     #: What was being done last (names the phase a timeout interrupted).
     phase: str = "starting the simulators"
 
@@ -596,6 +603,8 @@ async def _scrape(client: HttpClient, result: SizeResult) -> tuple[float, float 
         result.budget = found.budget
     if found.interval is not None:
         result.interval_s = found.interval
+    if found.cost is not None:
+        result.cost_s = found.cost
     return finished, found.applied
 
 
@@ -845,7 +854,7 @@ def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 HEADER: Final = (
     "| workers x ranks | protocol | target ev/s | offered ev/s (msg/s) | applied msg/s "
-    "| budget msg/s (interval s) "
+    "| budget msg/s (interval s; measured us/msg) "
     "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB "
     "| ready line / HTTP up / all up s | busy->529 ms p50/p99 "
     "| free->200 ms p50/p99 | sim's share of a flip ms p50/p99 | /live ms p50/p99 "
@@ -870,7 +879,8 @@ def table_row(r: SizeResult) -> str:
     return (
         f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} "
         f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}) "
-        f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}) "
+        f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}; "
+        f"{_num(r.cost_s, '.0f', 1e6)}) "
         f"| {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
         f"| {_num(r.simulator_cpu, '.0f', 100)}% ({_num(r.simulator_wait, '.0f', 100)}%) "
         f"| {_num(r.frontend_rss_mb, '.0f')} "

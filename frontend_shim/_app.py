@@ -28,7 +28,7 @@ import trio
 
 from frontend_shim._admin import AdminRoutes
 from frontend_shim._api import FrontendAPI
-from frontend_shim._config import FrontendSettings
+from frontend_shim._config import DEFAULT_EVENT_BUDGET, FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
 from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
@@ -134,7 +134,14 @@ async def run_frontend(
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
-            event_budget=settings.event_budget or None,
+            # Unset: start at the default and follow the measured cost; 0: no budget.
+            event_budget=(
+                DEFAULT_EVENT_BUDGET if settings.event_budget is None else settings.event_budget
+            )
+            or None,
+            measured_budget=settings.event_budget is None,
+            cost_window=settings.event_cost_window,
+            cost_min_messages=settings.event_cost_min_messages,
         )
         bridge = FleetBridge(fleet, on_change=waiting.release, links=pool.links)
         metrics.watch_links(lambda: _link_samples(pool))
@@ -269,6 +276,8 @@ def _budget_sample(pool: WorkerPool) -> BudgetSample:
         negotiated=negotiated,
         paced=paced,
         slice_yields=pool.slices.yields,
+        cost_per_message=pool.cost.cost,
+        measured=budget is not None and pool.measured_budget,
     )
 
 

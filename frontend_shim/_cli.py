@@ -21,7 +21,6 @@ from cyclopts import App, Parameter, validators
 
 from frontend_shim import __version__
 from frontend_shim._config import (
-    DEFAULT_EVENT_BUDGET,
     DEFAULT_MAX_BODY_BYTES,
     FrontendSettings,
     RouterMode,
@@ -191,12 +190,12 @@ def _frontend(
         ),
     ] = 64,
     event_budget: Annotated[
-        float,
+        float | None,
         Parameter(
             env_var="DYN_EVENT_BUDGET",
             validator=(validators.Number(gte=0, lte=10_000_000), finite),
         ),
-    ] = DEFAULT_EVENT_BUDGET,
+    ] = None,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
     tls_ca_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CA_PATH")] = None,
@@ -259,7 +258,8 @@ def _frontend(
         stampede of handshakes.
     event_budget
         Event messages a second this frontend takes from all its workers together; each worker
-        is asked for (or read at) the interval that keeps to it. 0: no budget.
+        is asked for (or read at) the interval that keeps to it. 0: no budget. Unset: the
+        budget is what fits in 45 % of a core at the cost per message this frontend measures.
     tls_cert_path
         PEM certificate chain: the HTTP listener serves https:// (needs --tls-key-path).
         Local workers are given it too and serve wss://.

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Final, Literal
 
 from frontend_shim._event_budget import DEFAULT_EVENT_BUDGET
+from frontend_shim._event_cost import DEFAULT_COST_WINDOW, DEFAULT_MIN_WINDOW_MESSAGES
 from shim_common._busy import BusyThresholds
 
 __all__ = [
@@ -68,8 +69,13 @@ class FrontendSettings:
     max_event_lag: float = 1.0
     #: Worker connection attempts in flight at once (a large fleet starts without a stampede).
     connect_concurrency: int = 64
-    #: Event messages a second taken from all workers together (0: no budget).
-    event_budget: float = DEFAULT_EVENT_BUDGET
+    #: Event messages a second taken from all workers together (0: no budget; ``None``: the
+    #: budget follows the measured cost per message, starting at ``DEFAULT_EVENT_BUDGET``).
+    event_budget: float | None = None
+    #: Seconds between two samples of the cost per event message. Not a flag: tests shorten it.
+    event_cost_window: float = DEFAULT_COST_WINDOW
+    #: Messages a window of the cost meter needs to count. Not a flag: tests lower it.
+    event_cost_min_messages: int = DEFAULT_MIN_WINDOW_MESSAGES
     #: Seconds an overload mark lasts at most without a load event from the worker. Not a flag:
     #: the documented behaviour is 1 s; tests shorten it rather than wait.
     overload_mark_lease: float = 1.0

@@ -21,7 +21,9 @@ worker link gets, and the links keep to it:
    replaces what it cannot send. Its busy/free edges therefore wait up to one interval.
 4. The interval asked of workers changes only when the wanted one differs from it by more than
    ``resend_share`` (a fleet growing by one worker does not re-subscribe every link), and is
-   asked again of each negotiating worker when it does.
+   asked again of each negotiating worker when it does. Without ``--event-budget`` the budget
+   itself follows the frontend's measured cost per message (:mod:`frontend_shim._event_cost`,
+   which keeps to the same share before it moves it): :meth:`EventBudget.retarget`.
 5. The links read at the interval wait for their next read on one :class:`ReadPacer` per pool
    (and so do the links' watchdogs): one timer ticking every ``tick`` seconds wakes every link
    whose time has come, instead of a timer per link per read (a Trio deadline costs tens of
@@ -56,9 +58,10 @@ __all__ = [
     "latest_wins",
 ]
 
-#: Messages a second the frontend takes from its fleet by default. Measured on the benchmark
-#: machine (docs/performance.md, fleet scale): about 65 us of frontend CPU per event message, so
-#: 6,000 a second is about 40 % of one core, the rest left for HTTP and the request planes.
+#: Messages a second the frontend takes from its fleet until it has measured its own cost per
+#: message (:mod:`frontend_shim._event_cost`). Measured on the benchmark machine
+#: (docs/performance.md, fleet scale): about 65 us of frontend CPU per event message, so 6,000 a
+#: second is about 40 % of one core, the rest left for HTTP and the request planes.
 DEFAULT_EVENT_BUDGET: Final = 6000.0
 #: Reads applied in one pass of the scheduler (rule 5): about 1-2 ms of event work at a time.
 DEFAULT_EVENTS_PER_SLICE: Final = 24
@@ -125,6 +128,21 @@ class EventBudget:
         if wanted == current:
             return False
         if current > 0 and abs(wanted - current) <= self._resend_share * current:
+            return False
+        self.interval = wanted
+        return True
+
+    def retarget(self, messages_per_second: float) -> bool:
+        """Put a new budget in force (a measured one); returns True when :attr:`interval` changed.
+
+        The interval becomes the one rule 1 gives at once, without rule 4's tolerance: the
+        caller only retargets when the budget moved by more than that share already.
+        """
+        if not (messages_per_second > 0 and math.isfinite(messages_per_second)):
+            raise ValueError(f"the event budget must be > 0 and finite, got {messages_per_second}")
+        self.messages_per_second = float(messages_per_second)
+        wanted = self.wanted(self._links)
+        if wanted == self.interval:
             return False
         self.interval = wanted
         return True

@@ -71,6 +71,10 @@ class BudgetSample(NamedTuple):
     paced: int
     #: Times event work waited for the next slice.
     slice_yields: int
+    #: The measured CPU seconds per event message (0: not measured yet).
+    cost_per_message: float = 0.0
+    #: Whether the budget follows that cost (no ``--event-budget``).
+    measured: bool = False
 
 
 _BUDGET_SNAPSHOT: contextvars.ContextVar[BudgetSample | None] = contextvars.ContextVar(
@@ -103,6 +107,16 @@ class _BudgetCollector(Collector):
             "dynamo_frontend_workers_event_read_paced",
             "Connected workers that do not negotiate the interval, read at it (latest wins)",
             value=sample.paced,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_event_message_cost_seconds",
+            "Measured CPU seconds this frontend spends per event message (0: not measured yet)",
+            value=sample.cost_per_message,
+        )
+        yield GaugeMetricFamily(
+            "dynamo_frontend_event_budget_measured",
+            "1: the event budget follows the measured cost per message; 0: fixed or none",
+            value=1.0 if sample.measured else 0.0,
         )
         yield CounterMetricFamily(
             "dynamo_frontend_event_slice_yields",

@@ -9,12 +9,17 @@ handshakes in flight, and every link starts at once (none waits for another to c
 
 The pool owns the frontend's event budget (:mod:`frontend_shim._event_budget`): the budget's
 interval is recomputed whenever links are added or stopped, and asked again of every connected
-worker that takes one when it changes; the links share one :class:`EventSlices`.
+worker that takes one when it changes; the links share one :class:`EventSlices`. Every
+``cost_window`` seconds the pool gives its :class:`~frontend_shim._event_cost.EventCostMeter`
+the process's CPU time and its links' running totals of messages and connection attempts; when
+the budget is measured (no ``--event-budget``), a budget the meter moves is put in force and its
+interval asked again the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -33,6 +38,12 @@ from frontend_shim._event_budget import (
     EventBudget,
     EventSlices,
     ReadPacer,
+)
+from frontend_shim._event_cost import (
+    DEFAULT_COST_WINDOW,
+    DEFAULT_HOLD,
+    DEFAULT_MIN_WINDOW_MESSAGES,
+    EventCostMeter,
 )
 from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
 from shim_common import wire
@@ -67,6 +78,9 @@ class WorkerPool:
         connect_concurrency: int = DEFAULT_CONNECT_CONCURRENCY,
         event_budget: float | None = DEFAULT_EVENT_BUDGET,
         events_per_slice: int = DEFAULT_EVENTS_PER_SLICE,
+        measured_budget: bool = False,
+        cost_window: float = DEFAULT_COST_WINDOW,
+        cost_min_messages: int = DEFAULT_MIN_WINDOW_MESSAGES,
     ) -> None:
         """Parse the URLs; nothing is resolved or connected before :meth:`run`.
 
@@ -79,10 +93,20 @@ class WorkerPool:
             event_budget: event messages a second the links take in all; ``None``: no budget
                 (every worker at its own pace, every event read at once).
             events_per_slice: reads applied in one pass of the scheduler.
+            measured_budget: the budget follows the measured cost per message, starting at
+                ``event_budget``; False: ``event_budget`` stays as given. The cost is measured
+                (and exported) either way.
+            cost_window: seconds between two samples of the cost meter.
+            cost_min_messages: messages a window of the meter needs to count.
 
         Raises:
-            ValueError: a URL that :func:`parse_worker_url` refuses.
+            ValueError: a URL that :func:`parse_worker_url` refuses, or a measured budget
+                without a budget to start from.
         """
+        if measured_budget and event_budget is None:
+            raise ValueError("a measured event budget needs an initial budget")
+        if not cost_window > 0:
+            raise ValueError(f"cost_window must be > 0, got {cost_window}")
         self._urls = [parse_worker_url(url) for url in urls]
         self._settings = settings if settings is not None else LinkSettings()
         self._resolve_interval = resolve_interval
@@ -98,6 +122,15 @@ class WorkerPool:
         #: The turns for event work shared by the links.
         self.slices = EventSlices(events_per_slice)
         self._pacer = ReadPacer()
+        #: The cost per event message, measured whether or not the budget follows it.
+        self.cost = EventCostMeter(
+            initial_budget=event_budget or DEFAULT_EVENT_BUDGET,
+            min_messages=cost_min_messages,
+            hold=DEFAULT_HOLD / DEFAULT_COST_WINDOW * cost_window,  # the same number of windows
+        )
+        #: Whether the budget follows :attr:`cost`.
+        self.measured_budget = measured_budget
+        self._cost_window = cost_window
 
     @property
     def links(self) -> Mapping[WorkerKey, WorkerLink]:
@@ -129,6 +162,7 @@ class WorkerPool:
             self._nursery = nursery
             await nursery.start(self.slices.run)
             await nursery.start(self._pacer.run)
+            nursery.start_soon(self._measure_cost, nursery)
             complete = await self._reconcile(nursery, listener)
             task_status.started()
             while True:
@@ -169,15 +203,7 @@ class WorkerPool:
                 del self._links[key]
                 self._scopes.pop(key).cancel()
         if self.budget is not None and self.budget.resize(len(wanted)):
-            logger.info(
-                "event budget %.0f messages/s over %d workers: one every %.3f s per worker",
-                self.budget.messages_per_second,
-                len(wanted),
-                self.budget.interval,
-            )
-            for link in self._links.values():
-                if link.connected and link.negotiated:
-                    nursery.start_soon(link.send_interval)
+            self._ask_interval_again(nursery)
         for key, host in wanted.items():
             if key not in self._links:
                 link = WorkerLink(
@@ -193,6 +219,46 @@ class WorkerPool:
                 self._links[key] = link
                 await nursery.start(self._run_link, link)
         return complete
+
+    def _ask_interval_again(self, nursery: trio.Nursery) -> None:
+        """The budget's interval changed: log it and ask every negotiating worker for it."""
+        assert self.budget is not None
+        logger.info(
+            "event budget %.0f messages/s over %d workers: one every %.3f s per worker",
+            self.budget.messages_per_second,
+            self.budget.links,
+            self.budget.interval,
+        )
+        for link in self._links.values():
+            if link.connected and link.negotiated:
+                nursery.start_soon(link.send_interval)
+
+    async def _measure_cost(self, nursery: trio.Nursery) -> None:
+        # O(links) every window (a sum over 2,048 links is a fraction of a millisecond), nothing
+        # on the read path of any link.
+        meter = self.cost
+        while True:
+            messages = connects = 0
+            for link in self._links.values():
+                stats = link.stats
+                messages += stats.event_batches
+                connects += stats.sessions + stats.connect_failures
+            moved = meter.sample(
+                now=trio.current_time(),
+                cpu=time.process_time(),
+                messages=messages,
+                connects=connects,
+                links=len(self._links),
+            )
+            if moved and self.measured_budget and self.budget is not None:
+                logger.info(
+                    "measured %.1f us of CPU per event message: event budget %.0f messages/s",
+                    meter.cost * 1e6,
+                    meter.budget,
+                )
+                if self.budget.retarget(meter.budget):
+                    self._ask_interval_again(nursery)
+            await trio.sleep(self._cost_window)
 
     async def _run_link(
         self, link: WorkerLink, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -89,6 +89,7 @@ def test_event_metrics_reads_the_budget_the_interval_the_batches_and_the_lag() -
             'dynamo_frontend_worker_event_lag_seconds{worker_id="b"} 0.5',
             "dynamo_frontend_event_budget_messages_per_second 6000.0",
             "dynamo_frontend_event_interval_seconds 0.341",
+            "dynamo_frontend_event_message_cost_seconds 4.5e-05",
         ]
     )
     found = event_metrics(text)
@@ -96,6 +97,7 @@ def test_event_metrics_reads_the_budget_the_interval_the_batches_and_the_lag() -
     assert found.lag == 0.5
     assert found.budget == 6000.0
     assert found.interval == 0.341
+    assert found.cost == 4.5e-05
     # A frontend without them: every figure absent, none made up.
     assert event_metrics("dynamo_frontend_workers_connected 3") == type(found)()
 

@@ -28,6 +28,7 @@ from trio_websocket import open_websocket_url
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
+from frontend_shim._event_cost import DEFAULT_CORE_SHARE, MAX_MEASURED_BUDGET, MIN_MEASURED_BUDGET
 from frontend_shim._responses import UNAVAILABLE_BODY, overload_body
 from shim_common import wire
 from shim_common._busy import BusyThresholds
@@ -796,6 +797,50 @@ async def test_metrics_names_and_labels() -> None:
             health = (await f.get("/health")).json()
             assert health["status"] == "ready"
             assert health["workers_connected"] == 1
+
+
+async def _take_events_until_measured(f: Fleet) -> str:
+    """Change the workers' load until the frontend exports a measured cost; its metrics then."""
+    for step in range(2000):
+        for engine in f.engines:
+            engine.set_load(blocks=step % 7)
+        await trio.sleep(0.005)
+        if step % 20 == 19:
+            text = await f.metrics()
+            if metric_value(text, "dynamo_frontend_event_message_cost_seconds") > 0:
+                return text
+    raise AssertionError("no cost per event message measured")
+
+
+async def test_without_a_budget_flag_the_budget_follows_the_measured_cost() -> None:
+    # Short windows of few messages so that a test's trickle of events is measured.
+    workers = [worker_settings(worker_id=f"w-{n}", load_publish_interval=0.0) for n in range(2)]
+    with trio.fail_after(TIMEOUT):
+        async with fleet(workers, event_cost_window=0.2, event_cost_min_messages=20) as f:
+            text = await _take_events_until_measured(f)
+            cost = metric_value(text, "dynamo_frontend_event_message_cost_seconds")
+            budget = metric_value(text, "dynamo_frontend_event_budget_messages_per_second")
+            assert metric_value(text, "dynamo_frontend_event_budget_measured") == 1
+            # An order of magnitude: Python spends microseconds to milliseconds on a message.
+            assert 1e-6 < cost < 1e-2
+            # The budget in force is the share of a core over that cost, clamped; to an order of
+            # magnitude, as the estimate moves on between two moves of the budget.
+            wanted = min(MAX_MEASURED_BUDGET, max(MIN_MEASURED_BUDGET, DEFAULT_CORE_SHARE / cost))
+            assert MIN_MEASURED_BUDGET <= budget <= MAX_MEASURED_BUDGET
+            assert wanted / 3 <= budget <= wanted * 3
+            interval = metric_value(text, "dynamo_frontend_event_interval_seconds")
+            assert interval == pytest.approx(2 / budget)
+
+
+async def test_a_budget_flag_stays_fixed_and_the_cost_is_measured_beside_it() -> None:
+    workers = [worker_settings(load_publish_interval=0.0)]
+    with trio.fail_after(TIMEOUT):
+        async with fleet(
+            workers, event_budget=2500.0, event_cost_window=0.2, event_cost_min_messages=20
+        ) as f:
+            text = await _take_events_until_measured(f)
+            assert metric_value(text, "dynamo_frontend_event_budget_messages_per_second") == 2500
+            assert metric_value(text, "dynamo_frontend_event_budget_measured") == 0
 
 
 async def test_status_routes_take_head_name_allowed_methods_and_are_not_cached() -> None:

@@ -94,7 +94,9 @@ def test_thousands_of_worker_flags_parse_in_order_and_quickly() -> None:
 
 
 def test_the_event_budget_from_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert parse_args([])[0].event_budget == 6000
+    # Unset: measured (the budget follows the cost per message); given: fixed; 0: none.
+    assert parse_args([])[0].event_budget is None
+    assert parse_args(["--event-budget", "6000"])[0].event_budget == 6000
     assert parse_args(["--event-budget", "0"])[0].event_budget == 0
     monkeypatch.setenv("DYN_EVENT_BUDGET", "2500.5")
     assert parse_args([])[0].event_budget == 2500.5
