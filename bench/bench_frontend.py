@@ -49,13 +49,17 @@ def _pinned(cpu: str, args: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _process(args: list[str], env: dict[str, str]) -> Iterator[list[str]]:
-    """Start a server, yield the URLs of its ready line, stop it."""
+def _server(
+    args: list[str], env: dict[str, str], cwd: str | None = None
+) -> Iterator[tuple[int, list[str]]]:
+    """Start a server pinned to ``SERVER_CPU``, yield its pid and the URLs of its ready line,
+    stop it."""
     process = subprocess.Popen(
         _pinned(SERVER_CPU, args),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
+        cwd=cwd,
         text=True,
     )
     try:
@@ -63,7 +67,7 @@ def _process(args: list[str], env: dict[str, str]) -> Iterator[list[str]]:
         line = process.stdout.readline()
         if " ready " not in line:
             raise RuntimeError(f"no ready line from {args[:3]}: {line!r}")
-        yield re.findall(r"\w+=(\S+)", line)
+        yield process.pid, re.findall(r"\w+=(\S+)", line)
     finally:
         process.terminate()
         try:
@@ -73,6 +77,13 @@ def _process(args: list[str], env: dict[str, str]) -> Iterator[list[str]]:
             process.wait()
 
 
+@contextlib.contextmanager
+def _process(args: list[str], env: dict[str, str]) -> Iterator[list[str]]:
+    """Start a server, yield the URLs of its ready line, stop it."""
+    with _server(args, env) as (_, urls):
+        yield urls
+
+
 def _wait_connected(url: str) -> None:
     for _ in range(500):
         with urllib.request.urlopen(url + "/health", timeout=5) as reply:
@@ -80,6 +91,33 @@ def _wait_connected(url: str) -> None:
                 return
         time.sleep(0.02)
     raise RuntimeError(f"{url} never connected to its worker")
+
+
+@contextlib.contextmanager
+def _made_busy(url: str, body: str) -> Iterator[None]:
+    """Hold one long streamed completion (``body``) on the frontend at ``url``, whose threshold
+    makes a worker busy as soon as it holds any KV block, until it answers 529; keep it so for
+    the block."""
+    holder = subprocess.Popen(
+        ["curl", "-sN", "-o", os.devnull, "-H", "Content-Type: application/json",
+         "-d", body, url + "/v1/completions"]
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            probe = subprocess.run(
+                ["curl", "-s", "-o", os.devnull, "-w", "%{http_code}", "-d", "{}",
+                 url + "/v1/completions"],
+                capture_output=True, text=True, check=False,
+            ).stdout  # fmt: skip
+            if probe == "529":
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the busy fleet never became busy")
+        yield
+    finally:
+        holder.terminate()
+        holder.wait()
 
 
 class Wrk:
@@ -150,30 +188,10 @@ def main() -> None:
             _wait_connected(busy_url)
             _wait_connected(free_url)
             # One long request makes the busy fleet busy (it holds KV blocks for minutes).
-            long_request = subprocess.Popen(
-                [
-                    "curl", "-sN", "-o", os.devnull, "-H", "Content-Type: application/json",
-                    "-d", '{"model":"mock-model","prompt":"a b c","max_tokens":2000,"stream":true}',
-                    busy_url + "/v1/completions",
-                ]
-            )  # fmt: skip
-            try:
-                for _ in range(300):
-                    probe = subprocess.run(
-                        ["curl", "-s", "-o", os.devnull, "-w", "%{http_code}", "-d", "{}",
-                         busy_url + "/v1/completions"],
-                        capture_output=True, text=True, check=False,
-                    ).stdout  # fmt: skip
-                    if probe == "529":
-                        break
-                    time.sleep(0.05)
-                else:
-                    raise RuntimeError("the busy fleet never became busy")
+            long_body = '{"model":"mock-model","prompt":"a b c","max_tokens":2000,"stream":true}'
+            with _made_busy(busy_url, long_body):
                 live_busy = wrk.run(busy_url + "/live")
                 shed = wrk.run(busy_url + "/v1/completions", post=True)
-            finally:
-                long_request.terminate()
-                long_request.wait()
             through = wrk.run(free_url + "/v1/completions", post=True)
             direct = wrk.run(instant_system + "/live")
             one_completion = wrk.run(free_url + "/v1/completions", post=True, connections=1)

@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -48,7 +47,7 @@ import h11
 import httptools
 import trio
 
-from bench.bench_frontend import Wrk, _pinned, _process, _wait_connected
+from bench.bench_frontend import Wrk, _made_busy, _pinned, _process, _wait_connected
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -210,26 +209,8 @@ def frontends() -> Iterator[tuple[str, str]]:
         _wait_connected(busy)
         _wait_connected(fast)
         # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
-        holder = subprocess.Popen(
-            ["curl", "-sN", "-o", os.devnull, "-H", "Content-Type: application/json",
-             "-d", long_body, busy + "/v1/completions"]
-        )  # fmt: skip
-        try:
-            for _ in range(300):
-                probe = subprocess.run(
-                    ["curl", "-s", "-o", os.devnull, "-w", "%{http_code}", "-d", "{}",
-                     busy + "/v1/completions"],
-                    capture_output=True, text=True, check=False,
-                ).stdout  # fmt: skip
-                if probe == "529":
-                    break
-                time.sleep(0.05)
-            else:
-                raise RuntimeError("the busy fleet never became busy")
+        with _made_busy(busy, long_body):
             yield busy, fast
-        finally:
-            holder.terminate()
-            holder.wait()
 
 
 # -- the run ------------------------------------------------------------------------------

@@ -31,14 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-SERVER_CPU: Final = "0"
-LOAD_CPU: Final = "1"
+from bench.bench_frontend import LOAD_CPU, _pinned, _server, _wait_connected
+
 CHAT: Final = json.dumps(
     {"model": "mock-model", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 1}
 )
@@ -55,12 +53,6 @@ class Round:
     live_p50_ms: float | None = None
 
 
-def _pinned(cpu: str, args: list[str]) -> list[str]:
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        return ["taskset", "-c", cpu, *args]
-    return args
-
-
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
@@ -74,32 +66,8 @@ def _process(args: list[str], tree: str) -> Iterator[tuple[int, list[str]]]:
     env["PYTHONPATH"] = tree
     # Run from the tree: ``python -m`` puts the working directory first on the import path, so
     # from anywhere else (a checkout of another tree above all) it could import other code.
-    process = subprocess.Popen(
-        _pinned(SERVER_CPU, args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-        cwd=tree, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        if " ready " not in line:
-            raise RuntimeError(f"no ready line from {args[:3]}: {line!r}")
-        yield process.pid, re.findall(r"\w+=(\S+)", line)
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_connected(url: str) -> None:
-    for _ in range(500):
-        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
-            if json.load(reply)["workers_connected"] >= 1:
-                return
-        time.sleep(0.02)
-    raise RuntimeError(f"{url} never connected to its worker")
+    with _server(args, env, cwd=tree) as started:
+        yield started
 
 
 def _wrk(url: str, lua: str | None, connections: int, seconds: int) -> tuple[float, float, float]:
