@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from frontend_shim._request_body import BadRequest
+from frontend_shim._request_body import BadRequest, quote
 from shim_common.wire import PRIORITY_MAX, PRIORITY_MIN, TENANT_MAX_CHARS
 
 __all__ = [
@@ -45,12 +45,17 @@ def _priority(value: object, where: str) -> int:
         # int() alone would take "+5", "5_0" and non-ASCII digits: plain decimal digits only.
         digits = text[1:] if text[:1] == "-" else text
         if not digits.isascii() or not digits.isdigit():
-            raise BadRequest(400, f"{where} must be an integer, got {text!r}")
+            raise BadRequest(400, f"{where} must be an integer, got {quote(text)}")
+        if len(digits) > len(str(PRIORITY_MAX)):
+            # Out of range whatever the digits; int() refuses thousands of them (a 500).
+            raise BadRequest(
+                400, f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {quote(text)}"
+            )
         number = int(text)
     elif isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        raise BadRequest(400, f"{where} must be an integer, got {value!r}")
+        raise BadRequest(400, f"{where} must be an integer, got {quote(value)}")
     if not PRIORITY_MIN <= number <= PRIORITY_MAX:
         raise BadRequest(
             400, f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {number}"
@@ -89,7 +94,7 @@ def request_class(
         if user is None:
             return priority, ""
         if not isinstance(user, str):
-            raise BadRequest(400, f"`user` must be a string, got {user!r}")
+            raise BadRequest(400, f"`user` must be a string, got {quote(user)}")
         tenant, where = user, "`user`"
     if len(tenant) > TENANT_MAX_CHARS:
         raise BadRequest(

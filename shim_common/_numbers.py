@@ -40,6 +40,7 @@ __all__ = [
     "COUNT",
     "FRACTION",
     "MAX_COUNT",
+    "MAX_PRIORITY",
     "MAX_RANKS",
     "MAX_RATIO",
     "MAX_SECONDS",
@@ -51,6 +52,7 @@ __all__ = [
     "Kind",
     "NumberError",
     "PRIORITY",
+    "Priority",
     "Ratio",
     "Seconds",
     "shown",
@@ -60,12 +62,14 @@ MAX_COUNT: Final = 2**53
 MAX_RATIO: Final = 1e6
 MAX_SECONDS: Final = 1e9
 MAX_RANKS: Final = 1024
+MAX_PRIORITY: Final = 1000
 
 #: The kinds as types, for msgspec structs: a decoded value out of range is a ValidationError.
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATIO)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
+Priority = Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)]
 
 _T = TypeVar("_T", int, float)
 
@@ -140,4 +144,4 @@ FRACTION: Final = Kind(float, 1.0, "a finite number from 0 to 1")
 RATIO: Final = Kind(float, MAX_RATIO, "a finite number from 0 to 1e6")
 SECONDS: Final = Kind(float, MAX_SECONDS, "a finite number of seconds from 0 to 1e9")
 RANKS: Final = Kind(int, MAX_RANKS, "a whole number from 1 to 1024", low=1)
-PRIORITY: Final = Kind(int, 1000, "a whole number from -1000 to 1000", low=-1000)
+PRIORITY: Final = Kind(int, MAX_PRIORITY, "a whole number from -1000 to 1000", low=-MAX_PRIORITY)

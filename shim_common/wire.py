@@ -40,6 +40,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from shim_common._busy import BusyThresholds
+from shim_common._numbers import PRIORITY, Priority
 
 __all__ = [
     "CANCEL_REASON_CLIENT",
@@ -120,8 +121,8 @@ FEATURE_BUSY_EDGES: Final = "busy-edges"
 FEATURE_CLASSES: Final = "classes"
 
 #: The range of a request's priority (lower is served first) and the longest tenant name.
-PRIORITY_MIN: Final = -1000
-PRIORITY_MAX: Final = 1000
+PRIORITY_MIN: Final = PRIORITY.low
+PRIORITY_MAX: Final = PRIORITY.high
 TENANT_MAX_CHARS: Final = 256
 
 #: Hello feature: the worker honours :attr:`Subscribe.publish_interval` (it reads
@@ -291,7 +292,7 @@ class Generate(
     body: dict[str, Any]
     #: Lower is served first, in [``PRIORITY_MIN``, ``PRIORITY_MAX``]; sent only to a worker
     #: that lists :data:`FEATURE_CLASSES`.
-    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    priority: Priority = 0
     #: Whose request this is, for fair sharing (at most ``TENANT_MAX_CHARS`` characters; ``""``
     #: is the shared tenant); sent only to a worker that lists :data:`FEATURE_CLASSES`.
     tenant: Annotated[str, msgspec.Meta(max_length=TENANT_MAX_CHARS)] = ""

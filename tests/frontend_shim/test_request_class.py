@@ -61,3 +61,19 @@ def test_bad_values_are_a_400_naming_the_header_or_field(
 def test_the_priority_header_alone_is_readable_from_the_head() -> None:
     assert header_priority([]) is None
     assert header_priority(_headers(priority=" 12 ")) == 12
+
+
+def test_a_priority_of_thousands_of_digits_is_a_400_not_a_crash() -> None:
+    with pytest.raises(BadRequest) as info:
+        request_class([(b"x-dynamo-priority", b"1" * 6000)], {})
+    assert info.value.status == 400
+    assert "x-dynamo-priority" in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+def test_a_hostile_user_or_priority_is_quoted_by_a_short_prefix() -> None:
+    for body in ({"user": list(range(100_000))}, {"priority": ["x"] * 100_000}):
+        with pytest.raises(BadRequest) as info:
+            request_class([], body)
+        assert info.value.status == 400
+        assert len(str(info.value)) < 300
