@@ -419,7 +419,6 @@ def _comma_tokens(value: bytes) -> list[bytes]:
 
 _REASONS: Final[dict[int, bytes]] = {s.value: s.phrase.encode("ascii") for s in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
-_CONNECTION_CLOSE: Final = (b"connection", b"close")
 _TOKEN: Final = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 # A field value: visible characters and obs-text, single spaces or tabs inside, none around.
 _FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t]*[\x21-\x7e\x80-\xff])*)?")

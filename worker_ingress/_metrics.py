@@ -70,6 +70,7 @@ from prometheus_client.registry import Collector
 
 from shim_common._status import render_registry
 from worker_ingress._admission import REJECTION_KINDS, AdmissionGate
+from worker_ingress._config import UNLIMITED_ENGINE_SLOTS
 
 __all__ = ["KvBlocks", "WorkerMetrics"]
 
@@ -77,8 +78,6 @@ __all__ = ["KvBlocks", "WorkerMetrics"]
 KvBlocks = Callable[[], tuple[int, int]]
 
 
-#: W reported when unset, as N is reported when unset.
-_UNSET_WAITING_LIMIT = 10_000
 #: Priorities labelled by name in ``dynamo_request_queue_by_priority``; the rest are ``other``.
 PRIORITY_LABELS = 16
 
@@ -340,7 +339,8 @@ class _GateCollector(Collector):
             GaugeMetricFamily(
                 "dynamo_engine_request_waiting_limit",
                 "Requests that may be in the engine before their first output (W in force).",
-                value=_UNSET_WAITING_LIMIT if waiting_limit is None else waiting_limit,
+                # Unset, W is reported as N is when unset.
+                value=UNLIMITED_ENGINE_SLOTS if waiting_limit is None else waiting_limit,
             ),
             by_reason,
             by_priority,
