@@ -39,15 +39,11 @@ from frontend_shim._router import Router, RouterMode
 from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
 from shim_common._httpserver import HTTPLimits, IdleConnections, serve_http
-from shim_common._net import base_url
+from shim_common._net import CLOSE_BATCH, base_url
 
 __all__ = ["run_frontend"]
 
 _log = logging.getLogger(__name__)
-
-#: Idle HTTP connections a link closes at once when connecting to a worker runs out of
-#: descriptors (two are needed per worker; the rest go to the next workers that reconnect).
-_MAKE_ROOM_BATCH = 16
 
 #: Seconds between expiry passes (staleness, mark leases) when no event arrives.
 TICK_INTERVAL = 0.25
@@ -130,7 +126,7 @@ async def run_frontend(
                 max_event_lag=settings.max_event_lag,
                 headers=_worker_headers(settings.worker_token),
                 ssl_context=_worker_tls(settings),
-                make_room=lambda: idle_http.close_oldest(_MAKE_ROOM_BATCH),
+                make_room=lambda: idle_http.close_oldest(CLOSE_BATCH),
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,

@@ -88,7 +88,7 @@ from frontend_shim._request_plane import (
 from frontend_shim._websocket import HandshakeError, HandshakeRejected
 from frontend_shim._worker_hello import refusal
 from shim_common import wire
-from shim_common._net import Backoff, out_of_descriptors
+from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
 __all__ = [
     "FleetListener",
@@ -268,37 +268,8 @@ _M = TypeVar("_M")
 
 #: Stands for the connect limiter of a link outside a pool.
 _NO_LIMIT: Final = contextlib.nullcontext()
-#: After idle connections were closed to make room: time for their tasks to let go.
-_RELEASE_SECONDS: Final = 0.001
-
-
-class _DescriptorLog:
-    """Logs links that ran out of descriptors, at most once per ``interval`` seconds, with the
-    counts since the last line (a fleet reconnecting at the limit would log per attempt)."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last = -math.inf
-        self._failures = 0
-        self._closed = 0
-
-    def note(self, closed: int) -> None:
-        self._failures += 1
-        self._closed += closed
-        now = trio.current_time()
-        if now - self._last < self._interval:
-            return
-        logger.warning(
-            "connecting to workers ran out of file descriptors %d times since the last report;"
-            " closed %d idle HTTP connections to make room",
-            self._failures,
-            self._closed,
-        )
-        self._last = now
-        self._failures = self._closed = 0
-
-
-_descriptor_log = _DescriptorLog()
+#: Connection attempts that ran out of descriptors, logged at a bounded rate for the process.
+_descriptor_log = DescriptorLimitLog(logger, "connecting to a worker")
 
 
 class WorkerLink:
@@ -537,11 +508,11 @@ class WorkerLink:
             if make_room is None or not out_of_descriptors(exc):
                 raise
             closed = make_room()
-            _descriptor_log.note(closed)
+            _descriptor_log.note(exc, closed)
             if not closed:
                 raise
         # Their tasks release the descriptors at their next checkpoint.
-        await trio.sleep(_RELEASE_SECONDS)
+        await trio.sleep(RELEASE_SECONDS)
         return await self._open_once(path, receive_buffer, subprotocols)
 
     async def _open_once(

@@ -18,9 +18,7 @@ It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts sinc
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -43,7 +41,12 @@ from shim_common._http_exchange import (
     error_body,
     json_headers,
 )
-from shim_common._net import out_of_descriptors
+from shim_common._net import (
+    CLOSE_BATCH,
+    RELEASE_SECONDS,
+    DescriptorLimitLog,
+    out_of_descriptors,
+)
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -147,7 +150,7 @@ async def serve_http_listeners(
             await trio.aclose_forcefully(stream)
 
     idle_connections = IdleConnections() if idle is None else idle
-    log = _DescriptorLimitLog()
+    log = DescriptorLimitLog(logger, "accept")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(
@@ -155,46 +158,12 @@ async def serve_http_listeners(
             )
 
 
-# Idle connections closed at once when accept runs out of descriptors.
-_CLOSE_BATCH: Final = 16
 # With nothing idle to close, the wait before accepting again (trio.serve_listeners' too). The
 # accept errors that lead here are those of shim_common._net.out_of_descriptors (the same set as
 # trio.serve_listeners'): the process is out of a resource, the listener is not broken.
 _RETRY_SECONDS: Final = 0.1
-# After closing idle connections: time for their tasks to release the descriptors.
-_RELEASE_SECONDS: Final = 0.001
-# The least time between two log lines about the descriptor limit.
-_FD_LOG_INTERVAL: Final = 10.0
 
 logger = logging.getLogger(__name__)
-
-
-class _DescriptorLimitLog:
-    """Logs running out of descriptors at a bounded rate: the first time, then at most once per
-    ``_FD_LOG_INTERVAL`` with what happened since."""
-
-    def __init__(self) -> None:
-        self._last = -float("inf")
-        self._failures = 0
-        self._closed = 0
-
-    def note(self, exc: OSError, closed: int) -> None:
-        self._failures += 1
-        self._closed += closed
-        now = trio.current_time()
-        if now - self._last < _FD_LOG_INTERVAL:
-            return
-        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        logger.warning(
-            "accept failed with %s (%s) %d times since the last report; closed %d idle"
-            " connections to make room",
-            code,
-            os.strerror(exc.errno or 0),
-            self._failures,
-            self._closed,
-        )
-        self._last = now
-        self._failures = self._closed = 0
 
 
 async def _accept_forever(
@@ -202,7 +171,7 @@ async def _accept_forever(
     nursery: trio.Nursery,
     on_connection: Callable[[trio.SocketStream], Awaitable[None]],
     idle: IdleConnections,
-    log: _DescriptorLimitLog,
+    log: DescriptorLimitLog,
 ) -> None:
     async with listener:
         while True:
@@ -211,9 +180,9 @@ async def _accept_forever(
             except OSError as exc:
                 if not out_of_descriptors(exc):
                     raise
-                closed = idle.close_oldest(_CLOSE_BATCH)
+                closed = idle.close_oldest(CLOSE_BATCH)
                 log.note(exc, closed)
-                await trio.sleep(_RELEASE_SECONDS if closed else _RETRY_SECONDS)
+                await trio.sleep(RELEASE_SECONDS if closed else _RETRY_SECONDS)
                 continue
             nursery.start_soon(on_connection, stream)
 

@@ -4,10 +4,22 @@ when the process has run out of descriptors."""
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import random
 from typing import Final
 
-__all__ = ["Backoff", "base_url", "host_for_url", "out_of_descriptors"]
+import trio
+
+__all__ = [
+    "CLOSE_BATCH",
+    "RELEASE_SECONDS",
+    "Backoff",
+    "DescriptorLimitLog",
+    "base_url",
+    "host_for_url",
+    "out_of_descriptors",
+]
 
 # What accept() and connect() fail with when the process (or the system) has no descriptor or
 # socket buffer left: a condition that closing idle connections can cure.
@@ -17,6 +29,52 @@ _OUT_OF_DESCRIPTORS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM
 def out_of_descriptors(exc: OSError) -> bool:
     """Whether ``exc`` says the process ran out of file descriptors (or socket memory)."""
     return exc.errno in _OUT_OF_DESCRIPTORS
+
+
+#: Idle connections closed at once to make room when the process is out of descriptors.
+CLOSE_BATCH: Final = 16
+#: After closing idle connections: time for their tasks to release the descriptors.
+RELEASE_SECONDS: Final = 0.001
+
+
+class DescriptorLimitLog:
+    """Logs running out of descriptors at a bounded rate: the first time, then at most once per
+    ``interval`` seconds with what happened since (a server or a fleet at the limit would
+    otherwise log per attempt).
+
+    Args:
+        logger: Where the warning goes.
+        action: What failed, for the message ("accept", "connecting to a worker").
+        interval: The least time between two lines (Trio seconds).
+    """
+
+    def __init__(self, logger: logging.Logger, action: str, interval: float = 10.0) -> None:
+        self._logger = logger
+        self._action = action
+        self._interval = interval
+        self._last = -float("inf")
+        self._failures = 0
+        self._closed = 0
+
+    def note(self, exc: OSError, closed: int) -> None:
+        """One failure, after which ``closed`` idle connections were closed to make room."""
+        self._failures += 1
+        self._closed += closed
+        now = trio.current_time()
+        if now - self._last < self._interval:
+            return
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        self._logger.warning(
+            "%s failed with %s (%s) %d times since the last report; closed %d idle"
+            " connections to make room",
+            self._action,
+            code,
+            os.strerror(exc.errno or 0),
+            self._failures,
+            self._closed,
+        )
+        self._last = now
+        self._failures = self._closed = 0
 
 
 def host_for_url(host: str) -> str:
