@@ -911,13 +911,11 @@ class AdmissionGate:
             The ``wire.REASON_*`` text of the rejection, or ``None``.
         """
         state = self._state
-        if not state.would_reject(priority, tenant):
-            if self._slo is not None and self._slo_refuses(priority):
-                state.count_slo_refusal(tenant)
-                return REASON_SLO
+        at_cap = state.would_reject(priority, tenant)
+        if self._slo is not None and self._objective_refuses(priority, tenant, at_cap=at_cap):
+            return REASON_SLO
+        if not at_cap:
             return None
-        if self._slo is not None and not state.draining:
-            self._slo.observe_backlog()
         decision = state.arrive(priority, tenant)
         if not isinstance(decision, GateRefusal):
             raise RuntimeError(f"the gate admitted a request at its cap: {decision!r}")
@@ -930,17 +928,26 @@ class AdmissionGate:
                 ticket.wake()
         self._changed()
 
-    def _slo_refuses(self, priority: int) -> bool:
+    def _objective_refuses(self, priority: int, tenant: str, *, at_cap: bool) -> bool:
         # worker_ingress/_slo.py, rule 6: an arrival that would queue behind the controller's
-        # bound B has no room for its first token within S. Only called with an objective.
+        # bound B has no room for its first token within S; it is refused (and counted) here.
+        # ``at_cap``: the queue refuses it anyway, which says only that the limit is in use.
+        # Only called with an objective.
         slo = self._slo
         assert slo is not None
-        self._slo_tick(trio.current_time())
         state = self._state
+        if at_cap:
+            if not state.draining:
+                slo.observe_backlog()
+            return False
+        self._slo_tick(trio.current_time())
         if state.can_start_now():
             return False
         slo.observe_backlog()
-        return state.queued_ahead(priority) >= slo.queue_bound
+        if state.queued_ahead(priority) < slo.queue_bound:
+            return False
+        state.count_slo_refusal(tenant)
+        return True
 
     def _slo_tick(self, now: float) -> None:
         # The controller closes its window when one is due; a new L is put in force at once
@@ -1079,12 +1086,9 @@ class SlotLease:
         slo = gate._slo
         if slo is not None:
             self._arrived = self._started = trio.current_time()
-            if not state.would_reject(self._priority, self._tenant):
-                if gate._slo_refuses(self._priority):
-                    state.count_slo_refusal(self._tenant)
-                    raise Rejection(REASON_SLO)
-            elif not state.draining:
-                slo.observe_backlog()
+            at_cap = state.would_reject(self._priority, self._tenant)
+            if gate._objective_refuses(self._priority, self._tenant, at_cap=at_cap):
+                raise Rejection(REASON_SLO)
         decision = state.arrive(self._priority, self._tenant, self._prompt_tokens)
         if isinstance(decision, GateRefusal):
             raise Rejection(decision.reason)
