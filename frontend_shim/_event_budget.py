@@ -174,24 +174,11 @@ def latest_wins(batches: Sequence[Sequence[wire.WorkerEvent]]) -> list[wire.Work
     """
     if len(batches) == 1:
         return list(batches[0])
-    loads: dict[int, wire.LoadEvent] = {}
-    heartbeat: wire.Heartbeat | None = None
+    mailbox = wire.Mailbox()
     for batch in batches:
         for event in batch:
-            if isinstance(event, wire.Heartbeat):
-                heartbeat = event
-                loads.clear()
-            else:
-                loads[event.load.dp_rank] = event
-    events: list[wire.WorkerEvent] = list(loads.values())
-    if heartbeat is not None:
-        events.append(heartbeat)
-    events.sort(key=_seq_of)
-    return events
-
-
-def _seq_of(event: wire.WorkerEvent) -> int:
-    return event.seq
+            mailbox.put(event)
+    return mailbox.take()
 
 
 class ReadPacer:

@@ -43,6 +43,7 @@ from shim_common._busy import BusyThresholds
 from shim_common._numbers import PRIORITY, Priority
 
 __all__ = [
+    "Mailbox",
     "CANCEL_REASON_CLIENT",
     "CLOSE_DRAINING",
     "CLOSE_DUPLICATE_REQUEST_ID",
@@ -250,6 +251,57 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_
 
 
 WorkerEvent = LoadEvent | Heartbeat
+
+
+class Mailbox:
+    """Pending events of one worker, latest-wins (sans-IO): at most one load event per rank and
+    at most one heartbeat.
+
+    The rule both sides coalesce by: a newer load event replaces an older one of the same rank,
+    and a heartbeat (which repeats every rank) makes every older load event, and an older
+    heartbeat, redundant. What :meth:`take` returns, applied alone, leaves a receiver where
+    applying every event put in, in order, would. A worker keeps one per subscriber; a frontend
+    folds what one read brought through one.
+    """
+
+    __slots__ = ("_heartbeat", "_loads")
+
+    def __init__(self) -> None:
+        self._loads: dict[int, LoadEvent] = {}
+        self._heartbeat: Heartbeat | None = None
+
+    def __len__(self) -> int:
+        return len(self._loads) + (self._heartbeat is not None)
+
+    def put(self, event: WorkerEvent) -> None:
+        """Add an event, replacing what it supersedes.
+
+        Args:
+            event: A load event or a heartbeat, in increasing ``seq`` order.
+        """
+        if isinstance(event, Heartbeat):
+            self._heartbeat = event
+            self._loads.clear()
+        else:
+            self._loads[event.load.dp_rank] = event
+
+    def take(self) -> list[WorkerEvent]:
+        """Remove and return everything pending, oldest first.
+
+        Returns:
+            The pending events ordered by ``seq``; empty when nothing is pending.
+        """
+        events: list[WorkerEvent] = list(self._loads.values())
+        if self._heartbeat is not None:
+            events.append(self._heartbeat)
+        self._loads.clear()
+        self._heartbeat = None
+        events.sort(key=_seq_of)
+        return events
+
+
+def _seq_of(event: WorkerEvent) -> int:
+    return event.seq
 
 
 class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_field="type"):

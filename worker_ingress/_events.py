@@ -10,11 +10,11 @@ Rules:
 3. A heartbeat is produced every ``heartbeat_interval`` seconds whatever happens, and at once
    when the worker's status changes (``ready`` -> ``draining``). It repeats the latest load of
    every rank.
-4. Each subscriber has a :class:`Mailbox` that holds at most one pending load event per rank and
-   at most one pending heartbeat. A newer event replaces an older one of the same rank; a pending
-   heartbeat makes every older pending load event redundant (it repeats them all), so they are
-   dropped. A slow subscriber therefore sees gaps in ``seq`` but always the latest state, and its
-   memory is bounded by ``data_parallel_size + 1`` events.
+4. Each subscriber has a :class:`~shim_common.wire.Mailbox` that holds at most one pending load
+   event per rank and at most one pending heartbeat. A newer event replaces an older one of the
+   same rank; a pending heartbeat makes every older pending load event redundant (it repeats them
+   all), so they are dropped. A slow subscriber therefore sees gaps in ``seq`` but always the
+   latest state, and its memory is bounded by ``data_parallel_size + 1`` events.
 5. Whatever sits in a mailbox when its subscriber's sender is ready is sent as one
    :class:`~wire.EventBatch`, oldest first: that is the coalescing.
 6. Publishing never blocks: producers write into mailboxes synchronously, so a slow subscriber
@@ -50,7 +50,7 @@ from typing import Final, Literal
 import trio
 
 from shim_common._busy import rank_busy
-from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
+from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, Mailbox, RankLoad, WorkerEvent
 from worker_ingress._watch import ChangeSignal
 
 __all__ = [
@@ -59,7 +59,6 @@ __all__ = [
     "RankLimits",
     "EventPublisher",
     "LoadTracker",
-    "Mailbox",
     "Subscription",
     "WorkerStatus",
 ]
@@ -161,49 +160,6 @@ class LoadTracker:
             status=status,
             effective_limit=self._effective_limit,
         )
-
-
-class Mailbox:
-    """One subscriber's pending events: latest per rank, at most one heartbeat (sans-IO)."""
-
-    __slots__ = ("_heartbeat", "_loads")
-
-    def __init__(self) -> None:
-        self._loads: dict[int, LoadEvent] = {}
-        self._heartbeat: Heartbeat | None = None
-
-    def __len__(self) -> int:
-        return len(self._loads) + (self._heartbeat is not None)
-
-    def put(self, event: WorkerEvent) -> None:
-        """Add an event, replacing what it supersedes (rules 4 of the module docstring).
-
-        Args:
-            event: A load event or a heartbeat, in increasing ``seq`` order.
-        """
-        if isinstance(event, Heartbeat):
-            self._heartbeat = event
-            self._loads.clear()
-        else:
-            self._loads[event.load.dp_rank] = event
-
-    def take(self) -> list[WorkerEvent]:
-        """Remove and return everything pending, oldest first.
-
-        Returns:
-            The pending events ordered by ``seq``; empty when nothing is pending.
-        """
-        events: list[WorkerEvent] = list(self._loads.values())
-        if self._heartbeat is not None:
-            events.append(self._heartbeat)
-        self._loads.clear()
-        self._heartbeat = None
-        events.sort(key=_seq_of)
-        return events
-
-
-def _seq_of(event: WorkerEvent) -> int:
-    return event.seq
 
 
 class Subscription:

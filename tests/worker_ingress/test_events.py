@@ -11,8 +11,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, RankLoad, WorkerEvent
-from worker_ingress._events import EventPublisher, LoadTracker, Mailbox, Subscription
+from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, Mailbox, RankLoad, WorkerEvent
+from worker_ingress._events import EventPublisher, LoadTracker, Subscription
 from worker_ingress._watch import ChangeSignal
 
 
