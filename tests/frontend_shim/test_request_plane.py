@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -267,3 +268,19 @@ def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[An
             assert terminals == 1
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("classes", [False, True])
+async def test_priority_and_tenant_go_only_to_a_worker_that_speaks_them(classes: bool) -> None:
+    # An older worker (no "classes" in its hello) gets the generate it always got: plain msgpack
+    # without the two fields, so even a decoder that refuses unknown fields reads it.
+    plane = RequestPlane(
+        request_buffer=1, send_queue=256, stats=LinkStats(), classes=classes
+    )
+    with trio.fail_after(5):
+        await plane.open("completions", {"prompt": "a"}, priority=7, tenant="nightly")
+        (data,) = await _drain_outbox(plane)
+    fields = msgpack.unpackb(data)
+    assert ("priority" in fields, "tenant" in fields) == (classes, classes)
+    if classes:
+        assert (fields["priority"], fields["tenant"]) == (7, "nightly")
