@@ -1,0 +1,297 @@
+"""Tests of ``bench/lean_sim.py``: its wire pieces against the real ones, and the whole simulator
+against the real frontend and the frontend's own websocket client.
+
+The end-to-end tests start real processes on loopback with port 0 (the simulator, and the
+frontend); every check is one a broken simulator would fail: a wrong hello leaves the workers
+unconnected, a wrong request plane gets no 200, missing or late load events never turn the
+fleet busy (529) or free again, and counters that do not move fail the ``stats`` check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from bench import lean_sim
+from bench.bench_fleet import COMPLETION, HttpClient
+from bench.fleet_sim import Fleet as WorkerFleet
+from frontend_shim._connection import PlaneClosed, PlaneConnection, open_plane
+from frontend_shim._websocket import OP_BINARY, OP_PING, FrameReader, encode_frame
+from shim_common import wire
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parent.parent
+SIM = ROOT / "bench" / "lean_sim.py"
+WORKERS = 3
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+@pytest.mark.parametrize("protocol", lean_sim.PROTOCOLS)
+def test_the_hello_is_the_real_workers_byte_for_byte(protocol: lean_sim.Protocol) -> None:
+    real = WorkerFleet(1, 4, 20.0, "sim", True, protocol).workers[0].hello
+    assert wire.encode(lean_sim.hello_of("sim-0", 4, protocol)) == wire.encode(real)
+
+
+def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
+    parser = lean_sim.FrameParser()
+    first = encode_frame(OP_BINARY, b"a" * 300)
+    # A fragmented message: a first frame without FIN, then a final continuation.
+    fragment = bytearray(encode_frame(OP_BINARY, b"hello "))
+    fragment[0] &= 0x7F
+    continuation = bytearray(encode_frame(0x0, b"world"))
+    ping = encode_frame(OP_PING, b"p")
+    data = first + bytes(fragment) + bytes(continuation) + ping
+    # Split in two reads in the middle of a frame.
+    out = parser.receive(data[:7]) + parser.receive(data[7:])
+    assert out == [(OP_BINARY, b"a" * 300), (OP_BINARY, b"hello world"), (OP_PING, b"p")]
+
+
+def test_an_unmasked_client_frame_is_a_protocol_error() -> None:
+    with pytest.raises(lean_sim.FrameError) as caught:
+        lean_sim.FrameParser().receive(lean_sim.server_frame(OP_BINARY, b"x"))
+    assert caught.value.code == wire.CLOSE_PROTOCOL_ERROR
+
+
+def test_server_frames_read_as_the_frontend_reads_them() -> None:
+    reader = FrameReader(wire.MAX_MESSAGE_BYTES)
+    payloads = [b"", b"s" * 125, b"m" * 126, b"l" * 70_000]
+    data = b"".join(lean_sim.server_frame(OP_BINARY, payload) for payload in payloads)
+    assert reader.receive(data) == [(OP_BINARY, payload) for payload in payloads]
+
+
+def test_busy_from_follows_the_shared_rule() -> None:
+    # 501 of 1,000 blocks is the first count over 0.5 (strict >).
+    assert lean_sim.busy_from(wire.BusyThresholds(active_decode_blocks=0.5)) == 501
+    # No check set: never busy.
+    assert lean_sim.busy_from(wire.BusyThresholds()) == lean_sim.KV_TOTAL_BLOCKS + 1
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+class _Process:
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+
+    async def readline(self) -> str:
+        stdout = self.process.stdout
+        assert stdout is not None
+        while b"\n" not in self._buffer:
+            data = await stdout.receive_some(65536)
+            if not data:
+                raise EOFError(f"exited with code {self.process.poll()}")
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    async def command(self, line: str) -> str:
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(line.encode() + b"\n")
+        return await self.readline()
+
+
+@contextlib.asynccontextmanager
+async def _started(args: list[str]) -> AsyncIterator[_Process]:
+    process = await trio.lowlevel.open_process(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield _Process(process)
+    finally:
+        with trio.CancelScope(shield=True):
+            process.terminate()
+            with trio.move_on_after(10):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def _simulator(
+    protocol: str, workers: int = WORKERS
+) -> AsyncIterator[tuple[_Process, list[int]]]:
+    args = [sys.executable, str(SIM), "--workers", str(workers), "--protocol", protocol]
+    async with _started(args) as sim:
+        line = await sim.readline()
+        match = re.fullmatch(rf"fleet-sim ready workers={workers} ports=([\d,]+)", line)
+        assert match is not None, line
+        yield sim, [int(port) for port in match[1].split(",")]
+
+
+async def _until_status(client: HttpClient, want: int, bound: float) -> bytes:
+    """Send the cheap completion back to back until it is answered ``want``; its body."""
+    with trio.fail_after(bound):
+        while True:
+            status, body = await client.request("POST", "/v1/completions", COMPLETION)
+            if status == want:
+                return body
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("protocol", lean_sim.PROTOCOLS)
+async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
+    with trio.fail_after(90):
+        async with _simulator(protocol) as (sim, ports):
+            args = [
+                sys.executable, "-m", "frontend_shim", "--router-mode", "kv",
+                "--active-decode-blocks-threshold", "0.5", "--http-port", "0",
+            ]  # fmt: skip
+            for port in ports:
+                args += ["--worker", f"ws://127.0.0.1:{port}"]
+            async with _started(args) as frontend:
+                ready = await frontend.readline()
+                match = re.search(r"ready http=http://([\d.]+):(\d+)", ready)
+                assert match is not None, ready
+                client = HttpClient(match[1], int(match[2]))
+                try:
+                    await _check_the_fleet(sim, client, protocol)
+                finally:
+                    await client.aclose()
+
+
+async def _check_the_fleet(sim: _Process, client: HttpClient, protocol: str) -> None:
+    with trio.fail_after(30):
+        while True:
+            status, body = await client.request("GET", "/health")
+            if status == 200 and json.loads(body)["workers_connected"] == WORKERS:
+                break
+            await trio.sleep(0.05)
+    # A real answer of a simulated worker: one token, through the router and the request plane.
+    answer = json.loads(await _until_status(client, 200, 10))
+    assert answer["choices"][0]["text"] == " tok"
+    assert answer["usage"]["completion_tokens"] == 1
+    stats0 = json.loads((await sim.command("stats")).removeprefix("stats "))
+    assert stats0["subscribers"] == WORKERS
+    # Busy: every rank over the threshold, so no worker may take the request.
+    assert (await sim.command("busy")).startswith("ok busy ")
+    await _until_status(client, 529, 10)
+    assert (await sim.command("free")).startswith("ok free ")
+    await _until_status(client, 200, 10)
+    await trio.sleep(1.2)  # at least one heartbeat of every worker
+    stats1 = json.loads((await sim.command("stats")).removeprefix("stats "))
+    for key in ("generated", "load_events", "heartbeats", "batches"):
+        assert stats1[key] > stats0[key], key
+    assert stats1["monotonic"] > stats0["monotonic"]
+    _, metrics = await client.request("GET", "/metrics")
+    negotiated = re.search(rb"^dynamo_frontend_workers_event_interval_negotiated (\S+)$",
+                           metrics, re.MULTILINE)  # fmt: skip
+    assert negotiated is not None
+    # Only a worker of the new protocol lists the publish interval.
+    assert float(negotiated[1]) == (WORKERS if protocol == "new" else 0)
+
+
+# ----------------------------------------------------------------------------- planes directly
+
+
+async def _plane(port: int, path: str, subprotocols: tuple[str, ...] = ()) -> PlaneConnection:
+    return await open_plane(
+        host="127.0.0.1",
+        port=port,
+        path=path,
+        subprotocols=subprotocols,
+        max_message_bytes=wire.MAX_MESSAGE_BYTES,
+    )
+
+
+def _replies(messages: list[bytes]) -> list[wire.WorkerMessage]:
+    replies: list[wire.WorkerMessage] = []
+    for data in messages:
+        message = wire.decode_worker_message(data)
+        replies.extend(message.messages if isinstance(message, wire.Batch) else [message])
+    return replies
+
+
+async def _read_until_closed(plane: PlaneConnection) -> None:
+    for _ in range(10_000):
+        await plane.messages()
+
+
+async def test_a_long_request_is_cancelled_and_a_reused_id_closes_the_plane() -> None:
+    with trio.fail_after(30):
+        async with _simulator("new", workers=1) as (_sim, [port]):
+            plane = await _plane(port, wire.REQUESTS_PATH, (wire.SUBPROTOCOL_BATCH,))
+            assert plane.subprotocol == wire.SUBPROTOCOL_BATCH
+            [hello] = _replies(await plane.messages())
+            assert isinstance(hello, wire.Hello)
+            body = {"model": "mock-model", "prompt": "a b c", "max_tokens": 10**7}
+            await plane.send_message(
+                wire.encode(wire.Generate(request_id=1, endpoint="completions", body=body))
+            )
+            seen: list[wire.WorkerMessage] = []
+            while not any(isinstance(reply, wire.Chunk) for reply in seen):
+                seen += _replies(await plane.messages())
+            assert isinstance(seen[0], wire.Started)
+            assert seen[0].prompt_tokens == 3
+            await plane.send_message(wire.encode(wire.Cancel(request_id=1)))
+            while not isinstance(seen[-1], wire.Failed | wire.End):
+                seen += _replies(await plane.messages())
+            final = seen[-1]
+            assert isinstance(final, wire.Failed)
+            assert final.kind == "cancelled"
+            made = sum(reply.tokens for reply in seen if isinstance(reply, wire.Chunk))
+            assert 0 < made < 10**7
+            # A bad body: a clear error for that request, the plane goes on.
+            await plane.send_message(
+                wire.encode(wire.Generate(request_id=2, endpoint="completions", body={}))
+            )
+            [failed] = _replies(await plane.messages())
+            assert isinstance(failed, wire.Failed)
+            assert failed.kind == "bad_request"
+            # Two requests with one id in flight: closed with 1008.
+            generate = wire.encode(wire.Generate(request_id=3, endpoint="completions", body=body))
+            await plane.send_messages([generate, generate])
+            with pytest.raises(PlaneClosed) as closed:
+                await _read_until_closed(plane)
+            assert closed.value.code == wire.CLOSE_DUPLICATE_REQUEST_ID
+            await plane.aclose(1)
+
+
+async def test_the_event_plane_starts_whole_and_sends_each_flip_in_seq_order() -> None:
+    with trio.fail_after(30):
+        async with _simulator("current", workers=1) as (sim, [port]):
+            plane = await _plane(port, wire.EVENTS_PATH)
+            messages = await plane.messages()
+            while len(messages) < 2:
+                messages += await plane.messages()
+            hello = wire.decode_event_message(messages[0])
+            assert isinstance(hello, wire.Hello)
+            assert hello.features == [wire.FEATURE_BUSY_EDGES]
+            first = wire.decode_event_message(messages[1])
+            assert isinstance(first, wire.EventBatch)
+            [heartbeat] = first.events
+            assert isinstance(heartbeat, wire.Heartbeat)
+            assert len(heartbeat.loads) == 4
+            thresholds = wire.BusyThresholds(active_decode_blocks=0.5)
+            await plane.send_message(wire.encode(wire.Subscribe(thresholds=thresholds)))
+            await plane.send_ping()  # answered, and the plane goes on
+            # Several busy/free flips: each edge is a batch of the new loads, seq increasing.
+            last_seq = heartbeat.seq
+            for mode in ("busy", "free", "busy"):
+                assert (await sim.command(mode)).startswith(f"ok {mode} ")
+                while True:
+                    [data, *_] = await plane.messages()
+                    batch = wire.decode_event_message(data)
+                    assert isinstance(batch, wire.EventBatch)
+                    loads = [event for event in batch.events if isinstance(event, wire.LoadEvent)]
+                    if loads and all(
+                        (event.load.kv_used_blocks > 500) == (mode == "busy") for event in loads
+                    ):
+                        break
+                seqs = [event.seq for event in batch.events]
+                assert seqs == sorted(seqs)
+                assert seqs[0] > last_seq
+                last_seq = seqs[-1]
+            await plane.aclose(1)
