@@ -1,9 +1,18 @@
 """Fleet benchmark: the real frontend following the events of 64 to 4,096 simulated workers.
 
 Run: ``python bench/bench_fleet.py [--sizes 64,256,1024,2048,4096] [--protocols new,current,v1]
-[--seconds 10] [--flips 5] [--frontend-arg=--event-budget=6000 ...]``.
+[--simulator lean|workers] [--seconds 10] [--flips 5] [--frontend-arg=--event-budget=6000 ...]``.
 
-Every size is measured once per protocol the simulated workers speak (``bench/fleet_sim.py``):
+Two simulators, same command line and control protocol, named in every row (``--simulator``):
+
+- ``lean`` (the default): ``bench/lean_sim.py``, one ``selectors`` loop that speaks the workers'
+  wire protocol by the same rules and costs microseconds per message, so that one simulator
+  core offers a fleet of thousands and the figures measure the frontend;
+- ``workers``: ``bench/fleet_sim.py``, real ``worker_ingress`` workers in one Trio process, the
+  frames the worker's own code writes, byte for byte; from a few hundred workers on it saturates
+  its core and its share of every latency column grows with it.
+
+Every size is measured once per protocol the simulated workers speak:
 ``new`` (the workers as they are), ``current`` (the protocol of the fleet work: busy edges and
 the workers' own 0.1 s publish interval, without the additions negotiated since) and ``v1``
 (version-1 workers as first released: no publish interval, every change sent at once, 20 a
@@ -11,8 +20,8 @@ second; no busy edges).
 
 Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when there are two):
 
-1. ``bench/fleet_sim.py`` processes (one per ``--workers-per-sim`` workers) run K real workers
-   with 4 data-parallel ranks each.
+1. Simulator processes (one per ``--workers-per-sim`` workers; by default one for ``lean`` and
+   one per 1,024 workers for ``workers``) run K workers with 4 data-parallel ranks each.
 2. ``python -m frontend_shim --router-mode kv --active-decode-blocks-threshold 0.5 --http-port 0``
    with one ``--worker`` per worker. Measured from its start: the first ``GET /live`` answered,
    and ``/health`` reporting ``workers_connected == K``; the ready line's time is noted too.
@@ -30,7 +39,8 @@ Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when
    again. Each time, from the command to the simulators, a cheap completion is sent back to back
    until the answer changes (busy: 529; free: a real 200 from a worker); the time to that first
    changed answer is the propagation. The simulators stamp when they had applied the flip: that
-   share of the propagation is theirs, not the frontend's.
+   share of the propagation is theirs, not the frontend's (``lean`` stamps once it has also
+   written the batches due at once; ``workers`` before its workers send them).
 
 From the frontend's ``/metrics``: the event batches it applied
 (``dynamo_frontend_*event*_total``), the largest event lag (``*_lag_seconds``) and, when it has
@@ -68,7 +78,14 @@ import trio
 
 FRONTEND_CPU: Final = 0
 SIM_CPU: Final = 1
-SIM_SCRIPT: Final = Path(__file__).resolve().with_name("fleet_sim.py")
+#: The fleet simulators ``--simulator`` chooses from (same command line and control protocol).
+SIMULATORS: Final = {
+    "lean": Path(__file__).resolve().with_name("lean_sim.py"),
+    "workers": Path(__file__).resolve().with_name("fleet_sim.py"),
+}
+#: Workers per simulator process by default: fleet_sim's real workers hold many sockets and
+#: objects each; the lean loop holds three descriptors and a few objects per worker.
+WORKERS_PER_SIM: Final = {"lean": 8192, "workers": 1024}
 COMPLETION: Final = b'{"model":"mock-model","prompt":"ping","max_tokens":1}'
 LIVE_PERIOD: Final = 0.010
 COMPLETION_PERIOD: Final = 0.020
@@ -383,6 +400,8 @@ class SizeResult:
     simulators: int
     rate: float
     protocol: str = "new"
+    #: Which simulator ran the fleet (a key of :data:`SIMULATORS`).
+    simulator: str = "lean"
     error: str | None = None
     sims_ready_s: float | None = None
     ready_line_s: float | None = None
@@ -460,6 +479,8 @@ class Options:
     warmup: float
     startup_under_load: bool
     frontend_args: tuple[str, ...] = ()
+    #: A key of :data:`SIMULATORS`.
+    simulator: str = "lean"
 
 
 async def _wait_live(client: HttpClient, deadline: float) -> bool:
@@ -629,6 +650,7 @@ async def measure_size(
         simulators=shards,
         rate=options.rate,
         protocol=protocol,
+        simulator=options.simulator,
     )
     budget = (
         2 * options.start_timeout
@@ -692,7 +714,7 @@ async def _start_simulators(
     for shard in range(shards):
         count = min(options.workers_per_sim, workers - shard * options.workers_per_sim)
         args = [
-            sys.executable, str(SIM_SCRIPT), "--workers", str(count),
+            sys.executable, str(SIMULATORS[options.simulator]), "--workers", str(count),
             "--ranks", str(options.ranks), "--rate", str(options.rate),
             "--id-prefix", f"sim{shard}", "--protocol", protocol,
         ]  # fmt: skip
@@ -853,7 +875,7 @@ def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 HEADER: Final = (
-    "| workers x ranks | protocol | target ev/s | offered ev/s (msg/s) | applied msg/s "
+    "| workers x ranks | protocol | simulator | target ev/s | offered ev/s (msg/s) | applied msg/s "
     "| budget msg/s (interval s; measured us/msg) "
     "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB "
     "| ready line / HTTP up / all up s | busy->529 ms p50/p99 "
@@ -865,8 +887,8 @@ HEADER: Final = (
 def table_row(r: SizeResult) -> str:
     if r.all_up_s is None:
         return (
-            f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} | "
-            f"{r.error or 'not up'} |" + " |" * 14
+            f"| {r.workers} x {r.ranks} | {r.protocol} | {r.simulator} "
+            f"| {r.target_events_per_s:.0f} | {r.error or 'not up'} |" + " |" * 14
         )
     lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
     applied = (
@@ -877,7 +899,8 @@ def table_row(r: SizeResult) -> str:
         f" ({r.completion_errors} not 200)" if r.completion_errors else ""
     )
     return (
-        f"| {r.workers} x {r.ranks} | {r.protocol} | {r.target_events_per_s:.0f} "
+        f"| {r.workers} x {r.ranks} | {r.protocol} | {r.simulator} "
+        f"| {r.target_events_per_s:.0f} "
         f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}) "
         f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}; "
         f"{_num(r.cost_s, '.0f', 1e6)}) "
@@ -985,7 +1008,18 @@ def main() -> None:
         default=[],
         help="one more argument for the frontend (repeat; e.g. --frontend-arg=--event-budget=6000)",
     )
-    parser.add_argument("--workers-per-sim", type=int, default=1024, help="workers per process")
+    parser.add_argument(
+        "--simulator",
+        choices=sorted(SIMULATORS),
+        default="lean",
+        help="lean: bench/lean_sim.py, one cheap loop; workers: bench/fleet_sim.py, real workers",
+    )
+    parser.add_argument(
+        "--workers-per-sim",
+        type=int,
+        default=None,
+        help="workers per simulator process (default: 8192 lean, 1024 workers)",
+    )
     parser.add_argument("--start-timeout", type=float, default=120.0, help="process start bound")
     parser.add_argument("--up-timeout", type=float, default=180.0, help="all-workers-up bound")
     parser.add_argument("--flip-timeout", type=float, default=30.0, help="bound of one flip")
@@ -1006,7 +1040,7 @@ def main() -> None:
         flips=args.flips,
         ranks=args.ranks,
         rate=args.rate,
-        workers_per_sim=args.workers_per_sim,
+        workers_per_sim=args.workers_per_sim or WORKERS_PER_SIM[args.simulator],
         start_timeout=args.start_timeout,
         up_timeout=args.up_timeout,
         flip_timeout=args.flip_timeout,
@@ -1014,8 +1048,10 @@ def main() -> None:
         warmup=args.warmup,
         startup_under_load=args.startup_under_load,
         frontend_args=tuple(args.frontend_arg),
+        simulator=args.simulator,
     )
     print(
+        f"simulator {options.simulator} ({SIMULATORS[options.simulator].name}); "
         f"frontend on CPU {FRONTEND_CPU}, simulators and probes on CPU {SIM_CPU}; "
         f"{options.seconds:.0f} s window, {options.flips} flip pairs per size",
         flush=True,

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/bench_fleet.py``: a small fleet for a few seconds, sane output.
+"""Smoke test of ``bench/bench_fleet.py``, with either simulator: a small fleet, sane output.
 
 It starts real processes (the benchmark, its simulator and the frontend) on loopback with port 0.
 Only that it ran is checked: every worker came up, flips produced a 529 and a 200, events were
@@ -31,12 +31,13 @@ BENCH = ROOT / "bench" / "bench_fleet.py"
 WORKERS = 8
 
 
-async def test_fleet_benchmark_runs_at_a_small_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("simulator", ["lean", "workers"])
+async def test_fleet_benchmark_runs_at_a_small_size(tmp_path: Path, simulator: str) -> None:
     report = tmp_path / "fleet.json"
     args = [
         sys.executable, str(BENCH), "--sizes", str(WORKERS), "--seconds", "2", "--flips", "2",
         "--settle", "0.1", "--start-timeout", "60", "--up-timeout", "60", "--flip-timeout", "20",
-        "--json", str(report),
+        "--simulator", simulator, "--json", str(report),
     ]  # fmt: skip
     with trio.fail_after(240):
         completed = await trio.run_process(
@@ -45,9 +46,10 @@ async def test_fleet_benchmark_runs_at_a_small_size(tmp_path: Path) -> None:
     stdout = completed.stdout.decode()
     stderr = completed.stderr.decode()
     assert completed.returncode == 0, stderr
-    assert f"| {WORKERS} x 4 |" in stdout
+    assert f"| {WORKERS} x 4 | new | {simulator} |" in stdout
     [result] = json.loads(report.read_text())
     assert result["error"] is None, stderr
+    assert result["simulator"] == simulator
     assert result["workers"] == WORKERS
     assert result["all_up_s"] is not None
     assert result["connected_after"] == WORKERS
