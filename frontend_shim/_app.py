@@ -271,7 +271,7 @@ def _budget_sample(pool: WorkerPool) -> BudgetSample:
         interval=budget.interval if budget is not None else 0.0,
         negotiated=negotiated,
         paced=paced,
-        slice_yields=pool.slices.yields,
+        slice_yields=pool.slice_yields,
         cost_per_message=pool.cost.cost,
         measured=budget is not None and pool.measured_budget,
     )

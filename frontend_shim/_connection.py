@@ -19,12 +19,20 @@ Rules:
    a message over the size cap raises :class:`ProtocolError`.
 4. :meth:`aclose` sends a close frame when it can (bounded by ``close_timeout``) and always
    closes the stream.
+5. A plain TCP connection can also be read *in place*: :meth:`messages_now` reads what the socket
+   holds now, without waiting and without yielding to the scheduler (a frontend reading
+   thousands of workers at an interval pays a syscall per read, not a task switch). It cannot
+   write, so a ping or a close read that way leaves a reply *owed* (:attr:`owes_reply`) until
+   :meth:`send_owed` writes it; until then the next read is refused (a close raises
+   :class:`PlaneClosed` only once its reply went out, as in rule 3). Under TLS only the SSL stream
+   can read the bytes: :attr:`reads_in_place` is False and :meth:`messages` is the only way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import ssl
 from collections.abc import Sequence
 from typing import Final
@@ -113,6 +121,21 @@ class PlaneConnection:
         self._closed = False
         #: The worker's close, held back while the messages read with it are returned.
         self._peer_closed: PlaneClosed | None = None
+        # The socket's descriptor when the stream is plain TCP (rule 5), else -1.
+        self._fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        # Replies owed by reads in place (rule 5): pong payloads, and the close code to answer.
+        self._owed_pongs: list[bytes] = []
+        self._owed_close: int | None = None
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether :meth:`messages_now` can read this connection (rule 5: plain TCP only)."""
+        return self._fd >= 0
+
+    @property
+    def owes_reply(self) -> bool:
+        """Whether a read in place left a pong or a close reply to write (rule 5)."""
+        return bool(self._owed_pongs) or self._owed_close is not None
 
     async def messages(self) -> list[bytes]:
         """Wait for bytes from the worker and return the whole binary messages among them.
@@ -160,6 +183,65 @@ class PlaneConnection:
                     raise ProtocolError(f"a text message on {self.path} (the protocol is binary)")
             if messages:
                 return messages
+
+    def messages_now(self) -> list[bytes]:
+        """The whole binary messages the socket holds now, read in place (rule 5).
+
+        Never waits and never yields to the scheduler. Call only when :attr:`reads_in_place`
+        and not :attr:`owes_reply`, and from the connection's one reader.
+
+        Returns:
+            The messages, in order; empty when the socket held none whole (nothing yet, part of
+            a frame, or only control frames): then :meth:`send_owed` and await :meth:`messages`.
+
+        Raises:
+            PlaneClosed: EOF, or the worker's close once its reply was sent.
+            ProtocolError: a text message or a broken frame (rule 3).
+            OSError: the socket failed.
+        """
+        if self._unread:
+            unread, self._unread = self._unread, []
+            return unread
+        if self._peer_closed is not None:
+            raise self._peer_closed
+        if self._first_bytes:
+            data, self._first_bytes = self._first_bytes, b""
+        else:
+            try:
+                data = os.read(self._fd, RECEIVE_BYTES)
+            except BlockingIOError:
+                return []
+            if not data:
+                raise PlaneClosed(1006, "")
+        self.last_received = trio.current_time()
+        self.ping_sent_at = None
+        try:
+            frames = self._reader.receive(data)
+        except WebSocketProtocolError as exc:
+            raise ProtocolError(f"{exc} on {self.path}") from exc
+        messages: list[bytes] = []
+        for opcode, payload in frames:
+            if opcode == OP_BINARY:
+                messages.append(payload)
+            elif opcode == OP_PING:
+                self._owed_pongs.append(payload)
+            elif opcode == OP_CLOSE:
+                code, reason = parse_close(payload)
+                self._owed_close = code
+                self._peer_closed = PlaneClosed(code, reason)
+                break
+            elif opcode != OP_PONG:
+                raise ProtocolError(f"a text message on {self.path} (the protocol is binary)")
+        return messages
+
+    async def send_owed(self) -> None:
+        """Write the replies that reads in place left owed (rule 5), oldest first."""
+        pongs, self._owed_pongs = self._owed_pongs, []
+        for payload in pongs:
+            await self._send_frame(encode_frame(OP_PONG, payload))
+        if self._owed_close is not None:
+            code, self._owed_close = self._owed_close, None
+            await self._reply_close(code)
 
     def unread(self, messages: list[bytes]) -> None:
         """Give messages back, to be returned first by the next :meth:`messages`."""

@@ -28,7 +28,12 @@ worker link gets, and the links keep to it:
    (and so do the links' watchdogs): one timer ticking every ``tick`` seconds wakes every link
    whose time has come, instead of a timer per link per read (a Trio deadline costs tens of
    microseconds to expire, which at thousands of reads a second was a fifth of the frontend's
-   core).
+   core). A link on plain TCP is not even woken: the pacer *calls* its read
+   (:meth:`ReadPacer.call_at`), which reads the socket in place and applies what it holds inside
+   the pacer's own task, so a read costs a syscall and a decode instead of three task switches
+   (park, the receive's checkpoint, the turn); the link's task wakes only when the read needs a
+   task (nothing whole was there yet, a pong or close reply to write, an error). The pacer makes
+   at most ``per_slice`` such calls per pass of the scheduler (rule 6 by other means).
 6. Every read of any link takes a turn from the pool's :class:`EventSlices` before the events in
    it are applied: at most ``per_slice`` reads are applied in one pass of the scheduler, then the
    readers left wait for the next pass, so HTTP requests, ``/live``, ``/health`` and the set-up
@@ -41,7 +46,7 @@ worker link gets, and the links keep to it:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import trio
@@ -186,16 +191,25 @@ class ReadPacer:
 
     Args:
         tick: Seconds between two looks at the clock; a reader wakes up to one tick late.
+        per_slice: Calls (:meth:`call_at`) made in one pass of the scheduler; at least 1.
     """
 
-    def __init__(self, tick: float = DEFAULT_PACER_TICK) -> None:
+    def __init__(
+        self, tick: float = DEFAULT_PACER_TICK, per_slice: int = DEFAULT_EVENTS_PER_SLICE
+    ) -> None:
         if not tick > 0:
             raise ValueError(f"tick must be > 0, got {tick}")
+        if per_slice < 1:
+            raise ValueError(f"per_slice must be at least 1, got {per_slice}")
         self._tick = tick
+        self._per_slice = per_slice
         self._slots: dict[int, trio.lowlevel.ParkingLot] = {}
+        self._calls: dict[int, list[Callable[[], object]]] = {}
         #: The last slot whose readers were woken (none before :meth:`run` starts).
         self._done = -1
         self._waiting = trio.Event()
+        #: Passes of the scheduler let by between two slices of calls.
+        self.yields = 0
 
     async def wait_until(self, when: float) -> None:
         """Return at ``when`` (``trio.current_time()``), or up to one tick after.
@@ -213,27 +227,59 @@ class ReadPacer:
             self._waiting.set()
         await lot.park()
 
+    def call_at(self, when: float, call: Callable[[], object]) -> None:
+        """Have :meth:`run` call ``call()`` at ``when``, or up to one tick after (never sooner
+        than the next tick), in the pacer's own task.
+
+        ``call`` must be quick and must not raise: it runs between other calls, with no
+        scheduler pass in between (see ``per_slice``).
+        """
+        if when <= self._done * self._tick:  # -inf too
+            slot = self._done + 1
+        else:
+            slot = max(math.ceil(when / self._tick), self._done + 1)
+        calls = self._calls.get(slot)
+        if calls is None:
+            self._calls[slot] = [call]
+            self._waiting.set()
+        else:
+            calls.append(call)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Wake the readers whose time has come, once per tick, until cancelled."""
+        """Wake the readers and make the calls whose time has come, once per tick, until
+        cancelled."""
         task_status.started()
         slept_to = -1
         while True:
-            if not self._slots:
+            if not self._slots and not self._calls:
                 self._waiting = trio.Event()
                 await self._waiting.wait()
             # The slot slept to is due even when the clock's float lands a hair before it.
             due = max(slept_to, math.floor(trio.current_time() / self._tick))
-            if due - self._done > len(self._slots):
-                slots = sorted(slot for slot in self._slots if slot <= due)
+            if due - self._done > len(self._slots) + len(self._calls):
+                slots = sorted(slot for slot in {*self._slots, *self._calls} if slot <= due)
             else:
                 slots = list(range(self._done + 1, due + 1))
             self._done = due
+            calls: list[Callable[[], object]] = []
             for slot in slots:
                 lot = self._slots.pop(slot, None)
                 if lot is not None:
                     lot.unpark_all()
+                calls.extend(self._calls.pop(slot, ()))
+            await self._make(calls)
             slept_to = due + 1
             await trio.sleep_until(slept_to * self._tick)
+
+    async def _make(self, calls: list[Callable[[], object]]) -> None:
+        per_slice = self._per_slice
+        for start in range(0, len(calls), per_slice):
+            if start:
+                # HTTP and link set-up run between two slices (rule 5).
+                await trio.lowlevel.checkpoint()
+                self.yields += 1
+            for call in calls[start : start + per_slice]:
+                call()
 
 
 class EventSlices:

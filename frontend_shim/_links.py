@@ -46,8 +46,15 @@ Rules of a session (the state machine of a link):
 5. The event budget (:mod:`frontend_shim._event_budget`): a worker that does not list
    :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
    read brings, however many batches, is applied as one batch of its latest state
-   (:func:`~frontend_shim._event_budget.latest_wins`), for every link. Each read takes a turn
-   from the pool's :class:`~frontend_shim._event_budget.EventSlices` before it is applied.
+   (:func:`~frontend_shim._event_budget.latest_wins`), for every link. On plain TCP with the
+   pool's pacer, such a link is read *in place* (:class:`_PacedReads`): the pacer calls the read
+   in its own task, the read takes what the socket holds without waiting
+   (:meth:`PlaneConnection.messages_now`) and asks for the next one an interval later, whether
+   or not it found anything, so the reads a second are the budget's and cost no task switch; the
+   link's task wakes only to write an owed pong or close reply, or to end the session on a
+   failed read. Otherwise (TLS, no pacer, a negotiating worker) the link's task reads, and each
+   read takes a turn from the pool's :class:`~frontend_shim._event_budget.EventSlices` before it
+   is applied.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -320,6 +327,7 @@ class WorkerLink:
         self._limiter = connect_limiter
         self._budget = budget
         self._slices = slices
+        self._pacer = pacer
         self._wait_until = pacer.wait_until if pacer is not None else trio.sleep_until
         self._server_hostname = server_hostname
         self._backoff = Backoff(
@@ -586,12 +594,15 @@ class WorkerLink:
 
     async def _read_events(self, events: PlaneConnection) -> None:
         # Tight: decode and hand over, nothing else (rule 2); paced and sliced (rule 5).
-        listener = self._listener
-        key = self.key
-        decode = wire.decode_event_message
-        stats = self.stats
-        lag = self.lag
         budget = None if self.negotiated else self._budget
+        lag = self.lag
+        if budget is not None and self._pacer is not None and events.reads_in_place:
+
+            def apply(messages: list[bytes]) -> None:
+                self._apply_events(messages, lag)
+
+            await _PacedReads(events, apply, lag, budget, self._pacer).run()
+            return
         slices = self._slices
         wait_until = self._wait_until
         read_at = -math.inf
@@ -603,23 +614,27 @@ class WorkerLink:
             read_at = trio.current_time()
             if slices is not None:
                 await slices.turn()
-            arrival = time.time()
-            now = trio.current_time()
-            batches: list[list[wire.WorkerEvent]] = []
-            sent = 0.0
-            for data in messages:
-                message = self._decode(data, decode)
-                if isinstance(message, wire.Hello):
-                    stats.protocol_errors += 1
-                    raise ProtocolError("a second hello on the event plane")
-                batch = message.events
-                sent = message.sent or (batch[-1].ts if batch else sent)
-                batches.append(batch)
-            # The newest batch says how far behind this read is.
-            if sent and lag.observe(arrival, sent, now):
-                self._lag_edge(lag, now)
-            stats.event_batches += len(batches)
-            listener.worker_events(key, latest_wins(batches), now)
+            self._apply_events(messages, lag)
+
+    def _apply_events(self, messages: list[bytes], lag: LagMeter) -> None:
+        """Decode what one read brought and hand its latest state to the listener (rules 3, 5)."""
+        arrival = time.time()
+        now = trio.current_time()
+        batches: list[list[wire.WorkerEvent]] = []
+        sent = 0.0
+        for data in messages:
+            message = self._decode(data, wire.decode_event_message)
+            if isinstance(message, wire.Hello):
+                self.stats.protocol_errors += 1
+                raise ProtocolError("a second hello on the event plane")
+            batch = message.events
+            sent = message.sent or (batch[-1].ts if batch else sent)
+            batches.append(batch)
+        # The newest batch says how far behind this read is.
+        if sent and lag.observe(arrival, sent, now):
+            self._lag_edge(lag, now)
+        self.stats.event_batches += len(batches)
+        self._listener.worker_events(self.key, latest_wins(batches), now)
 
     def _new_lag_meter(self) -> LagMeter:
         return LagMeter(self._settings.lag_window, self._settings.max_event_lag)
@@ -704,6 +719,75 @@ class WorkerLink:
         except msgspec.DecodeError as exc:
             self.stats.protocol_errors += 1
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from exc
+
+
+class _PacedReads:
+    """The event plane of a link read at the budget's interval, in place (rule 5).
+
+    The pool's pacer calls :meth:`read` once per interval, in the pacer's task: it reads what the
+    socket holds in place, applies it, and asks for the next call one interval on, whether or not
+    there was anything (what arrives meanwhile waits for that read: an edge waits at most one
+    interval either way, and the reads a second stay what the budget gave). The link's task
+    (:meth:`run`) sleeps meanwhile and is woken only when a read needs it: a pong or close reply
+    is owed, or the read failed (it raises the failure, which ends the session).
+    """
+
+    __slots__ = ("_apply", "_budget", "_error", "_events", "_lag", "_pacer", "_stopped", "_wake")
+
+    def __init__(
+        self,
+        events: PlaneConnection,
+        apply: Callable[[list[bytes]], None],
+        lag: LagMeter,
+        budget: EventBudget,
+        pacer: ReadPacer,
+    ) -> None:
+        self._events = events
+        self._apply = apply
+        self._lag = lag
+        self._budget = budget
+        self._pacer = pacer
+        self._wake = trio.Event()
+        self._error: Exception | None = None
+        self._stopped = False
+
+    def _next_after(self, now: float) -> None:
+        interval = self._budget.interval
+        self._lag.allowance = interval
+        self._pacer.call_at(now + interval, self.read)
+
+    def read(self) -> None:
+        """One paced read (called by the pacer; never raises, never waits)."""
+        if self._stopped:
+            return
+        events = self._events
+        try:
+            messages = events.messages_now()
+            if messages:
+                self._apply(messages)
+        except Exception as exc:  # the link's task raises it (rule 4)
+            self._error = exc
+            self._wake.set()
+            return
+        if events.owes_reply:
+            self._wake.set()
+        else:
+            self._next_after(trio.current_time())
+
+    async def run(self) -> None:
+        """Serve the reads' needs until one fails (always ends by raising)."""
+        try:
+            self._pacer.call_at(trio.current_time(), self.read)
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                if self._error is not None:
+                    raise self._error
+                # A close's reply goes out here; the next read then raises PlaneClosed.
+                await self._events.send_owed()
+                self._next_after(trio.current_time())
+        finally:
+            self._stopped = True
 
 
 async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:

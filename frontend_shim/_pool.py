@@ -133,6 +133,11 @@ class WorkerPool:
         self._cost_window = cost_window
 
     @property
+    def slice_yields(self) -> int:
+        """Times event work stopped for a pass of the scheduler: the slices' and the pacer's."""
+        return self.slices.yields + self._pacer.yields
+
+    @property
     def links(self) -> Mapping[WorkerKey, WorkerLink]:
         """The links now running, by key (a read-only view)."""
         return self._links

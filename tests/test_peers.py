@@ -32,7 +32,7 @@ import trio
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
-from frontend_shim._event_budget import EventBudget
+from frontend_shim._event_budget import EventBudget, ReadPacer
 from frontend_shim._links import LinkSettings, WorkerLink
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
@@ -499,9 +499,11 @@ class SeqListener(Listener):
         self.newest = max([self.newest, *(event.seq for event in events)])
 
 
-async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["task-reads", "reads-in-place"])
+async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins(in_place: bool) -> None:
     # A version-1 worker: no features in its hello, a batch every 5 ms whatever anyone asks. The
-    # new frontend sends it nothing and reads it at the budget's interval, keeping the latest.
+    # new frontend sends it nothing and reads it at the budget's interval, keeping the latest:
+    # its link's task reads (no pacer), or the pool's pacer reads the socket in place.
     sent = 0
     received = bytearray()
 
@@ -531,7 +533,11 @@ async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins() -> Non
             listener = SeqListener()
             # The fake request plane answers no ping: no keepalive within the test.
             quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
-            link = WorkerLink(url, listener, quiet, budget=budget)
+            pacer = None
+            if in_place:
+                pacer = ReadPacer()
+                await nursery.start(pacer.run)
+            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
             await nursery.start(link.run)
             await poll(lambda: link.connected, "the link to come up")
             assert link.paced
@@ -548,6 +554,68 @@ async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins() -> Non
             assert link.stats.event_batches > reads  # everything read was decoded
             nursery.cancel_scope.cancel()
     assert received == b""  # no subscribe for a worker that does not list the feature
+
+
+async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() -> None:
+    # A paced link's task sleeps while the pacer reads for it: the pongs the worker's pings are
+    # owed, and the reply to its close, must still go out, and the close must end the session.
+    received = bytearray()
+    pings = 3
+
+    async def pinging_worker_events(stream: trio.SocketStream) -> None:
+        async def read_everything() -> None:
+            while data := await stream.receive_some(4096):
+                received.extend(data)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_everything)
+            await stream.send_all(hello_frame())
+            for seq in range(1, pings + 1):
+                await stream.send_all(bytes([0x89, 2]) + b"p%d" % seq + v1_heartbeat_frame(seq))
+                await trio.sleep(0.1)
+            await poll(lambda: client_opcodes(received).count(0xA) == pings, "the pongs")
+            await stream.send_all(bytes([0x88, 2]) + (1001).to_bytes(2, "big"))
+            await poll(lambda: 0x8 in client_opcodes(received), "the close reply")
+            nursery.cancel_scope.cancel()
+
+    budget = EventBudget(20)
+    budget.resize(2)  # one read every 0.1 s
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await serve_fake_worker(
+                nursery, events=pinging_worker_events, requests=hello_then_never_read
+            )
+            pacer = ReadPacer()
+            await nursery.start(pacer.run)
+            listener = SeqListener()
+            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
+            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
+            await nursery.start(link.run)
+            await poll(lambda: link.connected, "the link to come up")
+            await poll(lambda: listener.downs >= 1, "the close to end the session", tries=500)
+            assert listener.newest == pings  # every heartbeat before the close was applied
+            nursery.cancel_scope.cancel()
+    pongs = [payload for opcode, payload in client_frames(received) if opcode == 0xA]
+    assert pongs == [b"p1", b"p2", b"p3"]
+
+
+def client_frames(data: bytes | bytearray) -> list[tuple[int, bytes]]:
+    """The frames a client wrote (masked, payloads under 126 bytes), unmasked."""
+    frames = []
+    position = 0
+    while position + 6 <= len(data):
+        length = data[position + 1] & 0x7F
+        mask = data[position + 2 : position + 6]
+        payload = data[position + 6 : position + 6 + length]
+        frames.append(
+            (data[position] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        )
+        position += 6 + length
+    return frames
+
+
+def client_opcodes(data: bytes | bytearray) -> list[int]:
+    return [opcode for opcode, _ in client_frames(data)]
 
 
 async def test_a_new_worker_is_asked_for_the_budget_interval() -> None:

@@ -1,13 +1,24 @@
-"""One plane connection read from a memory stream: what a worker's close frame leaves behind."""
+"""One plane connection read from a stream: what a worker's close frame leaves behind, and reads in
+place (the connection's rule 5) on a real socket."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
 import trio.testing
 
-from frontend_shim._connection import PlaneClosed, PlaneConnection
-from frontend_shim._websocket import OP_BINARY, OP_CLOSE, close_payload
+from frontend_shim._connection import PlaneClosed, PlaneConnection, ProtocolError
+from frontend_shim._websocket import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_PING,
+    OP_PONG,
+    OP_TEXT,
+    close_payload,
+)
 
 CAP = 1 << 20
 
@@ -47,3 +58,95 @@ async def test_a_close_frame_alone_raises_at_once() -> None:
     )
     with trio.fail_after(5), pytest.raises(PlaneClosed, match="1001"):
         await connection.messages()
+
+
+# ----------------------------------------------------------------------------- reads in place
+
+
+@contextlib.asynccontextmanager
+async def socket_connection() -> AsyncIterator[tuple[PlaneConnection, trio.SocketStream]]:
+    """A connection on one end of a connected socket pair, and the worker's end."""
+    ours, theirs = trio.socket.socketpair()
+    client, worker = trio.SocketStream(ours), trio.SocketStream(theirs)
+    try:
+        yield PlaneConnection(client, "/v1/events", b"", CAP), worker
+    finally:
+        await client.aclose()
+        await worker.aclose()
+
+
+def client_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """Unmask what the connection wrote (client frames are masked)."""
+    frames = []
+    position = 0
+    while position < len(data):
+        length = data[position + 1] & 0x7F
+        mask = data[position + 2 : position + 6]
+        payload = data[position + 6 : position + 6 + length]
+        frames.append(
+            (data[position] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        )
+        position += 6 + length
+    return frames
+
+
+async def test_a_read_in_place_returns_what_the_socket_holds_and_never_waits() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            assert connection.reads_in_place
+            assert connection.messages_now() == []  # nothing yet: no wait, no error
+            await worker.send_all(server_frame(OP_BINARY, b"one") + server_frame(OP_BINARY, b"two"))
+            assert connection.messages_now() == [b"one", b"two"]
+            # Half a frame is held for the next read.
+            frame = server_frame(OP_BINARY, b"three")
+            await worker.send_all(frame[:3])
+            assert connection.messages_now() == []
+            await worker.send_all(frame[3:])
+            assert connection.messages_now() == [b"three"]
+            assert not connection.owes_reply
+
+
+async def test_a_ping_read_in_place_is_owed_and_answered_by_send_owed() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            await worker.send_all(server_frame(OP_PING, b"p1") + server_frame(OP_BINARY, b"load"))
+            assert connection.messages_now() == [b"load"]
+            assert connection.owes_reply
+            await connection.send_owed()
+            assert not connection.owes_reply
+            assert client_frames(await worker.receive_some(1024)) == [(OP_PONG, b"p1")]
+
+
+async def test_a_close_read_in_place_is_answered_before_it_raises() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            await worker.send_all(
+                server_frame(OP_BINARY, b"last")
+                + server_frame(OP_CLOSE, close_payload(1001, "bye"))
+            )
+            assert connection.messages_now() == [b"last"]
+            assert connection.owes_reply
+            await connection.send_owed()
+            [(opcode, payload)] = client_frames(await worker.receive_some(1024))
+            assert (opcode, payload[:2]) == (OP_CLOSE, (1001).to_bytes(2, "big"))
+            with pytest.raises(PlaneClosed, match="1001"):
+                connection.messages_now()
+            with pytest.raises(PlaneClosed, match="1001"):
+                await connection.messages()
+
+
+async def test_eof_and_a_text_message_end_a_read_in_place() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            await worker.send_all(server_frame(OP_TEXT, b"hi"))
+            with pytest.raises(ProtocolError, match="text"):
+                connection.messages_now()
+        async with socket_connection() as (connection, worker):
+            await worker.aclose()
+            with pytest.raises(PlaneClosed, match="1006"):
+                connection.messages_now()
+
+
+async def test_a_stream_that_is_not_a_plain_socket_cannot_be_read_in_place() -> None:
+    client, _worker = trio.testing.memory_stream_pair()
+    assert not PlaneConnection(client, "/v1/events", b"", CAP).reads_in_place

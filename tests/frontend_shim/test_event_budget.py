@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -251,3 +252,69 @@ async def test_the_pacer_wakes_each_reader_at_its_time_within_a_tick(
         nursery.cancel_scope.cancel()
     for index, when in wanted.items():
         assert when <= woken[index] <= when + 0.01 + 1e-9
+
+
+async def test_the_pacer_makes_each_call_at_its_time_within_a_tick(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pacer = ReadPacer(tick=0.01)
+    called: dict[int, float] = {}
+
+    def note(index: int) -> None:
+        called[index] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        start = trio.current_time()
+        wanted = {index: start + 0.013 * index for index in range(1, 40)}
+        for index, when in wanted.items():
+            pacer.call_at(when, functools.partial(note, index))
+        # A time already past is called at the next tick, never inline.
+        pacer.call_at(-math.inf, functools.partial(note, 0))
+        assert 0 not in called
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert start <= called[0] <= start + 0.01 + 1e-9
+    for index, when in wanted.items():
+        assert when <= called[index] <= when + 0.01 + 1e-9
+
+
+async def test_the_pacer_lets_the_scheduler_run_between_slices_of_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 100 calls due at one tick, 24 a slice: another task gets a turn between slices.
+    pacer = ReadPacer(tick=0.01, per_slice=24)
+    order: list[str] = []
+    first_call = trio.Event()
+
+    def call(index: int) -> None:
+        first_call.set()
+        order.append("call")
+
+    async def other_task() -> None:
+        await first_call.wait()
+        for _ in range(1000):
+            if order.count("call") == 100:
+                return
+            order.append("other")
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        nursery.start_soon(other_task)
+        when = trio.current_time() + 0.05
+        for index in range(100):
+            pacer.call_at(when, functools.partial(call, index))
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    assert order.count("call") == 100
+    assert pacer.yields == 4
+    # Five slices in five passes of the scheduler, and the other task ran once in each of the
+    # three between the first and the last (Trio may run it before or after the slice).
+    first, last = order.index("call"), len(order) - 1 - order[::-1].index("call")
+    assert order[first:last].count("other") >= 3
+
+
+def test_a_pacer_makes_at_least_one_call_per_slice() -> None:
+    with pytest.raises(ValueError, match="per_slice"):
+        ReadPacer(per_slice=0)
