@@ -213,50 +213,61 @@ class Fleet:
     # ------------------------------------------------------------------ events
 
     def apply(self, worker_id: str, event: wire.WorkerEvent, now: float) -> bool:
-        """Apply one load event or heartbeat of a worker.
-
-        Clears the worker's overload mark, makes it fresh, and recomputes only its own ranks.
-        Events older than one already applied (by ``seq``) are ignored; a rank outside
-        ``[0, data_parallel_size)`` is ignored. A heartbeat whose ``status`` is ``draining``
-        makes the worker unavailable until a heartbeat says ``ready``.
-
-        Args:
-            worker_id: the worker the event came from.
-            event: a :class:`~shim_common.wire.LoadEvent` or
-                :class:`~shim_common.wire.Heartbeat`.
-            now: current time.
+        """Apply one load event or heartbeat of a worker (:meth:`apply_batch` of one event).
 
         Returns:
             Whether it was applied (``False``: unknown worker or an old ``seq``).
         """
+        return self.apply_batch(worker_id, (event,), now) == 1
+
+    def apply_batch(self, worker_id: str, events: Iterable[wire.WorkerEvent], now: float) -> int:
+        """Apply the load events and heartbeats of one worker, oldest first.
+
+        Clears the worker's overload mark, makes it fresh, and recomputes only its own ranks.
+        Events older than one already applied (by ``seq``) are ignored; a rank outside
+        ``[0, data_parallel_size)`` is ignored. A heartbeat whose ``status`` is ``draining``
+        makes the worker unavailable until a heartbeat says ``ready``. What belongs to the
+        worker as a whole (its gauges and L, freshness, its place in the free set) is settled
+        once, from the newest event: applying the events one by one would end in the same state.
+
+        Args:
+            worker_id: the worker the events came from.
+            events: :class:`~shim_common.wire.LoadEvent` and
+                :class:`~shim_common.wire.Heartbeat` values, in increasing ``seq``.
+            now: current time.
+
+        Returns:
+            How many were applied.
+        """
         worker = self._workers.get(worker_id)
-        if worker is None or event.seq <= worker.last_seq:
-            return False
-        worker.last_seq = event.seq
+        if worker is None:
+            return 0
+        newest: wire.WorkerEvent | None = None
+        applied = 0
+        for event in events:
+            if event.seq <= worker.last_seq:
+                continue
+            worker.last_seq = event.seq
+            newest = event
+            applied += 1
+            if isinstance(event, wire.LoadEvent):
+                self._report(worker, event.load)
+            else:
+                worker.draining = event.status == "draining"
+                for load in event.loads:
+                    self._report(worker, load)
+        if newest is None:
+            return 0
         worker.last_seen = now
         worker.stale = False
         worker.mark_until = None
         if not worker.queued_for_stale:
             self._push_stale_deadline(worker)
         self._set_gauges(
-            worker, event.engine_requests, event.queued_requests, event.effective_limit
+            worker, newest.engine_requests, newest.queued_requests, newest.effective_limit
         )
-        if isinstance(event, wire.LoadEvent):
-            self._report(worker, event.load)
-        else:
-            worker.draining = event.status == "draining"
-            for load in event.loads:
-                self._report(worker, load)
         self._sets.update_membership(worker)
-        return True
-
-    def apply_batch(self, worker_id: str, events: Iterable[wire.WorkerEvent], now: float) -> int:
-        """Apply the events of one :class:`~shim_common.wire.EventBatch`, oldest first.
-
-        Returns:
-            How many were applied.
-        """
-        return sum(self.apply(worker_id, event, now) for event in events)
+        return applied
 
     def slot_share(self) -> float:
         """L in force over the requests running, summed over the workers that report L, at most

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -710,3 +710,71 @@ def test_load_cost_weighs_the_gates_share_of_l_only_when_reported() -> None:
     for _ in range(8):
         fleet.request_sent("a", 0)
     assert state(fleet, "a").load_cost == pytest.approx(2.0)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _snapshot(fleet: Fleet, worker_id: str) -> dict[str, Any]:
+    worker = state(fleet, worker_id)
+    ranks = [
+        {name: getattr(rank, name) for name in type(rank).__slots__} for rank in worker.ranks
+    ]
+    plain = {
+        name: getattr(worker, name)
+        for name in type(worker).__slots__
+        if isinstance(getattr(worker, name, None), (int, float, str, bool, type(None)))
+    }
+    return {"worker": plain, "ranks": ranks, "free": is_free(fleet, worker_id)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["load", "beat", "old"]),
+            st.integers(0, 3),  # rank (4 is outside the worker's ranks)
+            st.integers(0, 120),  # decode blocks
+            st.integers(0, 1500),  # prefill tokens
+            st.integers(0, 9),  # engine requests
+            st.sampled_from([None, 4, 8]),  # L
+            st.sampled_from(["ready", "draining"]),
+        ),
+        max_size=12,
+    )
+)
+def test_a_batch_ends_in_the_state_its_events_one_by_one_end_in(
+    script: list[tuple[str, int, int, int, int, int | None, str]],
+) -> None:
+    # apply_batch settles the worker-wide figures once, from the newest event: the state must be
+    # the one applying every event by itself leaves, whatever the events.
+    thresholds = BusyThresholds(active_decode_blocks=0.5, active_prefill_tokens=800)
+    fleets = [Fleet(default_thresholds=thresholds) for _ in range(2)]
+    for fleet in fleets:
+        fleet.register(config(dp=4), 0.0)
+    events: list[wire.WorkerEvent] = []
+    seq = 0
+    for kind, rank, decode, prefill, engine, limit, status in script:
+        if kind != "old":
+            seq += 1
+        load = wire.RankLoad(
+            dp_rank=rank + (kind == "old"),
+            active_decode_blocks=decode,
+            active_prefill_tokens=prefill,
+            kv_used_blocks=decode,
+        )
+        common: dict[str, Any] = {
+            "seq": max(seq, 1),
+            "ts": 0.0,
+            "engine_requests": engine,
+            "queued_requests": engine // 2,
+            "effective_limit": limit,
+        }
+        if kind == "beat":
+            events.append(wire.Heartbeat(loads=[load], status=status, **common))
+        else:
+            events.append(wire.LoadEvent(load=load, **common))
+    one_by_one = sum(fleets[0].apply("w0", event, 1.0) for event in events)
+    batched = fleets[1].apply_batch("w0", events, 1.0)
+    assert one_by_one == batched
+    assert _snapshot(fleets[0], "w0") == _snapshot(fleets[1], "w0")
