@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench import lean_sim
-from bench.bench_fleet import COMPLETION, HttpClient
+from bench import fleet_sim, lean_sim
+from bench.bench_fleet import COMPLETION, FRONTEND_CPU, SIM_CPU, Child, HttpClient
 from bench.fleet_sim import Fleet as WorkerFleet
 from frontend_shim._connection import PlaneClosed, PlaneConnection, open_plane
 from frontend_shim._websocket import OP_BINARY, OP_PING, FrameReader, encode_frame
@@ -41,6 +41,15 @@ WORKERS = 3
 def test_the_hello_is_the_real_workers_byte_for_byte(protocol: lean_sim.Protocol) -> None:
     real = WorkerFleet(1, 4, 20.0, "sim", True, protocol).workers[0].hello
     assert wire.encode(lean_sim.hello_of("sim-0", 4, protocol)) == wire.encode(real)
+
+
+def test_the_load_model_is_fleet_sims() -> None:
+    # The lean simulator cannot import fleet_sim (Trio and the worker): the same values, twice.
+    for name in (
+        "PROTOCOLS", "CURRENT_FEATURES", "MODEL", "KV_TOTAL_BLOCKS", "FREE_RANGE", "BUSY_RANGE",
+        "SLOTS",
+    ):  # fmt: skip
+        assert getattr(lean_sim, name) == getattr(fleet_sim, name), name
 
 
 def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
@@ -80,51 +89,29 @@ def test_busy_from_follows_the_shared_rule() -> None:
 # ----------------------------------------------------------------------------- processes
 
 
-class _Process:
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self._buffer = b""
-
-    async def readline(self) -> str:
-        stdout = self.process.stdout
-        assert stdout is not None
-        while b"\n" not in self._buffer:
-            data = await stdout.receive_some(65536)
-            if not data:
-                raise EOFError(f"exited with code {self.process.poll()}")
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
-
-    async def command(self, line: str) -> str:
-        assert self.process.stdin is not None
-        await self.process.stdin.send_all(line.encode() + b"\n")
-        return await self.readline()
-
-
 @contextlib.asynccontextmanager
-async def _started(args: list[str]) -> AsyncIterator[_Process]:
-    process = await trio.lowlevel.open_process(
-        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield _Process(process)
-    finally:
-        with trio.CancelScope(shield=True):
-            process.terminate()
-            with trio.move_on_after(10):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+async def _started(args: list[str], cpu: int, name: str) -> AsyncIterator[Child]:
+    with open(os.devnull, "wb") as devnull:  # noqa: ASYNC230 - the null device never blocks
+        child = await Child.start(args, cpu=cpu, stderr=devnull, name=name)
+        try:
+            yield child
+        finally:
+            await child.stop()
+
+
+async def _command(child: Child, line: str) -> str:
+    """Send one control command; its answer line."""
+    await child.send(line)
+    return await child.readline()
 
 
 @contextlib.asynccontextmanager
 async def _simulator(
-    protocol: str, workers: int = WORKERS
-) -> AsyncIterator[tuple[_Process, list[int]]]:
+    protocol: str, workers: int = WORKERS, extra: list[str] | None = None
+) -> AsyncIterator[tuple[Child, list[int]]]:
     args = [sys.executable, str(SIM), "--workers", str(workers), "--protocol", protocol]
-    async with _started(args) as sim:
+    args += extra or []
+    async with _started(args, SIM_CPU, "simulator") as sim:
         line = await sim.readline()
         match = re.fullmatch(rf"fleet-sim ready workers={workers} ports=([\d,]+)", line)
         assert match is not None, line
@@ -151,7 +138,7 @@ async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
             ]  # fmt: skip
             for port in ports:
                 args += ["--worker", f"ws://127.0.0.1:{port}"]
-            async with _started(args) as frontend:
+            async with _started(args, FRONTEND_CPU, "frontend") as frontend:
                 ready = await frontend.readline()
                 match = re.search(r"ready http=http://([\d.]+):(\d+)", ready)
                 assert match is not None, ready
@@ -162,7 +149,7 @@ async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
                     await client.aclose()
 
 
-async def _check_the_fleet(sim: _Process, client: HttpClient, protocol: str) -> None:
+async def _check_the_fleet(sim: Child, client: HttpClient, protocol: str) -> None:
     with trio.fail_after(30):
         while True:
             status, body = await client.request("GET", "/health")
@@ -173,15 +160,15 @@ async def _check_the_fleet(sim: _Process, client: HttpClient, protocol: str) -> 
     answer = json.loads(await _until_status(client, 200, 10))
     assert answer["choices"][0]["text"] == " tok"
     assert answer["usage"]["completion_tokens"] == 1
-    stats0 = json.loads((await sim.command("stats")).removeprefix("stats "))
+    stats0 = json.loads((await _command(sim, "stats")).removeprefix("stats "))
     assert stats0["subscribers"] == WORKERS
     # Busy: every rank over the threshold, so no worker may take the request.
-    assert (await sim.command("busy")).startswith("ok busy ")
+    assert (await _command(sim, "busy")).startswith("ok busy ")
     await _until_status(client, 529, 10)
-    assert (await sim.command("free")).startswith("ok free ")
+    assert (await _command(sim, "free")).startswith("ok free ")
     await _until_status(client, 200, 10)
     await trio.sleep(1.2)  # at least one heartbeat of every worker
-    stats1 = json.loads((await sim.command("stats")).removeprefix("stats "))
+    stats1 = json.loads((await _command(sim, "stats")).removeprefix("stats "))
     for key in ("generated", "load_events", "heartbeats", "batches"):
         assert stats1[key] > stats0[key], key
     # The loads change 20 times a second on every rank, not only on a flip (a flip is
@@ -199,14 +186,22 @@ async def _check_the_fleet(sim: _Process, client: HttpClient, protocol: str) -> 
 # ----------------------------------------------------------------------------- planes directly
 
 
-async def _plane(port: int, path: str, subprotocols: tuple[str, ...] = ()) -> PlaneConnection:
-    return await open_plane(
+@contextlib.asynccontextmanager
+async def _plane(
+    port: int, path: str, subprotocols: tuple[str, ...] = ()
+) -> AsyncIterator[PlaneConnection]:
+    """The frontend's own websocket client on one plane of a simulated worker."""
+    plane = await open_plane(
         host="127.0.0.1",
         port=port,
         path=path,
         subprotocols=subprotocols,
         max_message_bytes=wire.MAX_MESSAGE_BYTES,
     )
+    try:
+        yield plane
+    finally:
+        await plane.aclose(1)
 
 
 def _replies(messages: list[bytes]) -> list[wire.WorkerMessage]:
@@ -224,8 +219,10 @@ async def _read_until_closed(plane: PlaneConnection) -> None:
 
 async def test_a_long_request_is_cancelled_and_a_reused_id_closes_the_plane() -> None:
     with trio.fail_after(30):
-        async with _simulator("new", workers=1) as (_sim, [port]):
-            plane = await _plane(port, wire.REQUESTS_PATH, (wire.SUBPROTOCOL_BATCH,))
+        async with (
+            _simulator("new", workers=1) as (_sim, [port]),
+            _plane(port, wire.REQUESTS_PATH, (wire.SUBPROTOCOL_BATCH,)) as plane,
+        ):
             assert plane.subprotocol == wire.SUBPROTOCOL_BATCH
             [hello] = _replies(await plane.messages())
             assert isinstance(hello, wire.Hello)
@@ -259,42 +256,53 @@ async def test_a_long_request_is_cancelled_and_a_reused_id_closes_the_plane() ->
             with pytest.raises(PlaneClosed) as closed:
                 await _read_until_closed(plane)
             assert closed.value.code == wire.CLOSE_DUPLICATE_REQUEST_ID
-            await plane.aclose(1)
 
 
-async def test_the_event_plane_starts_whole_and_sends_each_flip_in_seq_order() -> None:
+async def _next_batch(plane: PlaneConnection) -> wire.EventBatch:
+    [data] = await plane.messages()  # one batch per read: nothing else is sent meanwhile
+    batch = wire.decode_event_message(data)
+    assert isinstance(batch, wire.EventBatch)
+    return batch
+
+
+async def test_the_event_plane_honours_the_asked_interval_but_sends_edges_at_once() -> None:
+    # No ticking (--rate 0): loads change only on a flip, so each batch is accounted for.
+    args = ["--rate", "0"]
     with trio.fail_after(30):
-        async with _simulator("current", workers=1) as (sim, [port]):
-            plane = await _plane(port, wire.EVENTS_PATH)
+        async with (
+            _simulator("new", workers=1, extra=args) as (sim, [port]),
+            _plane(port, wire.EVENTS_PATH) as plane,
+        ):
             messages = await plane.messages()
             while len(messages) < 2:
                 messages += await plane.messages()
             hello = wire.decode_event_message(messages[0])
             assert isinstance(hello, wire.Hello)
-            assert hello.features == [wire.FEATURE_BUSY_EDGES]
+            assert hello.features == list(lean_sim.NEW_FEATURES)
             first = wire.decode_event_message(messages[1])
             assert isinstance(first, wire.EventBatch)
-            [heartbeat] = first.events
+            [heartbeat] = first.events  # whole at once: the state of every rank
             assert isinstance(heartbeat, wire.Heartbeat)
             assert len(heartbeat.loads) == 4
             thresholds = wire.BusyThresholds(active_decode_blocks=0.5)
-            await plane.send_message(wire.encode(wire.Subscribe(thresholds=thresholds)))
+            subscribe = wire.Subscribe(thresholds=thresholds, publish_interval=30.0)
+            await plane.send_message(wire.encode(subscribe))
             await plane.send_ping()  # answered, and the plane goes on
-            # Several busy/free flips: each edge is a batch of the new loads, seq increasing.
+            # Free again is no edge: it waits out the 30 s asked, heartbeats too.
+            assert (await _command(sim, "free")).startswith("ok free ")
+            with trio.move_on_after(1.5) as quiet:
+                await plane.messages()
+            assert quiet.cancelled_caught
+            # Busy is an edge: at once, with everything pending, latest wins, in seq order.
             last_seq = heartbeat.seq
-            for mode in ("busy", "free", "busy"):
-                assert (await sim.command(mode)).startswith(f"ok {mode} ")
-                while True:
-                    [data, *_] = await plane.messages()
-                    batch = wire.decode_event_message(data)
-                    assert isinstance(batch, wire.EventBatch)
-                    loads = [event for event in batch.events if isinstance(event, wire.LoadEvent)]
-                    if loads and all(
-                        (event.load.kv_used_blocks > 500) == (mode == "busy") for event in loads
-                    ):
-                        break
+            for mode in ("busy", "free"):
+                assert (await _command(sim, mode)).startswith(f"ok {mode} ")
+                with trio.fail_after(5):
+                    batch = await _next_batch(plane)
+                loads = [event for event in batch.events if isinstance(event, wire.LoadEvent)]
+                assert sorted(event.load.dp_rank for event in loads) == [0, 1, 2, 3]
+                assert all((event.load.kv_used_blocks > 500) == (mode == "busy") for event in loads)
                 seqs = [event.seq for event in batch.events]
                 assert seqs == sorted(seqs)
                 assert seqs[0] > last_seq
                 last_seq = seqs[-1]
-            await plane.aclose(1)
