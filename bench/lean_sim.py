@@ -46,8 +46,10 @@ Rules, per simulated worker (the real worker's, ``worker_ingress/_events.py`` an
    at most :data:`TOKENS_PER_PASS` tokens of each request, as one chunk (the worker merges text
    chunks that queue up together); a request's last chunk leaves with its ``End``. A ``Cancel``
    read before a request ended (in the same read as its ``Generate`` included) ends it with
-   ``Failed(cancelled)``; a reused id in flight closes with 1008. With the batch subprotocol a
-   pass's replies on one connection are one :class:`~shim_common.wire.Batch` message.
+   ``Failed(cancelled)``; a reused id in flight closes with 1008; past the ungated worker's
+   slots and queue places (50,000 in flight on one connection), ``Rejected(overloaded)``. With
+   the batch subprotocol a pass's replies on one connection are one
+   :class:`~shim_common.wire.Batch` message.
 
 Control, one command per line on stdin, one answer line per command on stdout (fleet_sim's):
 
@@ -102,6 +104,7 @@ from shim_common.wire import (
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    REASON_OVERLOADED,
     REQUESTS_PATH,
     SUBPROTOCOL_BATCH,
     Batch,
@@ -115,6 +118,7 @@ from shim_common.wire import (
     Hello,
     LoadEvent,
     RankLoad,
+    Rejected,
     Reply,
     RuntimeConfig,
     Started,
@@ -139,8 +143,11 @@ KV_TOTAL_BLOCKS: Final = 1000
 BLOCK_SIZE: Final = 16
 MAX_NUM_BATCHED_TOKENS: Final = 8192
 MAX_NUM_SEQS: Final = 256
-#: Q in force on a worker whose N is unset.
+#: Q in force on a worker whose N is unset, and its engine slots.
 UNLIMITED_QUEUE_LIMIT: Final = 40_000
+UNLIMITED_ENGINE_SLOTS: Final = 10_000
+#: Requests one request plane holds at most (every slot and queue place); more are rejected.
+MAX_IN_FLIGHT: Final = UNLIMITED_ENGINE_SLOTS + UNLIMITED_QUEUE_LIMIT
 FREE_RANGE: Final = (0.0, 0.2)
 BUSY_RANGE: Final = (0.6, 0.9)
 SLOTS: Final = 10
@@ -462,15 +469,6 @@ class Connection:
         self._writing = False
         self.ping_at = now + PING_INTERVAL
         self.ping_sent: float | None = None
-
-    @property
-    def blocked(self) -> bool:
-        """Whether bytes wait for the socket to take them."""
-        return bool(self._out)
-
-    @property
-    def pending_output(self) -> int:
-        return len(self._out)
 
     def write(self, data: bytes) -> None:
         """Send now what the socket takes; keep the rest for when it is writable."""
@@ -799,6 +797,9 @@ class RequestPlane(Connection):
         if message.request_id in self.requests:
             self.close_with(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
             return
+        if len(self.requests) >= MAX_IN_FLIGHT:
+            self.replies.append(Rejected(request_id=message.request_id, reason=REASON_OVERLOADED))
+            return
         prepared = _prepare(message)
         if isinstance(prepared, Failed):
             self.replies.append(prepared)
@@ -880,7 +881,7 @@ class RequestPlane(Connection):
 def _as_replies(messages: list[msgspec.Struct]) -> list[Reply]:
     replies: list[Reply] = []
     for message in messages:
-        assert isinstance(message, Started | Chunk | End | Failed)
+        assert isinstance(message, Started | Chunk | End | Failed | Rejected)
         replies.append(message)
     return replies
 
