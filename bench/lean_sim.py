@@ -711,16 +711,12 @@ class EventPlane(Connection):
         load_seq = worker.load_seq
         if load_seq > floor:
             ts = worker.load_ts
-            events.extend(
+            events += [
                 LoadEvent(
-                    seq=load_seq + rank,
-                    ts=ts,
-                    load=load,
-                    engine_requests=0,
-                    queued_requests=0,
+                    seq=load_seq + rank, ts=ts, load=load, engine_requests=0, queued_requests=0
                 )
                 for rank, load in enumerate(worker.loads)
-            )
+            ]
         if events:
             self._send(events, heartbeats=heartbeats, now=now, loads=worker.loads)
 
