@@ -133,6 +133,11 @@ class PlaneConnection:
         return self._fd >= 0
 
     @property
+    def fileno(self) -> int:
+        """The socket's descriptor when :attr:`reads_in_place`, else -1."""
+        return self._fd
+
+    @property
     def owes_reply(self) -> bool:
         """Whether a read in place left a pong or a close reply to write (rule 5)."""
         return bool(self._owed_pongs) or self._owed_close is not None

@@ -32,8 +32,12 @@ worker link gets, and the links keep to it:
    (:meth:`ReadPacer.call_at`), which reads the socket in place and applies what it holds inside
    the pacer's own task, so a read costs a syscall and a decode instead of three task switches
    (park, the receive's checkpoint, the turn); the link's task wakes only when the read needs a
-   task (nothing whole was there yet, a pong or close reply to write, an error). The pacer makes
-   at most ``per_slice`` such calls per pass of the scheduler (rule 6 by other means).
+   task (a pong or close reply to write, an error). A link to a worker that does negotiate is
+   read as soon as its socket holds bytes, but on the same tick: the pacer *watches* its
+   descriptor (:meth:`ReadPacer.watch`, one epoll set of its own, polled without waiting once
+   per tick) and calls its read when it is readable, so a busy/free edge waits at most a tick,
+   and a read costs no task switch either. The pacer makes at most ``per_slice`` calls per pass
+   of the scheduler (rule 6 by other means).
 6. Every read of any link takes a turn from the pool's :class:`EventSlices` before the events in
    it are applied: at most ``per_slice`` reads are applied in one pass of the scheduler, then the
    readers left wait for the next pass, so HTTP requests, ``/live``, ``/health`` and the set-up
@@ -46,6 +50,7 @@ worker link gets, and the links keep to it:
 from __future__ import annotations
 
 import math
+import select
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
@@ -191,7 +196,8 @@ class ReadPacer:
 
     Args:
         tick: Seconds between two looks at the clock; a reader wakes up to one tick late.
-        per_slice: Calls (:meth:`call_at`) made in one pass of the scheduler; at least 1.
+        per_slice: Calls (:meth:`call_at`, :meth:`watch`) made in one pass of the scheduler; at
+            least 1.
     """
 
     def __init__(
@@ -205,6 +211,9 @@ class ReadPacer:
         self._per_slice = per_slice
         self._slots: dict[int, trio.lowlevel.ParkingLot] = {}
         self._calls: dict[int, list[Callable[[], object]]] = {}
+        # Descriptors watched for bytes (Linux: an epoll set of the pacer's own, level-triggered).
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._watched: dict[int, Callable[[], object]] = {}
         #: The last slot whose readers were woken (none before :meth:`run` starts).
         self._done = -1
         self._waiting = trio.Event()
@@ -245,13 +254,45 @@ class ReadPacer:
         else:
             calls.append(call)
 
+    @property
+    def can_watch(self) -> bool:
+        """Whether :meth:`watch` is available (it needs epoll: Linux)."""
+        return self._epoll is not None
+
+    def watch(self, fd: int, call: Callable[[], object]) -> None:
+        """Have :meth:`run` call ``call()`` on every tick at which ``fd`` is readable, until
+        :meth:`unwatch` (same rules for ``call`` as :meth:`call_at`).
+
+        Raises:
+            RuntimeError: the pacer cannot watch (:attr:`can_watch`).
+        """
+        if self._epoll is None:
+            raise RuntimeError("watching descriptors needs epoll")
+        self._epoll.register(fd, select.EPOLLIN)
+        self._watched[fd] = call
+        self._waiting.set()
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd``; call it before the descriptor is closed."""
+        epoll = self._epoll
+        # After run() ended the set is closed, and with it every registration.
+        if self._watched.pop(fd, None) is not None and epoll is not None and not epoll.closed:
+            epoll.unregister(fd)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Wake the readers and make the calls whose time has come, once per tick, until
         cancelled."""
         task_status.started()
         slept_to = -1
+        try:
+            await self._run(slept_to)
+        finally:
+            if self._epoll is not None:
+                self._epoll.close()
+
+    async def _run(self, slept_to: int) -> None:
         while True:
-            if not self._slots and not self._calls:
+            if not self._slots and not self._calls and not self._watched:
                 self._waiting = trio.Event()
                 await self._waiting.wait()
             # The slot slept to is due even when the clock's float lands a hair before it.
@@ -267,6 +308,13 @@ class ReadPacer:
                 if lot is not None:
                     lot.unpark_all()
                 calls.extend(self._calls.pop(slot, ()))
+            if self._watched:
+                assert self._epoll is not None
+                watched = self._watched
+                for fd, _ in self._epoll.poll(0):
+                    call = watched.get(fd)
+                    if call is not None:
+                        calls.append(call)
             await self._make(calls)
             slept_to = due + 1
             await trio.sleep_until(slept_to * self._tick)

@@ -596,12 +596,14 @@ class WorkerLink:
         # Tight: decode and hand over, nothing else (rule 2); paced and sliced (rule 5).
         budget = None if self.negotiated else self._budget
         lag = self.lag
-        if budget is not None and self._pacer is not None and events.reads_in_place:
+        pacer = self._pacer
+        if pacer is not None and events.reads_in_place and (budget is not None or pacer.can_watch):
 
             def apply(messages: list[bytes]) -> None:
                 self._apply_events(messages, lag)
 
-            await _PacedReads(events, apply, lag, budget, self._pacer).run()
+            reads = _InPlaceReads(events, apply, self.stats, pacer, paced_by=budget, lag=lag)
+            await reads.run()
             return
         slices = self._slices
         wait_until = self._wait_until
@@ -611,6 +613,7 @@ class WorkerLink:
                 lag.allowance = budget.interval
                 await wait_until(read_at + budget.interval)
             messages = await events.messages()
+            self.stats.event_reads += 1
             read_at = trio.current_time()
             if slices is not None:
                 await slices.turn()
@@ -721,46 +724,64 @@ class WorkerLink:
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from exc
 
 
-class _PacedReads:
-    """The event plane of a link read at the budget's interval, in place (rule 5).
+class _InPlaceReads:
+    """The event plane of a link read in place by the pool's pacer (rule 5).
 
-    The pool's pacer calls :meth:`read` once per interval, in the pacer's task: it reads what the
-    socket holds in place, applies it, and asks for the next call one interval on, whether or not
-    there was anything (what arrives meanwhile waits for that read: an edge waits at most one
-    interval either way, and the reads a second stay what the budget gave). The link's task
-    (:meth:`run`) sleeps meanwhile and is woken only when a read needs it: a pong or close reply
-    is owed, or the read failed (it raises the failure, which ends the session).
+    Two ways, fixed for the session: *paced* (a worker that does not negotiate the interval), the
+    pacer calls :meth:`read` once per budget interval and the read asks for the next call one
+    interval on, whether or not it found anything (what arrives meanwhile waits for that read:
+    an edge waits at most one interval either way, and the reads a second stay the budget's);
+    *watched* (any other worker), the pacer calls :meth:`read` on each tick at which the socket
+    holds bytes. Either way the read runs in the pacer's task, takes what the socket holds
+    without waiting and applies it. The link's task (:meth:`run`) sleeps meanwhile and is woken
+    only when a read needs it: a pong or close reply is owed (no read is made until it is
+    written), or the read failed (it raises the failure, which ends the session).
     """
 
-    __slots__ = ("_apply", "_budget", "_error", "_events", "_lag", "_pacer", "_stopped", "_wake")
+    __slots__ = (
+        "_apply",
+        "_budget",
+        "_error",
+        "_events",
+        "_lag",
+        "_pacer",
+        "_stats",
+        "_stopped",
+        "_wake",
+    )
 
     def __init__(
         self,
         events: PlaneConnection,
         apply: Callable[[list[bytes]], None],
-        lag: LagMeter,
-        budget: EventBudget,
+        stats: LinkStats,
         pacer: ReadPacer,
+        *,
+        paced_by: EventBudget | None,
+        lag: LagMeter,
     ) -> None:
         self._events = events
         self._apply = apply
-        self._lag = lag
-        self._budget = budget
+        self._stats = stats
         self._pacer = pacer
+        self._budget = paced_by
+        self._lag = lag
         self._wake = trio.Event()
         self._error: Exception | None = None
         self._stopped = False
 
     def _next_after(self, now: float) -> None:
+        assert self._budget is not None
         interval = self._budget.interval
         self._lag.allowance = interval
         self._pacer.call_at(now + interval, self.read)
 
     def read(self) -> None:
-        """One paced read (called by the pacer; never raises, never waits)."""
-        if self._stopped:
-            return
+        """One read (called by the pacer; never raises, never waits)."""
         events = self._events
+        if self._stopped or self._error is not None or events.owes_reply:
+            return
+        self._stats.event_reads += 1
         try:
             messages = events.messages_now()
             if messages:
@@ -771,23 +792,32 @@ class _PacedReads:
             return
         if events.owes_reply:
             self._wake.set()
-        else:
+        elif self._budget is not None:
             self._next_after(trio.current_time())
 
     async def run(self) -> None:
         """Serve the reads' needs until one fails (always ends by raising)."""
+        events = self._events
+        pacer = self._pacer
+        paced = self._budget is not None
+        if paced:
+            pacer.call_at(trio.current_time(), self.read)
+        else:
+            pacer.watch(events.fileno, self.read)
         try:
-            self._pacer.call_at(trio.current_time(), self.read)
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 if self._error is not None:
                     raise self._error
                 # A close's reply goes out here; the next read then raises PlaneClosed.
-                await self._events.send_owed()
-                self._next_after(trio.current_time())
+                await events.send_owed()
+                if paced:
+                    self._next_after(trio.current_time())
         finally:
             self._stopped = True
+            if not paced:
+                pacer.unwatch(events.fileno)
 
 
 async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:

@@ -243,10 +243,12 @@ class WorkerPool:
         # on the read path of any link.
         meter = self.cost
         while True:
+            # The budget is spent in reads (a read brings one batch of a negotiating worker, or
+            # whatever one paced read finds, or nothing): the cost that sets it is per read.
             messages = connects = 0
             for link in self._links.values():
                 stats = link.stats
-                messages += stats.event_batches
+                messages += stats.event_reads
                 connects += stats.sessions + stats.connect_failures
             moved = meter.sample(
                 now=trio.current_time(),

@@ -70,6 +70,9 @@ class LinkStats:
     late_replies: int = 0
     #: Event batches applied.
     event_batches: int = 0
+    #: Reads of the event plane: each took what the socket held (one batch or several), or found
+    #: nothing (a paced read). The event budget is spent in reads.
+    event_reads: int = 0
     #: Episodes in which the event stream lagged more than the bound.
     lag_episodes: int = 0
 

@@ -618,9 +618,11 @@ def client_opcodes(data: bytes | bytearray) -> list[int]:
     return [opcode for opcode, _ in client_frames(data)]
 
 
-async def test_a_new_worker_is_asked_for_the_budget_interval() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["task-reads", "watched"])
+async def test_a_new_worker_is_asked_for_the_budget_interval(in_place: bool) -> None:
     # The real worker sends a heartbeat every 50 ms and lists the publish-interval feature: the
-    # link asks for 0.3 s and gets about three batches a second.
+    # link asks for 0.3 s and gets about three batches a second, read by the link's task (no
+    # pacer) or by the pacer watching the socket.
     settings = worker_settings(load_publish_interval=0.01)
     budget = EventBudget(10)
     budget.resize(3)
@@ -629,8 +631,12 @@ async def test_a_new_worker_is_asked_for_the_budget_interval() -> None:
             hello = worker.hello
             assert wire.FEATURE_PUBLISH_INTERVAL in hello.features
             async with trio.open_nursery() as nursery:
+                pacer = None
+                if in_place:
+                    pacer = ReadPacer()
+                    await nursery.start(pacer.run)
                 listener = SeqListener()
-                link = WorkerLink(address.ws_url, listener, LINK, budget=budget)
+                link = WorkerLink(address.ws_url, listener, LINK, budget=budget, pacer=pacer)
                 await nursery.start(link.run)
                 await poll(lambda: link.connected, "the link to come up")
                 assert link.negotiated
@@ -641,6 +647,8 @@ async def test_a_new_worker_is_asked_for_the_budget_interval() -> None:
                 batches = listener.batches - start_batches
                 # 24 heartbeats were produced; at 0.3 s apart at most 5 batches went out.
                 assert 2 <= batches <= 5
+                # Each read took one batch (read as it came, not paced).
+                assert link.stats.event_reads <= link.stats.event_batches + 2
                 await serve_one_request(link)
                 nursery.cancel_scope.cancel()
 

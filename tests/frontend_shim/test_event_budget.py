@@ -318,3 +318,35 @@ async def test_the_pacer_lets_the_scheduler_run_between_slices_of_calls(
 def test_a_pacer_makes_at_least_one_call_per_slice() -> None:
     with pytest.raises(ValueError, match="per_slice"):
         ReadPacer(per_slice=0)
+
+
+async def test_the_pacer_calls_a_watched_descriptor_on_the_ticks_it_is_readable() -> None:
+    # Real time: epoll sees real sockets. A quiet socket is never called; bytes are noticed
+    # within about a tick, and on every tick while they stay unread; unwatch stops the calls.
+    pacer = ReadPacer(tick=0.01)
+    if not pacer.can_watch:
+        pytest.skip("watching needs epoll")
+    calls: list[float] = []
+    ours, theirs = trio.socket.socketpair()
+    with ours, theirs, trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pacer.run)
+            pacer.watch(ours.fileno(), lambda: calls.append(trio.current_time()))
+            await trio.sleep(0.1)
+            assert calls == []
+            sent_at = trio.current_time()
+            await theirs.send(b"x")
+            await trio.sleep(0.1)
+            # Noticed within the 0.1 s (ten ticks), and called again on later ticks while unread.
+            assert len(calls) >= 2
+            assert calls[0] > sent_at
+            assert await ours.recv(1) == b"x"
+            await trio.sleep(0.05)
+            count = len(calls)
+            await trio.sleep(0.1)
+            assert len(calls) == count  # read: no more calls
+            pacer.unwatch(ours.fileno())
+            await theirs.send(b"y")
+            await trio.sleep(0.1)
+            assert len(calls) == count
+            nursery.cancel_scope.cancel()
