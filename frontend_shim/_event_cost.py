@@ -6,8 +6,14 @@ per message it measures on itself. :class:`EventCostMeter` is the sans-IO estima
 (:mod:`frontend_shim._pool`) feeds it every ``window`` seconds the process's CPU time and the
 event messages and connection attempts its links have counted so far (running totals).
 
+An event message, for the budget, is one *read* of a worker's event plane: a negotiating
+worker's batch, read as it comes, or whatever one paced read of a worker that does not
+negotiate finds (one batch or several, or none). The budget hands out reads, so the pool
+counts reads (``LinkStats.event_reads``), not batches: counting batches let a fleet of paced
+workers, whose reads bring more than one, use more of the core than the share.
+
 What is measured, and why: **the process's CPU time over a window divided by the event messages
-decoded in it** (``time.process_time()``). A clock around the synchronous part of a read (decode,
+(reads) in it** (``time.process_time()``). A clock around the synchronous part of a read (decode,
 latest wins, apply) would miss most of what an event message costs: the wake-up of the reader
 task, the scheduler's pass, the poll of the socket, the websocket frame parsing inside the
 await, the pacer and the slices, none of which can be timed from inside the reader (a
