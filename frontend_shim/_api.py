@@ -336,6 +336,7 @@ class FrontendAPI:
                     return
                 if isinstance(first, wire.Rejected):
                     reason = first.reason
+                    link.catch_up_events()
                 elif first.kind == "unavailable":
                     reason = f"Server unavailable: {first.message}"
                 else:

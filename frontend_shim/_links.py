@@ -328,6 +328,7 @@ class WorkerLink:
         self._budget = budget
         self._slices = slices
         self._pacer = pacer
+        self._in_place: _InPlaceReads | None = None
         self._wait_until = pacer.wait_until if pacer is not None else trio.sleep_until
         self._server_hostname = server_hostname
         self._backoff = Backoff(
@@ -405,6 +406,13 @@ class WorkerLink:
         finally:
             # A no-op when the request already ended or the session is gone.
             plane.cancel(request_id)
+
+    def catch_up_events(self) -> None:
+        """Apply now what the worker's event socket holds, when the pacer reads it in place
+        (rule 5): called before a rejection is acted on, so that events the worker sent before
+        it are not applied after the mark it causes (and clear it)."""
+        if self._in_place is not None:
+            self._in_place.catch_up()
 
     @property
     def paced(self) -> bool:
@@ -603,7 +611,11 @@ class WorkerLink:
                 self._apply_events(messages, lag)
 
             reads = _InPlaceReads(events, apply, self.stats, pacer, paced_by=budget, lag=lag)
-            await reads.run()
+            self._in_place = reads
+            try:
+                await reads.run()
+            finally:
+                self._in_place = None
             return
         slices = self._slices
         wait_until = self._wait_until
@@ -778,9 +790,24 @@ class _InPlaceReads:
 
     def read(self) -> None:
         """One read (called by the pacer; never raises, never waits)."""
+        if self._take() and self._budget is not None:
+            self._next_after(trio.current_time())
+
+    def catch_up(self) -> None:
+        """Read what the socket holds now, out of turn (never raises, never waits).
+
+        Before the frontend acts on a reply the worker sent after some events (a rejection
+        marks the worker overloaded, and an event applied after the mark clears it), those
+        events are applied first, as they would have been had the plane been read at once.
+        """
+        self._take()
+
+    def _take(self) -> bool:
+        """Read and apply what the socket holds; False when the task is to be woken instead
+        (or nothing may be read: a reply is owed, the read failed, the session is over)."""
         events = self._events
         if self._stopped or self._error is not None or events.owes_reply:
-            return
+            return False
         self._stats.event_reads += 1
         try:
             messages = events.messages_now()
@@ -789,11 +816,11 @@ class _InPlaceReads:
         except Exception as exc:  # the link's task raises it (rule 4)
             self._error = exc
             self._wake.set()
-            return
+            return False
         if events.owes_reply:
             self._wake.set()
-        elif self._budget is not None:
-            self._next_after(trio.current_time())
+            return False
+        return True
 
     async def run(self) -> None:
         """Serve the reads' needs until one fails (always ends by raising)."""

@@ -599,6 +599,44 @@ async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() ->
     assert pongs == [b"p1", b"p2", b"p3"]
 
 
+async def test_a_paced_link_catches_up_out_of_turn_without_reading_more_often() -> None:
+    # Read once a second; the worker sends a heartbeat, and the frontend is about to act on a
+    # reply the worker sent after it (a rejection): catching up applies it now, and the pacing
+    # goes on as before (one read a second, not two).
+    to_send: trio.MemorySendChannel[int]
+    to_send, to_worker = trio.open_memory_channel[int](10)
+
+    async def old_worker_events(stream: trio.SocketStream) -> None:
+        await stream.send_all(hello_frame())
+        async for seq in to_worker:
+            await stream.send_all(v1_heartbeat_frame(seq))
+
+    budget = EventBudget(1)
+    budget.resize(1)  # one read a second
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await serve_fake_worker(
+                nursery, events=old_worker_events, requests=hello_then_never_read
+            )
+            pacer = ReadPacer()
+            await nursery.start(pacer.run)
+            listener = SeqListener()
+            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
+            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
+            await nursery.start(link.run)
+            await poll(lambda: link.connected, "the link to come up")
+            await trio.sleep(0.2)  # the first read (at once) is behind us
+            await to_send.send(1)
+            await trio.sleep(0.05)  # in the socket, not read: the next read is a second away
+            assert listener.newest == 0
+            link.catch_up_events()
+            assert listener.newest == 1
+            reads = link.stats.event_reads
+            await trio.sleep(2.1)
+            assert link.stats.event_reads - reads <= 3  # still about one a second
+            nursery.cancel_scope.cancel()
+
+
 def client_frames(data: bytes | bytearray) -> list[tuple[int, bytes]]:
     """The frames a client wrote (masked, payloads under 126 bytes), unmasked."""
     frames = []
