@@ -121,7 +121,7 @@ class WorkerPool:
         self.budget = EventBudget(event_budget) if event_budget is not None else None
         #: The turns for event work shared by the links.
         self.slices = EventSlices(events_per_slice)
-        self._pacer = ReadPacer()
+        self._pacer = ReadPacer(per_slice=events_per_slice)
         #: The cost per event message, measured whether or not the budget follows it.
         self.cost = EventCostMeter(
             initial_budget=event_budget or DEFAULT_EVENT_BUDGET,
