@@ -259,7 +259,7 @@ def _frontend(
     event_budget
         Event messages a second this frontend takes from all its workers together; each worker
         is asked for (or read at) the interval that keeps to it. 0: no budget. Unset: the
-        budget is what fits in 45 % of a core at the cost per message this frontend measures.
+        budget is what fits in 48 % of a core at the cost per message this frontend measures.
     tls_cert_path
         PEM certificate chain: the HTTP listener serves https:// (needs --tls-key-path).
         Local workers are given it too and serve wss://.

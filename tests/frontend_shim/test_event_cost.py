@@ -59,14 +59,14 @@ def test_one_outlier_window_does_not_move_the_budget() -> None:
     process = Process(meter)
     for _ in range(5):
         process.window(10_000, 50e-6)
-    assert meter.budget == pytest.approx(9000)
+    assert meter.budget == pytest.approx(DEFAULT_CORE_SHARE / 50e-6)  # 9,600
     # A burst of HTTP work charged to one window's messages: eight times the cost.
     assert not process.window(10_000, 400e-6)
     assert meter.cost == pytest.approx(50e-6)
     # A step that lasts is followed once it holds for most of the samples.
     assert not process.window(10_000, 100e-6)
     assert process.window(10_000, 100e-6)
-    assert meter.budget == pytest.approx(4500)
+    assert meter.budget == pytest.approx(DEFAULT_CORE_SHARE / 100e-6)  # 4,800
 
 
 def test_the_budget_is_where_the_whole_frontend_uses_its_share() -> None:
@@ -115,26 +115,30 @@ def test_an_absurd_cost_is_clamped_to_the_range(cost: float, budget: float) -> N
     assert meter.cost == pytest.approx(DEFAULT_CORE_SHARE / budget)
 
 
+#: The cost per message whose budget is 10,000 a second.
+COST_OF_10K = DEFAULT_CORE_SHARE / 10_000
+
+
 def test_the_budget_moves_only_past_the_change_share() -> None:
     meter = EventCostMeter(samples=1, first_samples=1, hold=0.0)
     process = Process(meter)
-    assert process.window(10_000, 45e-6)  # 10,000
+    assert process.window(10_000, COST_OF_10K)  # 10,000
     assert meter.budget == pytest.approx(10_000)
-    assert not process.window(10_000, 45e-6 / 1.15)  # wants 11,500: within 20 %
+    assert not process.window(10_000, COST_OF_10K / 1.15)  # wants 11,500: within 20 %
     assert meter.budget == pytest.approx(10_000)
-    assert not process.window(10_000, 45e-6 / 0.85)  # wants 8,500: within 20 %
-    assert process.window(10_000, 45e-6 / 1.3)  # wants 13,000
+    assert not process.window(10_000, COST_OF_10K / 0.85)  # wants 8,500: within 20 %
+    assert process.window(10_000, COST_OF_10K / 1.3)  # wants 13,000
     assert meter.budget == pytest.approx(13_000)
 
 
 def test_a_budget_stays_in_force_for_the_hold() -> None:
     meter = EventCostMeter(samples=1, first_samples=1, hold=10.0)
     process = Process(meter)
-    assert process.window(10_000, 45e-6)  # the first estimate is taken at once: 10,000
+    assert process.window(10_000, COST_OF_10K)  # the first estimate is taken at once: 10,000
     for _ in range(4):  # 8 s: held however far the cost moved
-        assert not process.window(10_000, 90e-6)
+        assert not process.window(10_000, 2 * COST_OF_10K)
     assert meter.budget == pytest.approx(10_000)
-    assert process.window(10_000, 90e-6)  # 10 s after the last move
+    assert process.window(10_000, 2 * COST_OF_10K)  # 10 s after the last move
     assert meter.budget == pytest.approx(5000)
 
 
