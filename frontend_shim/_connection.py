@@ -165,29 +165,13 @@ class PlaneConnection:
                 data = bytes(await self._stream.receive_some(RECEIVE_BYTES))
                 if not data:
                     raise PlaneClosed(1006, "")
-            self.last_received = trio.current_time()
-            self.ping_sent_at = None
-            try:
-                frames = self._reader.receive(data)
-            except WebSocketProtocolError as exc:
-                raise ProtocolError(f"{exc} on {self.path}") from exc
-            messages: list[bytes] = []
-            for opcode, payload in frames:
-                if opcode == OP_BINARY:
-                    messages.append(payload)
-                elif opcode == OP_PING:
-                    await self._send_frame(encode_frame(OP_PONG, payload))
-                elif opcode == OP_CLOSE:
-                    code, reason = parse_close(payload)
-                    await self._reply_close(code)
-                    if not messages:
-                        raise PlaneClosed(code, reason)
-                    self._peer_closed = PlaneClosed(code, reason)
-                    return messages
-                elif opcode != OP_PONG:
-                    raise ProtocolError(f"a text message on {self.path} (the protocol is binary)")
+            messages = self._take(data)
+            if self.owes_reply:
+                await self.send_owed()
             if messages:
                 return messages
+            if self._peer_closed is not None:
+                raise self._peer_closed
 
     def messages_now(self) -> list[bytes]:
         """The whole binary messages the socket holds now, read in place (rule 5).
@@ -197,7 +181,7 @@ class PlaneConnection:
 
         Returns:
             The messages, in order; empty when the socket held none whole (nothing yet, part of
-            a frame, or only control frames): then :meth:`send_owed` and await :meth:`messages`.
+            a frame, or only control frames; a reply they call for is then owed).
 
         Raises:
             PlaneClosed: EOF, or the worker's close once its reply was sent.
@@ -218,6 +202,11 @@ class PlaneConnection:
                 return []
             if not data:
                 raise PlaneClosed(1006, "")
+        return self._take(data)
+
+    def _take(self, data: bytes) -> list[bytes]:
+        """Rules 2 and 3 for what one read brought: its whole binary messages, in order; a
+        ping's pong and a close's reply become owed, and the close is held for the next read."""
         self.last_received = trio.current_time()
         self.ping_sent_at = None
         try:
