@@ -29,6 +29,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+from client_frames import client_frames
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
@@ -635,21 +636,6 @@ async def test_a_paced_link_catches_up_out_of_turn_without_reading_more_often() 
             await trio.sleep(2.1)
             assert link.stats.event_reads - reads <= 3  # still about one a second
             nursery.cancel_scope.cancel()
-
-
-def client_frames(data: bytes | bytearray) -> list[tuple[int, bytes]]:
-    """The frames a client wrote (masked, payloads under 126 bytes), unmasked."""
-    frames = []
-    position = 0
-    while position + 6 <= len(data):
-        length = data[position + 1] & 0x7F
-        mask = data[position + 2 : position + 6]
-        payload = data[position + 6 : position + 6 + length]
-        frames.append(
-            (data[position] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
-        )
-        position += 6 + length
-    return frames
 
 
 def client_opcodes(data: bytes | bytearray) -> list[int]:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 import trio.testing
+from client_frames import client_frames
 
 from frontend_shim._connection import PlaneClosed, PlaneConnection, ProtocolError
 from frontend_shim._websocket import (
@@ -73,21 +74,6 @@ async def socket_connection() -> AsyncIterator[tuple[PlaneConnection, trio.Socke
     finally:
         await client.aclose()
         await worker.aclose()
-
-
-def client_frames(data: bytes) -> list[tuple[int, bytes]]:
-    """Unmask what the connection wrote (client frames are masked)."""
-    frames = []
-    position = 0
-    while position < len(data):
-        length = data[position + 1] & 0x7F
-        mask = data[position + 2 : position + 6]
-        payload = data[position + 6 : position + 6 + length]
-        frames.append(
-            (data[position] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
-        )
-        position += 6 + length
-    return frames
 
 
 async def test_a_read_in_place_returns_what_the_socket_holds_and_never_waits() -> None:
