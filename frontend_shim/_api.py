@@ -336,12 +336,13 @@ class FrontendAPI:
                     return
                 if isinstance(first, wire.Rejected):
                     reason = first.reason
-                    link.catch_up_events()
                 elif first.kind == "unavailable":
                     reason = f"Server unavailable: {first.message}"
                 else:
                     await send_failure(responder, exchange, first)
                     return
+            # What the worker sent before it refused is applied before the refusal marks it.
+            link.catch_up_events()
             if attempt.on_rejected(
                 self._router, worker_id, reason, trio.current_time(), priority, tenant
             ):
