@@ -23,8 +23,9 @@ Rules:
    holds now, without waiting and without yielding to the scheduler (a frontend reading
    thousands of workers at an interval pays a syscall per read, not a task switch). It cannot
    write, so a ping or a close read that way leaves a reply *owed* (:attr:`owes_reply`) until
-   :meth:`send_owed` writes it; until then the next read is refused (a close raises
-   :class:`PlaneClosed` only once its reply went out, as in rule 3). Under TLS only the SSL stream
+   :meth:`send_owed` writes it; its reader reads no more until then (a close raises
+   :class:`PlaneClosed` only once its reply went out, as in rule 3). :meth:`messages` handles its
+   frames the same way and writes what they owe before it returns. Under TLS only the SSL stream
    can read the bytes: :attr:`reads_in_place` is False and :meth:`messages` is the only way.
 """
 

@@ -286,14 +286,14 @@ class ReadPacer:
         """Wake the readers and make the calls whose time has come, once per tick, until
         cancelled."""
         task_status.started()
-        slept_to = -1
         try:
-            await self._run(slept_to)
+            await self._run()
         finally:
             if self._epoll is not None:
                 self._epoll.close()
 
-    async def _run(self, slept_to: int) -> None:
+    async def _run(self) -> None:
+        slept_to = -1
         while True:
             if not self._slots and not self._calls and not self._watched:
                 self._waiting = trio.Event()

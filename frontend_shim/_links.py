@@ -47,14 +47,16 @@ Rules of a session (the state machine of a link):
    :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
    read brings, however many batches, is applied as one batch of its latest state
    (:func:`~frontend_shim._event_budget.latest_wins`), for every link. On plain TCP with the
-   pool's pacer, such a link is read *in place* (:class:`_PacedReads`): the pacer calls the read
-   in its own task, the read takes what the socket holds without waiting
-   (:meth:`PlaneConnection.messages_now`) and asks for the next one an interval later, whether
-   or not it found anything, so the reads a second are the budget's and cost no task switch; the
-   link's task wakes only to write an owed pong or close reply, or to end the session on a
-   failed read. Otherwise (TLS, no pacer, a negotiating worker) the link's task reads, and each
-   read takes a turn from the pool's :class:`~frontend_shim._event_budget.EventSlices` before it
-   is applied.
+   pool's pacer, every link's event plane is read *in place* (:class:`_InPlaceReads`): the pacer
+   calls the read in its own task and the read takes what the socket holds without waiting
+   (:meth:`PlaneConnection.messages_now`). A paced link asks for its next read an interval
+   later, whether or not it found anything, so the reads a second are the budget's; any other
+   link is read on each tick of the pacer at which its socket holds bytes. Neither costs a task
+   switch; the link's task wakes only to write an owed pong or close reply, or to end the
+   session on a failed read. Before a rejection from the worker is acted on, its event plane is
+   read out of turn (:meth:`WorkerLink.catch_up_events`). Otherwise (TLS, no pacer, no epoll)
+   the link's task reads, and each read takes a turn from the pool's
+   :class:`~frontend_shim._event_budget.EventSlices` before it is applied.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """

@@ -245,15 +245,15 @@ class WorkerPool:
         while True:
             # The budget is spent in reads (a read brings one batch of a negotiating worker, or
             # whatever one paced read finds, or nothing): the cost that sets it is per read.
-            messages = connects = 0
+            reads = connects = 0
             for link in self._links.values():
                 stats = link.stats
-                messages += stats.event_reads
+                reads += stats.event_reads
                 connects += stats.sessions + stats.connect_failures
             moved = meter.sample(
                 now=trio.current_time(),
                 cpu=time.process_time(),
-                messages=messages,
+                messages=reads,
                 connects=connects,
                 links=len(self._links),
             )
