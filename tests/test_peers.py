@@ -500,6 +500,33 @@ class SeqListener(Listener):
         self.newest = max([self.newest, *(event.seq for event in events)])
 
 
+async def record_everything(stream: trio.SocketStream, into: bytearray) -> None:
+    """What the frontend writes on a hand-made worker's plane, until it closes."""
+    while data := await stream.receive_some(4096):
+        into.extend(data)
+
+
+async def budget_link(
+    nursery: trio.Nursery, events: Plane, budget: EventBudget, *, in_place: bool = True
+) -> tuple[WorkerLink, SeqListener]:
+    """A link, up on return, to a hand-made worker whose event plane ``events`` serves, read at
+    ``budget`` by the pool's pacer in place (``in_place``) or by the link's task.
+
+    The fake request plane answers no ping: the link's keepalive is off for the test.
+    """
+    url = await serve_fake_worker(nursery, events=events, requests=hello_then_never_read)
+    pacer = None
+    if in_place:
+        pacer = ReadPacer()
+        await nursery.start(pacer.run)
+    listener = SeqListener()
+    quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
+    link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
+    await nursery.start(link.run)
+    await poll(lambda: link.connected, "the link to come up")
+    return link, listener
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["task-reads", "reads-in-place"])
 async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins(in_place: bool) -> None:
     # A version-1 worker: no features in its hello, a batch every 5 ms whatever anyone asks. The
@@ -510,13 +537,8 @@ async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins(in_place
 
     async def old_worker_events(stream: trio.SocketStream) -> None:
         nonlocal sent
-
-        async def read_everything() -> None:
-            while data := await stream.receive_some(4096):
-                received.extend(data)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(read_everything)
+            nursery.start_soon(record_everything, stream, received)
             await stream.send_all(hello_frame())
             while True:
                 sent += 1
@@ -528,19 +550,9 @@ async def test_an_old_worker_is_read_at_the_budget_interval_latest_wins(in_place
     assert budget.interval == pytest.approx(0.2)
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            url = await serve_fake_worker(
-                nursery, events=old_worker_events, requests=hello_then_never_read
+            link, listener = await budget_link(
+                nursery, old_worker_events, budget, in_place=in_place
             )
-            listener = SeqListener()
-            # The fake request plane answers no ping: no keepalive within the test.
-            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
-            pacer = None
-            if in_place:
-                pacer = ReadPacer()
-                await nursery.start(pacer.run)
-            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
-            await nursery.start(link.run)
-            await poll(lambda: link.connected, "the link to come up")
             assert link.paced
             assert not link.negotiated
             await poll(lambda: sent > 20, "the worker to send")
@@ -564,12 +576,8 @@ async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() ->
     pings = 3
 
     async def pinging_worker_events(stream: trio.SocketStream) -> None:
-        async def read_everything() -> None:
-            while data := await stream.receive_some(4096):
-                received.extend(data)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(read_everything)
+            nursery.start_soon(record_everything, stream, received)
             await stream.send_all(hello_frame())
             for seq in range(1, pings + 1):
                 await stream.send_all(bytes([0x89, 2]) + b"p%d" % seq + v1_heartbeat_frame(seq))
@@ -583,16 +591,7 @@ async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() ->
     budget.resize(2)  # one read every 0.1 s
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            url = await serve_fake_worker(
-                nursery, events=pinging_worker_events, requests=hello_then_never_read
-            )
-            pacer = ReadPacer()
-            await nursery.start(pacer.run)
-            listener = SeqListener()
-            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
-            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
-            await nursery.start(link.run)
-            await poll(lambda: link.connected, "the link to come up")
+            _, listener = await budget_link(nursery, pinging_worker_events, budget)
             await poll(lambda: listener.downs >= 1, "the close to end the session", tries=500)
             assert listener.newest == pings  # every heartbeat before the close was applied
             nursery.cancel_scope.cancel()
@@ -616,16 +615,7 @@ async def test_a_paced_link_catches_up_out_of_turn_without_reading_more_often() 
     budget.resize(1)  # one read a second
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            url = await serve_fake_worker(
-                nursery, events=old_worker_events, requests=hello_then_never_read
-            )
-            pacer = ReadPacer()
-            await nursery.start(pacer.run)
-            listener = SeqListener()
-            quiet = dataclasses.replace(LINK, keepalive_interval=30.0, keepalive_timeout=30.0)
-            link = WorkerLink(url, listener, quiet, budget=budget, pacer=pacer)
-            await nursery.start(link.run)
-            await poll(lambda: link.connected, "the link to come up")
+            link, listener = await budget_link(nursery, old_worker_events, budget)
             await trio.sleep(0.2)  # the first read (at once) is behind us
             await to_send.send(1)
             await trio.sleep(0.05)  # in the socket, not read: the next read is a second away
