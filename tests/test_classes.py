@@ -13,11 +13,12 @@ gauge shows it), so arrival order is known too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import h11
@@ -159,18 +160,25 @@ async def _blocker(queue: Queue, nursery: trio.Nursery, tokens: int = 100) -> No
     await wait_for_metric(queue.system, "dynamo_engine_request", lambda v: v == 1, "the blocker")
 
 
+@contextlib.asynccontextmanager
+async def queue_through_frontend(queue_limit: int, *flags: str) -> AsyncIterator[Queue]:
+    """A worker (:func:`_worker`'s arguments) behind a frontend, both up and connected, and the
+    :class:`Queue` that sends requests through them."""
+    worker, env = _worker(queue_limit, *flags)
+    async with (
+        started(worker, env) as (ws, system),
+        started(frontend_cmd("--worker", ws), clean_env()) as (url,),
+    ):
+        await wait_connected(url)
+        yield Queue(url, system)
+
+
 # ----------------------------------------------------------------------------- start order
 
 
 async def test_queued_requests_start_by_priority_then_in_arrival_order() -> None:
-    worker, env = _worker(8)
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(8) as queue:
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
                 # The first one queued is in the dispatcher's hand: committed, it starts next.
@@ -187,14 +195,8 @@ async def test_queued_requests_start_by_priority_then_in_arrival_order() -> None
 
 
 async def test_body_priority_orders_like_the_header_and_stays_in_the_body() -> None:
-    worker, env = _worker(8)
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(8) as queue:
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
                 await queue.enqueue(nursery, "hand")
@@ -202,14 +204,14 @@ async def test_body_priority_orders_like_the_header_and_stays_in_the_body() -> N
                     body = completion(priority=priority)
 
                     async def one(name: str = name, body: dict[str, Any] = body) -> None:
-                        reply = await post(url, body)
+                        reply = await post(queue.url, body)
                         queue.replies[name] = reply
                         queue.order.append(name)
 
                     nursery.start_soon(one)
                     queue.queued += 1
                     await wait_for_metric(
-                        system, "dynamo_request_queue", lambda v: v == queue.queued, name
+                        queue.system, "dynamo_request_queue", lambda v: v == queue.queued, name
                     )
             assert queue.order == ["hand", "early", "late"]
 
@@ -218,14 +220,8 @@ async def test_body_priority_orders_like_the_header_and_stays_in_the_body() -> N
 
 
 async def test_a_better_priority_displaces_the_newest_of_the_worst_at_a_full_queue() -> None:
-    worker, env = _worker(3)  # the hand and two channel places
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(3) as queue:  # the hand and two channel places
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
                 await queue.enqueue(nursery, "hand", ("x-dynamo-priority", "9"))
@@ -242,7 +238,7 @@ async def test_a_better_priority_displaces_the_newest_of_the_worst_at_a_full_que
                 assert headers[b"x-dynamo-reject-reason"] == b"displaced"
                 # An arrival no better than the worst waiting is simply refused.
                 status, headers, body = await post_past_marks(
-                    url, completion(), [("x-dynamo-priority", "9")]
+                    queue.url, completion(), [("x-dynamo-priority", "9")]
                 )
                 assert (status, body) == (529, OVERLOAD_BODY)
                 assert headers[b"x-dynamo-reject-reason"] == b"queue_full"
@@ -254,21 +250,15 @@ async def test_a_better_priority_displaces_the_newest_of_the_worst_at_a_full_que
                 }
             assert reasons == {"displaced": 1, "queue_full": 1, "queue_timeout": 0, "slo": 0}
             assert queue.order == ["hand", "urgent", "old9"]
-            _, text = await call(url, "GET", "/metrics")
+            _, text = await call(queue.url, "GET", "/metrics")
             name = "dynamo_frontend_rejection_by_reason_total"
             for reason in ("displaced", "queue_full"):
                 assert f'{name}{{model="mock-model",reason="{reason}"}} 1.0' in text.decode()
 
 
 async def test_a_tenant_with_fewer_places_displaces_the_tenant_holding_the_most() -> None:
-    worker, env = _worker(4)  # the hand and three channel places
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(4) as queue:  # the hand and three channel places
             heavy = ("x-dynamo-tenant", "heavy")
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
@@ -284,7 +274,7 @@ async def test_a_tenant_with_fewer_places_displaces_the_tenant_holding_the_most(
                 assert status == 529
                 assert headers[b"x-dynamo-reject-reason"] == b"displaced"
                 # heavy holds two places, light one: heavy cannot displace, it is refused.
-                status, headers, _ = await post_past_marks(url, completion(), [heavy])
+                status, headers, _ = await post_past_marks(queue.url, completion(), [heavy])
                 assert (status, headers[b"x-dynamo-reject-reason"]) == (529, b"queue_full")
                 assert (
                     await queue.worker_metric(
@@ -311,22 +301,16 @@ async def _past_the_mark(
     once, see the worker marked for that class, then send a ``better`` request (``better``): it
     passes the mark and displaces the newest of ``fill``. Returns the queue and the frontend's
     metrics."""
-    worker, env = _worker(queue_limit, *QUIET)
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(queue_limit, *QUIET) as queue:
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
                 for name in fill:
                     await queue.enqueue(nursery, name, *refused)
-                status, headers, _ = await post(url, completion(), refused)
+                status, headers, _ = await post(queue.url, completion(), refused)
                 assert (status, headers[b"x-dynamo-reject-reason"]) == (529, b"queue_full")
                 # Marked for the class it refused: the next of that class is refused here.
-                status, headers, body = await post(url, completion(), refused)
+                status, headers, body = await post(queue.url, completion(), refused)
                 assert (status, body) == (529, OVERLOAD_BODY)
                 assert headers[b"x-dynamo-reject-reason"] == b"marked"
                 # A class that may displace there still reaches the worker, in the same lease.
@@ -338,7 +322,7 @@ async def _past_the_mark(
                 status, headers, body = queue.replies[fill[-1]]
                 assert (status, body) == (529, OVERLOAD_BODY)
                 assert headers[b"x-dynamo-reject-reason"] == b"displaced"
-            _, text = await call(url, "GET", "/metrics")
+            _, text = await call(queue.url, "GET", "/metrics")
     assert queue.replies["better"][0] == 200
     return queue, text
 
@@ -364,14 +348,8 @@ async def test_another_tenant_of_the_same_priority_passes_the_mark_of_the_heavy_
 
 
 async def test_a_late_light_tenant_is_interleaved_with_a_heavy_one() -> None:
-    worker, env = _worker(12)
     with trio.fail_after(TIMEOUT):
-        async with (
-            started(worker, env) as (ws, system),
-            started(frontend_cmd("--worker", ws), clean_env()) as (url,),
-        ):
-            await wait_connected(url)
-            queue = Queue(url, system)
+        async with queue_through_frontend(12) as queue:
             async with trio.open_nursery() as nursery:
                 await _blocker(queue, nursery)
                 for index in range(6):
