@@ -646,6 +646,9 @@ class WorkerLink:
             if isinstance(message, wire.Hello):
                 self.stats.protocol_errors += 1
                 raise ProtocolError("a second hello on the event plane")
+            if isinstance(message, wire.KvBatch):
+                # KV events come only to a subscriber that asks for them; none is read here yet.
+                continue
             batch = message.events
             sent = message.sent or (batch[-1].ts if batch else sent)
             batches.append(batch)

@@ -31,6 +31,14 @@ Rules:
    With :data:`FEATURE_PUBLISH_INTERVAL` the subscriber may also ask for a longer interval of
    its own (:attr:`Subscribe.publish_interval`): the worker sends it at most one batch every
    ``max(load_publish_interval, publish_interval)`` seconds, edges still at once.
+6. KV events (:data:`FEATURE_KV_EVENTS`, listed by a worker with a prefix cache): a subscriber
+   that sends a :class:`Subscribe` with ``kv_events=True`` is sent a :class:`KvSnapshot` first,
+   then every :class:`KvStored`, :class:`KvRemoved` and :class:`KvCleared` in order, in
+   :class:`KvBatch` messages, never coalesced. KV events are numbered per worker, consecutive from
+   1 across all its ranks (a snapshot carries the number of the last event it covers); a
+   subscriber that sees a jump sends a later :class:`Subscribe` with ``kv_snapshot=True`` and is
+   sent a fresh snapshot. A worker whose subscriber cannot keep up sends it a fresh snapshot
+   rather than an unbounded backlog. :attr:`Generate.dp_rank` names the rank the router chose.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ __all__ = [
     "CLOSE_UNDECODABLE",
     "EVENTS_PATH",
     "FEATURE_BUSY_EDGES",
+    "FEATURE_KV_EVENTS",
     "FEATURE_PUBLISH_INTERVAL",
     "MAX_SUBSCRIBER_INTERVAL",
     "REQUESTS_PATH",
@@ -83,6 +92,12 @@ __all__ = [
     "Generate",
     "Heartbeat",
     "Hello",
+    "KvBatch",
+    "KvCleared",
+    "KvEvent",
+    "KvRemoved",
+    "KvSnapshot",
+    "KvStored",
     "LoadEvent",
     "RankLoad",
     "Reply",
@@ -129,6 +144,9 @@ TENANT_MAX_CHARS: Final = 256
 #: Hello feature: the worker honours :attr:`Subscribe.publish_interval` (it reads
 #: :class:`Subscribe` even without :data:`FEATURE_BUSY_EDGES`).
 FEATURE_PUBLISH_INTERVAL: Final = "publish-interval"
+#: Hello feature: the worker has a prefix cache and publishes KV events to a subscriber that asks
+#: for them (:attr:`Subscribe.kv_events`), and honours :attr:`Generate.dp_rank`.
+FEATURE_KV_EVENTS: Final = "kv-events"
 #: The longest :attr:`Subscribe.publish_interval` a subscriber may ask for (seconds).
 MAX_SUBSCRIBER_INTERVAL: Final = 60.0
 
@@ -325,6 +343,59 @@ class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_
     #: interval). Honoured by workers listing :data:`FEATURE_PUBLISH_INTERVAL`, bounded below by
     #: their own ``load_publish_interval``; older workers ignore it.
     publish_interval: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBSCRIBER_INTERVAL)] = 0.0
+    #: Send this subscriber KV events (a worker listing :data:`FEATURE_KV_EVENTS`; older
+    #: workers ignore it): a :class:`KvSnapshot` first, then every event in order.
+    kv_events: bool = False
+    #: On a later Subscribe with ``kv_events``: the subscriber saw a gap in the KV events' ``seq``
+    #: and asks for a fresh :class:`KvSnapshot`, from which the events continue.
+    kv_snapshot: bool = False
+
+
+# ----------------------------------------------------------------------------- KV events
+
+
+class KvStored(msgspec.Struct, frozen=True, kw_only=True, tag="kv-stored", tag_field="type"):
+    """Blocks entered rank ``dp_rank``'s cache: ``blocks`` is a chain of block names
+    (:func:`shim_common.prefix.block_names`), the first one's parent ``parent`` (``None``: the
+    chain starts a prompt)."""
+
+    seq: int
+    dp_rank: int
+    parent: int | None
+    blocks: list[int]
+
+
+class KvRemoved(msgspec.Struct, frozen=True, kw_only=True, tag="kv-removed", tag_field="type"):
+    """Blocks left rank ``dp_rank``'s cache (evicted)."""
+
+    seq: int
+    dp_rank: int
+    blocks: list[int]
+
+
+class KvCleared(msgspec.Struct, frozen=True, kw_only=True, tag="kv-cleared", tag_field="type"):
+    """Every block left rank ``dp_rank``'s cache."""
+
+    seq: int
+    dp_rank: int
+
+
+class KvSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="kv-snapshot", tag_field="type"):
+    """The whole cache of a worker: ``ranks[r]`` holds the block names cached on rank ``r``, as
+    they stand after KV event ``seq`` (0: before any event). It replaces whatever the subscriber
+    believed; the events after it continue from ``seq + 1``."""
+
+    seq: int
+    ranks: list[list[int]]
+
+
+KvEvent = KvStored | KvRemoved | KvCleared | KvSnapshot
+
+
+class KvBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv", tag_field="type"):
+    """KV events in order, on the event plane; never coalesced."""
+
+    events: list[KvEvent]
 
 
 # ----------------------------------------------------------------------------- request plane
@@ -348,6 +419,9 @@ class Generate(
     #: Whose request this is, for fair sharing (at most ``TENANT_MAX_CHARS`` characters; ``""``
     #: is the shared tenant); sent only to a worker that lists :data:`FEATURE_CLASSES`.
     tenant: Annotated[str, msgspec.Meta(max_length=TENANT_MAX_CHARS)] = ""
+    #: The data-parallel rank the router chose, honoured by a worker that lists
+    #: :data:`FEATURE_KV_EVENTS` (``None``, or a rank the worker does not have: its own pick).
+    dp_rank: int | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
@@ -394,6 +468,9 @@ class End(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field="type"
     request_id: int
     prompt_tokens: int
     completion_tokens: int
+    #: Of the prompt tokens, those found in the engine's prefix cache (0 when none, or unknown,
+    #: or from an older worker).
+    cached_tokens: int = 0
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field="type"):
@@ -421,7 +498,9 @@ WorkerMessage = Hello | Rejected | Started | Chunk | End | Failed | Cancel | Bat
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
-_event_decoder = msgspec.msgpack.Decoder(Hello | EventBatch)
+_event_decoder: msgspec.msgpack.Decoder[Hello | EventBatch | KvBatch] = msgspec.msgpack.Decoder(
+    Hello | EventBatch | KvBatch
+)
 _subscriber_decoder = msgspec.msgpack.Decoder(Subscribe)
 
 
@@ -458,7 +537,7 @@ def decode_worker_message(data: bytes) -> WorkerMessage:
     return _decode(_worker_decoder, data)
 
 
-def decode_event_message(data: bytes) -> Hello | EventBatch:
+def decode_event_message(data: bytes) -> Hello | EventBatch | KvBatch:
     """Decode what a worker sends on the event plane (raises like the above)."""
     return _decode(_event_decoder, data)
 

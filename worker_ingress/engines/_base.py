@@ -35,6 +35,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
+from shim_common import prefix
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._watch import ChangeSignal
 
@@ -218,29 +219,9 @@ def count_words(text: str) -> int:
     return len(text.split())
 
 
-def _texts_of_content(content: object, where: str) -> list[str]:
-    # OpenAI content: a string, null (an assistant turn with tool calls only) or a list of parts,
-    # of which only the text parts carry words (a part without "type" is taken as text).
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part_index, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise EngineInputError(f"{where}.content[{part_index}] must be an object")
-            if part.get("type", "text") == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise EngineInputError(f"{where}.content[{part_index}].text must be a string")
-                texts.append(text)
-        return texts
-    raise EngineInputError(f"{where}.content must be a string, a list of parts or null")
-
-
 def chat_texts(messages: object) -> list[str]:
-    """The texts of a chat's ``messages``, in order (non-text content parts are skipped).
+    """The texts of a chat's ``messages``, in order (non-text content parts are skipped); the
+    one reading of :func:`shim_common.prefix.chat_texts`, which the frontend tokenises by too.
 
     Args:
         messages: The ``messages`` value of a chat body.
@@ -252,16 +233,10 @@ def chat_texts(messages: object) -> list[str]:
         EngineInputError: ``messages`` is not a non-empty list of objects, a message has neither
             ``content`` nor ``tool_calls``, or a content is ill-typed.
     """
-    if not isinstance(messages, list) or not messages:
-        raise EngineInputError("'messages' must be a non-empty list of message objects")
-    texts: list[str] = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise EngineInputError(f"messages[{index}] must be an object")
-        if "content" not in message and "tool_calls" not in message:
-            raise EngineInputError(f"messages[{index}] has no 'content'")
-        texts.extend(_texts_of_content(message.get("content"), f"messages[{index}]"))
-    return texts
+    try:
+        return prefix.chat_texts(messages)
+    except ValueError as error:
+        raise EngineInputError(str(error)) from None
 
 
 def _prompt_field(endpoint: Endpoint) -> str:
