@@ -341,8 +341,8 @@ class FrontendAPI:
                 else:
                     await send_failure(responder, exchange, first)
                     return
-            # What the worker sent before it refused is applied before the refusal marks it.
-            link.catch_up_events()
+            # The events the worker sent before it refused are applied already: the link
+            # applies them before it hands a refusal over (frontend_shim._request_plane).
             if attempt.on_rejected(
                 self._router, worker_id, reason, trio.current_time(), priority, tenant
             ):

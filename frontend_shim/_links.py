@@ -47,16 +47,17 @@ Rules of a session (the state machine of a link):
    :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
    read brings, however many batches, is applied as one batch of its latest state
    (:func:`~frontend_shim._event_budget.latest_wins`), for every link. On plain TCP with the
-   pool's pacer, every link's event plane is read *in place* (:class:`_InPlaceReads`): the pacer
-   calls the read in its own task and the read takes what the socket holds without waiting
-   (:meth:`PlaneConnection.messages_now`). A paced link asks for its next read an interval
-   later, whether or not it found anything, so the reads a second are the budget's; any other
-   link is read on each tick of the pacer at which its socket holds bytes. Neither costs a task
-   switch; the link's task wakes only to write an owed pong or close reply, or to end the
-   session on a failed read. Before a rejection from the worker is acted on, its event plane is
-   read out of turn (:meth:`WorkerLink.catch_up_events`). Otherwise (TLS, no pacer, no epoll)
-   the link's task reads, and each read takes a turn from the pool's
-   :class:`~frontend_shim._event_budget.EventSlices` before it is applied.
+   pool's pacer, every link's event plane is read *in place* by the pacer
+   (:class:`~frontend_shim._pacer.InPlaceReads`, its rules 3 to 5): paced at the budget's
+   interval, or on each tick at which the socket holds bytes; the link's task wakes only to
+   write an owed pong or close reply, or to end the session on a failed read. Otherwise (TLS,
+   no pacer, no epoll) the link's task reads, and each read takes a turn from the pool's
+   :class:`~frontend_shim._pacer.EventSlices` before it is applied.
+6. A refusal is applied after the events its worker sent before it: the request plane hands a
+   ``Rejected`` or a ``Failed(kind="unavailable")`` to its request only after the link has read
+   its event plane out of turn and applied what it held (in place; a link whose task reads
+   applies what its last read brought). Whoever acts on the refusal (the router's mark of the
+   worker as overloaded or draining) therefore never has the mark cleared by an older event.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -86,7 +87,10 @@ from frontend_shim._connection import (
     open_plane,
 )
 from frontend_shim._discovery import WorkerKey
-from frontend_shim._event_budget import EventBudget, EventSlices, ReadPacer, latest_wins
+from frontend_shim._event_budget import EventBudget, latest_wins
+from frontend_shim._lag import LagMeter
+from frontend_shim._link_errors import explain_failure, session_end_reason
+from frontend_shim._pacer import EventSlices, InPlaceReads, ReadPacer
 from frontend_shim._request_plane import (
     LinkStats,
     RequestPlane,
@@ -94,14 +98,13 @@ from frontend_shim._request_plane import (
     ResponseBuffer,
     unavailable,
 )
-from frontend_shim._websocket import HandshakeError, HandshakeRejected
+from frontend_shim._websocket import HandshakeError
 from frontend_shim._worker_hello import refusal
 from shim_common import wire
 from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
 __all__ = [
     "FleetListener",
-    "LagMeter",
     "LinkSettings",
     "WorkerLink",
 ]
@@ -188,74 +191,6 @@ class FleetListener(Protocol):
         """The busy thresholds of ``model`` to send to a worker that takes them."""
 
 
-# ----------------------------------------------------------------------------- lag
-
-
-class LagMeter:
-    """How far behind a worker's event stream is read, and whether that is too far (rule 3;
-    sans-IO).
-
-    Args:
-        window: Seconds of each window of the smallest transit time.
-        bound: The lag past which the stream counts as lagging; it counts as caught up again
-            under half of it.
-    """
-
-    __slots__ = (
-        "_bound",
-        "_current_min",
-        "_previous_min",
-        "_window",
-        "_window_end",
-        "allowance",
-        "lag",
-        "lagging",
-        "max_lag",
-    )
-
-    def __init__(self, window: float, bound: float) -> None:
-        self._window = window
-        self._bound = bound
-        self._window_end = -math.inf
-        self._current_min = math.inf
-        self._previous_min = math.inf
-        #: The lag of the latest batch (seconds).
-        self.lag = 0.0
-        #: The largest lag seen.
-        self.max_lag = 0.0
-        #: Whether the stream is lagging now (with the hysteresis above).
-        self.lagging = False
-        #: Seconds of lag allowed on top of the bound (a link read at an interval on purpose).
-        self.allowance = 0.0
-
-    def observe(self, arrival: float, sent: float, now: float) -> bool:
-        """Record one batch: wall-clock ``arrival`` here, ``sent`` there; ``now`` is monotonic.
-
-        Returns:
-            True when this batch turned :attr:`lagging` on or off.
-        """
-        delay = arrival - sent
-        if now >= self._window_end:
-            self._previous_min = self._current_min
-            self._current_min = math.inf
-            self._window_end = now + self._window
-        if delay < self._current_min:
-            self._current_min = delay
-        base = self._current_min if self._current_min < self._previous_min else self._previous_min
-        lag = delay - base
-        self.lag = lag
-        if lag > self.max_lag:
-            self.max_lag = lag
-        if self.lagging:
-            if lag < self._bound / 2 + self.allowance:
-                self.lagging = False
-                return True
-        elif lag > self._bound + self.allowance:
-            self.lagging = True
-            return True
-        return False
-
-
 # ----------------------------------------------------------------------------- one worker
 
 
@@ -332,7 +267,7 @@ class WorkerLink:
         self._budget = budget
         self._slices = slices
         self._pacer = pacer
-        self._in_place: _InPlaceReads | None = None
+        self._in_place: InPlaceReads | None = None
         self._wait_until = pacer.wait_until if pacer is not None else trio.sleep_until
         self._server_hostname = server_hostname
         self._backoff = Backoff(
@@ -411,13 +346,6 @@ class WorkerLink:
             # A no-op when the request already ended or the session is gone.
             plane.cancel(request_id)
 
-    def catch_up_events(self) -> None:
-        """Apply now what the worker's event socket holds, when the pacer reads it in place
-        (rule 5): called before a rejection is acted on, so that events the worker sent before
-        it are not applied after the mark it causes (and clear it)."""
-        if self._in_place is not None:
-            self._in_place.catch_up()
-
     @property
     def paced(self) -> bool:
         """Whether this link reads its worker at the budget's interval (rule 5)."""
@@ -472,7 +400,7 @@ class WorkerLink:
                     level,
                     "worker %s: %s; reconnecting",
                     self.key,
-                    _explain(group, tls=self._tls, connecting=not self._reached_up),
+                    explain_failure(group, tls=self._tls, connecting=not self._reached_up),
                 )
             quiet = not self._reached_up
             if self._reached_up:
@@ -563,6 +491,7 @@ class WorkerLink:
             send_queue=self._settings.send_queue,
             stats=self.stats,
             classes=wire.FEATURE_CLASSES in hello.features,
+            before_refusal=self._catch_up_events,
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
@@ -578,7 +507,7 @@ class WorkerLink:
                 nursery.start_soon(self._send_requests, requests, plane)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
         except BaseException as exc:
-            reason = _reason_of(exc)
+            reason = session_end_reason(exc)
             raise
         finally:
             # Before the websockets close (which may wait for a dead peer): fail the open
@@ -614,7 +543,7 @@ class WorkerLink:
             def apply(messages: list[bytes]) -> None:
                 self._apply_events(messages, lag)
 
-            reads = _InPlaceReads(events, apply, self.stats, pacer, paced_by=budget, lag=lag)
+            reads = InPlaceReads(events, apply, self.stats, pacer, paced_by=budget, lag=lag)
             self._in_place = reads
             try:
                 await reads.run()
@@ -634,6 +563,12 @@ class WorkerLink:
             if slices is not None:
                 await slices.turn()
             self._apply_events(messages, lag)
+
+    def _catch_up_events(self) -> None:
+        """Apply now what the worker's event socket holds, when the pacer reads it in place
+        (rule 6): the request plane calls it before it hands over a refusal of the worker's."""
+        if self._in_place is not None:
+            self._in_place.catch_up()
 
     def _apply_events(self, messages: list[bytes], lag: LagMeter) -> None:
         """Decode what one read brought and hand its latest state to the listener (rules 3, 5)."""
@@ -743,117 +678,6 @@ class WorkerLink:
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from exc
 
 
-class _InPlaceReads:
-    """The event plane of a link read in place by the pool's pacer (rule 5).
-
-    Two ways, fixed for the session: *paced* (a worker that does not negotiate the interval), the
-    pacer calls :meth:`read` once per budget interval and the read asks for the next call one
-    interval on, whether or not it found anything (what arrives meanwhile waits for that read:
-    an edge waits at most one interval either way, and the reads a second stay the budget's);
-    *watched* (any other worker), the pacer calls :meth:`read` on each tick at which the socket
-    holds bytes. Either way the read runs in the pacer's task, takes what the socket holds
-    without waiting and applies it. The link's task (:meth:`run`) sleeps meanwhile and is woken
-    only when a read needs it: a pong or close reply is owed (no read is made until it is
-    written), or the read failed (it raises the failure, which ends the session).
-    """
-
-    __slots__ = (
-        "_apply",
-        "_budget",
-        "_error",
-        "_events",
-        "_lag",
-        "_pacer",
-        "_stats",
-        "_stopped",
-        "_wake",
-    )
-
-    def __init__(
-        self,
-        events: PlaneConnection,
-        apply: Callable[[list[bytes]], None],
-        stats: LinkStats,
-        pacer: ReadPacer,
-        *,
-        paced_by: EventBudget | None,
-        lag: LagMeter,
-    ) -> None:
-        self._events = events
-        self._apply = apply
-        self._stats = stats
-        self._pacer = pacer
-        self._budget = paced_by
-        self._lag = lag
-        self._wake = trio.Event()
-        self._error: Exception | None = None
-        self._stopped = False
-
-    def _next_after(self, now: float) -> None:
-        assert self._budget is not None
-        interval = self._budget.interval
-        self._lag.allowance = interval
-        self._pacer.call_at(now + interval, self.read)
-
-    def read(self) -> None:
-        """One read (called by the pacer; never raises, never waits)."""
-        if self._take() and self._budget is not None:
-            self._next_after(trio.current_time())
-
-    def catch_up(self) -> None:
-        """Read what the socket holds now, out of turn (never raises, never waits).
-
-        Before the frontend acts on a reply the worker sent after some events (a rejection
-        marks the worker overloaded, and an event applied after the mark clears it), those
-        events are applied first, as they would have been had the plane been read at once.
-        """
-        self._take()
-
-    def _take(self) -> bool:
-        """Read and apply what the socket holds; False when the task is to be woken instead
-        (or nothing may be read: a reply is owed, the read failed, the session is over)."""
-        events = self._events
-        if self._stopped or self._error is not None or events.owes_reply:
-            return False
-        self._stats.event_reads += 1
-        try:
-            messages = events.messages_now()
-            if messages:
-                self._apply(messages)
-        except Exception as exc:  # the link's task raises it (rule 4)
-            self._error = exc
-            self._wake.set()
-            return False
-        if events.owes_reply:
-            self._wake.set()
-            return False
-        return True
-
-    async def run(self) -> None:
-        """Serve the reads' needs until one fails (always ends by raising)."""
-        events = self._events
-        pacer = self._pacer
-        paced = self._budget is not None
-        if paced:
-            pacer.call_at(trio.current_time(), self.read)
-        else:
-            pacer.watch(events.fileno, self.read)
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                if self._error is not None:
-                    raise self._error
-                # A close's reply goes out here; the next read then raises PlaneClosed.
-                await events.send_owed()
-                if paced:
-                    self._next_after(trio.current_time())
-        finally:
-            self._stopped = True
-            if not paced:
-                pacer.unwatch(events.fileno)
-
-
 async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:
     messages = await connection.messages()
     # What came with the hello in the same read is the reader's.
@@ -873,63 +697,3 @@ async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], obj
     if problem is not None:
         raise ProtocolError(f"hello refused: {problem}")
     return message
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
-    return [exc]
-
-
-def _describe(exc: BaseException) -> str:
-    parts = []
-    for leaf in _leaves(exc):
-        text = str(leaf) or type(leaf).__name__
-        if isinstance(leaf, trio.BrokenResourceError) and leaf.__cause__ is not None:
-            text = f"{text or 'broken connection'}: {leaf.__cause__}"
-        if text not in parts:
-            parts.append(text)
-    return "; ".join(parts)
-
-
-def _explain(group: BaseException, *, tls: bool, connecting: bool) -> str:
-    """:func:`_describe`, plus what an operator should check for the usual set-up mistakes:
-    a token the worker refused, and a URL whose scheme does not match what the worker serves.
-    """
-    leaves = _leaves(group)
-    if any(isinstance(leaf, HandshakeRejected) and leaf.status == 401 for leaf in leaves):
-        return (
-            "the worker refused the token (HTTP 401): DYN_WORKER_TOKEN here is unset or "
-            "differs from the worker's"
-        )
-    text = _describe(group)
-    if not connecting:
-        return text
-    ssl_errors = [leaf.__cause__ for leaf in leaves if isinstance(leaf.__cause__, ssl.SSLError)]
-    if tls and ssl_errors:
-        if any(isinstance(error, ssl.SSLCertVerificationError) for error in ssl_errors):
-            return (
-                f"the worker's certificate does not verify ({ssl_errors[0]}); check "
-                "--tls-ca-path and the host name in the URL"
-            )
-        return f"TLS handshake failed ({ssl_errors[0]}): a worker serving plain ws://? TLS?"
-    silent = (trio.TooSlowError, trio.BrokenResourceError, PlaneClosed)
-    refused = any(isinstance(leaf, HandshakeRejected) for leaf in leaves)
-    if (
-        not tls
-        and not refused
-        and any(isinstance(leaf, (HandshakeError, *silent)) for leaf in leaves)
-    ):
-        return f"no websocket answer ({text}): a worker serving only wss://? TLS?"
-    return text
-
-
-def _reason_of(exc: BaseException) -> str:
-    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
-    if not leaves:
-        return "link stopped"
-    return (
-        _describe(BaseExceptionGroup("session", leaves))
-        if len(leaves) > 1
-        else _describe(leaves[0])
-    )

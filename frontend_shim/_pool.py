@@ -9,11 +9,12 @@ handshakes in flight, and every link starts at once (none waits for another to c
 
 The pool owns the frontend's event budget (:mod:`frontend_shim._event_budget`): the budget's
 interval is recomputed whenever links are added or stopped, and asked again of every connected
-worker that takes one when it changes; the links share one :class:`EventSlices`. Every
-``cost_window`` seconds the pool gives its :class:`~frontend_shim._event_cost.EventCostMeter`
-the process's CPU time and its links' running totals of messages and connection attempts; when
-the budget is measured (no ``--event-budget``), a budget the meter moves is put in force and its
-interval asked again the same way.
+worker that takes one when it changes; the links share one read pacer and one set of event
+slices (:mod:`frontend_shim._pacer`). Every ``cost_window`` seconds the pool gives its
+:class:`~frontend_shim._event_cost.EventCostMeter` the process's CPU time and its links'
+running totals of messages and connection attempts; when the budget is measured (no
+``--event-budget``), a budget the meter moves is put in force and its interval asked again the
+same way.
 """
 
 from __future__ import annotations
@@ -32,13 +33,7 @@ from frontend_shim._discovery import (
     parse_worker_url,
     resolve_addresses,
 )
-from frontend_shim._event_budget import (
-    DEFAULT_EVENT_BUDGET,
-    DEFAULT_EVENTS_PER_SLICE,
-    EventBudget,
-    EventSlices,
-    ReadPacer,
-)
+from frontend_shim._event_budget import DEFAULT_EVENT_BUDGET, EventBudget
 from frontend_shim._event_cost import (
     DEFAULT_COST_WINDOW,
     DEFAULT_HOLD,
@@ -46,6 +41,7 @@ from frontend_shim._event_cost import (
     EventCostMeter,
 )
 from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
+from frontend_shim._pacer import DEFAULT_EVENTS_PER_SLICE, EventSlices, ReadPacer
 from shim_common import wire
 from shim_common._net import Backoff
 

@@ -18,13 +18,18 @@ Rules (one request-plane connection per worker session):
   request is cancel-safe and synchronous. A request cancelled before its ``Generate`` was
   written is simply dropped from the outbox.
 - When the session ends, every open request ends at once with ``Failed(kind="unavailable")``.
+- A refusal from the worker (``Rejected``, or ``Failed(kind="unavailable")``: it is draining)
+  reaches its request only after the plane's ``before_refusal`` has run: the link applies there
+  the events its worker sent before the refusal (:mod:`frontend_shim._links`, rule 6), so that
+  whoever acts on the refusal (a mark of the worker as overloaded or draining) acts after them,
+  whatever path it takes; an event applied after the mark would clear it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import trio
@@ -150,15 +155,23 @@ class ResponseBuffer:
 class RequestPlane:
     """The request table and outbox of one session; synchronous except for two waits.
 
-    The reader calls :meth:`deliver`; the sender awaits :meth:`next_outgoing`; requests call
+    The reader calls :meth:`deliver` (which calls ``before_refusal()`` before it hands over a
+    refusal of the worker's); the sender awaits :meth:`next_outgoing`; requests call
     :meth:`open` and :meth:`cancel`. After :meth:`close`, every open request has failed and
     everything else is a no-op.
     """
 
     def __init__(
-        self, *, request_buffer: int, send_queue: int, stats: LinkStats, classes: bool = False
+        self,
+        *,
+        request_buffer: int,
+        send_queue: int,
+        stats: LinkStats,
+        classes: bool = False,
+        before_refusal: Callable[[], object] | None = None,
     ) -> None:
         self._request_buffer = request_buffer
+        self._before_refusal = before_refusal
         # The worker acts on priority and tenant (its hello lists wire.FEATURE_CLASSES).
         self._classes = classes
         self._send_queue = send_queue
@@ -271,6 +284,11 @@ class RequestPlane:
             return
         if reply.request_id in self._unsent:
             raise ProtocolError(f"a reply for request {reply.request_id} before it was sent")
+        if self._before_refusal is not None and (
+            isinstance(reply, wire.Rejected)
+            or (isinstance(reply, wire.Failed) and reply.kind == "unavailable")
+        ):
+            self._before_refusal()
         outcome = buffer.push(reply)
         if buffer.finished:
             del self._open[reply.request_id]

@@ -33,8 +33,9 @@ from client_frames import client_frames
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
-from frontend_shim._event_budget import EventBudget, ReadPacer
+from frontend_shim._event_budget import EventBudget
 from frontend_shim._links import LinkSettings, WorkerLink
+from frontend_shim._pacer import ReadPacer
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
 from worker_ingress._server import Worker, WorkerAddress
@@ -507,14 +508,20 @@ async def record_everything(stream: trio.SocketStream, into: bytearray) -> None:
 
 
 async def budget_link(
-    nursery: trio.Nursery, events: Plane, budget: EventBudget, *, in_place: bool = True
+    nursery: trio.Nursery,
+    events: Plane,
+    budget: EventBudget,
+    *,
+    in_place: bool = True,
+    requests: Plane = hello_then_never_read,
 ) -> tuple[WorkerLink, SeqListener]:
     """A link, up on return, to a hand-made worker whose event plane ``events`` serves, read at
     ``budget`` by the pool's pacer in place (``in_place``) or by the link's task.
 
-    The fake request plane answers no ping: the link's keepalive is off for the test.
+    The fake request plane (``requests``) answers no ping: the link's keepalive is off for the
+    test.
     """
-    url = await serve_fake_worker(nursery, events=events, requests=hello_then_never_read)
+    url = await serve_fake_worker(nursery, events=events, requests=requests)
     pacer = None
     if in_place:
         pacer = ReadPacer()
@@ -599,10 +606,17 @@ async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() ->
     assert pongs == [b"p1", b"p2", b"p3"]
 
 
-async def test_a_paced_link_catches_up_out_of_turn_without_reading_more_often() -> None:
-    # Read once a second; the worker sends a heartbeat, and the frontend is about to act on a
-    # reply the worker sent after it (a rejection): catching up applies it now, and the pacing
-    # goes on as before (one read a second, not two).
+REFUSALS = {
+    "rejected": wire.Rejected(request_id=1, reason=wire.REASON_OVERLOADED),
+    "draining": wire.Failed(request_id=1, kind="unavailable", message="worker draining"),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+async def test_a_refusal_reaches_its_request_after_the_events_sent_before_it(refusal: str) -> None:
+    # Read once a second. The worker sends a heartbeat, then refuses the request on the other
+    # plane: the refusal is handed over only after the heartbeat is applied (read out of turn),
+    # whoever waits for it, and the pacing goes on as before (one read a second, not two).
     to_send: trio.MemorySendChannel[int]
     to_send, to_worker = trio.open_memory_channel[int](10)
 
@@ -611,17 +625,27 @@ async def test_a_paced_link_catches_up_out_of_turn_without_reading_more_often() 
         async for seq in to_worker:
             await stream.send_all(v1_heartbeat_frame(seq))
 
+    async def refusing_requests(stream: trio.SocketStream) -> None:
+        await stream.send_all(hello_frame())
+        assert await stream.receive_some(65536)  # the Generate of request 1
+        await stream.send_all(frame(wire.encode(REFUSALS[refusal])))
+        await trio.sleep_forever()
+
     budget = EventBudget(1)
     budget.resize(1)  # one read a second
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            link, listener = await budget_link(nursery, old_worker_events, budget)
+            link, listener = await budget_link(
+                nursery, old_worker_events, budget, requests=refusing_requests
+            )
             await trio.sleep(0.2)  # the first read (at once) is behind us
             await to_send.send(1)
             await trio.sleep(0.05)  # in the socket, not read: the next read is a second away
             assert listener.newest == 0
-            link.catch_up_events()
-            assert listener.newest == 1
+            async with link.request("completions", {"prompt": "x"}) as stream:
+                first = await stream.first()
+                assert first == REFUSALS[refusal]
+                assert listener.newest == 1  # applied before the refusal was handed over
             reads = link.stats.event_reads
             await trio.sleep(2.1)
             assert link.stats.event_reads - reads <= 3  # still about one a second

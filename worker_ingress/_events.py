@@ -35,7 +35,10 @@ Rules:
    batches then keep ``max(publish_interval, asked)`` apart. The worker's own interval bounds it
    below, and the edges and status heartbeats of rule 7 keep their own, shorter gap.
 
-The classes above are sans-IO; :class:`EventPublisher` is the Trio shell that watches the engine's
+:class:`LoadTracker` (rules 1 to 3) is sans-IO. :class:`Subscription` keeps a subscriber's
+mailbox and decides synchronously what a delivery does (rules 4, 6, 7, 8), but its
+:meth:`~Subscription.next_batch` waits on Trio (the subscriber's sender sleeps out the interval
+in it). :class:`EventPublisher` is the Trio shell that watches the engine's
 :class:`~worker_ingress._watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
 """
 

@@ -12,13 +12,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend_shim._event_budget import (
-    MAX_BUDGET_INTERVAL,
-    EventBudget,
-    EventSlices,
-    ReadPacer,
-    latest_wins,
-)
+from frontend_shim._event_budget import MAX_BUDGET_INTERVAL, EventBudget, latest_wins
+from frontend_shim._pacer import EventSlices, ReadPacer
 from shim_common import wire
 
 # ----------------------------------------------------------------------------- EventBudget

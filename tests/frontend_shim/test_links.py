@@ -16,7 +16,8 @@ import trio.testing
 from test_workers import FAST, PROMPT, RecordingListener, _settings
 
 from frontend_shim import _connection, _links
-from frontend_shim._links import LagMeter, LinkSettings, WorkerLink
+from frontend_shim._lag import LagMeter
+from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._load import Fleet
 from shim_common import wire
 from shim_common._busy import BusyThresholds
