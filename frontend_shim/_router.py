@@ -25,11 +25,11 @@ Rules:
    :class:`AllBusy` (529); else :class:`Routed`.
 3. Modes: ``round-robin`` cycles a cursor over the free set (O(1); the set is an array with
    swap-remove, so the cycle order changes as workers come and go, but no free worker is
-   skipped for long); ``random`` draws uniformly from the free set (O(1)); ``kv`` scans the free
-   set for the lowest :attr:`~frontend_shim._free_sets.WorkerLoad.load_cost` (mean over ranks of
-   ``blocks/kv_total_blocks + prefill_tokens/max_num_batched_tokens``, the router's own count
-   included), starting the scan at the cursor so that ties rotate. ``kv`` is O(free workers)
-   per pick: about 1,024 attribute reads for a 1,024-worker model (see bench/bench_router.py).
+   skipped for long); ``random`` draws uniformly from the free set (O(1)); ``kv`` scores every
+   free rank of the free set by the cost rule of :mod:`frontend_shim._kv_cost` (the prompt's
+   uncached blocks against the rank's active blocks, the router's own count included), starting
+   the scan at the cursor so that ties rotate, and names the rank chosen in :class:`Routed`.
+   ``kv`` is O(free ranks) per pick (see bench/bench_router.py).
 4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event)
    for the refused request's class; ``Server unavailable: ...`` takes it out until it reports
    ``ready``. Either way the request never started, so it may go to another worker while
@@ -72,6 +72,8 @@ from collections.abc import Collection, Hashable, Iterable
 from typing import Final, Generic, TypeVar
 
 from frontend_shim._free_sets import FreeSet, WorkerLoad, mark_admits
+from frontend_shim._kv_cost import NO_PROMPT, KvChoice, KvScorer, Prompt
+from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from shim_common import wire
 
@@ -115,6 +117,13 @@ class Routed:
     """Send the request to this worker."""
 
     worker_id: str
+    #: The rank the ``kv`` router chose, with what it assumed (``None`` in the other modes).
+    kv: KvChoice | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def dp_rank(self) -> int | None:
+        """The data-parallel rank chosen, when the mode chooses one."""
+        return self.kv.dp_rank if self.kv is not None else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -189,6 +198,8 @@ class Router:
         mode: the selection policy.
         migration_limit: times a rejected request may be retried on another worker (>= 0).
         rng: random source for ``random`` mode (seed it in tests).
+        kv: the ``kv`` mode's scorer (its index is fed by the links); ``None``: one over an
+            empty index, which scores by load alone.
     """
 
     def __init__(
@@ -198,6 +209,7 @@ class Router:
         *,
         migration_limit: int = 0,
         rng: random.Random | None = None,
+        kv: KvScorer | None = None,
     ) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
@@ -206,14 +218,22 @@ class Router:
         self.migration_limit = migration_limit
         self._rng = rng or random.Random()
         self._cursor = 0
+        self.kv = kv if kv is not None else KvScorer(KvIndex(), rng=self._rng)
 
-    def pick(self, model: str, now: float, exclude: Collection[str] = ()) -> Outcome:
+    def pick(
+        self,
+        model: str,
+        now: float,
+        exclude: Collection[str] = (),
+        prompt: Prompt = NO_PROMPT,
+    ) -> Outcome:
         """Choose a free worker for a request of ``model`` (rules 1-3 of the module docstring).
 
         Args:
             model: the requested model.
             now: current time (expires marks and stale workers first).
             exclude: ids of workers not to choose (those that already rejected this request).
+            prompt: the request's prompt, which the ``kv`` mode scores.
 
         Returns:
             :class:`Routed` with the worker, or why there is none.
@@ -231,8 +251,8 @@ class Router:
             return _ALL_BUSY
         chosen: WorkerLoad | None
         if self.mode is RouterMode.KV:
-            chosen = self._least_loaded(free, count, exclude)
-        elif self.mode is RouterMode.RANDOM:
+            return self._cheapest(free, count, exclude, prompt, now)
+        if self.mode is RouterMode.RANDOM:
             chosen = self._random(free, count, exclude)
         else:
             chosen = self._round_robin(free, count, exclude)
@@ -258,17 +278,22 @@ class Router:
         candidates = [w for w in free if w.config.worker_id not in exclude]
         return self._rng.choice(candidates) if candidates else None
 
-    def _least_loaded(
-        self, free: FreeSet[WorkerLoad], count: int, exclude: Collection[str]
-    ) -> WorkerLoad | None:
-        # Starting at the cursor makes ties rotate; min() with attrgetter keeps the O(free)
-        # scan in C (about 30x faster than a Python loop over 1,024 workers).
+    def _cheapest(
+        self,
+        free: FreeSet[WorkerLoad],
+        count: int,
+        exclude: Collection[str],
+        prompt: Prompt,
+        now: float,
+    ) -> Outcome:
+        # Starting at the cursor makes ties rotate.
         start = self._cursor % count
         self._cursor += 1
         candidates: Iterable[WorkerLoad] = free.rotated(start)
         if exclude:
             candidates = [w for w in candidates if w.config.worker_id not in exclude]
-        return min(candidates, key=_by_load_cost, default=None)
+        choice = self.kv.choose(candidates, prompt, now)
+        return _ALL_BUSY if choice is None else Routed(choice.worker.config.worker_id, choice)
 
     @staticmethod
     def _first_not_excluded(
@@ -327,6 +352,7 @@ class Router:
         exclude: Collection[str] = (),
         *,
         exempt: bool = False,
+        prompt: Prompt = NO_PROMPT,
     ) -> Outcome:
         """Choose a worker for a request of a class (rules 1-3, then 7).
 
@@ -337,11 +363,12 @@ class Router:
             tenant: the request's tenant.
             exclude: ids of workers not to choose (those that already rejected this request).
             exempt: the request is busy-exempt: a busy worker may take it.
+            prompt: the request's prompt, which the ``kv`` mode scores.
 
         Returns:
             As :meth:`pick`.
         """
-        outcome = self.pick(model, now, exclude)
+        outcome = self.pick(model, now, exclude, prompt)
         if not isinstance(outcome, AllBusy):
             return outcome
         routed = self.pick_exempt(model, now, exclude) if exempt else None
