@@ -11,9 +11,9 @@ Rules:
 2. The cost of a rank, with ``P`` the prefill work in blocks (the prompt's tokens, plus the
    prefill tokens the rank already has in flight, over the rank's block size: an idle rank's
    ``P`` is the prompt's length in blocks), ``C`` the number of the prompt's first blocks the
-   rank holds (:meth:`~frontend_shim._kv_index.KvIndex.depth`: the worker's cache as its events tell, and
-   the router's own recent decisions) and ``D`` the rank's active blocks (the larger of what the
-   worker reports and what this router has sent it)::
+   rank holds (:meth:`~frontend_shim._kv_index.KvIndex.depth`: the worker's cache as its
+   events tell, and the router's own recent decisions) and ``D`` the rank's active blocks (the
+   larger of what the worker reports and what this router has sent it)::
 
        cost = prefill_load_scale * max(0, P - credit * C) + D
 
