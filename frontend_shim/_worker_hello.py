@@ -14,8 +14,14 @@ and nothing of the worker reaches the load state.
 - Counts (``kv_total_blocks``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
   ``request_queue_limit``, ``engine_request_limit`` when set): of the kind
   :data:`~shim_common._numbers.COUNT` (0 to 2**53), as the worker's own flags are.
-- Intervals (``heartbeat_interval``, ``load_publish_interval``): of the kind
-  :data:`~shim_common._numbers.SECONDS`, narrowed to at most :data:`MAX_INTERVAL`.
+- ``heartbeat_interval``: more than 0 and at most :data:`MAX_HEARTBEAT_INTERVAL` (60 s), the
+  range of the worker's own ``--heartbeat-interval``. A hello outside it is refused, not
+  clamped: the link judges a worker gone after three heartbeat intervals of silence, and the
+  load state judges it stale after a few; a claim of an hour (or of 0, "never stale") would let
+  a worker that fell silent keep receiving requests that then hang, and clamping would judge a
+  worker by a heartbeat it does not send.
+- ``load_publish_interval``: of the kind :data:`~shim_common._numbers.SECONDS`, at most
+  :data:`MAX_INTERVAL` (it spaces the worker's batches, not its heartbeats).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from shim_common._numbers import COUNT, RANKS, SECONDS, Kind, NumberError
 __all__ = [
     "MAX_COUNT",
     "MAX_DATA_PARALLEL_SIZE",
+    "MAX_HEARTBEAT_INTERVAL",
     "MAX_INTERVAL",
     "MAX_MODEL_CHARS",
     "MAX_WORKER_ID_CHARS",
@@ -38,8 +45,10 @@ __all__ = [
 MAX_DATA_PARALLEL_SIZE: Final = RANKS.high
 #: Largest announced count (blocks, tokens, sequences, queue places): the kind's bound.
 MAX_COUNT: Final = COUNT.high
-#: Longest announced interval, in seconds.
+#: Longest announced publish interval, in seconds.
 MAX_INTERVAL: Final = 3600.0
+#: Longest announced heartbeat interval, in seconds: where the worker's own flag stops.
+MAX_HEARTBEAT_INTERVAL: Final = 60.0
 MAX_WORKER_ID_CHARS: Final = 256
 MAX_MODEL_CHARS: Final = 512
 
@@ -68,12 +77,15 @@ def refusal(config: wire.RuntimeConfig) -> str | None:
     for name, count in counts.items():
         if count is not None and not _of_kind(COUNT, count):
             return f"{name} {count} (0 to {MAX_COUNT} accepted)"
-    for name, seconds in (
-        ("heartbeat_interval", config.heartbeat_interval),
-        ("load_publish_interval", config.load_publish_interval),
-    ):
-        if not (_of_kind(SECONDS, seconds) and seconds <= MAX_INTERVAL):
-            return f"{name} {seconds} (0 to {MAX_INTERVAL:g} seconds accepted)"
+    heartbeat = config.heartbeat_interval
+    if not (_of_kind(SECONDS, heartbeat) and 0 < heartbeat <= MAX_HEARTBEAT_INTERVAL):
+        return (
+            f"heartbeat_interval {heartbeat} "
+            f"(more than 0, at most {MAX_HEARTBEAT_INTERVAL:g} seconds accepted)"
+        )
+    publish = config.load_publish_interval
+    if not (_of_kind(SECONDS, publish) and publish <= MAX_INTERVAL):
+        return f"load_publish_interval {publish} (0 to {MAX_INTERVAL:g} seconds accepted)"
     return None
 
 

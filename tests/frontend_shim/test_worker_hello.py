@@ -22,7 +22,8 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
     assert refusal(runtime_config()) is None
     assert refusal(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE)) is None
     assert refusal(runtime_config(kv_total_blocks=MAX_COUNT, engine_request_limit=0)) is None
-    assert refusal(runtime_config(heartbeat_interval=0.0, load_publish_interval=3600.0)) is None
+    assert refusal(runtime_config(heartbeat_interval=60.0, load_publish_interval=3600.0)) is None
+    assert refusal(runtime_config(heartbeat_interval=0.001, load_publish_interval=0.0)) is None
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,9 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
         ({"engine_request_limit": -1}, "engine_request_limit"),
         ({"heartbeat_interval": float("nan")}, "heartbeat_interval nan"),
         ({"heartbeat_interval": float("inf")}, "heartbeat_interval inf"),
+        ({"heartbeat_interval": 3600.0}, "heartbeat_interval 3600.0 (more than 0, at most 60"),
+        ({"heartbeat_interval": 60.5}, "heartbeat_interval 60.5"),
+        ({"heartbeat_interval": 0.0}, "heartbeat_interval 0.0"),
         ({"load_publish_interval": -1.0}, "load_publish_interval"),
         ({"worker_id": ""}, "worker_id of 0 characters"),
         ({"model": "m" * (1 << 20)}, "model of 1048576 characters"),
@@ -52,14 +56,21 @@ def test_an_absurd_hello_is_refused_naming_the_field(
     assert len(reason) < 200
 
 
-async def test_a_worker_claiming_two_million_ranks_is_refused_and_metrics_stay_small(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("claim", "logged"),
+    [
+        ({"data_parallel_size": 2_000_000}, "hello refused: data_parallel_size 2000000"),
+        # The worker's own --heartbeat-interval stops at 60 s: a silent peer claiming an hour
+        # would never be judged gone, and requests routed to it would hang.
+        ({"heartbeat_interval": 3600.0}, "hello refused: heartbeat_interval 3600.0"),
+    ],
+    ids=["two-million-ranks", "hour-heartbeat"],
+)
+async def test_a_worker_claiming_too_much_is_refused_and_metrics_stay_small(
+    caplog: pytest.LogCaptureFixture, claim: dict[str, Any], logged: str
 ) -> None:
     hello = wire.encode(
-        wire.Hello(
-            protocol_version=wire.PROTOCOL_VERSION,
-            config=runtime_config(data_parallel_size=2_000_000),
-        )
+        wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=runtime_config(**claim))
     )
     hellos = 0
 
@@ -85,7 +96,7 @@ async def test_a_worker_claiming_two_million_ranks_is_refused_and_metrics_stay_s
                 if "hello refused" in caplog.text:
                     break
                 await trio.sleep(0.01)
-            assert "hello refused: data_parallel_size 2000000" in caplog.text
+            assert logged in caplog.text
             async with httpx.AsyncClient(base_url=url) as client:
                 health = (await client.get("/health")).json()
                 assert health["workers_connected"] == 0
