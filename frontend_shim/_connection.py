@@ -27,6 +27,15 @@ Rules:
    :class:`PlaneClosed` only once its reply went out, as in rule 3). :meth:`messages` handles its
    frames the same way and writes what they owe before it returns. Under TLS only the SSL stream
    can read the bytes: :attr:`reads_in_place` is False and :meth:`messages` is the only way.
+6. Control frames (pings and pongs) from the worker are bounded in rate by a
+   :class:`ControlFrameRate` per connection: ``control_burst`` at once, then
+   ``control_frames_per_second`` (a worker pings each plane every few seconds and pongs only
+   what it is pinged). One past the bound raises :class:`ProtocolError`: a worker flooding
+   pings would otherwise have the frontend write a pong for each, at a core's worth of CPU.
+7. :meth:`PlaneConnection.limit_messages` lowers the size cap once the hello says how large the
+   worker's messages can be (the event plane's bound, :mod:`frontend_shim._worker_hello`): a
+   frame announcing more raises :class:`ProtocolError` from its header, before its payload is
+   read or held.
 """
 
 from __future__ import annotations
@@ -56,7 +65,10 @@ from frontend_shim._websocket import (
 from shim_common._net import host_for_url
 
 __all__ = [
+    "CONTROL_BURST",
+    "CONTROL_FRAMES_PER_SECOND",
     "EVENTS_RECEIVE_BUFFER",
+    "ControlFrameRate",
     "PlaneClosed",
     "PlaneConnection",
     "ProtocolError",
@@ -69,6 +81,43 @@ RECEIVE_BYTES: Final = 64 * 1024
 #: falls behind should hold seconds of old events, not a backlog of minutes, so the worker's
 #: latest-wins mailbox engages (its sends block) and the lag stays bounded.
 EVENTS_RECEIVE_BUFFER: Final = 64 * 1024
+
+
+#: Control frames a worker may send a connection at once (rule 6) ...
+CONTROL_BURST: Final = 32
+#: ... and a second after that: a worker's own keepalive is one ping per plane every 10 s.
+CONTROL_FRAMES_PER_SECOND: Final = 4.0
+
+
+class ControlFrameRate:
+    """A token bucket for the control frames of one connection (rule 6; sans-IO).
+
+    Args:
+        per_second: Frames allowed a second, once the burst is spent; > 0.
+        burst: Frames allowed at once; at least 1.
+    """
+
+    __slots__ = ("_burst", "_per_second", "_tokens", "_updated")
+
+    def __init__(self, per_second: float, burst: int, now: float) -> None:
+        if not (per_second > 0 and math.isfinite(per_second)) or burst < 1:
+            raise ValueError(f"need per_second > 0 and burst >= 1, got {per_second}, {burst}")
+        self._per_second = per_second
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._updated = now
+
+    @property
+    def bound(self) -> str:
+        """The bound in words, for the log."""
+        return f"{self._burst:g} at once and {self._per_second:g} a second"
+
+    def allow(self, frames: int, now: float) -> bool:
+        """Take ``frames`` frames arriving at ``now``; False when they exceed the bound."""
+        tokens = min(self._burst, self._tokens + (now - self._updated) * self._per_second)
+        self._updated = now
+        self._tokens = tokens - frames
+        return self._tokens >= 0
 
 
 #: What a write to a connection that is going away raises.
@@ -107,6 +156,9 @@ class PlaneConnection:
         first_bytes: bytes,
         max_message_bytes: int,
         subprotocol: str | None = None,
+        *,
+        control_frames_per_second: float = CONTROL_FRAMES_PER_SECOND,
+        control_burst: int = CONTROL_BURST,
     ) -> None:
         self.path = path
         #: The subprotocol the worker accepted, if any.
@@ -116,6 +168,9 @@ class PlaneConnection:
         self.send_started_at: float | None = None
         self._stream = stream
         self._reader = FrameReader(max_message_bytes)
+        self._control_rate = ControlFrameRate(
+            control_frames_per_second, control_burst, self.last_received
+        )
         self._first_bytes = first_bytes
         self._unread: list[bytes] = []
         self._send_lock = trio.StrictFIFOLock()
@@ -127,6 +182,10 @@ class PlaneConnection:
         # Replies owed by reads in place (rule 5): pong payloads, and the close code to answer.
         self._owed_pongs: list[bytes] = []
         self._owed_close: int | None = None
+
+    def limit_messages(self, max_message_bytes: int) -> None:
+        """Accept messages of at most ``max_message_bytes`` from now on (rule 7)."""
+        self._reader.limit(max_message_bytes)
 
     @property
     def reads_in_place(self) -> bool:
@@ -215,6 +274,9 @@ class PlaneConnection:
         except WebSocketProtocolError as exc:
             raise ProtocolError(f"{exc} on {self.path}") from exc
         messages: list[bytes] = []
+        controls = sum(1 for opcode, _ in frames if opcode in (OP_PING, OP_PONG))
+        if controls and not self._control_rate.allow(controls, self.last_received):
+            raise ProtocolError(f"control frames past {self._control_rate.bound} on {self.path}")
         for opcode, payload in frames:
             if opcode == OP_BINARY:
                 messages.append(payload)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import ssl
 
+import msgspec
 import trio
 
-from frontend_shim._connection import PlaneClosed
+from frontend_shim._connection import PlaneClosed, ProtocolError
 from frontend_shim._websocket import HandshakeError, HandshakeRejected
 
-__all__ = ["explain_failure", "session_end_reason"]
+__all__ = ["breaks_protocol", "explain_failure", "session_end_reason"]
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -77,3 +78,9 @@ def session_end_reason(exc: BaseException) -> str:
         if len(leaves) > 1
         else _describe(leaves[0])
     )
+
+
+def breaks_protocol(exc: BaseException) -> bool:
+    """Whether a session ended by ``exc`` ended because the worker broke the protocol (a
+    message that does not decode, or a :class:`ProtocolError`), not by a lost connection."""
+    return any(isinstance(leaf, ProtocolError | msgspec.DecodeError) for leaf in _leaves(exc))

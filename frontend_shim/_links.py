@@ -15,11 +15,14 @@ Rules of a session (the state machine of a link):
    :class:`wire.Hello` on each within ``connect_timeout`` (counted from when the place is held:
    a link waiting its turn behind 2,000 others has not been slow); the protocol versions must be
    :data:`wire.PROTOCOL_VERSION`, the announced sizes within the bounds of
-   :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``, the
-   backoff is reset). A worker that lists :data:`wire.FEATURE_BUSY_EDGES` is sent the
-   thresholds of its model (:class:`wire.Subscribe`), again whenever they change; one that lists
-   :data:`wire.FEATURE_PUBLISH_INTERVAL` is sent the interval of the pool's
-   :class:`~frontend_shim._event_budget.EventBudget` in it too, again whenever it changes.
+   :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``).
+   From then on the worker's event messages may be at most the size its hello implies
+   (:func:`~frontend_shim._worker_hello.event_message_bound`), and its control frames come at
+   a bounded rate (:mod:`frontend_shim._connection`, rule 6). A worker that lists
+   :data:`wire.FEATURE_BUSY_EDGES` is sent the thresholds of its model (:class:`wire.Subscribe`),
+   again whenever they change; one that lists :data:`wire.FEATURE_PUBLISH_INTERVAL` is sent the
+   interval of the pool's :class:`~frontend_shim._event_budget.EventBudget` in it too, again
+   whenever it changes.
 2. While ``up``, four tasks run: a tight reader per plane, the request plane's sender, and a
    watchdog. Nothing runs per message but decoding and handing over (no timeout scope, no task
    hop). The watchdog wakes a few times per keepalive interval and ends the session when the
@@ -42,7 +45,13 @@ Rules of a session (the state machine of a link):
 4. Any of these ends the session: a closed connection, the watchdog, a message that does not
    decode (logged and counted in :class:`LinkStats`), a second hello. Every request still open
    on the session then ends at once with ``Failed(kind="unavailable")``; nothing is left hanging.
-   ``worker_down`` is called, then the link sleeps out its backoff and goes to 1.
+   ``worker_down`` is called, then the link sleeps out its backoff and goes to 1. The backoff
+   (capped, exponential, with jitter) starts again from its first delay only after a session
+   that came up and ended without a breach of the protocol by the worker (an undecodable or
+   oversized message, a control-frame flood, a second hello, a reply to nothing: the
+   :class:`ProtocolError` family): a worker that breaks the protocol right after its hello is
+   redialled at a doubling delay up to the cap, not every ``backoff_initial``, and the log has
+   the first of such a streak at WARNING and the repeats at DEBUG, as for failed connections.
 5. The event budget (:mod:`frontend_shim._event_budget`): a worker that does not list
    :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
    read brings, however many batches, is applied as one batch of its latest state
@@ -89,7 +98,7 @@ from frontend_shim._connection import (
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._event_budget import EventBudget, latest_wins
 from frontend_shim._lag import LagMeter
-from frontend_shim._link_errors import explain_failure, session_end_reason
+from frontend_shim._link_errors import breaks_protocol, explain_failure, session_end_reason
 from frontend_shim._pacer import EventSlices, InPlaceReads, ReadPacer
 from frontend_shim._request_plane import (
     LinkStats,
@@ -99,7 +108,7 @@ from frontend_shim._request_plane import (
     unavailable,
 )
 from frontend_shim._websocket import HandshakeError
-from frontend_shim._worker_hello import refusal
+from frontend_shim._worker_hello import event_message_bound, refusal
 from shim_common import wire
 from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
@@ -390,20 +399,24 @@ class WorkerLink:
         # down for an hour must not fill the log with a line every two seconds.
         quiet = False
         while True:
+            broke_protocol = False
             try:
                 await self._session()
             except* _SESSION_ERRORS as group:
                 if not self._reached_up:
                     self.stats.connect_failures += 1
-                level = logging.DEBUG if quiet and not self._reached_up else logging.WARNING
+                broke_protocol = self._reached_up and breaks_protocol(group)
+                failed = broke_protocol or not self._reached_up
                 logger.log(
-                    level,
+                    logging.DEBUG if quiet and failed else logging.WARNING,
                     "worker %s: %s; reconnecting",
                     self.key,
                     explain_failure(group, tls=self._tls, connecting=not self._reached_up),
                 )
-            quiet = not self._reached_up
-            if self._reached_up:
+            # Rule 4: only a session the worker kept to the protocol resets the backoff.
+            healthy = self._reached_up and not broke_protocol
+            quiet = not healthy
+            if healthy:
                 self._backoff.reset()
             await trio.sleep(self._backoff.next_delay())
 
@@ -495,6 +508,8 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
+        # Rule 1: the hello bounds the size of the worker's event messages from now on.
+        events.limit_messages(event_message_bound(config, hello.features))
         self._events = events
         self.lag = self._new_lag_meter()
         self._up(config, plane)

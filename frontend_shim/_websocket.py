@@ -262,6 +262,10 @@ class FrameReader:
         self._fragment_opcode = 0
         self._fragments_size = 0
 
+    def limit(self, max_message_bytes: int) -> None:
+        """Accept messages of at most ``max_message_bytes`` from now on (rule 4)."""
+        self._max = max_message_bytes
+
     @property
     def buffered(self) -> int:
         """Bytes of an incomplete frame held for the next call."""

@@ -22,10 +22,19 @@ and nothing of the worker reaches the load state.
   worker by a heartbeat it does not send.
 - ``load_publish_interval``: of the kind :data:`~shim_common._numbers.SECONDS`, at most
   :data:`MAX_INTERVAL` (it spaces the worker's batches, not its heartbeats).
+
+Once accepted, the hello also bounds the size of the worker's event messages
+(:func:`event_message_bound`): the largest batch of its load (one load event per rank and a
+heartbeat repeating every rank, about 310 bytes a rank at the widest integers) with room to
+spare, and, for a worker that lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`, a snapshot of
+every block of every rank besides. A message over it ends the session from its frame's header
+(the link backs off), so a peer that claims to be a worker cannot make the frontend read, hold
+and decode megabytes at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 from shim_common import wire
@@ -38,6 +47,7 @@ __all__ = [
     "MAX_INTERVAL",
     "MAX_MODEL_CHARS",
     "MAX_WORKER_ID_CHARS",
+    "event_message_bound",
     "refusal",
 ]
 
@@ -51,6 +61,12 @@ MAX_INTERVAL: Final = 3600.0
 MAX_HEARTBEAT_INTERVAL: Final = 60.0
 MAX_WORKER_ID_CHARS: Final = 256
 MAX_MODEL_CHARS: Final = 512
+#: Bytes of every event message besides its ranks' share (the batch, its stamps, its tags) ...
+EVENT_MESSAGE_BASE_BYTES: Final = 64 * 1024
+#: ... bytes per announced rank (a load event and a heartbeat's entry: about 310 at most) ...
+EVENT_MESSAGE_RANK_BYTES: Final = 1024
+#: ... and, with KV events, bytes per block of every rank (a block name is at most 9 bytes).
+EVENT_MESSAGE_BLOCK_BYTES: Final = 16
 
 
 def refusal(config: wire.RuntimeConfig) -> str | None:
@@ -95,3 +111,13 @@ def _of_kind(kind: Kind[int] | Kind[float], value: object) -> bool:
     except NumberError:
         return False
     return True
+
+
+def event_message_bound(config: wire.RuntimeConfig, features: Sequence[str]) -> int:
+    """The largest event message accepted from a worker whose accepted hello is ``config`` and
+    ``features`` (bytes, at most :data:`~shim_common.wire.MAX_MESSAGE_BYTES`)."""
+    ranks = config.data_parallel_size
+    bound = EVENT_MESSAGE_BASE_BYTES + EVENT_MESSAGE_RANK_BYTES * ranks
+    if wire.FEATURE_KV_EVENTS in features:
+        bound += EVENT_MESSAGE_BLOCK_BYTES * config.kv_total_blocks * ranks
+    return min(bound, wire.MAX_MESSAGE_BYTES)

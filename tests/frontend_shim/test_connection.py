@@ -11,7 +11,13 @@ import trio
 import trio.testing
 from client_frames import client_frames
 
-from frontend_shim._connection import PlaneClosed, PlaneConnection, ProtocolError
+from frontend_shim._connection import (
+    CONTROL_BURST,
+    ControlFrameRate,
+    PlaneClosed,
+    PlaneConnection,
+    ProtocolError,
+)
 from frontend_shim._websocket import (
     OP_BINARY,
     OP_CLOSE,
@@ -136,3 +142,38 @@ async def test_eof_and_a_text_message_end_a_read_in_place() -> None:
 async def test_a_stream_that_is_not_a_plain_socket_cannot_be_read_in_place() -> None:
     client, _worker = trio.testing.memory_stream_pair()
     assert not PlaneConnection(client, "/v1/events", b"", CAP).reads_in_place
+
+
+def test_control_frames_are_allowed_a_burst_then_a_rate() -> None:
+    rate = ControlFrameRate(per_second=4.0, burst=32, now=0.0)
+    assert rate.allow(32, now=0.0)  # the burst
+    assert not rate.allow(1, now=0.0)  # one more at once is over
+    rate = ControlFrameRate(per_second=4.0, burst=32, now=0.0)
+    # A ping a second for an hour (more than a worker's keepalive) never runs out.
+    assert all(rate.allow(1, now=float(second)) for second in range(3600))
+    # Refilled up to the burst, never past it.
+    assert rate.allow(32, now=10_000.0)
+    assert not rate.allow(1, now=10_000.0)
+    with pytest.raises(ValueError, match="per_second > 0"):
+        ControlFrameRate(per_second=float("nan"), burst=1, now=0.0)
+
+
+async def test_a_ping_flood_ends_the_connection_with_a_protocol_error() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            pings = b"".join(server_frame(OP_PING, b"%d" % n) for n in range(CONTROL_BURST + 1))
+            await worker.send_all(pings)
+            await trio.sleep(0.05)
+            with pytest.raises(ProtocolError, match="control frames past 32 at once"):
+                connection.messages_now()
+
+
+async def test_a_message_over_the_lowered_cap_is_refused_from_its_header() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            connection.limit_messages(1000)
+            # Only the header of a 2,000-byte message arrives: refused before its payload.
+            await worker.send_all(bytes([0x82, 126]) + (2000).to_bytes(2, "big"))
+            await trio.sleep(0.05)
+            with pytest.raises(ProtocolError, match="a message over 1000 bytes"):
+                connection.messages_now()

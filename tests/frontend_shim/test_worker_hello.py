@@ -14,7 +14,12 @@ from worker_configs import runtime_config
 
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
-from frontend_shim._worker_hello import MAX_COUNT, MAX_DATA_PARALLEL_SIZE, refusal
+from frontend_shim._worker_hello import (
+    MAX_COUNT,
+    MAX_DATA_PARALLEL_SIZE,
+    event_message_bound,
+    refusal,
+)
 from shim_common import wire
 
 
@@ -47,9 +52,7 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
         ({"model": "m" * (1 << 20)}, "model of 1048576 characters"),
     ],
 )
-def test_an_absurd_hello_is_refused_naming_the_field(
-    changes: dict[str, Any], named: str
-) -> None:
+def test_an_absurd_hello_is_refused_naming_the_field(changes: dict[str, Any], named: str) -> None:
     reason = refusal(runtime_config(**changes))
     assert reason is not None
     assert named in reason
@@ -88,9 +91,7 @@ async def test_a_worker_claiming_too_much_is_refused_and_metrics_stay_small(
             server = await nursery.start(
                 trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None
             )
-            settings = FrontendSettings(
-                http_port=0, workers=(f"ws://127.0.0.1:{server.port}",)
-            )
+            settings = FrontendSettings(http_port=0, workers=(f"ws://127.0.0.1:{server.port}",))
             url: str = await nursery.start(run_frontend, settings)
             for _ in range(500):
                 if "hello refused" in caplog.text:
@@ -108,3 +109,41 @@ async def test_a_worker_claiming_too_much_is_refused_and_metrics_stay_small(
                 assert reply.status_code == 503
             nursery.cancel_scope.cancel()
     assert hellos >= 2
+
+
+def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
+    one_rank = event_message_bound(runtime_config(), [])
+    assert 64 * 1024 < one_rank < 128 * 1024  # far under the protocol's 16 MiB
+    wide = event_message_bound(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE), [])
+    assert wide > one_rank
+    # The widest batch a 1,024-rank worker can send (a load event per rank and a heartbeat,
+    # every integer at its widest) fits.
+    big = 2**63 - 1
+    loads = [
+        wire.RankLoad(
+            dp_rank=rank, active_decode_blocks=big, active_prefill_tokens=big, kv_used_blocks=big
+        )
+        for rank in range(MAX_DATA_PARALLEL_SIZE)
+    ]
+    events: list[wire.WorkerEvent] = [
+        wire.LoadEvent(
+            seq=big,
+            ts=1e9,
+            load=load,
+            engine_requests=big,
+            queued_requests=big,
+            effective_limit=big,
+        )
+        for load in loads
+    ]
+    events.append(
+        wire.Heartbeat(seq=big, ts=1e9, loads=loads, engine_requests=big, queued_requests=big)
+    )
+    assert len(wire.encode(wire.EventBatch(events=events, sent=1e9))) < wide
+    # With KV events, a snapshot of every block of every rank fits too.
+    config = runtime_config(kv_total_blocks=16384, data_parallel_size=2)
+    with_kv = event_message_bound(config, [wire.FEATURE_KV_EVENTS])
+    snapshot = wire.KvSnapshot(seq=big, ranks=[[big] * 16384, [big] * 16384])
+    assert len(wire.encode(wire.KvBatch(events=[snapshot]))) < with_kv
+    huge = runtime_config(kv_total_blocks=MAX_COUNT)
+    assert event_message_bound(huge, [wire.FEATURE_KV_EVENTS]) == wire.MAX_MESSAGE_BYTES

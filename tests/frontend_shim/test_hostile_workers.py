@@ -1,0 +1,128 @@
+"""A peer that claims to be a worker and then misbehaves, played by hand against a real frontend.
+
+After a valid hello on both planes the peer breaks the protocol on its event plane: a message
+that does not decode, one far over the size its hello implies, a flood of pings. Each time the
+frontend ends the session, keeps serving, and redials at a doubling delay (one warning line for
+the streak), not every 50 ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+import trio
+import trio.lowlevel
+from client_frames import client_frames
+from test_peers import accept_upgrade, frame
+from worker_configs import runtime_config
+
+from frontend_shim._app import run_frontend
+from frontend_shim._config import FrontendSettings
+from frontend_shim._connection import CONTROL_BURST
+from frontend_shim._worker_hello import event_message_bound
+from shim_common import wire
+
+#: Seconds the frontend is watched redialling the peer.
+WATCH = 3.0
+HELLO = wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=runtime_config())
+#: 14 MiB: under the protocol's general cap, far over what a one-rank worker's events need.
+HUGE = 14 * 1024 * 1024
+
+Behaviour = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+async def undecodable(stream: trio.SocketStream) -> None:
+    await stream.send_all(frame(b"\xc1"))  # a byte msgpack never uses
+    await trio.sleep_forever()
+
+
+async def huge_batch(stream: trio.SocketStream) -> None:
+    # The header announces 14 MiB; the frontend must close without reading (or holding) it.
+    beat = wire.Heartbeat(seq=1, ts=0.0, loads=[], engine_requests=0, queued_requests=0)
+    body = wire.encode(wire.EventBatch(events=[beat] * (HUGE // 60)))
+    assert len(body) > HUGE
+    await stream.send_all(bytes([0x82, 127]) + struct.pack("!Q", len(body)))
+    with contextlib.suppress(trio.BrokenResourceError):
+        for start in range(0, len(body), 1 << 20):
+            await stream.send_all(body[start : start + (1 << 20)])
+        raise AssertionError("the frontend read all 14 MiB")
+    await trio.sleep_forever()
+
+
+async def ping_flood(stream: trio.SocketStream) -> None:
+    with contextlib.suppress(trio.BrokenResourceError):
+        for seq in range(10_000):
+            await stream.send_all(bytes([0x89, 4]) + seq.to_bytes(4, "big"))
+            if seq % 16 == 0:
+                await trio.lowlevel.checkpoint()
+        raise AssertionError("10,000 pings taken")
+    await trio.sleep_forever()
+
+
+CASES: dict[str, tuple[Behaviour, str]] = {
+    "undecodable": (undecodable, "undecodable message"),
+    "huge-batch": (huge_batch, f"a message over {event_message_bound(HELLO.config, [])} bytes"),
+    "ping-flood": (ping_flood, "control frames past"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_a_worker_breaking_the_protocol_after_its_hello_is_closed_and_backed_off(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    behaviour, logged = CASES[case]
+    sessions = 0
+    pongs = 0
+
+    async def plane(stream: trio.SocketStream) -> None:
+        nonlocal sessions, pongs
+        received = bytearray()
+
+        async def record() -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                while data := await stream.receive_some(65536):
+                    received.extend(data)
+
+        with contextlib.suppress(trio.BrokenResourceError):
+            path = await accept_upgrade(stream)
+            await stream.send_all(frame(wire.encode(HELLO)))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(record)
+                if path == wire.EVENTS_PATH:
+                    sessions += 1
+                    try:
+                        await behaviour(stream)
+                    finally:
+                        pongs += [op for op, _ in client_frames(received)].count(0xA)
+                else:
+                    await trio.sleep_forever()
+
+    caplog.set_level(logging.DEBUG, logger="frontend_shim")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            await nursery.start(trio.serve_listeners, plane, listeners)
+            port = listeners[0].socket.getsockname()[1]
+            settings = FrontendSettings(http_port=0, workers=(f"ws://127.0.0.1:{port}",))
+            url: str = await nursery.start(run_frontend, settings)
+            async with httpx.AsyncClient(base_url=url) as client:
+                with trio.move_on_after(WATCH):
+                    while True:  # the frontend serves on meanwhile
+                        assert (await client.get("/live")).status_code == 200
+                        await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+    assert logged in caplog.text
+    # A doubling delay from 50 ms (half of it drawn at random): at most 7 redials in 3 s;
+    # before, one every 50 ms (about 50).
+    assert 2 <= sessions <= 10
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "reconnecting" in r.message
+    ]
+    assert len(warnings) == 1  # the streak's first; its repeats at DEBUG
+    if case == "ping-flood":
+        assert pongs <= sessions * (CONTROL_BURST + 8)
