@@ -77,7 +77,6 @@ from frontend_shim._router import (
     RejectionKind,
     Router,
     UnknownModel,
-    classify_rejection,
     retry_after_seconds,
 )
 from frontend_shim._waiting import WaitingRoom
@@ -335,9 +334,9 @@ class FrontendAPI:
                         self._completions.record(trio.current_time())
                     return
                 if isinstance(first, wire.Rejected):
-                    reason = first.reason
+                    reason = wire.RejectReason.parse(first.reason)
                 elif first.kind == "unavailable":
-                    reason = f"Server unavailable: {first.message}"
+                    reason = wire.RejectReason.OTHER_UNAVAILABLE
                 else:
                     await send_failure(responder, exchange, first)
                     return
@@ -347,8 +346,8 @@ class FrontendAPI:
                 self._router, worker_id, reason, trio.current_time(), priority, tenant
             ):
                 continue
-            if classify_rejection(reason) is RejectionKind.OVERLOADED:
-                await self._send_overloaded(responder, exchange, wire.reject_reason_key(reason))
+            if reason.kind is RejectionKind.OVERLOADED:
+                await self._send_overloaded(responder, exchange, reason.key)
             else:
                 await self._send_unavailable(responder, exchange, "draining")
             return

@@ -156,35 +156,20 @@ _NO_WORKERS: Final = NoWorkers()
 _UNKNOWN_MODEL: Final = UnknownModel()
 
 
-class RejectionKind(enum.Enum):
-    """What a worker's rejection reason means for routing."""
-
-    #: ``Server overloaded:``: the worker is full; mark it and try another.
-    OVERLOADED = "overloaded"
-    #: ``Server unavailable:``: the worker is going away; stop routing to it.
-    UNAVAILABLE = "unavailable"
-    #: Anything else: not a capacity problem; not retried elsewhere.
-    OTHER = "other"
-
-
-_OVERLOADED_PREFIX: Final = wire.REASON_OVERLOADED.split(":", 1)[0] + ":"
-_UNAVAILABLE_PREFIX: Final = wire.REASON_DRAINING.split(":", 1)[0] + ":"
+RejectionKind = wire.RejectionKind
 
 
 def classify_rejection(reason: str) -> RejectionKind:
-    """Classify a :class:`~shim_common.wire.Rejected` reason by its prefix.
+    """Classify a :class:`~shim_common.wire.Rejected` reason (as
+    :class:`~shim_common.wire.RejectReason` does: an unknown text by its prefix).
 
     Args:
-        reason: the reason text.
+        reason: the reason, a :class:`~shim_common.wire.RejectReason` or its text.
 
     Returns:
         The kind of rejection.
     """
-    if reason.startswith(_OVERLOADED_PREFIX):
-        return RejectionKind.OVERLOADED
-    if reason.startswith(_UNAVAILABLE_PREFIX):
-        return RejectionKind.UNAVAILABLE
-    return RejectionKind.OTHER
+    return wire.RejectReason.parse(reason).kind
 
 
 # ----------------------------------------------------------------------------- router

@@ -43,6 +43,7 @@ Rules:
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
@@ -77,6 +78,8 @@ __all__ = [
     "REASON_OVERLOADED",
     "REASON_QUEUE_TIMEOUT",
     "REASON_SLO",
+    "RejectReason",
+    "RejectionKind",
     "TENANT_MAX_CHARS",
     "reject_reason_key",
     "BusyThresholds",
@@ -158,38 +161,107 @@ SUBPROTOCOL_BATCH: Final = "dynamo-shim.batch"
 #: Largest websocket message either side accepts (bytes). A request body travels in one message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
 
-#: Reason texts of a rejection. Frontends classify by the prefix before the colon:
-#: ``Server overloaded:`` means "this worker is full, try another one";
-#: ``Server unavailable:`` means "this worker is going away".
-REASON_OVERLOADED: Final = "Server overloaded: worker at capacity"
-REASON_QUEUE_TIMEOUT: Final = "Server overloaded: queue timeout"
-REASON_DRAINING: Final = "Server unavailable: draining"
-REASON_DISPLACED_PRIORITY: Final = "Server overloaded: displaced by a higher-priority request"
-REASON_DISPLACED_SHARE: Final = "Server overloaded: displaced by a fairer share"
-REASON_SLO: Final = "Server overloaded: would miss the TTFT objective"
+class RejectionKind(enum.Enum):
+    """What a rejection means for whoever routed the request."""
 
-#: The short name of each rejection reason, as metrics label it and the frontend's
-#: ``x-dynamo-reject-reason`` header spells it.
-_REASON_KEYS: Final = {
-    REASON_OVERLOADED: "queue_full",
-    REASON_QUEUE_TIMEOUT: "queue_timeout",
-    REASON_DISPLACED_PRIORITY: "displaced",
-    REASON_DISPLACED_SHARE: "displaced",
-    REASON_SLO: "slo",
-    REASON_DRAINING: "draining",
+    #: ``Server overloaded:``: the worker is full; mark it and try another.
+    OVERLOADED = "overloaded"
+    #: ``Server unavailable:``: the worker is going away; stop routing to it.
+    UNAVAILABLE = "unavailable"
+    #: Anything else: not a capacity problem; not retried elsewhere.
+    OTHER = "other"
+
+
+_OVERLOADED_PREFIX: Final = "Server overloaded:"
+_UNAVAILABLE_PREFIX: Final = "Server unavailable:"
+
+
+class RejectReason(enum.StrEnum):
+    """Why a worker turned a request away before it started.
+
+    The value of each reason a worker gives is its text on the wire (:attr:`Rejected.reason`,
+    byte for byte what every version of the protocol sends), and this class is the one place
+    that text is spelled, read back (:meth:`parse`) and classified (:attr:`kind`, :attr:`key`).
+    Frontends classify a text they do not know by the prefix before its colon:
+    ``Server overloaded:`` means "this worker is full, try another one";
+    ``Server unavailable:`` means "this worker is going away".
+    """
+
+    OVERLOADED = "Server overloaded: worker at capacity"
+    QUEUE_TIMEOUT = "Server overloaded: queue timeout"
+    DISPLACED_PRIORITY = "Server overloaded: displaced by a higher-priority request"
+    DISPLACED_SHARE = "Server overloaded: displaced by a fairer share"
+    SLO = "Server overloaded: would miss the TTFT objective"
+    DRAINING = "Server unavailable: draining"
+    #: How a frontend reads an overload text it does not know (a newer worker's); never sent.
+    OTHER_OVERLOAD = _OVERLOADED_PREFIX
+    #: How a frontend reads an unavailability text it does not know, or a worker's ``Failed``
+    #: of kind ``unavailable`` before a start; never sent.
+    OTHER_UNAVAILABLE = _UNAVAILABLE_PREFIX
+    #: A text with neither prefix: not a capacity problem; never sent.
+    OTHER = ""
+
+    @classmethod
+    def parse(cls, text: str) -> RejectReason:
+        """The reason a :attr:`Rejected.reason` text gives (an unknown text by its prefix)."""
+        known = _REASON_OF_TEXT.get(text)
+        if known is not None:
+            return known
+        if text.startswith(_OVERLOADED_PREFIX):
+            return cls.OTHER_OVERLOAD
+        if text.startswith(_UNAVAILABLE_PREFIX):
+            return cls.OTHER_UNAVAILABLE
+        return cls.OTHER
+
+    @property
+    def kind(self) -> RejectionKind:
+        """What the rejection means for routing."""
+        return _KIND_OF_REASON[self]
+
+    @property
+    def key(self) -> str:
+        """The short name, as metrics label it and the frontend's ``x-dynamo-reject-reason``
+        header spells it: ``queue_full``, ``queue_timeout``, ``displaced``, ``slo`` or
+        ``draining``. An unknown overload, and any other unknown text, is ``queue_full`` (the
+        general overload); an unknown unavailability is ``draining``."""
+        return _KEY_OF_REASON[self]
+
+
+_REASON_OF_TEXT: Final = {reason.value: reason for reason in RejectReason}
+_KIND_OF_REASON: Final = {
+    reason: (
+        RejectionKind.OVERLOADED
+        if reason.value.startswith(_OVERLOADED_PREFIX)
+        else RejectionKind.UNAVAILABLE
+        if reason.value.startswith(_UNAVAILABLE_PREFIX)
+        else RejectionKind.OTHER
+    )
+    for reason in RejectReason
 }
+_KEY_OF_REASON: Final = {
+    RejectReason.OVERLOADED: "queue_full",
+    RejectReason.QUEUE_TIMEOUT: "queue_timeout",
+    RejectReason.DISPLACED_PRIORITY: "displaced",
+    RejectReason.DISPLACED_SHARE: "displaced",
+    RejectReason.SLO: "slo",
+    RejectReason.DRAINING: "draining",
+    RejectReason.OTHER_OVERLOAD: "queue_full",
+    RejectReason.OTHER_UNAVAILABLE: "draining",
+    RejectReason.OTHER: "queue_full",
+}
+
+#: The reasons by their older names (the same values).
+REASON_OVERLOADED: Final = RejectReason.OVERLOADED
+REASON_QUEUE_TIMEOUT: Final = RejectReason.QUEUE_TIMEOUT
+REASON_DRAINING: Final = RejectReason.DRAINING
+REASON_DISPLACED_PRIORITY: Final = RejectReason.DISPLACED_PRIORITY
+REASON_DISPLACED_SHARE: Final = RejectReason.DISPLACED_SHARE
+REASON_SLO: Final = RejectReason.SLO
 
 
 def reject_reason_key(reason: str) -> str:
-    """The short name of a rejection reason text (``queue_full``, ``displaced``, ...).
-
-    An unknown ``Server unavailable:`` text is ``draining``; any other unknown text (from a newer
-    worker) is ``queue_full``, the reason section 1 of the contract gives every overload.
-    """
-    key = _REASON_KEYS.get(reason)
-    if key is not None:
-        return key
-    return "draining" if reason.startswith("Server unavailable:") else "queue_full"
+    """The short name of a rejection reason text: ``RejectReason.parse(reason).key``."""
+    return RejectReason.parse(reason).key
 
 
 CANCEL_REASON_CLIENT: Final = "client cancelled"
@@ -210,7 +282,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_size: int
     #: N as configured; ``None`` when unset (the gate then has 10000 slots).
     engine_request_limit: int | None
-    #: Q in force (16 by default when N is set, 40000 when N is unset).
+    #: Q in force: as configured (16 by default) when N or W is set, 40000 when neither is.
     request_queue_limit: int
     #: Seconds between heartbeats on the event plane.
     heartbeat_interval: float
@@ -432,10 +504,16 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field=
 
 
 class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected", tag_field="type"):
-    """The request never started; ``reason`` is one of the ``REASON_*`` texts."""
+    """The request never started; ``reason`` is a :class:`RejectReason`'s text (a frontend reads
+    it back with :meth:`RejectReason.parse`)."""
 
     request_id: int
     reason: str
+
+    @classmethod
+    def of(cls, request_id: int, reason: RejectReason) -> Rejected:
+        """The message for a worker's rejection: where a reason becomes the wire's text."""
+        return cls(request_id=request_id, reason=reason.value)
 
 
 class Started(msgspec.Struct, frozen=True, kw_only=True, tag="started", tag_field="type"):

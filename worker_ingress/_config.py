@@ -1,7 +1,8 @@
 """Validated worker settings: what the CLI produces and every other module consumes.
 
 The CLI (:mod:`worker_ingress._cli`) parses flags and ``DYN_*`` variables into these structs; the
-rules that depend on several values (N unset means 10000 slots and 40000 queued) live here, once.
+rules that depend on several values (N unset means 10000 slots; Q is 40000 unless N or W is set,
+when it is ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``) live here, once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = [
 
 #: Tenants the gate keeps fair-share state for at once, unless ``--max-tracked-tenants`` says.
 DEFAULT_MAX_TRACKED_TENANTS: Final = 4096
-#: Q when ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT`` is unset and N is set.
+#: Q when ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT`` is unset and N or W is set.
 DEFAULT_QUEUE_LIMIT: Final = 16
 #: The gate's size when N is unset: large enough never to reject in practice.
 UNLIMITED_ENGINE_SLOTS: Final = 10_000
@@ -54,7 +55,7 @@ class WorkerSettings:
     upstream_url: str | None = None
     #: N as given; ``None`` when unset.
     engine_request_limit: int | None = None
-    #: Q as given (``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``); used only when N is set.
+    #: Q as given (``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``); used only when N or W is set.
     request_queue_limit: int = DEFAULT_QUEUE_LIMIT
     #: Seconds a request may wait in the queue; ``None``: no limit.
     queue_timeout: float | None = None

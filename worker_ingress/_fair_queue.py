@@ -17,8 +17,8 @@ Rules of the discipline
    service in fact (its counter before any lift: a tenant lifted on arrival is usually the
    light one), then to the flow that became backlogged first. A tenant's counter is its
    attained service divided by its weight: prompt tokens (charged when its request is chosen
-   to start) plus two per generated token (charged by the gate as output arrives), as in
-   Virtual Token Counter fair queuing.
+   to start) plus :data:`GENERATED_TOKEN_COST` per generated token (charged by the gate as
+   output arrives), as in Virtual Token Counter fair queuing (:func:`service_tokens`).
 3. **No credit for idle time.** A flow that becomes backlogged in a band lifts its tenant's
    counter to the smallest counter among the flows already backlogged there (never lowers it).
    So a tenant that was idle cannot then monopolise the band to "catch up", and a heavy tenant
@@ -50,12 +50,14 @@ from collections.abc import Iterator, Mapping
 from typing import Final
 
 __all__ = [
+    "GENERATED_TOKEN_COST",
     "DISPLACED_BY_PRIORITY",
     "DISPLACED_BY_SHARE",
     "OVERFLOW_TENANT",
     "FairQueue",
     "QueueEntry",
     "Tenant",
+    "service_tokens",
 ]
 
 #: How :meth:`FairQueue.victim` says why it chose its victim.
@@ -66,8 +68,17 @@ DISPLACED_BY_SHARE: Final = "share"
 #: :attr:`FairQueue.tenants`, so a client that sends this name gets a record of its own.
 OVERFLOW_TENANT: Final = "\x00overflow"
 
+#: Service a generated token costs, in prompt tokens (rule 2): decoding a token occupies the
+#: engine longer than prefilling one.
+GENERATED_TOKEN_COST: Final = 2
+
 #: Slack before a lazily cleaned structure is compacted (entries beyond twice the live ones).
 _COMPACT_SLACK: Final = 16
+
+
+def service_tokens(prompt_tokens: int = 0, generated_tokens: int = 0) -> int:
+    """The service a request's tokens cost its tenant, unweighted: the one charge rule."""
+    return prompt_tokens + GENERATED_TOKEN_COST * generated_tokens
 
 
 class Tenant:
@@ -245,7 +256,7 @@ class FairQueue:
 
     @staticmethod
     def charge(tenant: Tenant, tokens: float) -> None:
-        """Add ``tokens`` of service (already weighted by kind: 2 per generated token)."""
+        """Add ``tokens`` of service (from :func:`service_tokens`), divided by the weight."""
         cost = tokens * tenant.inverse_weight
         tenant.service += cost
         tenant.attained += cost
@@ -299,7 +310,7 @@ class FairQueue:
         order = band.order
         while order and order[0]._flow is None:
             order.popleft()
-        self.charge(entry.tenant, entry.prompt_tokens)
+        self.charge(entry.tenant, service_tokens(prompt_tokens=entry.prompt_tokens))
         return entry
 
     def remove(self, entry: QueueEntry) -> bool:

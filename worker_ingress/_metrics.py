@@ -11,7 +11,7 @@ change them; only add new ones):
 - ``dynamo_engine_request`` (gauge): requests running in the engine.
 - ``dynamo_request_queue`` (gauge): requests waiting, the dispatcher's hand included (peaks at Q).
 - ``dynamo_engine_request_limit``, ``dynamo_request_queue_limit`` (gauges): N and Q in force
-  (10000 and 40000 when N is unset).
+  (N is 10000 when unset; Q is 40000 when neither N nor W is set).
 - ``dynamo_component_total_blocks``, ``dynamo_component_kv_used_blocks`` (gauges): the KV cache.
 
 Added here:
@@ -20,8 +20,10 @@ Added here:
 - ``dynamo_worker_draining_rejection_total``: arrivals turned away while draining (kept out of
   ``dynamo_rejection_request_total``: shutting down is not overload).
 - ``dynamo_worker_started_request_total``: requests that entered the engine.
-- ``dynamo_worker_received_request_total``: requests that reached the admission gate (valid
-  input), whatever became of them.
+- ``dynamo_worker_received_request_total``: requests that reached the admission gate,
+  whatever became of them (the gate's certain refusal comes before the input is checked, so a
+  refused request counts whatever its input; one with invalid input that would not have been
+  refused never reaches the gate).
 - ``dynamo_worker_queue_cancelled_total``: queued requests withdrawn before they started (the
   client left or the frontend's connection dropped). With the counters above, at every scrape:
   received = started + rejection + draining rejection + queue cancelled + ``dynamo_request_queue``.

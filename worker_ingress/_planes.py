@@ -22,8 +22,9 @@ Rules of a request-plane connection:
    the engine's stream through the channel). A certain rejection (the gate's
    :meth:`~worker_ingress._admission.AdmissionGate.reject_now`) is written by the receive loop
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
-3. Per request: ``engine.prepare`` (bad input: ``Failed(bad_request)``, no slot used), then
-   ``gate.slot(priority, tenant, prompt_tokens)`` (full, displaced or draining:
+3. Per request: the gate's certain refusal first (``reject_now``: ``Rejected(reason)``, the
+   prompt never prepared), then ``engine.prepare`` (bad input: ``Failed(bad_request)``, no
+   slot used), then ``gate.slot(priority, tenant, prompt_tokens)`` (full, displaced or draining:
    ``Rejected(reason)``), then ``Started(prompt_tokens, queue_wait_ms)``,
    the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
    ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
@@ -358,6 +359,15 @@ class RequestConnection:
         rejection), else return the prepared request."""
         host = self._host
         request_id = generate.request_id
+        # Asked first, synchronously, so shedding costs no task and no preparation of a prompt
+        # that will not run (it must stay cheap).
+        reason = host.gate.reject_now(generate.priority, generate.tenant)
+        if reason is not None:
+            # Written here rather than through the sender: a rejection is the request's only
+            # frame, so no ordering is at stake, and the hop through the channel is half the
+            # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
+            await self._ws.send_message(encode(Rejected.of(request_id, reason)))
+            return None
         try:
             prepared = host.engine.prepare(generate.endpoint, generate.body)
         except EngineInputError as error:
@@ -370,14 +380,6 @@ class RequestConnection:
             await self._sender.send(
                 Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             )
-            return None
-        # Asked here, synchronously, so shedding costs no task (it must stay cheap).
-        reason = host.gate.reject_now(generate.priority, generate.tenant)
-        if reason is not None:
-            # Written here rather than through the sender: a rejection is the request's only
-            # frame, so no ordering is at stake, and the hop through the channel is half the
-            # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
-            await self._ws.send_message(encode(Rejected(request_id=request_id, reason=reason)))
             return None
         return prepared
 
@@ -451,7 +453,7 @@ class RequestConnection:
                             await self._sender.send(*held)
                             held = []
         except Rejection as rejection:
-            return [Rejected(request_id=request_id, reason=rejection.reason)]
+            return [Rejected.of(request_id, rejection.reason)]
         except Exception as error:
             logger.exception("engine failed on request %d", request_id)
             failed = Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
