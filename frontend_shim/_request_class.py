@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from frontend_shim._request_body import BadRequest, quote
-from shim_common.wire import PRIORITY_MAX, PRIORITY_MIN, TENANT_MAX_CHARS
+from shim_common._numbers import PRIORITY, NumberError
+from shim_common.wire import TENANT_MAX_CHARS
 
 __all__ = [
     "PRIORITY_HEADER",
@@ -40,27 +41,27 @@ def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None
 
 
 def _priority(value: object, where: str) -> int:
+    # The range is the one check of shim_common._numbers.PRIORITY (the wire's and the flags').
     if isinstance(value, bytes):
         text = value.decode("latin-1").strip()
         # int() alone would take "+5", "5_0" and non-ASCII digits: plain decimal digits only.
         digits = text[1:] if text[:1] == "-" else text
         if not digits.isascii() or not digits.isdigit():
             raise BadRequest(400, f"{where} must be an integer, got {quote(text)}")
-        if len(digits) > len(str(PRIORITY_MAX)):
-            # Out of range whatever the digits; int() refuses thousands of them (a 500).
-            raise BadRequest(
-                400, f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {quote(text)}"
-            )
-        number = int(text)
+        # More digits than the range allows: out of range whatever they are (and int() refuses
+        # thousands of them, a 500), so the text is what the message shows.
+        number: object = int(text) if len(digits) <= len(str(PRIORITY.high)) else None
+        given = str(number) if number is not None else quote(text)
     elif isinstance(value, int) and not isinstance(value, bool):
-        number = value
+        number, given = value, str(value)
     else:
         raise BadRequest(400, f"{where} must be an integer, got {quote(value)}")
-    if not PRIORITY_MIN <= number <= PRIORITY_MAX:
+    try:
+        return PRIORITY.check(number)
+    except NumberError:
         raise BadRequest(
-            400, f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {number}"
-        )
-    return number
+            400, f"{where} must be in [{PRIORITY.low}, {PRIORITY.high}], got {given}"
+        ) from None
 
 
 def header_priority(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
