@@ -78,9 +78,11 @@ class Progress:
         exchange: Exchange,
         worker_id: str,
         prompt_tokens: int,
+        dp_rank: int | None = None,
     ) -> Progress:
-        """The worker started the request: charge it with the request's prompt tokens."""
-        charge = fleet.request_sent(worker_id, prompt_tokens)
+        """The worker started the request: charge it (the rank ``dp_rank`` when the router chose
+        one) with the request's prompt tokens."""
+        charge = fleet.request_sent(worker_id, prompt_tokens, dp_rank)
         return cls(fleet, metrics, exchange, worker_id, charge)
 
     @property

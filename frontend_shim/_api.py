@@ -57,6 +57,8 @@ import trio
 
 from frontend_shim._accounting import Exchange, Progress
 from frontend_shim._admin import AdminRoutes
+from frontend_shim._kv_cost import NO_PROMPT
+from frontend_shim._kv_routing import KvRouting
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
@@ -121,6 +123,7 @@ class FrontendAPI:
         metrics: where requests are counted.
         busy_exempt_priority: requests of this priority or better are not shed by the busy
             thresholds (``--busy-exempt-priority``); ``None``: every request may be.
+        kv: ``--router-mode kv``'s per-request part (tokenisation, guesses, hit metrics).
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class FrontendAPI:
         waiting: WaitingRoom,
         metrics: FrontendMetrics,
         busy_exempt_priority: int | None = None,
+        kv: KvRouting | None = None,
     ) -> None:
         self._fleet = fleet
         self._router = router
@@ -143,6 +147,7 @@ class FrontendAPI:
         self._overload_status = overload_status
         self._overload_body = overload_body(overload_status)
         self._busy_exempt = busy_exempt_priority
+        self._kv = kv
         self._completions = CompletionRate()
         self._in_flight = 0
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
@@ -289,11 +294,13 @@ class FrontendAPI:
         if parks and not await self._waiting.wait(model):
             await self._send_overloaded(responder, exchange, "busy")
             return
+        kv = self._kv
+        prompt = kv.prompt(exchange.endpoint, body) if kv is not None else NO_PROMPT
         attempt = self._router.new_attempt()
         while True:
             now = trio.current_time()
             outcome = self._router.pick_class(
-                model, now, priority, tenant, attempt.rejected_by, exempt=exempt
+                model, now, priority, tenant, attempt.rejected_by, exempt=exempt, prompt=prompt
             )
             if isinstance(outcome, AllBusy):
                 reason = "marked" if self._fleet.every_worker_marked(model) else "busy"
@@ -314,11 +321,22 @@ class FrontendAPI:
                     continue
                 await self._send_unavailable(responder, exchange, "draining")
                 return
-            async with link.request(exchange.endpoint, body, priority, tenant) as stream:
+            choice = outcome.kv
+            if kv is not None and choice is not None:
+                kv.sent(choice, now)
+            request = link.request(exchange.endpoint, body, priority, tenant, outcome.dp_rank)
+            async with request as stream:
                 first = await stream.first()
                 if isinstance(first, wire.Started):
+                    if kv is not None and choice is not None:
+                        kv.started(exchange.label, choice, prompt)
                     progress = Progress.start(
-                        self._fleet, self._metrics, exchange, worker_id, first.prompt_tokens
+                        self._fleet,
+                        self._metrics,
+                        exchange,
+                        worker_id,
+                        first.prompt_tokens,
+                        outcome.dp_rank,
                     )
                     try:
                         await serve_started(

@@ -30,6 +30,9 @@ from frontend_shim._admin import AdminRoutes
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import DEFAULT_EVENT_BUDGET, FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
+from frontend_shim._kv_cost import CostWeights, KvScorer
+from frontend_shim._kv_index import KvIndex
+from frontend_shim._kv_routing import KvMetrics, KvRouting
 from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
@@ -40,6 +43,7 @@ from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
 from shim_common._httpserver import HTTPLimits, IdleConnections, serve_http
 from shim_common._net import CLOSE_BATCH, base_url
+from shim_common.prefix import FileTokenizer, PromptTokenizer, WordTokenizer
 
 __all__ = ["run_frontend"]
 
@@ -101,10 +105,28 @@ async def run_frontend(
         stale_after_intervals=settings.stale_after_heartbeats,
         mark_lease=settings.overload_mark_lease,
     )
+    kv_index = (
+        KvIndex(prediction_ttl=settings.router_ttl_secs, use_events=settings.router_kv_events)
+        if settings.router_mode == "kv"
+        else None
+    )
+    weights = CostWeights(
+        credit=settings.router_kv_overlap_score_credit,
+        prefill_load_scale=settings.router_prefill_load_scale,
+        temperature=settings.router_temperature,
+    )
     router = Router(
-        fleet, RouterMode(settings.router_mode), migration_limit=settings.migration_limit
+        fleet,
+        RouterMode(settings.router_mode),
+        migration_limit=settings.migration_limit,
+        kv=KvScorer(kv_index, weights) if kv_index is not None else None,
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
+    kv_routing = (
+        KvRouting(kv_index, _tokenizer(settings), KvMetrics(metrics.registry))
+        if kv_index is not None
+        else None
+    )
     capacity = (
         settings.router_queue_capacity if settings.router_queue_threshold is not None else None
     )
@@ -127,6 +149,7 @@ async def run_frontend(
                 headers=_worker_headers(settings.worker_token),
                 ssl_context=_worker_tls(settings),
                 make_room=lambda: idle_http.close_oldest(CLOSE_BATCH),
+                kv_events=kv_index is not None and settings.router_kv_events,
             ),
             resolve_interval=settings.resolve_interval,
             connect_concurrency=settings.connect_concurrency,
@@ -139,7 +162,9 @@ async def run_frontend(
             cost_window=settings.event_cost_window,
             cost_min_messages=settings.event_cost_min_messages,
         )
-        bridge = FleetBridge(fleet, on_change=waiting.release, links=pool.links)
+        bridge = FleetBridge(
+            fleet, on_change=waiting.release, links=pool.links, kv_index=kv_index
+        )
         metrics.watch_links(lambda: _link_samples(pool))
         admin = AdminRoutes(
             fleet,
@@ -157,6 +182,7 @@ async def run_frontend(
             admin=admin,
             waiting=waiting,
             metrics=metrics,
+            kv=kv_routing,
         )
         handler = api.handle
         tls = (
@@ -226,6 +252,13 @@ async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) ->
     if grace_scope.cancelled_caught:
         _log.warning("drain grace expired; cancelling the requests still in flight")
     _log.info("stopping")
+
+
+def _tokenizer(settings: FrontendSettings) -> PromptTokenizer:
+    """The tokeniser ``kv`` cuts prompts with: the workers' own (one tokenisation for both)."""
+    if settings.tokenizer is not None:
+        return FileTokenizer(settings.tokenizer)
+    return WordTokenizer()
 
 
 def _worker_headers(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -196,6 +196,30 @@ def _frontend(
             validator=(validators.Number(gte=0, lte=10_000_000), finite),
         ),
     ] = None,
+    router_kv_overlap_score_credit: Annotated[
+        float,
+        Parameter(env_var="DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", validator=of_kind(RATIO)),
+    ] = 1.0,
+    router_prefill_load_scale: Annotated[
+        float,
+        Parameter(env_var="DYN_ROUTER_PREFILL_LOAD_SCALE", validator=of_kind(RATIO)),
+    ] = 1.0,
+    router_temperature: Annotated[
+        float, Parameter(env_var="DYN_ROUTER_TEMPERATURE", validator=of_kind(RATIO))
+    ] = 0.0,
+    router_kv_events: Annotated[
+        bool,
+        Parameter(
+            name=("--router-kv-events", "--kv-events"),
+            negative=("--no-router-kv-events", "--no-kv-events"),
+            env_var="DYN_ROUTER_USE_KV_EVENTS",
+        ),
+    ] = True,
+    router_ttl_secs: Annotated[
+        float,
+        Parameter(env_var="DYN_ROUTER_TTL_SECS", validator=of_kind(SECONDS, gt=0)),
+    ] = 120.0,
+    tokenizer: Annotated[str | None, Parameter(env_var="DYN_TOKENIZER")] = None,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
     tls_ca_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CA_PATH")] = None,
@@ -260,6 +284,22 @@ def _frontend(
         Event messages a second this frontend takes from all its workers together; each worker
         is asked for (or read at) the interval that keeps to it. 0: no budget. Unset: the
         budget is what fits in 48 % of a core at the cost per message this frontend measures.
+    router_kv_overlap_score_credit
+        kv: how much a cached prompt block is worth against one to prefill (0: ignore the
+        cache).
+    router_prefill_load_scale
+        kv: weight of the prompt's uncached blocks against a worker's active decode blocks.
+    router_temperature
+        kv: 0, the cheapest rank wins; above 0, a softmax draw over normalised costs.
+    router_kv_events
+        kv: follow the workers' KV events (for workers that publish them); off, predict their
+        caches from this router's own decisions.
+    router_ttl_secs
+        kv: seconds a block predicted from this router's own decision is believed, without KV
+        events.
+    tokenizer
+        A model's tokenizer.json: kv cuts prompts into blocks with it (needs the tokenizers
+        extra), and local workers are given it too. Unset: one token per word, as the mocker.
     tls_cert_path
         PEM certificate chain: the HTTP listener serves https:// (needs --tls-key-path).
         Local workers are given it too and serve wss://.
@@ -283,6 +323,8 @@ def _frontend(
     # Local workers serve wss:// with the frontend's own certificate (see _app).
     passed["--tls-cert-path"] = tls.cert_path
     passed["--tls-key-path"] = tls.key_path
+    # The workers cut prompts with the frontend's tokeniser: one tokenisation for both sides.
+    passed["--tokenizer"] = tokenizer
     worker_args = tuple(
         part for flag, value in passed.items() if value is not None for part in (flag, str(value))
     )
@@ -315,7 +357,15 @@ def _frontend(
         tls_cert_path=tls.cert_path,
         tls_key_path=tls.key_path,
         tls_ca_path=tls_ca_path,
+        router_kv_overlap_score_credit=router_kv_overlap_score_credit,
+        router_prefill_load_scale=router_prefill_load_scale,
+        router_temperature=router_temperature,
+        router_kv_events=router_kv_events,
+        router_ttl_secs=router_ttl_secs,
+        tokenizer=tokenizer,
     )
+    if tokenizer is not None:
+        _check_tokenizer(tokenizer)
     if local_workers:
         _check_worker_args(worker_args)
     return settings, log_level
@@ -350,6 +400,15 @@ def _split_workers(given: Sequence[str]) -> tuple[str, ...]:
                 raise CliError(f"Invalid value for --worker: {exc}") from None
             urls.append(url)
     return tuple(urls)
+
+
+def _check_tokenizer(path: str) -> None:
+    from shim_common.prefix import FileTokenizer
+
+    try:
+        FileTokenizer(path)
+    except (ImportError, ValueError) as exc:
+        raise CliError(f"Invalid value for --tokenizer (DYN_TOKENIZER): {exc}") from None
 
 
 def _check_worker_args(worker_args: Sequence[str]) -> None:

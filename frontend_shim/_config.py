@@ -91,6 +91,20 @@ class FrontendSettings:
     tls_ca_path: str | None = None
     #: Seconds a write to an HTTP client may make no progress before it is dropped. Not a flag.
     http_send_timeout: float = 60.0
+    #: ``--router-kv-overlap-score-credit``: what a cached prompt block is worth to ``kv``.
+    router_kv_overlap_score_credit: float = 1.0
+    #: ``--router-prefill-load-scale``: uncached prompt blocks against decode blocks.
+    router_prefill_load_scale: float = 1.0
+    #: ``--router-temperature``: 0, the cheapest rank wins; > 0, a softmax draw.
+    router_temperature: float = 0.0
+    #: ``--router-kv-events``: the ``kv`` index follows the workers' KV events; off, it predicts
+    #: their caches from its own decisions.
+    router_kv_events: bool = True
+    #: ``--router-ttl-secs``: seconds a predicted block is believed without KV events.
+    router_ttl_secs: float = 120.0
+    #: ``--tokenizer``: a model's ``tokenizer.json`` the ``kv`` router cuts prompts with (and
+    #: local workers too); ``None``: the mocker's word tokeniser.
+    tokenizer: str | None = None
 
 
 def overload_status_from_env(environ: Mapping[str, str] | None = None) -> int:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from frontend_shim._discovery import WorkerKey
+from frontend_shim._kv_index import KvIndex
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from shim_common import wire
@@ -32,6 +33,7 @@ class FleetBridge:
         fleet: the load state to update.
         on_change: called after every change of the fleet (to release parked requests).
         links: the links now running, by key (a live view, e.g. ``WorkerPool.links``).
+        kv_index: where the KV events of the workers go (``--router-mode kv``); ``None``: nowhere.
     """
 
     def __init__(
@@ -39,8 +41,10 @@ class FleetBridge:
         fleet: Fleet,
         on_change: Callable[[], None],
         links: Mapping[WorkerKey, WorkerLink] | None = None,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self._fleet = fleet
+        self._kv_index = kv_index
         self._on_change = on_change
         self._links: Mapping[WorkerKey, WorkerLink] = links if links is not None else {}
         #: Every link that is up, with the config of its latest hello.
@@ -75,6 +79,10 @@ class FleetBridge:
             return
         self._owner[config.worker_id] = key
         self._fleet.register(config, now)
+        if self._kv_index is not None:
+            link = self._links.get(key)
+            events = link is not None and link.kv_events
+            self._kv_index.add_worker(config, now, events=events)
         _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
         self._on_change()
 
@@ -92,6 +100,14 @@ class FleetBridge:
         if self._fleet.set_lagging(config.worker_id, lagging):
             self._on_change()
 
+    def worker_kv_events(
+        self, key: WorkerKey, events: Sequence[wire.KvEvent], now: float
+    ) -> bool:
+        config = self._up.get(key)
+        if self._kv_index is None or config is None or self._owner.get(config.worker_id) != key:
+            return False
+        return self._kv_index.apply(config.worker_id, events, now)
+
     def thresholds(self, model: str) -> wire.BusyThresholds | None:
         thresholds = self._fleet.thresholds(model)
         return thresholds if thresholds.configured else None
@@ -108,6 +124,8 @@ class FleetBridge:
             return
         del self._owner[config.worker_id]
         self._fleet.remove(config.worker_id)
+        if self._kv_index is not None:
+            self._kv_index.remove_worker(config.worker_id)
         _log.info("worker %s at %s down", config.worker_id, key)
         standby = next(iter(keys), None)
         if standby is not None:

@@ -67,6 +67,12 @@ Rules of a session (the state machine of a link):
    its event plane out of turn and applied what it held (in place; a link whose task reads
    applies what its last read brought). Whoever acts on the refusal (the router's mark of the
    worker as overloaded or draining) therefore never has the mark cleared by an older event.
+7. KV events (``LinkSettings.kv_events``, to a worker that lists :data:`wire.FEATURE_KV_EVENTS`):
+   the link's :class:`wire.Subscribe` always says ``kv_events``, and every
+   :class:`wire.KvBatch` a read brings goes to the listener's ``worker_kv_events`` in order,
+   never coalesced, in the same read as the load events (so within the event budget). When the
+   listener answers that it saw a gap, the link sends a ``Subscribe`` with ``kv_snapshot`` from
+   a task of its own (a read never waits). KV batches from a worker not subscribed are dropped.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -83,7 +89,7 @@ import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 import trio
@@ -114,6 +120,7 @@ from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_o
 
 __all__ = [
     "FleetListener",
+    "KvEventsListener",
     "LinkSettings",
     "WorkerLink",
 ]
@@ -160,6 +167,8 @@ class LinkSettings:
     #: connections of this process (the HTTP server's keep-alive ones) and returns how many, so
     #: that the link can try once more at once. ``None``: the failure ends the attempt.
     make_room: Callable[[], int] | None = None
+    #: Subscribe to the KV events of a worker that offers them (rule 7).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.request_buffer < 1 or self.send_queue < 1:
@@ -198,6 +207,17 @@ class FleetListener(Protocol):
 
     def thresholds(self, model: str) -> wire.BusyThresholds | None:
         """The busy thresholds of ``model`` to send to a worker that takes them."""
+
+
+@runtime_checkable
+class KvEventsListener(Protocol):
+    """A :class:`FleetListener` that also takes KV events (rule 7); a link subscribes to them
+    only for a listener that does."""
+
+    def worker_kv_events(
+        self, key: WorkerKey, events: Sequence[wire.KvEvent], now: float
+    ) -> bool:
+        """KV events of a subscribed worker, in order; ``True`` asks for a fresh snapshot."""
 
 
 # ----------------------------------------------------------------------------- one worker
@@ -297,6 +317,10 @@ class WorkerLink:
         self._edges = False
         #: Whether the worker of the current session takes the budget's interval (rule 5).
         self.negotiated = False
+        #: Whether the current session is subscribed to the worker's KV events (rule 7).
+        self.kv_events = False
+        self._kv_listener: KvEventsListener | None = None
+        self._kv_resync = trio.Event()
         self._thresholds: wire.BusyThresholds | None = None
         self._up_event = trio.Event()
         self._reached_up = False
@@ -315,7 +339,12 @@ class WorkerLink:
         await self._up_event.wait()
 
     def request(
-        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int = 0, tenant: str = ""
+        self,
+        endpoint: wire.Endpoint,
+        body: dict[str, Any],
+        priority: int = 0,
+        tenant: str = "",
+        dp_rank: int | None = None,
     ) -> AbstractAsyncContextManager[RequestStream]:
         """Run one request on the worker; use as ``async with link.request(...) as stream``.
 
@@ -332,15 +361,21 @@ class WorkerLink:
             body: the OpenAI request body, as the client sent it.
             priority: the request's priority (lower first), for a worker that reads it.
             tenant: the request's tenant, for a worker that reads it.
+            dp_rank: the rank the router chose, for a worker that honours it.
 
         Returns:
             An async context manager yielding the :class:`RequestStream`.
         """
-        return self._request(endpoint, body, priority, tenant)
+        return self._request(endpoint, body, priority, tenant, dp_rank)
 
     @asynccontextmanager
     async def _request(
-        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int, tenant: str
+        self,
+        endpoint: wire.Endpoint,
+        body: dict[str, Any],
+        priority: int,
+        tenant: str,
+        dp_rank: int | None,
     ) -> AsyncIterator[RequestStream]:
         plane = self._plane
         if plane is None:
@@ -348,7 +383,7 @@ class WorkerLink:
             buffer.finish(unavailable(0, f"{self.key} is not connected"))
             yield RequestStream(0, buffer)
             return
-        request_id, buffer = await plane.open(endpoint, body, priority, tenant)
+        request_id, buffer = await plane.open(endpoint, body, priority, tenant, dp_rank)
         try:
             yield RequestStream(request_id, buffer)
         finally:
@@ -370,19 +405,25 @@ class WorkerLink:
         if self.negotiated:
             await self._subscribe()
 
-    async def _subscribe(self) -> None:
+    async def _subscribe(self, *, kv_snapshot: bool = False) -> None:
         events = self._events
         thresholds = self._thresholds
         if events is None:
             return
         if self.negotiated and self._budget is not None:
             interval = self._budget.interval
-            thresholds = thresholds if thresholds is not None else wire.BusyThresholds()
-        elif self._edges and thresholds is not None:
+        elif (self._edges and thresholds is not None) or self.kv_events:
             interval = 0.0
         else:
             return
-        message = wire.encode(wire.Subscribe(thresholds=thresholds, publish_interval=interval))
+        message = wire.encode(
+            wire.Subscribe(
+                thresholds=thresholds if thresholds is not None else wire.BusyThresholds(),
+                publish_interval=interval,
+                kv_events=self.kv_events,
+                kv_snapshot=kv_snapshot and self.kv_events,
+            )
+        )
         # A failure means the session is ending; the next one sends them again.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             await events.send_message(message)
@@ -505,11 +546,20 @@ class WorkerLink:
             stats=self.stats,
             classes=wire.FEATURE_CLASSES in hello.features,
             before_refusal=self._catch_up_events,
+            ranks=wire.FEATURE_KV_EVENTS in hello.features,
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
         # Rule 1: the hello bounds the size of the worker's event messages from now on.
         events.limit_messages(event_message_bound(config, hello.features))
+        self._kv_listener = (
+            self._listener
+            if self._settings.kv_events
+            and wire.FEATURE_KV_EVENTS in hello.features
+            and isinstance(self._listener, KvEventsListener)
+            else None
+        )
+        self.kv_events = self._kv_listener is not None
         self._events = events
         self.lag = self._new_lag_meter()
         self._up(config, plane)
@@ -521,6 +571,8 @@ class WorkerLink:
                 nursery.start_soon(self._read_replies, requests, plane)
                 nursery.start_soon(self._send_requests, requests, plane)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
+                if self.kv_events:
+                    nursery.start_soon(self._resync_kv)
         except BaseException as exc:
             reason = session_end_reason(exc)
             raise
@@ -590,6 +642,7 @@ class WorkerLink:
         arrival = time.time()
         now = trio.current_time()
         batches: list[list[wire.WorkerEvent]] = []
+        kv: list[wire.KvEvent] = []
         sent = 0.0
         for data in messages:
             message = self._decode(data, wire.decode_event_message)
@@ -597,7 +650,9 @@ class WorkerLink:
                 self.stats.protocol_errors += 1
                 raise ProtocolError("a second hello on the event plane")
             if isinstance(message, wire.KvBatch):
-                # KV events come only to a subscriber that asks for them; none is read here yet.
+                # Rule 7: in order, never coalesced; dropped unless this link subscribed.
+                self.stats.kv_batches += 1
+                kv.extend(message.events)
                 continue
             batch = message.events
             sent = message.sent or (batch[-1].ts if batch else sent)
@@ -606,7 +661,18 @@ class WorkerLink:
         if sent and lag.observe(arrival, sent, now):
             self._lag_edge(lag, now)
         self.stats.event_batches += len(batches)
+        listener = self._kv_listener
+        if kv and listener is not None and listener.worker_kv_events(self.key, kv, now):
+            self._kv_resync.set()
         self._listener.worker_events(self.key, latest_wins(batches), now)
+
+    async def _resync_kv(self) -> None:
+        """Ask for a fresh KV snapshot each time the listener saw a gap (rule 7)."""
+        while True:
+            await self._kv_resync.wait()
+            self._kv_resync = trio.Event()
+            self.stats.kv_snapshots_asked += 1
+            await self._subscribe(kv_snapshot=True)
 
     def _new_lag_meter(self) -> LagMeter:
         return LagMeter(self._settings.lag_window, self._settings.max_event_lag)

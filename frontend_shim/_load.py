@@ -453,12 +453,16 @@ class Fleet:
 
     # ------------------------------------------------------------------ router's own count
 
-    def request_sent(self, worker_id: str, prompt_tokens: int) -> InFlight | None:
-        """Charge a request sent to a worker to the rank with the fewest own blocks.
+    def request_sent(
+        self, worker_id: str, prompt_tokens: int, dp_rank: int | None = None
+    ) -> InFlight | None:
+        """Charge a request sent to a worker to the rank chosen for it, else to the rank with
+        the fewest own blocks.
 
         Args:
             worker_id: the worker chosen.
             prompt_tokens: the request's prompt length in tokens (an estimate is fine).
+            dp_rank: the rank the ``kv`` router chose (``None``, or out of range: the rule above).
 
         Returns:
             The handle to pass to :meth:`request_output` and :meth:`request_finished`, or
@@ -468,7 +472,10 @@ class Fleet:
         if worker is None:
             return None
         prompt_tokens = max(0, prompt_tokens)
-        rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
+        if dp_rank is not None and 0 <= dp_rank < len(worker.ranks):
+            rank_index = dp_rank
+        else:
+            rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
         in_flight = InFlight(rank_index, prompt_tokens, _blocks(prompt_tokens, worker.config))
         worker.charges.add(in_flight)
         rank = worker.ranks[rank_index]

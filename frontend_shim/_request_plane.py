@@ -75,6 +75,10 @@ class LinkStats:
     late_replies: int = 0
     #: Event batches applied.
     event_batches: int = 0
+    #: KV event batches read (applied only when the link subscribed to them).
+    kv_batches: int = 0
+    #: Fresh KV snapshots asked for after a gap in the worker's KV events.
+    kv_snapshots_asked: int = 0
     #: Reads of the event plane: each took what the socket held (one batch or several), or found
     #: nothing (a paced read). The event budget is spent in reads.
     event_reads: int = 0
@@ -169,8 +173,11 @@ class RequestPlane:
         stats: LinkStats,
         classes: bool = False,
         before_refusal: Callable[[], object] | None = None,
+        ranks: bool = False,
     ) -> None:
         self._request_buffer = request_buffer
+        # The worker honours Generate.dp_rank (its hello lists wire.FEATURE_KV_EVENTS).
+        self._ranks = ranks
         self._before_refusal = before_refusal
         # The worker acts on priority and tenant (its hello lists wire.FEATURE_CLASSES).
         self._classes = classes
@@ -198,11 +205,16 @@ class RequestPlane:
         return self._closed_reason is not None
 
     async def open(
-        self, endpoint: wire.Endpoint, body: dict[str, Any], priority: int = 0, tenant: str = ""
+        self,
+        endpoint: wire.Endpoint,
+        body: dict[str, Any],
+        priority: int = 0,
+        tenant: str = "",
+        dp_rank: int | None = None,
     ) -> tuple[int, ResponseBuffer]:
         """Register a request and queue its ``Generate``; waits while the outbox is full.
 
-        ``priority`` and ``tenant`` are sent only to a worker that speaks them.
+        ``priority``, ``tenant`` and ``dp_rank`` are sent only to a worker that speaks them.
         """
         while self._closed_reason is None and self._generates_queued >= self._send_queue:
             await self._room.wait()
@@ -214,6 +226,8 @@ class RequestPlane:
             return request_id, buffer
         if not self._classes:
             priority, tenant = 0, ""
+        if not self._ranks:
+            dp_rank = None
         data = wire.encode(
             wire.Generate(
                 request_id=request_id,
@@ -221,6 +235,7 @@ class RequestPlane:
                 body=body,
                 priority=priority,
                 tenant=tenant,
+                dp_rank=dp_rank,
             )
         )
         if len(data) > wire.MAX_MESSAGE_BYTES:
