@@ -9,7 +9,9 @@ Each system runs two deployments, both on loopback:
 - busy: a mocker slowed down 50 times (``--speedup-ratio 0.02``) holding one long streamed
   chat, behind a frontend whose decode threshold is 0.0 (Dynamo's needs ``--router-mode kv`` for
   it), so every chat it gets is answered 529;
-- fast: a mocker sped up 100 times behind a frontend without thresholds.
+- fast: a mocker sped up 100 times behind a frontend without thresholds;
+- stream: a mocker sped up 10,000 times behind a frontend without thresholds (ours also runs
+  the same frontend in front of its instant engine, which does no work per token).
 
 Figures, wrk on ``--connections`` keep-alive connections unless said otherwise, the systems
 taking turns within each repeat, medians of ``--repeats``:
@@ -18,10 +20,17 @@ taking turns within each repeat, medians of ``--repeats``:
 2. chat answered 529 by the busy frontend;
 3. chat with ``max_tokens`` 1 through the fast frontend and mocker;
 4. chat for an unknown model on the fast frontend (404);
-5. one connection: p50/p99 of the chat of 3 and of ``GET /live``, on the fast frontend.
+5. one connection: p50/p99 of the chat of 3 and of ``GET /live``, on the fast frontend;
+6. streamed chat of ``--stream-tokens`` tokens (256) through the stream frontend and mocker
+   (and, for ours, through the instant engine);
+7. one connection, streamed as in 6: the inter-token latency the client sees (median over
+   requests of each request's median gap between two ``data:`` events, and the p99 of every
+   gap), read by a small client of this module on the load CPU.
 
-With both systems present, the report ends with ours over Dynamo's for figures 1-4, from the
-same run.
+For every figure, the CPU time each server process used (``/proc``: user plus system, summed
+over the process group) divided by the requests answered, and for 6 by the tokens streamed:
+what a request or a token costs each process. With both systems present, the report ends with
+ours over Dynamo's for figures 1-4 and 6, from the same run.
 
 Both sides log at warning level (``--dynamo-log`` sets Dynamo's ``DYN_LOG``): at info level
 Dynamo writes lines for every request, a cost of its own. Even at warning level it writes three
@@ -53,6 +62,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
+import itertools
 import json
 import os
 import shutil
@@ -63,18 +74,22 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from bench.bench_frontend import Wrk, _pinned, _process, _wait_connected
+from bench.bench_frontend import LOAD_CPU, Wrk, _pinned, _server, _wait_connected
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 SERVER_CPU: Final = "0"
 MODEL: Final = "mock-model"
 SLOW: Final = "0.02"
 FAST: Final = "100"
+STREAM: Final = "10000"
+#: Tokens of each streamed chat (figures 6 and 7); ``--stream-tokens`` changes it.
+STREAM_TOKENS: Final = 256
 CHAT: Final = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "one two"}], "max_tokens": 1}
 )
@@ -93,9 +108,26 @@ LONG: Final = json.dumps(
         "stream": True,
     }
 )
+
+
+def streamed_chat(tokens: int) -> str:
+    """The body of a streamed chat of ``tokens`` tokens."""
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "one two"}],
+            "max_tokens": tokens,
+            "stream": True,
+        }
+    )
+
+
 #: The words the tiny tokenizer knows besides its numbered filler; every prompt here uses them.
+#: The filler is large because Dynamo's mocker draws token ids beyond a few hundred: an id
+#: the vocabulary lacks decodes to no text, and Dynamo's frontend sends no event for it (with
+#: 500 words its streams carried three events, not one per token).
 WORDS: Final = ("one", "two", "a", "b", "c", "hello", "there", "user", "assistant", "system", ":")
-FILLER: Final = 500
+FILLER: Final = 32000
 
 
 # ----------------------------------------------------------------------------- the model folder
@@ -215,8 +247,9 @@ def _wait_status(url: str, body: str, want: int, *, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def _background(args: list[str], env: Mapping[str, str], log: Path) -> Iterator[None]:
-    """Run a server on the server CPU, its output to ``log``; stop it and its group at the end."""
+def _background(args: list[str], env: Mapping[str, str], log: Path) -> Iterator[int]:
+    """Run a server on the server CPU, its output to ``log``; yield its pid; stop it and its
+    group at the end."""
     with log.open("ab") as sink:
         process = subprocess.Popen(
             _pinned(SERVER_CPU, args),
@@ -227,7 +260,7 @@ def _background(args: list[str], env: Mapping[str, str], log: Path) -> Iterator[
             start_new_session=True,
         )
     try:
-        yield
+        yield process.pid
     finally:
         process.terminate()
         try:
@@ -266,35 +299,83 @@ def _long_request(url: str, scratch: Path) -> Iterator[None]:
         process.wait()
 
 
-class Deployment:
-    """The URLs of one system's busy and fast frontends."""
+# ----------------------------------------------------------------------------- CPU per process
 
-    def __init__(self, busy: str, fast: str) -> None:
+
+def _cpu_seconds(root: int) -> float:
+    """User plus system CPU seconds of ``root`` and every live process below it."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
+    tree = {root}
+    grew = True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        grew = bool(below)
+        tree |= below
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+class Pair:
+    """One frontend in front of one worker: its URL and the pids whose CPU is measured."""
+
+    def __init__(self, url: str, frontend: int, worker: int) -> None:
+        self.url = url
+        self.pids = {"frontend": frontend, "worker": worker}
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the pair."""
+        return {role: _cpu_seconds(pid) for role, pid in self.pids.items()}
+
+
+class Deployment:
+    """The pairs of one system: busy, fast, stream, and (ours only) stream on the instant
+    engine."""
+
+    def __init__(self, busy: Pair, fast: Pair, stream: Pair, instant: Pair | None) -> None:
         self.busy = busy
         self.fast = fast
+        self.stream = stream
+        self.instant = instant
 
 
 @contextlib.contextmanager
 def shim_deployment(scratch: Path) -> Iterator[Deployment]:
-    """Our worker and frontend, twice: busy (slow mocker, threshold 0.0) and fast."""
+    """Our worker and frontend, four times: busy (slow mocker, threshold 0.0), fast, stream
+    (mocker sped up 10,000 times) and instant (the instant engine)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
     python = sys.executable
     worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
     worker += ["--log-level", "warning"]
     frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
-    with (
-        _process([*worker, "--speedup-ratio", SLOW], env) as (slow_ws, _),
-        _process([*worker, "--speedup-ratio", FAST], env) as (fast_ws, _),
-        _process(
-            [*frontend, "--worker", slow_ws, "--active-decode-blocks-threshold", "0.0"], env
-        ) as (busy,),
-        _process([*frontend, "--worker", fast_ws], env) as (fast,),
-    ):
-        _wait_connected(busy)
-        _wait_connected(fast)
-        _wait_status(fast + "/v1/chat/completions", CHAT, 200, timeout=60)
-        with _long_request(busy, scratch):
-            yield Deployment(busy, fast)
+    with contextlib.ExitStack() as stack:
+        pairs: list[Pair] = []
+        for worker_args, frontend_args in (
+            (["--speedup-ratio", SLOW], ["--active-decode-blocks-threshold", "0.0"]),
+            (["--speedup-ratio", FAST], []),
+            (["--speedup-ratio", STREAM], []),
+            (["--engine", "instant"], []),
+        ):
+            worker_pid, (ws, _) = stack.enter_context(_server([*worker, *worker_args], env))
+            frontend_pid, (url,) = stack.enter_context(
+                _server([*frontend, "--worker", ws, *frontend_args], env)
+            )
+            _wait_connected(url)
+            pairs.append(Pair(url, frontend_pid, worker_pid))
+        busy, fast, stream, instant = pairs
+        _wait_status(fast.url + "/v1/chat/completions", CHAT, 200, timeout=60)
+        stack.enter_context(_long_request(busy.url, scratch))
+        yield Deployment(busy, fast, stream, instant)
 
 
 def dynamo_env(kv_folder: Path, log: str) -> dict[str, str]:
@@ -312,40 +393,42 @@ def dynamo_env(kv_folder: Path, log: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def dynamo_deployment(python: str, scratch: Path, log: str) -> Iterator[Deployment]:
-    """Dynamo's mocker and frontend, twice: busy and fast, each pair with its own discovery."""
+    """Dynamo's mocker and frontend, three times: busy, fast and stream, each pair with its own
+    discovery."""
     model = scratch / "model"
     write_model_folder(model)
     planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL]
     frontend = [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
-    urls: list[str] = []
+    pairs: list[Pair] = []
     with contextlib.ExitStack() as stack:
         for name, speedup, extra in (
             ("busy", SLOW, ["--router-mode", "kv", "--active-decode-blocks-threshold", "0.0"]),
             ("fast", FAST, []),
+            ("stream", STREAM, []),
         ):
             env = dynamo_env(scratch / f"kv-{name}", log)
             port = _free_port()
-            stack.enter_context(
+            worker_pid = stack.enter_context(
                 _background(
                     [*mocker, *planes, "--speedup-ratio", speedup],
                     env,
                     scratch / f"dynamo-mocker-{name}.log",
                 )
             )
-            stack.enter_context(
+            frontend_pid = stack.enter_context(
                 _background(
                     [*frontend, "--http-port", str(port), *planes, *extra],
                     env,
                     scratch / f"dynamo-frontend-{name}.log",
                 )
             )
-            urls.append(f"http://127.0.0.1:{port}")
-        busy, fast = urls
-        _wait_status(fast + "/v1/chat/completions", CHAT, 200, timeout=180)
-        _wait_status(busy + "/v1/chat/completions", CHAT, 200, timeout=180)
-        stack.enter_context(_long_request(busy, scratch))
-        yield Deployment(busy, fast)
+            pairs.append(Pair(f"http://127.0.0.1:{port}", frontend_pid, worker_pid))
+        busy, fast, stream = pairs
+        for pair in pairs:
+            _wait_status(pair.url + "/v1/chat/completions", CHAT, 200, timeout=180)
+        stack.enter_context(_long_request(busy.url, scratch))
+        yield Deployment(busy, fast, stream, None)
 
 
 def dynamo_version(python: str) -> str | None:
@@ -375,50 +458,194 @@ def _lua(path: Path, body: str) -> str:
     return str(path)
 
 
+def stream_gaps(url: str, tokens: int, requests: int) -> dict[str, float]:
+    """Figure 7: stream ``requests`` chats of ``tokens`` tokens one after another on one
+    keep-alive connection, timing every ``data:`` event as it arrives.
+
+    Returns:
+        ``itl_p50_ms``: the median over requests of the inter-token latency, the time from the
+        first content event to the last divided by the tokens after the first (as benchmark
+        clients define it: a server that sends several tokens in one event is not flattered);
+        ``gap_p99_ms``: the p99 of the gaps between consecutive events, every request's (a
+        stall shows here); ``ttft_p50_ms``: the median time from sending to the first event;
+        ``events``: the median count of events per request (tokens merged into one event, or
+        tokens that decoded to no text, show here).
+    """
+    body = json.dumps(
+        {**json.loads(streamed_chat(tokens)), "stream_options": {"include_usage": True}}
+    )
+    target = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=30)
+    per_token: list[float] = []
+    gaps: list[float] = []
+    firsts: list[float] = []
+    counts: list[int] = []
+    try:
+        for _ in range(requests):
+            sent = time.perf_counter()
+            connection.request(
+                "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            reply = connection.getresponse()
+            if reply.status != 200:
+                raise RuntimeError(f"{url}: streamed chat answered {reply.status}")
+            stamps: list[float] = []
+            while line := reply.readline():
+                # Content events only: the usage event and [DONE] are not tokens.
+                if line.startswith(b"data: {") and b'"usage"' not in line:
+                    stamps.append(time.perf_counter())
+            gaps.extend((b - a) * 1000 for a, b in itertools.pairwise(stamps))
+            if len(stamps) >= 2 and tokens > 1:
+                per_token.append((stamps[-1] - stamps[0]) * 1000 / (tokens - 1))
+            if stamps:
+                firsts.append((stamps[0] - sent) * 1000)
+            counts.append(len(stamps))
+    finally:
+        connection.close()
+    gaps.sort()
+    return {
+        "itl_p50_ms": statistics.median(per_token) if per_token else float("nan"),
+        "gap_p99_ms": gaps[int(len(gaps) * 0.99)] if gaps else float("nan"),
+        "ttft_p50_ms": statistics.median(firsts) if firsts else float("nan"),
+        "events": statistics.median(counts) if counts else 0.0,
+    }
+
+
+@contextlib.contextmanager
+def _on_load_cpu() -> Iterator[None]:
+    """Run this process on the load CPU for the block, as wrk runs."""
+    before = os.sched_getaffinity(0)
+    if (os.cpu_count() or 1) >= 2:
+        os.sched_setaffinity(0, {int(LOAD_CPU)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 Figures = dict[str, dict[str, float]]
 
 
-def measure(deployment: Deployment, wrk: dict[str, Wrk]) -> Figures:
-    """The five figures of the module docstring, on one system."""
-    return {
-        "live": wrk["get"].run(deployment.busy + "/live"),
-        "shed": wrk["chat"].run(deployment.busy + "/v1/chat/completions", post=True),
-        "chat": wrk["chat"].run(deployment.fast + "/v1/chat/completions", post=True),
-        "unknown": wrk["unknown"].run(deployment.fast + "/v1/chat/completions", post=True),
-        "chat1": wrk["chat"].run(
-            deployment.fast + "/v1/chat/completions", post=True, connections=1
-        ),
-        "live1": wrk["get"].run(deployment.fast + "/live", connections=1),
-    }
+class Figure:
+    """One figure: which pair it loads, how, and what its CPU is divided by."""
+
+    def __init__(
+        self,
+        pair: str,
+        wrk: str,
+        path: str,
+        *,
+        post: bool = True,
+        connections: int | None = None,
+        tokens: bool = False,
+    ) -> None:
+        self.pair = pair
+        self.wrk = wrk
+        self.path = path
+        self.post = post
+        self.connections = connections
+        self.tokens = tokens
+
+
+#: The figures of the module docstring (but 7), in the order they run.
+FIGURES: Final = {
+    "live": Figure("busy", "get", "/live", post=False),
+    "shed": Figure("busy", "chat", "/v1/chat/completions"),
+    "chat": Figure("fast", "chat", "/v1/chat/completions"),
+    "unknown": Figure("fast", "unknown", "/v1/chat/completions"),
+    "chat1": Figure("fast", "chat", "/v1/chat/completions", connections=1),
+    "live1": Figure("fast", "get", "/live", post=False, connections=1),
+    "stream": Figure("stream", "stream", "/v1/chat/completions", tokens=True),
+    "instant": Figure("instant", "stream", "/v1/chat/completions", tokens=True),
+}
+
+
+def measure(deployment: Deployment, wrk: dict[str, Wrk], tokens: int, itl_requests: int) -> Figures:
+    """The figures of the module docstring, on one system, each with the CPU per request (and
+    per token, for streams) of the processes it loaded."""
+    figures: Figures = {}
+    for name, figure in FIGURES.items():
+        pair: Pair | None = getattr(deployment, figure.pair)
+        if pair is None:
+            continue
+        before = pair.cpu()
+        result = wrk[figure.wrk].run(
+            pair.url + figure.path, post=figure.post, connections=figure.connections
+        )
+        after = pair.cpu()
+        for role in before:
+            used = after[role] - before[role]
+            if result["requests"]:
+                result[f"{role}_us_per_request"] = used / result["requests"] * 1e6
+                if figure.tokens:
+                    result[f"{role}_us_per_token"] = used / (result["requests"] * tokens) * 1e6
+        figures[name] = result
+    for name, pair in (("itl", deployment.stream), ("itl_instant", deployment.instant)):
+        if pair is not None:
+            with _on_load_cpu():
+                figures[name] = stream_gaps(pair.url, tokens, itl_requests)
+    return figures
 
 
 def median_figures(runs: list[Figures]) -> Figures:
     """Each figure's median over runs."""
     return {
-        name: {key: statistics.median(run[name][key] for run in runs) for key in runs[0][name]}
+        name: {
+            key: statistics.median(run[name][key] for run in runs if key in run[name])
+            for key in runs[0][name]
+        }
         for name in runs[0]
     }
 
 
+def _rate(f: dict[str, float]) -> str:
+    return f"{f['rps']:,.0f}"
+
+
+def _latency(f: dict[str, float]) -> str:
+    return f"{f.get('p50_ms', float('nan')):.2f} / {f.get('p99_ms', float('nan')):.2f}"
+
+
+def _cpu(unit: str) -> Callable[[dict[str, float]], str]:
+    def show(f: dict[str, float]) -> str:
+        frontend = f.get(f"frontend_us_per_{unit}", float("nan"))
+        worker = f.get(f"worker_us_per_{unit}", float("nan"))
+        return f"{frontend:.1f} + {worker:.1f}"
+
+    return show
+
+
+def _itl(f: dict[str, float]) -> str:
+    return (
+        f"{f['itl_p50_ms']:.3f} / {f['gap_p99_ms']:.3f} (TTFT {f['ttft_p50_ms']:.2f},"
+        f" {f['events']:.0f} events)"
+    )
+
+
 ROWS: Final[list[tuple[str, str, Callable[[dict[str, float]], str]]]] = [
-    ("GET /live, busy frontend (req/s)", "live", lambda f: f"{f['rps']:,.0f}"),
-    ("chat answered 529, fleet busy (req/s)", "shed", lambda f: f"{f['rps']:,.0f}"),
-    ("chat max_tokens 1, fast mocker (req/s)", "chat", lambda f: f"{f['rps']:,.0f}"),
-    ("chat, unknown model 404 (req/s)", "unknown", lambda f: f"{f['rps']:,.0f}"),
-    (
-        "one connection: chat p50 / p99 (ms)",
-        "chat1",
-        lambda f: f"{f.get('p50_ms', float('nan')):.2f} / {f.get('p99_ms', float('nan')):.2f}",
-    ),
-    (
-        "one connection: /live p50 / p99 (ms)",
-        "live1",
-        lambda f: f"{f.get('p50_ms', float('nan')):.2f} / {f.get('p99_ms', float('nan')):.2f}",
-    ),
+    ("GET /live, busy frontend (req/s)", "live", _rate),
+    ("chat answered 529, fleet busy (req/s)", "shed", _rate),
+    ("chat max_tokens 1, fast mocker (req/s)", "chat", _rate),
+    ("chat, unknown model 404 (req/s)", "unknown", _rate),
+    ("streamed chat, mocker at 10,000x (req/s)", "stream", _rate),
+    ("streamed chat, instant engine (req/s)", "instant", _rate),
+    ("one connection: chat p50 / p99 (ms)", "chat1", _latency),
+    ("one connection: /live p50 / p99 (ms)", "live1", _latency),
+    ("CPU per 529, frontend + worker (us)", "shed", _cpu("request")),
+    ("CPU per 1-token chat, frontend + worker (us)", "chat", _cpu("request")),
+    ("CPU per /live, frontend (us)", "live", _cpu("request")),
+    ("CPU per streamed token, mocker 10,000x, frontend + worker (us)", "stream", _cpu("token")),
+    ("CPU per streamed token, instant, frontend + worker (us)", "instant", _cpu("token")),
+    ("one connection, streamed: inter-token p50 / event gap p99 (ms)", "itl", _itl),
+    ("same, instant engine", "itl_instant", _itl),
 ]
+#: The figures whose rates are compared across systems.
+COMPARED: Final = ("live", "shed", "chat", "unknown", "stream")
 
 
-def _non_2xx(figure: dict[str, float]) -> str:
+def _non_2xx(figure: dict[str, float] | None) -> str:
+    if figure is None or "requests" not in figure:
+        return "-"
     return f"{figure['non_2xx'] / figure['requests']:.0%}" if figure["requests"] else "n/a"
 
 
@@ -430,8 +657,8 @@ def report(columns: dict[str, Figures]) -> str:
         "|---|" + "---|" * len(names) + "---|",
     ]
     for label, key, show in ROWS:
-        cells = [show(columns[name][key]) for name in names]
-        checks = " / ".join(_non_2xx(columns[name][key]) for name in names)
+        cells = [show(columns[name][key]) if key in columns[name] else "-" for name in names]
+        checks = " / ".join(_non_2xx(columns[name].get(key)) for name in names)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {checks} |")
     lines.append("")
     lines.append("| ratio, within each system | " + " | ".join(names) + " |")
@@ -454,9 +681,16 @@ def report(columns: dict[str, Figures]) -> str:
         lines.append("")
         lines.append(f"| ratio, {ours} / {theirs} (same run) | requests/s |")
         lines.append("|---|---|")
-        for label, key, _ in ROWS[:4]:
-            ratio = columns[ours][key]["rps"] / columns[theirs][key]["rps"]
-            lines.append(f"| {label.removesuffix(' (req/s)')} | {ratio:.2f} |")
+        both = [key for key in COMPARED if key in columns[ours] and key in columns[theirs]]
+        for label, key, show in ROWS:
+            if key in both and show is _rate:
+                ratio = columns[ours][key]["rps"] / columns[theirs][key]["rps"]
+                lines.append(f"| {label.removesuffix(' (req/s)')} | {ratio:.2f} |")
+        if "itl" in columns[ours] and "itl" in columns[theirs]:
+            itl = columns[ours]["itl"]["itl_p50_ms"] / columns[theirs]["itl"]["itl_p50_ms"]
+            lines.append(
+                f"| one connection, streamed: inter-token p50 (lower is better) | {itl:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -465,18 +699,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS)
+    parser.add_argument(
+        "--itl-requests", type=int, default=20, help="streamed chats timed for figure 7"
+    )
     parser.add_argument(
         "--dynamo-python",
         default=str(ROOT / ".venv-dynamo" / "bin" / "python"),
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
+    parser.add_argument("--no-dynamo", action="store_true", help="measure ours alone")
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
     parser.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     options = parser.parse_args()
     if not shutil.which("wrk"):
         sys.exit("wrk is needed (apt-get install -y wrk)")
-    version = dynamo_version(options.dynamo_python)
-    if version is None:
+    version = None if options.no_dynamo else dynamo_version(options.dynamo_python)
+    if version is None and not options.no_dynamo:
         print(
             f"Dynamo: skipped, {options.dynamo_python} cannot import dynamo.frontend and"
             " dynamo.mocker (see this module's docstring to install them)"
@@ -484,12 +723,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = options.logs or Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
+        seconds, connections = options.seconds, options.connections
+        stream_body = streamed_chat(options.stream_tokens)
         wrk = {
-            "get": Wrk(options.seconds, options.connections, ""),
-            "chat": Wrk(options.seconds, options.connections, _lua(scratch / "chat.lua", CHAT)),
-            "unknown": Wrk(
-                options.seconds, options.connections, _lua(scratch / "unknown.lua", UNKNOWN)
-            ),
+            "get": Wrk(seconds, connections, ""),
+            "chat": Wrk(seconds, connections, _lua(scratch / "chat.lua", CHAT)),
+            "unknown": Wrk(seconds, connections, _lua(scratch / "unknown.lua", UNKNOWN)),
+            "stream": Wrk(seconds, connections, _lua(scratch / "stream.lua", stream_body)),
         }
         runs: dict[str, list[Figures]] = {}
         ours = "dynamo-shim"
@@ -505,10 +745,14 @@ def main() -> None:
                 turn = repeat % len(names)
                 for name in [*names[turn:], *names[:turn]]:
                     print(f"repeat {repeat + 1}: {name}", file=sys.stderr)
-                    runs.setdefault(name, []).append(measure(deployments[name], wrk))
+                    figures = measure(
+                        deployments[name], wrk, options.stream_tokens, options.itl_requests
+                    )
+                    runs.setdefault(name, []).append(figures)
     print(
-        f"wrk: {options.connections} connections (one for the last two rows),"
-        f" {options.seconds:g} s per figure, medians of {options.repeats} repeats"
+        f"wrk: {options.connections} connections (one for the one-connection rows),"
+        f" {options.seconds:g} s per figure, medians of {options.repeats} repeats;"
+        f" streamed chats of {options.stream_tokens} tokens; CPU from /proc"
     )
     print()
     print(report({name: median_figures(figures) for name, figures in runs.items()}))

@@ -82,3 +82,29 @@ def test_report_puts_systems_side_by_side_with_ratios() -> None:
     assert "| ratio, ours / theirs (same run) | requests/s |" in table
     assert "| chat answered 529, fleet busy | 2.00 |" in table
     assert not math.isnan(columns["ours"]["live"]["rps"])
+
+
+def test_report_shows_streams_cpu_and_inter_token_latency() -> None:
+    stream = {**_figure(100.0), "frontend_us_per_token": 10.0, "worker_us_per_token": 12.5}
+    itl = {"itl_p50_ms": 0.2, "gap_p99_ms": 1.0, "ttft_p50_ms": 3.0, "events": 256.0}
+    run = {
+        "live": _figure(1000.0),
+        "shed": {**_figure(800.0, 4000.0), "frontend_us_per_request": 50.0},
+        "chat": _figure(200.0),
+        "unknown": _figure(900.0, 4500.0),
+        "chat1": _figure(100.0),
+        "live1": _figure(500.0),
+        "stream": stream,
+        "itl": itl,
+    }
+    theirs = {**run, "stream": {**stream, "rps": 50.0}, "itl": {**itl, "itl_p50_ms": 0.4}}
+    table = report({"ours": median_figures([run]), "theirs": median_figures([theirs])})
+    assert "| streamed chat, mocker at 10,000x (req/s) | 100 | 50 | 0% / 0% |" in table
+    assert (
+        "| CPU per streamed token, mocker 10,000x, frontend + worker (us) | 10.0 + 12.5 |" in table
+    )
+    assert "| streamed chat, mocker at 10,000x | 2.00 |" in table
+    assert "| one connection, streamed: inter-token p50 (lower is better) | 0.50 |" in table
+    # A figure one system lacks shows as a dash, and has no ratio.
+    assert "| streamed chat, instant engine (req/s) | - | - |" in table
+    assert "CPU per 529, frontend + worker (us) | 50.0 + nan" in table
