@@ -150,6 +150,17 @@ class ResponseBuffer:
             await self._wakeup.wait()
         return self._items.popleft()
 
+    async def get_all(self) -> list[_Reply]:
+        """Every buffered reply, waiting for at least one. Callers stop after a terminal one."""
+        items = self._items
+        while not items:
+            if self._wakeup is None:
+                self._wakeup = trio.Event()
+            await self._wakeup.wait()
+        taken = list(items)
+        items.clear()
+        return taken
+
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
@@ -436,6 +447,37 @@ class RequestStream:
             self._held = None
         else:
             reply = await self._buffer.get()
+        return self._after_start(reply)
+
+    async def ready(self) -> list[StreamReply]:
+        """Every reply that has arrived, waiting for at least one: ``Chunk`` items, the last
+        possibly the final ``End``/``Failed``; empty once the stream ended.
+
+        What one read of the worker brought for this request is handed over at once, so that
+        it can leave for the client in one write.
+
+        Raises:
+            RuntimeError: called before :meth:`first` returned ``Started``.
+        """
+        if self._first is None:
+            raise RuntimeError("call first() before iterating a RequestStream")
+        if self._done:
+            return []
+        if self._held is not None:
+            replies: list[_Reply] = [self._held]
+            self._held = None
+        else:
+            replies = await self._buffer.get_all()
+        out: list[StreamReply] = []
+        for reply in replies:
+            out.append(self._after_start(reply))
+            if self._done:
+                break
+        return out
+
+    def _after_start(self, reply: _Reply) -> StreamReply:
+        """A reply after ``Started`` as the stream hands it out (out-of-protocol ones become
+        failures); notes the end of the stream."""
         if isinstance(reply, wire.Rejected):
             # Out of protocol after Started; reported as a failure of the request.
             reply = wire.Failed(

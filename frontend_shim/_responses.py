@@ -138,26 +138,38 @@ async def _serve_stream(
     tally.status = 200
     await responder.start_stream(200, [*_SSE_HEADERS, wait])
     started_choices: set[int] = set()  # a request with n > 1 interleaves its choices
-    async for reply in stream:
-        if isinstance(reply, wire.Chunk):
-            tally.output(reply)
-            if not 0 <= reply.index < MAX_CHOICES:
-                await _end_stream_with_error(responder, tally, _bad_index(reply.index))
+    # The events of every reply that arrived together leave in one write (one chunk of the
+    # HTTP body); a client that keeps up gets each token as it comes.
+    while replies := await stream.ready():
+        events: list[bytes] = []
+        for reply in replies:
+            if isinstance(reply, wire.Chunk):
+                tally.output(reply)
+                if not 0 <= reply.index < MAX_CHOICES:
+                    await _send_events(responder, events)
+                    await _end_stream_with_error(responder, tally, _bad_index(reply.index))
+                    return
+                first = reply.index not in started_choices
+                started_choices.add(reply.index)
+                events.append(_sse(shape.chunk(reply, first)))
+            elif isinstance(reply, wire.End):
+                if shape.include_usage:
+                    events.append(_sse(shape.usage_chunk(reply)))
+                events.append(_DONE)
+                await _send_events(responder, events)
+                await responder.end_stream()
+                tally.completed()
                 return
-            first = reply.index not in started_choices
-            started_choices.add(reply.index)
-            await responder.send_chunk(_sse(shape.chunk(reply, first)))
-        elif isinstance(reply, wire.End):
-            tail = b""
-            if shape.include_usage:
-                tail = _sse(shape.usage_chunk(reply))
-            await responder.send_chunk(tail + _DONE)
-            await responder.end_stream()
-            tally.completed()
-            return
-        else:
-            await _end_stream_with_error(responder, tally, reply.message, reply.kind)
-            return
+            else:
+                await _send_events(responder, events)
+                await _end_stream_with_error(responder, tally, reply.message, reply.kind)
+                return
+        await _send_events(responder, events)
+
+
+async def _send_events(responder: HTTPResponder, events: list[bytes]) -> None:
+    if events:
+        await responder.send_chunk(events[0] if len(events) == 1 else b"".join(events))
 
 
 async def _end_stream_with_error(

@@ -17,9 +17,10 @@ Rules of a request-plane connection:
 1. One receive loop does nothing but decode and dispatch, so trio-websocket's reader never stalls
    (a full receive queue would stop it answering pings). Each ``Generate`` runs in its own task in
    the connection's nursery, under its own cancel scope.
-2. One sender task writes the frames of running requests; request tasks hand it encoded frames
-   through a bounded channel, so a slow client slows only its own requests (backpressure reaches
-   the engine's stream through the channel). A certain rejection (the gate's
+2. One sender task writes the frames of running requests; request tasks hand it their frames
+   through a bounded queue, so a slow client slows only its own requests (backpressure reaches
+   the engine's stream through the queue). A frame handed over while there is room costs no
+   checkpoint; the sender wakes once for whatever queued meanwhile. A certain rejection (the gate's
    :meth:`~worker_ingress._admission.AdmissionGate.reject_now`) is written by the receive loop
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: the gate's certain refusal first (``reject_now``: ``Rejected(reason)``, the
@@ -47,6 +48,7 @@ Rules of a request-plane connection:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -180,25 +182,52 @@ class _FrameSender:
     """The only writer of one websocket: drains a bounded queue of frame groups, merging text
     chunks that piled up (see :func:`coalesce_chunks`). With ``batching`` (the client offered
     :data:`~shim_common.wire.SUBPROTOCOL_BATCH`), everything drained at once goes out as one
-    :class:`~shim_common.wire.Batch` message."""
+    :class:`~shim_common.wire.Batch` message.
+
+    The queue is a deque and two events rather than a memory channel: a request task hands
+    over a token's frame without a checkpoint or a wake-up of its own when there is room (the
+    engine's stream it reads checkpoints anyway), and the sender is woken once per batch, not
+    once per frame.
+    """
 
     def __init__(self, ws: WebSocketConnection, *, batching: bool = False) -> None:
         self._ws = ws
         self._batching = batching
-        self._send_tx, self._send_rx = trio.open_memory_channel[list[msgspec.Struct]](
-            SEND_QUEUE_FRAMES
-        )
+        self._queue: collections.deque[tuple[msgspec.Struct, ...]] = collections.deque()
+        #: Set by the first group queued while the sender waits for one (or by close()).
+        self._wakeup: trio.Event | None = None
+        #: Set when the sender drained the queue and request tasks wait for room.
+        self._room: trio.Event | None = None
+        #: No more groups are taken: close() was called, or the sender stopped.
+        self._closed = False
 
     async def send(self, *messages: msgspec.Struct) -> None:
         """Queue messages (kept together, in order); waits while the queue is full; drops them
-        once the sender has closed."""
-        # Closed: the connection is going away; its peer learns that from the close.
-        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            await self._send_tx.send(list(messages))
+        once the sender has closed (the connection is going away; its peer learns that from
+        the close)."""
+        queue = self._queue
+        while len(queue) >= SEND_QUEUE_FRAMES and not self._closed:
+            if self._room is None:
+                self._room = trio.Event()
+            await self._room.wait()
+        if self._closed:
+            return
+        queue.append(messages)
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set()
 
     def close(self) -> None:
         """Accept no more frames; the sender sends what is queued, then returns."""
-        self._send_tx.close()
+        self._closed = True
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for event in (self._wakeup, self._room):
+            if event is not None:
+                event.set()
+        self._wakeup = self._room = None
 
     async def run(self) -> None:
         """Send queued frames until :meth:`close`.
@@ -206,20 +235,24 @@ class _FrameSender:
         Raises:
             ConnectionClosed: The websocket closed under it.
         """
-        receive = self._send_rx
-        async with receive:
-            async for first in receive:
+        queue = self._queue
+        try:
+            while True:
+                if not queue:
+                    if self._closed:
+                        return
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+                    continue
                 if self._batching:
                     # One turn for the request tasks that just queued a frame: a short answer's
                     # next frames are usually one step behind, and then share the message.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                batch = list(first)
-                # Whatever queued meanwhile, bounded by the queue's size.
-                for _ in range(SEND_QUEUE_FRAMES):
-                    try:
-                        batch.extend(receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
+                batch = [message for _ in range(len(queue)) for message in queue.popleft()]
+                room = self._room
+                if room is not None:
+                    self._room = None
+                    room.set()
                 if len(batch) > 1:
                     batch = coalesce_chunks(batch)
                 if self._batching and len(batch) > 1:
@@ -229,6 +262,12 @@ class _FrameSender:
                         continue
                 for message in batch:
                     await self._ws.send_message(encode(message))
+        finally:
+            # Stopped (done, cancelled or the websocket closed): what is queued is dropped, and
+            # request tasks waiting for room go on (their frames are dropped too).
+            self._closed = True
+            queue.clear()
+            self._wake_all()
 
 
 class _PongTimeout(Exception):
