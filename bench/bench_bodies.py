@@ -65,9 +65,7 @@ def _post(url: str, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
     started = time.perf_counter()
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
-        connection.request(
-            "POST", "/v1/completions", body, {"content-type": "application/json"}
-        )
+        connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
         reply = connection.getresponse()
         reply.read()
         return reply.status, time.perf_counter() - started

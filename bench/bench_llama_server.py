@@ -121,9 +121,7 @@ async def main(args: argparse.Namespace) -> None:
                 for _ in range(args.runs):
                     for name, url in targets.items():
                         before = sum(cpu_seconds(pid) for pid in shims)
-                        results[name].append(
-                            await tokens_per_second(client, url, args.max_tokens)
-                        )
+                        results[name].append(await tokens_per_second(client, url, args.max_tokens))
                         if url == frontend:
                             cpu += sum(cpu_seconds(pid) for pid in shims) - before
     print(f"{args.runs} runs of {args.max_tokens} tokens, streamed, llama-server -t {args.threads}")

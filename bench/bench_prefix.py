@@ -1,0 +1,602 @@
+"""Real traffic replayed through cache-aware routing: ours and NVIDIA Dynamo's, side by side.
+
+Run from the repository's root::
+
+    python -m bench.bench_prefix --trace ../shared/traces/mooncake_conversation.jsonl \\
+        --trace-duration 300 --time-scale 0.5 --length-scale 0.03125 \\
+        [--workers 4] [--repeats 1] [--dynamo-python .venv-dynamo/bin/python]
+
+A window of a trace (Mooncake: arrival times, lengths and 512-token block hashes; or Azure: times
+and lengths) is scaled in time and length by ``examples/load_generator.py`` (a block of 512
+tokens becomes ``512 x --length-scale`` words, so the trace's shared prefixes stay shared block
+for block) and replayed, open loop at the trace's (scaled) arrival times, by that load generator
+in a process of its own, against one frontend and ``--workers`` mockers, in each mode:
+
+- ``round-robin``: the frontend ignores the caches;
+- ``kv``: the frontend's cache-aware routing, the workers' prefix caches on;
+- ``kv-nocache``: ``kv`` with ``--no-enable-prefix-caching`` on the workers (what the cache
+  itself is worth);
+
+and the same with Dynamo 1.6.1's frontend (``--router-mode kv`` and ``round-robin``) and its
+mockers (one process each, prefix caching on), the same block size, number of blocks, speedup,
+window and scale, as ``bench/bench_dynamo.py`` runs Dynamo (file discovery, TCP request plane,
+ZMQ event plane, its tiny model folder: the prompts' words ``w0``...``w499`` are words of its
+tokenizer). Without a Dynamo interpreter its rows are skipped and the report says why.
+
+Each mocker gets ``--num-gpu-blocks`` blocks, by default enough for the caches of all the
+workers together to hold a third (``--cache-share``) of the window's distinct blocks (and never
+fewer than the largest request needs), so that where a prompt goes decides whether its prefix
+is found.
+
+Figures per system and mode (medians over ``--repeats``): hit rate at the client (the answers'
+``usage.prompt_tokens_details.cached_tokens`` over their prompt tokens), TTFT p50/p90 (to the
+first chunk), throughput (answers 200 per second), shed rate (529s), the share of requests each
+worker started (from the workers' own counters), and each system's ``kv`` over its own
+``round-robin``. The report starts with what an unbounded single cache would hit on the same
+window (from the trace's block hashes, in arrival order) and the sizes chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+from bench.bench_dynamo import (
+    _background,
+    _free_port,
+    _wait_status,
+    dynamo_env,
+    dynamo_version,
+    write_model_folder,
+)
+from bench.bench_frontend import _pinned, _wait_connected
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+MODEL: Final = "mock-model"
+CLIENT_CPU: Final = "1"
+OURS: Final = "dynamo-shim"
+MODES: Final = ("round-robin", "kv", "kv-nocache")
+DYNAMO_MODES: Final = ("round-robin", "kv")
+#: A chat of one word: the probe that a deployment answers before it is measured.
+PROBE: Final = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
+)
+
+
+def load_generator() -> ModuleType:
+    """The load generator of ``examples/`` (a script, not a package), loaded from its path."""
+    path = ROOT / "examples" / "load_generator.py"
+    spec = importlib.util.spec_from_file_location("examples_load_generator", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The part of the trace replayed and how it is scaled (the load generator's flags)."""
+
+    trace: Path
+    start: float = 0.0
+    duration: float | None = None
+    requests: int | None = None
+    time_scale: float = 1.0
+    length_scale: float = 1.0 / 32
+    output_scale: float | None = None
+
+    def flags(self) -> list[str]:
+        """The load generator's arguments for this window."""
+        flags = ["--trace", str(self.trace), "--trace-start", f"{self.start:g}"]
+        if self.duration is not None:
+            flags += ["--trace-duration", f"{self.duration:g}"]
+        if self.requests is not None:
+            flags += ["--trace-requests", str(self.requests)]
+        flags += [
+            "--time-scale",
+            f"{self.time_scale:g}",
+            "--length-scale",
+            f"{self.length_scale:g}",
+        ]
+        if self.output_scale is not None:
+            flags += ["--output-scale", f"{self.output_scale:g}"]
+        return flags
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the window holds and the fleet's sizes chosen for it.
+
+    Attributes:
+        requests: Requests of the window.
+        span: Replay seconds from its first arrival to its last.
+        block_tokens: Tokens per block (the mockers' ``--block-size``).
+        distinct_blocks: Distinct full blocks of the window's prompts.
+        unbounded_hit_rate: Prompt tokens an unbounded single cache would find.
+        largest_blocks: Blocks the largest request holds at its peak.
+        blocks_per_worker: The mockers' ``--num-gpu-blocks``.
+        workers: Mockers.
+    """
+
+    requests: int
+    span: float
+    block_tokens: int
+    distinct_blocks: int
+    unbounded_hit_rate: float
+    largest_blocks: int
+    blocks_per_worker: int
+    workers: int
+
+
+def blocks_per_worker(distinct: int, workers: int, largest: int, share: float) -> int:
+    """Blocks per mocker so that all together hold ``share`` of ``distinct`` blocks.
+
+    Never fewer than ``largest`` + 1 (a request must fit one rank's cache, or the mocker refuses
+    it; the one more leaves room for its first generated token).
+    """
+    if workers < 1 or not share > 0:
+        raise ValueError("workers and share must be positive")
+    return max(largest + 1, math.ceil(distinct * share / workers))
+
+
+def make_plan(
+    generator: ModuleType, window: Window, workers: int, share: float, blocks: int | None
+) -> Plan:
+    """Read and scale the window (as the load generator will) and size the caches for it."""
+    trace = generator.read_trace(window.trace)
+    chosen = generator.select_window(
+        trace, start=window.start, duration=window.duration, count=window.requests
+    )
+    items = generator.scale_requests(
+        chosen,
+        time_scale=window.time_scale,
+        length_scale=window.length_scale,
+        output_scale=window.output_scale,
+    )
+    if not items:
+        raise ValueError(f"no request of {window.trace} falls in the window")
+    block = items[0].block_tokens
+    largest = max(math.ceil((i.prompt_tokens + i.max_tokens) / block) for i in items)
+    distinct = generator.distinct_blocks(items)
+    return Plan(
+        requests=len(items),
+        span=items[-1].arrival,
+        block_tokens=block,
+        distinct_blocks=distinct,
+        unbounded_hit_rate=generator.unbounded_hit_rate(items),
+        largest_blocks=largest,
+        blocks_per_worker=blocks or blocks_per_worker(distinct, workers, largest, share),
+        workers=workers,
+    )
+
+
+# ----------------------------------------------------------------------------- deployments
+
+
+@dataclasses.dataclass
+class Fleet:
+    """A running deployment: the frontend's URL and the workers' metrics URLs."""
+
+    url: str
+    worker_metrics: list[str]
+    #: The counter of requests a worker started (one sample per worker's metrics page).
+    counter: str
+
+
+def _scrape(url: str, counter: str) -> float:
+    """The sum of ``counter``'s samples on the metrics page at ``url``."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(counter) and line[len(counter) : len(counter) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def started(fleet: Fleet) -> list[float]:
+    """Requests each worker has started so far."""
+    return [_scrape(url, fleet.counter) for url in fleet.worker_metrics]
+
+
+@contextlib.contextmanager
+def _server(args: list[str], env: Mapping[str, str]) -> Iterator[list[str]]:
+    """Start one of our servers, yield the URLs of its ready line, stop it."""
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(env), text=True
+    )
+    assert process.stdout is not None
+    with process.stdout:
+        try:
+            line = process.stdout.readline()
+            if " ready " not in line:
+                raise RuntimeError(f"no ready line from {args[:3]}: {line!r}")
+            yield re.findall(r"\w+=(\S+)", line)
+        finally:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@contextlib.contextmanager
+def shim_fleet(mode: str, plan: Plan, speedup: float) -> Iterator[Fleet]:
+    """Our frontend and ``plan.workers`` mockers, in ``mode``."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
+    python = sys.executable
+    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
+    worker += ["--log-level", "warning", "--block-size", str(plan.block_tokens)]
+    worker += ["--num-gpu-blocks", str(plan.blocks_per_worker), "--speedup-ratio", f"{speedup:g}"]
+    if mode == "kv-nocache":
+        worker.append("--no-enable-prefix-caching")
+    router = "kv" if mode.startswith("kv") else mode
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(_server(worker, env)) for _ in range(plan.workers)]
+        frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+        frontend += ["--router-mode", router]
+        for ws, _ in urls:
+            frontend += ["--worker", ws]
+        (http,) = stack.enter_context(_server(frontend, env))
+        _wait_connected(http)
+        _wait_all_connected(http, plan.workers)
+        _wait_status(http + "/v1/chat/completions", PROBE, 200, timeout=60)
+        yield Fleet(
+            http, [system + "/metrics" for _, system in urls], "dynamo_worker_started_request_total"
+        )
+
+
+def _wait_all_connected(url: str, workers: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
+            if json.load(reply)["workers_connected"] >= workers:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not connect to its {workers} workers")
+
+
+@contextlib.contextmanager
+def dynamo_fleet(
+    python: str, mode: str, plan: Plan, speedup: float, scratch: Path, log: str
+) -> Iterator[Fleet]:
+    """Dynamo's frontend in ``mode`` and ``plan.workers`` mockers, one process each."""
+    model = scratch / "model"
+    write_model_folder(model)  # its FILLER words include the prompts' w0...w499
+    _allow_long_prompts(model)
+    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    env = dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
+    mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL]
+    mocker += ["--block-size", str(plan.block_tokens)]
+    mocker += ["--num-gpu-blocks-override", str(plan.blocks_per_worker)]
+    mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *planes]
+    metrics = []
+    with contextlib.ExitStack() as stack:
+        for index in range(plan.workers):
+            port = _free_system_port()
+            worker_env = {**env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(port)}
+            stack.enter_context(
+                _background(mocker, worker_env, scratch / f"dynamo-mocker-{mode}-{index}.log")
+            )
+            metrics.append(f"http://127.0.0.1:{port}/metrics")
+        port = _free_port()
+        frontend = [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
+        frontend += ["--http-port", str(port), "--router-mode", mode, *planes]
+        stack.enter_context(_background(frontend, env, scratch / f"dynamo-frontend-{mode}.log"))
+        url = f"http://127.0.0.1:{port}"
+        _wait_status(url + "/v1/chat/completions", PROBE, 200, timeout=180)
+        fleet = Fleet(url, metrics, "dynamo_component_requests_total")
+        _wait_dynamo_workers(fleet, plan.workers)
+        yield fleet
+
+
+def _free_system_port() -> int:
+    """A free port below 32,768: Dynamo reads ``DYN_SYSTEM_PORT`` as a signed 16-bit number."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
+def _allow_long_prompts(model: Path) -> None:
+    """Raise the tiny model's context length: a scaled trace prompt can exceed 4,096 words."""
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = model / name
+        content = json.loads(path.read_text())
+        content[key] = 1 << 20
+        path.write_text(json.dumps(content, indent=1) + "\n")
+
+
+def _wait_dynamo_workers(fleet: Fleet, workers: int) -> None:
+    """Wait until the frontend routes to every mocker (each has answered a probe)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if all(count > 0 for count in started(fleet)):
+                return
+        except OSError:
+            pass
+        _wait_status(fleet.url + "/v1/chat/completions", PROBE, 200, timeout=30)
+    raise RuntimeError(f"{fleet.url} did not route to all {workers} mockers")
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def replay(
+    url: str, window: Window, span: float, scratch: Path, timeout: float, max_in_flight: int
+) -> dict[str, Any]:
+    """Run the load generator once against ``url`` and return its figures.
+
+    Args:
+        url: The frontend.
+        window: What to replay.
+        span: Replay seconds of the window (bounds the wait for the load generator).
+        scratch: Where its figures are written.
+        timeout: Seconds one request may take.
+        max_in_flight: Requests out at once at most.
+    """
+    out = scratch / f"replay-{time.monotonic_ns()}.json"
+    args = [sys.executable, str(ROOT / "examples" / "load_generator.py"), "--url", url]
+    args += ["--model", MODEL, "--endpoint", "chat", *window.flags()]
+    args += ["--timeout", f"{timeout:g}", "--max-in-flight", str(max_in_flight)]
+    args += ["--json", str(out)]
+    # The load generator bounds its own run; this bound only catches one that hangs.
+    done = subprocess.run(
+        _pinned(CLIENT_CPU, args),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=span + 2 * timeout + 120.0,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the load generator failed:\n{done.stdout}\n{done.stderr}")
+    figures: dict[str, Any] = json.loads(out.read_text())
+    return figures
+
+
+def measure(
+    fleet: Fleet, window: Window, plan: Plan, scratch: Path, timeout: float, max_in_flight: int
+) -> dict[str, Any]:
+    """One replay and the share of its requests each worker started."""
+    before = started(fleet)
+    figures = replay(fleet.url, window, plan.span, scratch, timeout, max_in_flight)
+    after = started(fleet)
+    counts = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(counts)
+    figures["worker_shares"] = [count / total if total else 0.0 for count in counts]
+    return figures
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def median_run(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The figures of the report, each the median over ``runs``."""
+
+    def median(get: Any) -> float | None:
+        values = [v for v in (get(run) for run in runs) if v is not None]
+        return statistics.median(values) if values else None
+
+    shares = [sorted(run["worker_shares"], reverse=True) for run in runs]
+    return {
+        "hit_rate": median(lambda r: r["hit_rate"]),
+        "ttft_p50": median(lambda r: r["ttft_s"]["p50"]),
+        "ttft_p90": median(lambda r: r["ttft_s"]["p90"]),
+        "throughput": median(lambda r: r["throughput_rps"]),
+        "shed_rate": median(lambda r: r["shed_rate"]),
+        "max_share": median(lambda r: max(r["worker_shares"], default=0.0)),
+        "shares": [statistics.median(column) for column in zip(*shares, strict=True)],
+        "usage_missing": median(lambda r: r["usage_missing"]),
+        "runs": len(runs),
+    }
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def _ratio(top: float | None, bottom: float | None) -> str:
+    if top is None or bottom is None or bottom == 0:
+        return "-"
+    return f"{top / bottom:.2f}"
+
+
+def report(plan: Plan, results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """The figures as Markdown: the window, one row per system and mode, then the ratios.
+
+    Args:
+        plan: The window's figures and the sizes chosen.
+        results: System -> mode -> what :func:`median_run` returned.
+    """
+    lines = [
+        f"window: {plan.requests} requests over {plan.span:.1f} s of replay,"
+        f" {plan.block_tokens} tokens a block, {plan.distinct_blocks} distinct blocks;"
+        f" {plan.workers} workers x {plan.blocks_per_worker} blocks"
+        f" ({plan.workers * plan.blocks_per_worker / max(1, plan.distinct_blocks):.0%}"
+        " of the distinct blocks)",
+        f"unbounded single cache: hit rate {plan.unbounded_hit_rate:.3f}",
+        "",
+        "| system | mode | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | throughput (req/s)"
+        " | shed | busiest worker | requests per worker |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, modes in results.items():
+        for mode, row in modes.items():
+            shares = " / ".join(f"{share:.0%}" for share in row["shares"])
+            ttft50 = row["ttft_p50"] * 1e3 if row["ttft_p50"] is not None else None
+            ttft90 = row["ttft_p90"] * 1e3 if row["ttft_p90"] is not None else None
+            lines.append(
+                f"| {system} | {mode} | {_cell(row['hit_rate'], '.3f')}"
+                f" | {_cell(ttft50, '.1f')} | {_cell(ttft90, '.1f')}"
+                f" | {_cell(row['throughput'], '.2f')} | {_cell(row['shed_rate'], '.1%')}"
+                f" | {_cell(row['max_share'], '.0%')} | {shares} |"
+            )
+    lines += [
+        "",
+        "| system | kv hit rate / round-robin's | kv hit rate / unbounded"
+        " | kv TTFT p50 / round-robin's | kv TTFT p50 / kv-nocache's"
+        " | kv throughput / round-robin's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for system, modes in results.items():
+        kv, rr = modes.get("kv"), modes.get("round-robin")
+        if kv is None or rr is None:
+            continue
+        nocache = modes.get("kv-nocache")
+        lines.append(
+            f"| {system} | {_ratio(kv['hit_rate'], rr['hit_rate'])}"
+            f" | {_ratio(kv['hit_rate'], plan.unbounded_hit_rate)}"
+            f" | {_ratio(kv['ttft_p50'], rr['ttft_p50'])}"
+            f" | {_ratio(kv['ttft_p50'], nocache['ttft_p50']) if nocache else '-'}"
+            f" | {_ratio(kv['throughput'], rr['throughput'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl",
+        help="a Mooncake (JSONL) or Azure (CSV) trace",
+    )
+    parser.add_argument("--trace-start", type=float, default=0.0)
+    parser.add_argument("--trace-duration", type=float, default=300.0)
+    parser.add_argument("--trace-requests", type=int, default=None)
+    parser.add_argument("--time-scale", type=float, default=0.5)
+    parser.add_argument("--length-scale", type=float, default=1.0 / 32)
+    parser.add_argument("--output-scale", type=float, default=None)
+    parser.add_argument("--workers", type=int, default=4, help="mockers (4 to 8)")
+    parser.add_argument("--cache-share", type=float, default=1.0 / 3)
+    parser.add_argument("--num-gpu-blocks", type=int, default=None, help="override the sizing")
+    parser.add_argument("--speedup-ratio", type=float, default=1.0, help="the mockers'")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--max-in-flight", type=int, default=512)
+    parser.add_argument("--modes", default=",".join(MODES), help="ours, comma-separated")
+    parser.add_argument(
+        "--dynamo-modes", default=",".join(DYNAMO_MODES), help="Dynamo's ('' for none)"
+    )
+    parser.add_argument(
+        "--dynamo-python",
+        default=str(ROOT / ".venv-dynamo" / "bin" / "python"),
+        help="an interpreter that can import dynamo.frontend and dynamo.mocker",
+    )
+    parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
+    parser.add_argument("--logs", type=Path, default=None, help="keep logs and figures here")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    options = parser.parse_args(argv)
+    window = Window(
+        options.trace,
+        options.trace_start,
+        options.trace_duration,
+        options.trace_requests,
+        options.time_scale,
+        options.length_scale,
+        options.output_scale,
+    )
+    generator = load_generator()
+    plan = make_plan(
+        generator, window, options.workers, options.cache_share, options.num_gpu_blocks
+    )
+    print(
+        f"trace {options.trace.name}, window start {options.trace_start:g} s, duration"
+        f" {options.trace_duration:g} s, time scale {options.time_scale:g}, length scale"
+        f" {options.length_scale:g}, mocker speedup {options.speedup_ratio:g}",
+        file=sys.stderr,
+    )
+    ours = [m for m in options.modes.split(",") if m]
+    theirs = [m for m in options.dynamo_modes.split(",") if m]
+    systems: list[tuple[str, str]] = [(OURS, mode) for mode in ours]
+    version = dynamo_version(options.dynamo_python) if theirs else None
+    dynamo = f"Dynamo {version}"
+    if theirs and version is None:
+        print(
+            f"Dynamo: skipped, {options.dynamo_python} cannot import dynamo.frontend and"
+            " dynamo.mocker"
+        )
+    elif theirs:
+        systems += [(dynamo, mode) for mode in theirs]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = options.logs or Path(tmp)
+        scratch.mkdir(parents=True, exist_ok=True)
+        for repeat in range(options.repeats):
+            turn = repeat % len(systems)
+            for system, mode in [*systems[turn:], *systems[:turn]]:
+                print(f"repeat {repeat + 1}: {system} {mode}", file=sys.stderr)
+                fleet: contextlib.AbstractContextManager[Fleet]
+                if system == OURS:
+                    fleet = shim_fleet(mode, plan, options.speedup_ratio)
+                else:
+                    fleet = dynamo_fleet(
+                        options.dynamo_python, mode, plan, options.speedup_ratio, scratch,
+                        options.dynamo_log,
+                    )  # fmt: skip
+                with fleet as running:
+                    figures = measure(
+                        running, window, plan, scratch, options.timeout, options.max_in_flight
+                    )
+                print(
+                    json.dumps(
+                        {
+                            k: figures[k]
+                            for k in (
+                                "hit_rate",
+                                "ttft_s",
+                                "throughput_rps",
+                                "shed_rate",
+                                "worker_shares",
+                            )
+                        }
+                    ),
+                    file=sys.stderr,
+                )
+                runs.setdefault(system, {}).setdefault(mode, []).append(figures)
+    if options.json is not None:
+        options.json.write_text(
+            json.dumps({"plan": dataclasses.asdict(plan), "runs": runs}, indent=1) + "\n"
+        )
+    results = {
+        system: {mode: median_run(mode_runs) for mode, mode_runs in modes.items()}
+        for system, modes in runs.items()
+    }
+    print(report(plan, results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""``bench/bench_prefix.py``: its pure parts (the plan of a window, the sizing, the report) and
+one tiny run of our side through real processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import bench_prefix
+from bench.bench_dynamo import write_model_folder
+
+generator = bench_prefix.load_generator()
+
+#: Three turns of one conversation, another conversation sharing its system prompt, a lone one.
+ROWS = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 64, "hash_ids": [0, 1, 2]},
+    {"timestamp": 200, "input_length": 1600, "output_length": 64, "hash_ids": [0, 1, 3, 4]},
+    {"timestamp": 400, "input_length": 600, "output_length": 32, "hash_ids": [0, 5]},
+    {"timestamp": 600, "input_length": 2100, "output_length": 64, "hash_ids": [0, 1, 3, 6, 7]},
+    {"timestamp": 800, "input_length": 300, "output_length": 32, "hash_ids": [8]},
+    {"timestamp": 1000, "input_length": 1100, "output_length": 64, "hash_ids": [0, 5, 9]},
+]
+
+
+def _trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return path
+
+
+def test_the_plan_reads_the_window_as_the_load_generator_replays_it(tmp_path: Path) -> None:
+    window = bench_prefix.Window(_trace(tmp_path), time_scale=0.5, length_scale=1 / 32)
+    plan = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=None)
+    assert plan.requests == 6
+    assert plan.span == pytest.approx(0.5)
+    assert plan.block_tokens == 16
+    # Full blocks: 0 1 | 0 1 3 | 0 | 0 1 3 6 | - | 0 5: the ids 0, 1, 3, 5, 6.
+    assert plan.distinct_blocks == 5
+    # Hits: r1 blocks 0-1, r2 block 0, r3 blocks 0-2, r5 block 0 (5 was partial in r2).
+    prompts = [34, 50, 19, 66, 9, 34]
+    assert plan.unbounded_hit_rate == pytest.approx(16 * (2 + 1 + 3 + 1) / sum(prompts))
+    # The largest request, 66 words + 2 generated, spans 5 blocks: a cache must fit it.
+    assert plan.largest_blocks == 5
+    assert plan.blocks_per_worker == 6
+    sized = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=40)
+    assert sized.blocks_per_worker == 40
+
+
+def test_window_flags_are_the_load_generators(tmp_path: Path) -> None:
+    window = bench_prefix.Window(tmp_path / "t.jsonl", 5.0, 60.0, 100, 0.25, 0.0625, 0.5)
+    args = generator._parse_args(["--url", "http://127.0.0.1:1", *window.flags()])
+    assert (args.trace, args.trace_start, args.trace_duration) == (tmp_path / "t.jsonl", 5, 60)
+    assert (args.trace_requests, args.time_scale) == (100, 0.25)
+    assert (args.length_scale, args.output_scale) == (0.0625, 0.5)
+
+
+def test_caches_together_hold_the_share_asked_for() -> None:
+    assert bench_prefix.blocks_per_worker(12_000, 4, largest=100, share=1 / 3) == 1000
+    assert bench_prefix.blocks_per_worker(12_001, 4, largest=100, share=1 / 3) == 1001
+    assert bench_prefix.blocks_per_worker(300, 4, largest=100, share=1 / 3) == 101
+    with pytest.raises(ValueError, match="positive"):
+        bench_prefix.blocks_per_worker(300, 0, largest=1, share=1 / 3)
+
+
+def test_the_prompts_words_are_words_of_dynamos_tiny_tokenizer(tmp_path: Path) -> None:
+    write_model_folder(tmp_path)
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert {f"w{i}" for i in range(generator.VOCABULARY)} <= set(vocab)
+
+
+def _run(hit: float, ttft: float, rps: float, shares: list[float]) -> dict[str, object]:
+    return {
+        "hit_rate": hit,
+        "ttft_s": {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3},
+        "throughput_rps": rps,
+        "shed_rate": 0.01,
+        "worker_shares": shares,
+        "usage_missing": 0,
+    }
+
+
+def test_report_rows_and_each_systems_kv_over_its_own_round_robin(tmp_path: Path) -> None:
+    plan = bench_prefix.Plan(
+        requests=100, span=60.0, block_tokens=16, distinct_blocks=3000,
+        unbounded_hit_rate=0.4, largest_blocks=50, blocks_per_worker=250, workers=4,
+    )  # fmt: skip
+    ours = {
+        "round-robin": bench_prefix.median_run([_run(0.1, 0.2, 5.0, [0.25] * 4)]),
+        "kv": bench_prefix.median_run(
+            [
+                _run(0.3, 0.1, 5.0, [0.4, 0.2, 0.2, 0.2]),
+                _run(0.32, 0.12, 5.5, [0.2, 0.3, 0.3, 0.2]),
+                _run(0.34, 0.3, 6.0, [0.25] * 4),
+            ]
+        ),
+        "kv-nocache": bench_prefix.median_run([_run(0.0, 0.24, 5.0, [0.25] * 4)]),
+    }
+    theirs = {
+        "round-robin": bench_prefix.median_run([_run(0.1, 0.2, 5.0, [0.25] * 4)]),
+        "kv": bench_prefix.median_run([_run(0.2, 0.15, 5.0, [0.25] * 4)]),
+    }
+    table = bench_prefix.report(plan, {"ours": ours, "theirs": theirs})
+    assert "4 workers x 250 blocks (33% of the distinct blocks)" in table
+    assert "unbounded single cache: hit rate 0.400" in table
+    assert (
+        "| ours | kv | 0.320 | 120.0 | 240.0 | 5.50 | 1.0% | 30% | 30% / 25% / 20% / 20% |" in table
+    )
+    assert "| ours | 3.20 | 0.80 | 0.60 | 0.50 | 1.10 |" in table
+    assert "| theirs | 2.00 | 0.50 | 0.75 | - | 1.00 |" in table
+
+
+@pytest.mark.e2e
+def test_a_tiny_replay_through_our_frontend_and_two_mockers(tmp_path: Path) -> None:
+    window = bench_prefix.Window(
+        _trace(tmp_path), time_scale=0.2, length_scale=1 / 32, output_scale=1 / 16
+    )
+    plan = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=64)
+    results = {}
+    for mode in ("round-robin", "kv"):
+        with bench_prefix.shim_fleet(mode, plan, speedup=10.0) as fleet:
+            results[mode] = bench_prefix.measure(
+                fleet, window, plan, tmp_path, timeout=20.0, max_in_flight=8
+            )
+    for figures in results.values():
+        assert figures["sent"] == figures["ok"] == 6
+        assert sum(figures["worker_shares"]) == pytest.approx(1.0)
+        assert len(figures["worker_shares"]) == 2
+        assert figures["ttft_s"]["p50"] is not None
+    assert results["round-robin"]["worker_shares"] == [0.5, 0.5]
