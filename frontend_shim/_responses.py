@@ -400,9 +400,12 @@ class ResponseShape:
         }
 
 
-def _usage(end: wire.End) -> dict[str, int]:
+def _usage(end: wire.End) -> dict[str, Any]:
+    # OpenAI's prompt_tokens_details.cached_tokens: the prompt tokens the engine found in its
+    # prefix cache (0 from an engine, or an older worker, that does not say).
     return {
         "prompt_tokens": end.prompt_tokens,
         "completion_tokens": end.completion_tokens,
         "total_tokens": end.prompt_tokens + end.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
     }

@@ -201,6 +201,8 @@ def _worker(
         float,
         Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=of_kind(RATIO, gt=0)),
     ] = 1.0,
+    enable_prefix_caching: Annotated[bool, Parameter(env_var="DYN_ENABLE_PREFIX_CACHING")] = True,
+    tokenizer: Annotated[str | None, Parameter(env_var="DYN_TOKENIZER")] = None,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
     tls_key_path: Annotated[str | None, Parameter(env_var="DYN_TLS_KEY_PATH")] = None,
     stop_on_stdin_eof: Annotated[
@@ -282,6 +284,12 @@ def _worker(
         Mocker: data-parallel ranks.
     speedup_ratio
         Mocker: simulated step times are divided by this.
+    enable_prefix_caching
+        Mocker: keep the KV blocks of the prompts seen and reuse a prompt's longest cached
+        prefix (--no-enable-prefix-caching: every prompt is prefilled whole).
+    tokenizer
+        Mocker: a model's tokenizer.json (needs the tokenizers extra); prompts are cut into
+        blocks by its token ids. Default: one token per whitespace-separated word.
     tls_cert_path
         PEM certificate chain: the websocket port serves wss:// and the system port https://
         (needs --tls-key-path).
@@ -325,6 +333,8 @@ def _worker(
             max_num_batched_tokens=max_num_batched_tokens,
             data_parallel_size=data_parallel_size,
             speedup_ratio=speedup_ratio,
+            enable_prefix_caching=enable_prefix_caching,
+            tokenizer=None if tokenizer is None else _non_empty("--tokenizer", tokenizer),
         ),
         token=token_from_env(WORKER_TOKEN_ENV),
         tls_cert_path=tls.cert_path,

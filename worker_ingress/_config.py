@@ -38,6 +38,10 @@ class MockerSettings:
     max_num_batched_tokens: int = 8192
     data_parallel_size: int = 1
     speedup_ratio: float = 1.0
+    #: Keep and reuse prompt blocks (``--enable-prefix-caching``).
+    enable_prefix_caching: bool = True
+    #: A model's ``tokenizer.json`` (``--tokenizer``); ``None``: one token per word.
+    tokenizer: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

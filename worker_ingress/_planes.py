@@ -420,6 +420,8 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             )
             return None
+        if generate.dp_rank is not None:
+            prepared = msgspec.structs.replace(prepared, dp_rank=generate.dp_rank)
         return prepared
 
     async def _protocol_error(self, code: int, reason: str) -> None:
@@ -458,6 +460,7 @@ class RequestConnection:
         host = self._host
         request_id = generate.request_id
         completion_tokens = 0
+        cached_tokens = 0
         held: list[msgspec.Struct] = []
         try:
             lease = host.gate.slot(generate.priority, generate.tenant, prepared.prompt_tokens)
@@ -476,6 +479,8 @@ class RequestConnection:
                         lease.first_output()
                         if output is FIRST_OUTPUT:
                             continue
+                        if output.cached_tokens is not None:
+                            cached_tokens = output.cached_tokens
                         lease.charge(output.tokens)
                         completion_tokens += output.tokens
                         held.append(
@@ -502,6 +507,7 @@ class RequestConnection:
                 request_id=request_id,
                 prompt_tokens=prepared.prompt_tokens,
                 completion_tokens=completion_tokens,
+                cached_tokens=cached_tokens,
             )
         )
         return held

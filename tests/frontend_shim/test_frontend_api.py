@@ -277,7 +277,12 @@ async def test_completion_chat_and_models() -> None:
             assert reply.status == 200
             body = reply.json()
             assert body["object"] == "text_completion"
-            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert body["usage"] == {
+                "prompt_tokens": 3,
+                "completion_tokens": 3,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
             chat = await f.post("/v1/chat/completions", chat_body())
             assert chat.status == 200
             message = chat.json()["choices"][0]["message"]

@@ -74,7 +74,12 @@ def test_a_whole_text_completion_lists_its_choices_with_usage() -> None:
         (0, "ab", "stop"),
         (1, "c", "length"),
     ]
-    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert msgspec.json.decode(shape.usage_chunk(end))["choices"] == []
 
 

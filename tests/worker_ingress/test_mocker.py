@@ -430,7 +430,8 @@ async def test_generated_token_counts_are_exact(
         assert len(outputs) == expected
         assert [o.text for o in outputs] == [output_word(i) for i in range(expected)]
     else:
-        assert outputs == [EngineOutput(finish_reason="length")]
+        assert outputs == [EngineOutput(finish_reason="length", cached_tokens=0)]
+    assert outputs[0].cached_tokens == 0
     assert engine.load()[0].kv_used_blocks == 0
 
 

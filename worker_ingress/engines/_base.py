@@ -84,6 +84,9 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     max_tokens: int
     payload: Any = None
+    #: The data-parallel rank the router chose (``Generate.dp_rank``), set by the worker after
+    #: :meth:`Engine.prepare`; an engine without ranks, or a rank it does not have: ignored.
+    dp_rank: int | None = None
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +97,9 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     embedding: list[float] | None = None
     index: int = 0
+    #: Prompt tokens found in the engine's prefix cache, on any one output of the request (the
+    #: worker reports the last it saw in ``End.cached_tokens``); ``None``: not said here.
+    cached_tokens: int | None = None
 
 
 #: Yielded by an engine to say "the request produced its first output" when that output has

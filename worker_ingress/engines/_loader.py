@@ -1,4 +1,5 @@
-"""Turn ``--engine`` into an engine object: ``mocker``, ``openai`` or ``package.module:factory``.
+"""Turn ``--engine`` into an engine object: ``mocker``, ``instant``, ``openai`` or
+``package.module:factory``.
 
 A factory is a callable taking the :class:`~worker_ingress._config.WorkerSettings` and returning an
 object that follows :class:`~worker_ingress.engines._base.Engine`. Loading happens before the worker

@@ -38,7 +38,18 @@ Rules of a sequence (one request) inside a rank:
    overtaking), and no waiting sequence is admitted in a step that preempted. The oldest running
    sequence can therefore always progress, so the rank never deadlocks.
 7. Load. ``active_decode_blocks`` and ``kv_used_blocks`` are both the blocks held by running
-   sequences: the mocker has no prefix cache, so no block is in use without a running owner.
+   sequences, a block shared by several counted once; cached blocks nobody holds are free
+   capacity (:mod:`worker_ingress.engines._kv_pool` keeps the pool and its rules).
+8. Prefix cache (on unless ``prefix_caching=False``). A sequence carries the names of its prompt's
+   full blocks. When it is admitted (again, after a preemption) it holds its longest cached
+   prefix at once, those tokens count as computed and only the rest is prefilled; at least one
+   prompt token is always computed, as vLLM does, so the last block of a prompt cached whole is
+   computed again. The space it needs is its first chunk's new blocks plus the cached blocks
+   nobody held. A block is named, and enters the cache, when a step completes its tokens; a
+   preempted, finished or aborted sequence's named blocks stay cached, evictable. Its
+   ``cached_tokens`` are those found at its first admission, and that admission adds its prompt
+   tokens to :attr:`RankScheduler.queried_tokens` and its cached ones to
+   :attr:`RankScheduler.hit_tokens`.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from typing import Final
 import msgspec
 
 from shim_common.wire import RankLoad
+from worker_ingress.engines._kv_pool import KvBlockPool, PoolEvent
 
 __all__ = ["GpuStepModel", "MockSequence", "RankScheduler", "ScheduledStep", "SequenceState"]
 
@@ -125,9 +137,12 @@ class MockSequence:
     """One request inside a rank: its token counters, the blocks it holds, its state."""
 
     __slots__ = (
+        "block_names",
         "blocks",
+        "cached_tokens",
         "generated",
         "max_tokens",
+        "named",
         "num_computed",
         "num_tokens",
         "preemptions",
@@ -136,8 +151,16 @@ class MockSequence:
         "state",
     )
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, *, prompt_tokens: int, max_tokens: int, block_names: Sequence[int] = ()
+    ) -> None:
         self.prompt_tokens = prompt_tokens
+        #: The names of the prompt's full blocks (empty: nothing of it is cached or shared).
+        self.block_names = block_names
+        #: Of :attr:`blocks`, the leading ones that are named (held in the cache).
+        self.named = 0
+        #: Prompt tokens found in the cache at the first admission (``None`` before it).
+        self.cached_tokens: int | None = None
         self.max_tokens = max_tokens
         self.num_tokens = prompt_tokens
         self.num_computed = 0
@@ -205,14 +228,18 @@ class RankScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         model: GpuStepModel | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model if model is not None else GpuStepModel()
-        self.used_blocks = 0
+        self.pool = KvBlockPool(num_blocks, caching=prefix_caching)
         self.prefill_tokens = 0
+        #: Prompt tokens looked up in the cache, and of those found there (rule 8).
+        self.queried_tokens = 0
+        self.hit_tokens = 0
         self.preemptions = 0
         self.live_sequences = 0
         self._running: list[MockSequence] = []
@@ -222,9 +249,19 @@ class RankScheduler:
     # --- inspection --------------------------------------------------------------------------
 
     @property
+    def used_blocks(self) -> int:
+        """Blocks held by running sequences, a shared block once (rule 7)."""
+        return self.pool.held
+
+    @property
     def free_blocks(self) -> int:
-        """Blocks no sequence holds."""
-        return self.num_blocks - self.used_blocks
+        """Blocks no sequence holds, cached ones included."""
+        return self.pool.free
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prompt blocks are cached and reused (rule 8)."""
+        return self.pool.caching
 
     @property
     def running(self) -> Sequence[MockSequence]:
@@ -251,9 +288,16 @@ class RankScheduler:
         )
 
     def recount(self) -> tuple[int, int]:
-        """Blocks in use and prefill tokens counted from scratch (to check the counters)."""
+        """Blocks in use and prefill tokens counted from scratch (to check the counters): a
+        named block held by several sequences counts once."""
         live = [s for s in self._waiting if not s.done] + self._running
-        return sum(s.blocks for s in live), sum(s.pending_prefill for s in live)
+        anonymous = sum(s.blocks - s.named for s in live)
+        named = {name for s in live for name in s.block_names[: s.named]}
+        return anonymous + len(named), sum(s.pending_prefill for s in live)
+
+    def take_kv_events(self) -> list[PoolEvent]:
+        """What entered and left this rank's cache since the last call, in order."""
+        return self.pool.take_events()
 
     def max_kv_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         """Most tokens a request ever has KV for (rule 4)."""
@@ -368,6 +412,8 @@ class RankScheduler:
             seq.num_computed += tokens
             if not seq.prefill_done:
                 self.prefill_tokens -= tokens
+            if seq.named < len(seq.block_names):
+                self._name_computed_blocks(seq)
             if seq.num_computed < seq.num_tokens:
                 continue
             seq.prefill_done = True
@@ -411,28 +457,42 @@ class RankScheduler:
                 return False, True, budget
         if need > 0:
             seq.blocks += need
-            self.used_blocks += need
+            self.pool.allocate(need)
         return True, preempted, budget
 
     def _admit_waiting(self, scheduled: dict[MockSequence, int], budget: int) -> None:
+        block_size = self.block_size
         while self._waiting and len(self._running) < self.max_num_seqs:
             seq = self._waiting[0]
             if seq.done:
                 self._waiting.popleft()
                 self._dead_waiting -= 1
                 continue
-            remaining = seq.num_tokens - seq.num_computed
+            # Rule 8: the longest cached prefix, leaving at least one token to compute.
+            hit, revived = self.pool.match(seq.block_names, (seq.num_tokens - 1) // block_size)
+            cached = hit * block_size
+            remaining = seq.num_tokens - cached
             chunk = min(remaining, budget)
             if chunk <= 0 and remaining > 0:
                 return
-            need = _blocks_for(seq.num_computed + chunk, self.block_size) - seq.blocks
-            if need > self.free_blocks:
+            fresh = _blocks_for(cached + chunk, block_size) - hit
+            if fresh + revived > self.free_blocks:
                 return
             self._waiting.popleft()
             seq.state = SequenceState.RUNNING
             self._running.append(seq)
-            seq.blocks += need
-            self.used_blocks += need
+            if hit:
+                self.pool.acquire(seq.block_names[:hit])
+                seq.named = hit
+                seq.num_computed = cached
+                self.prefill_tokens -= cached
+            if seq.cached_tokens is None:
+                seq.cached_tokens = cached
+                if self.pool.caching:
+                    self.queried_tokens += seq.prompt_tokens
+                    self.hit_tokens += cached
+            seq.blocks = hit + fresh
+            self.pool.allocate(fresh)
             scheduled[seq] = chunk
             budget -= chunk
 
@@ -448,8 +508,25 @@ class RankScheduler:
         self.preemptions += 1
 
     def _free(self, seq: MockSequence) -> None:
-        self.used_blocks -= seq.blocks
+        # Named blocks stay cached, evictable once nobody holds them; the rest go back.
+        pool = self.pool
+        if seq.named:
+            pool.release(seq.block_names[: seq.named])
+        pool.free_anonymous(seq.blocks - seq.named)
         seq.blocks = 0
+        seq.named = 0
+
+    def _name_computed_blocks(self, seq: MockSequence) -> None:
+        # Rule 8: every prompt block whose tokens are all computed now enters the cache.
+        if not self.pool.caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_names))
+        names = seq.block_names
+        commit = self.pool.commit
+        while seq.named < full:
+            index = seq.named
+            commit(names[index - 1] if index else None, names[index])
+            seq.named = index + 1
 
     def _maybe_compact_waiting(self) -> None:
         if self._dead_waiting >= _COMPACT_DEAD_WAITING and self._dead_waiting * 2 >= len(

@@ -7,8 +7,12 @@ step times of a real GPU (see docs/mocker.md for the performance model and where
 This module is the Trio shell, :class:`MockerEngine`: one step loop per data-parallel rank that
 asks its :class:`~worker_ingress.engines._mock_scheduler.RankScheduler` for the next step, sleeps
 for the simulated step time, applies the step and wakes the request generators that progressed.
-The rules of a sequence inside a rank (tokens, states, chunked prefill, KV blocks, preemption)
-are at the top of :mod:`worker_ingress.engines._mock_scheduler`.
+The rules of a sequence inside a rank (tokens, states, chunked prefill, KV blocks, preemption,
+the prefix cache) are at the top of :mod:`worker_ingress.engines._mock_scheduler`.
+
+A prompt becomes token ids through :mod:`shim_common.prefix` (one token per word, or a model's
+``tokenizer.json`` with ``--tokenizer``), the same tokenisation and block names a cache-aware
+frontend uses, so what the frontend predicts is what this engine caches.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from typing import Any, Final
 import msgspec
 import trio
 
+from shim_common.prefix import (
+    FileTokenizer,
+    PromptTokenizer,
+    WordTokenizer,
+    block_names,
+    prompt_token_ids,
+)
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._watch import ChangeSignal
@@ -31,7 +42,6 @@ from worker_ingress.engines._base import (
     EngineInputError,
     EngineOutput,
     PreparedRequest,
-    count_words,
     prompt_texts,
     refuse_several_choices,
     requested_max_tokens,
@@ -95,9 +105,11 @@ def embedding_for(text: str) -> list[float]:
 
 
 class MockerPayload(msgspec.Struct, frozen=True, kw_only=True):
-    """What :meth:`MockerEngine.prepare` keeps of a body: the embedding inputs, if any."""
+    """What :meth:`MockerEngine.prepare` keeps of a body: the embedding inputs, if any, and the
+    names of the prompt's full blocks (empty with prefix caching off)."""
 
     embedding_inputs: list[str] | None = None
+    block_names: list[int] = []
 
 
 class MockerEngine:
@@ -105,11 +117,14 @@ class MockerEngine:
     one :class:`RankScheduler` per data-parallel rank.
 
     Args:
-        settings: the shape of the simulated engine (blocks, batch limits, ranks, speedup).
+        settings: the shape of the simulated engine (blocks, batch limits, ranks, speedup,
+            prefix caching, tokenizer).
         model: the GPU step-time model; Dynamo's polynomial model when omitted.
 
     Raises:
-        ValueError: a setting out of range (the CLI validates first; this guards other callers).
+        ValueError: a setting out of range (the CLI validates first; this guards other callers),
+            or a tokenizer file that cannot be read (also when the ``tokenizers`` library is
+            missing).
     """
 
     def __init__(self, settings: MockerSettings, *, model: GpuStepModel | None = None) -> None:
@@ -125,6 +140,12 @@ class MockerEngine:
         if not settings.speedup_ratio > 0 or math.isinf(settings.speedup_ratio):
             raise ValueError(f"speedup_ratio must be > 0, got {settings.speedup_ratio!r}")
         self._settings = settings
+        self._tokenizer: PromptTokenizer = WordTokenizer()
+        if settings.tokenizer is not None:
+            try:
+                self._tokenizer = FileTokenizer(settings.tokenizer)
+            except ImportError as error:
+                raise ValueError(str(error)) from None
         self._config = EngineConfig(
             kv_total_blocks=settings.num_gpu_blocks,
             block_size=settings.block_size,
@@ -140,6 +161,7 @@ class MockerEngine:
                 max_num_seqs=settings.max_num_seqs,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 model=step_model,
+                prefix_caching=settings.enable_prefix_caching,
             )
             for _ in range(settings.data_parallel_size)
         )
@@ -174,7 +196,10 @@ class MockerEngine:
         return list(self._loads)
 
     def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
-        """Validate a body and count its prompt tokens (one per whitespace-separated word).
+        """Validate a body, tokenise its prompt and name its full blocks.
+
+        Chat and completions read the prompt as :func:`shim_common.prefix.prompt_token_ids`
+        does (a completion's ``prompt`` may be token ids); embeddings read ``input`` as text.
 
         Raises:
             EngineInputError: a missing or ill-typed prompt/messages/input or max_tokens, or a
@@ -183,10 +208,21 @@ class MockerEngine:
         if not isinstance(body, dict):
             raise EngineInputError("the request body must be a JSON object")
         refuse_several_choices(endpoint, body)
-        texts = prompt_texts(endpoint, body)
         max_tokens = requested_max_tokens(endpoint, body)
-        payload = MockerPayload(embedding_inputs=texts if endpoint == "embeddings" else None)
-        prompt_tokens = sum(count_words(text) for text in texts)
+        if endpoint == "embeddings":
+            texts = prompt_texts(endpoint, body)
+            payload = MockerPayload(embedding_inputs=texts)
+            prompt_tokens = sum(len(self._tokenizer.encode(text)) for text in texts)
+        else:
+            try:
+                tokens = prompt_token_ids(endpoint, body, self._tokenizer)
+            except ValueError as error:
+                raise EngineInputError(str(error)) from None
+            prompt_tokens = len(tokens)
+            names: list[int] = []
+            if self._settings.enable_prefix_caching:
+                names = block_names(tokens, self._settings.block_size)
+            payload = MockerPayload(block_names=names)
         if not self._ranks[0].fits(prompt_tokens, max_tokens):
             capacity = self._settings.num_gpu_blocks * self._settings.block_size
             raise EngineInputError(
@@ -201,22 +237,30 @@ class MockerEngine:
         )
 
     async def generate(self, request: PreparedRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Run a prepared request on the least-loaded rank and stream its output.
+        """Run a prepared request on its rank and stream its output.
 
-        Text requests yield one output per generated token, the last with
-        ``finish_reason="length"`` (a single empty one when ``max_tokens`` is 0); embeddings
-        yield one vector per input once the prefill is done. Closing the generator early frees
-        the request's blocks at once.
+        The rank is ``request.dp_rank`` when this engine has it, else the least loaded. Text
+        requests yield one output per generated token, the last with ``finish_reason="length"``
+        (a single empty one when ``max_tokens`` is 0), the first carrying ``cached_tokens``;
+        embeddings yield one vector per input once the prefill is done. Closing the generator
+        early frees the request's blocks at once.
         """
-        rank_index = self._least_loaded_rank()
+        chosen = request.dp_rank
+        if chosen is not None and 0 <= chosen < len(self._ranks):
+            rank_index = chosen
+        else:
+            rank_index = self._least_loaded_rank()
         rank = self._ranks[rank_index]
-        seq = MockSequence(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens)
+        payload = request.payload
+        names = payload.block_names if isinstance(payload, MockerPayload) else []
+        inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
+        seq = MockSequence(
+            prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, block_names=names
+        )
         rank.add(seq)
         self._loads_may_have_changed()
         self._wake_rank(rank_index)
         try:
-            payload = request.payload
-            inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
             if request.endpoint == "embeddings":
                 while not seq.done:
                     await self._wait_for_progress(seq)
@@ -228,14 +272,17 @@ class MockerEngine:
                 while sent < seq.generated:
                     last = sent + 1 == seq.max_tokens
                     yield EngineOutput(
-                        text=output_word(sent), tokens=1, finish_reason="length" if last else None
+                        text=output_word(sent),
+                        tokens=1,
+                        finish_reason="length" if last else None,
+                        cached_tokens=seq.cached_tokens if sent == 0 else None,
                     )
                     sent += 1
                 if seq.done:
                     break
                 await self._wait_for_progress(seq)
             if seq.max_tokens == 0:
-                yield EngineOutput(finish_reason="length")
+                yield EngineOutput(finish_reason="length", cached_tokens=seq.cached_tokens)
         finally:
             # Runs on completion, error and aclose() alike; synchronous, so nothing can
             # interrupt it between the abort and the load update.
