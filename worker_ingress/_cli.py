@@ -39,6 +39,7 @@ from worker_ingress._config import (
     MockerSettings,
     WorkerSettings,
 )
+from worker_ingress._fair_queue import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 from worker_ingress._version import __version__
 
 __all__ = [
@@ -246,7 +247,7 @@ def _worker(
         queued request starts only when a slot and a waiting place are free. Setting it enables
         rejection. Unset: no separate bound.
     tenant_weights
-        Fair-share weights, "name=weight,...", positive numbers; unnamed tenants weigh 1.
+        Fair-share weights, "name=weight,...", numbers from 1e-6 to 1e6; unnamed tenants weigh 1.
     tenant_metrics_limit
         Tenants exported by name in the per-tenant metrics, in order of first appearance; the
         rest are summed under tenant="other".
@@ -432,10 +433,10 @@ def _tenant_weights(raw: str | None) -> dict[str, float]:
             weight = float(number)
         except ValueError:
             weight = float("nan")
-        if not sep or not name or not 0 < weight <= RATIO.high:
+        if not sep or not name or not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:
             raise CliError(
                 f'Invalid value "{raw[:80]}" for --tenant-weights (DYN_TENANT_WEIGHTS): '
-                f'"{item[:80]}" is not name=weight with a positive number up to 1e6.'
+                f'"{item[:80]}" is not name=weight with a number from 1e-6 to 1e6.'
             )
         if name in weights:
             raise CliError(

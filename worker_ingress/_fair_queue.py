@@ -35,6 +35,12 @@ Rules of the discipline
    nothing). At most ``max_tenants`` records exist; tenants beyond that share one overflow record
    (they are treated as one tenant until records free up).
 
+7. **Every operation terminates.** Each loop here walks a finite structure and removes or
+   refreshes one item of it per turn (the lazy deletions below, the refresh of a stale heap
+   key, which happens at most once per item and look); the heap walk is written as a bounded
+   loop. Weights are in [:data:`MIN_TENANT_WEIGHT`, :data:`MAX_TENANT_WEIGHT`], so service
+   counters are finite numbers, never NaN, and their comparisons mean what they say.
+
 Costs: every operation is O(log n) in the number of waiting entries (amortized; heaps for the
 bands and for the flows of a band, deques per flow and per band), never a scan of the queue.
 Removal from the middle (a cancel, a timeout) is lazy: the entry is marked and skipped when it
@@ -51,6 +57,8 @@ from typing import Final
 
 __all__ = [
     "GENERATED_TOKEN_COST",
+    "MAX_TENANT_WEIGHT",
+    "MIN_TENANT_WEIGHT",
     "DISPLACED_BY_PRIORITY",
     "DISPLACED_BY_SHARE",
     "OVERFLOW_TENANT",
@@ -67,6 +75,13 @@ DISPLACED_BY_SHARE: Final = "share"
 #: Name of the record that tenants beyond ``max_tenants`` share. It is never a key of
 #: :attr:`FairQueue.tenants`, so a client that sends this name gets a record of its own.
 OVERFLOW_TENANT: Final = "\x00overflow"
+
+#: The range of a tenant's weight. Its inverse is then in the same range, so the service one
+#: request adds to a counter (a token count, at most 2**53, times the inverse) is below 1e22: the
+#: counters stay finite for any run a process can live, and never NaN (0 times an infinite
+#: inverse, which a weight of 1e-310 gave, made every comparison of rule 2 false).
+MIN_TENANT_WEIGHT: Final = 1e-6
+MAX_TENANT_WEIGHT: Final = 1e6
 
 #: Service a generated token costs, in prompt tokens (rule 2): decoding a token occupies the
 #: engine longer than prefilling one.
@@ -165,11 +180,12 @@ class FairQueue:
     """The waiting requests of one gate, ordered by the rules at the top of this module.
 
     Args:
-        weights: Tenant name to weight (> 0); tenants not named weigh 1.
+        weights: Tenant name to weight, from :data:`MIN_TENANT_WEIGHT` to
+            :data:`MAX_TENANT_WEIGHT`; tenants not named weigh 1.
         max_tenants: Tenant records kept at most (>= 1); beyond, tenants share one record.
 
     Raises:
-        ValueError: A weight that is not a positive finite number, or ``max_tenants < 1``.
+        ValueError: A weight out of its range (NaN included), or ``max_tenants < 1``.
     """
 
     __slots__ = (
@@ -191,8 +207,11 @@ class FairQueue:
     ) -> None:
         weights = dict(weights or {})
         for name, weight in weights.items():
-            if not (weight > 0 and weight != float("inf")):
-                raise ValueError(f"tenant weight must be a positive number, got {name}={weight}")
+            if not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:
+                raise ValueError(
+                    f"tenant weight must be a number from {MIN_TENANT_WEIGHT:g} to"
+                    f" {MAX_TENANT_WEIGHT:g}, got {name}={weight}"
+                )
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
         self._weights = weights
@@ -401,17 +420,22 @@ class FairQueue:
     def _least_served_flow(self, band: _Band) -> _Flow:
         # The heap's top is right once it names a flow still in the band at its current service
         # (services only grow, so a stale key is too small: refresh it and look again).
+        # Termination (rule 7): each turn pops an item of a flow that left the band, or gives
+        # a live flow's only item its tenant's current service, which nothing changes during
+        # this call, so that item is never refreshed twice. Hence at most 2 * len(heap) turns
+        # before the top is fresh, and the bound below is never reached.
         heap, flows = band.heap, band.flows
-        while True:
+        for _ in range(2 * len(heap) + 1):
             service, _, _, flow = heap[0]
             tenant = flow.tenant
             if flows.get(tenant) is not flow:
                 heapq.heappop(heap)
-            elif service != tenant.service:
+            elif service < tenant.service:
                 self._tick += 1
                 heapq.heapreplace(heap, (tenant.service, tenant.attained, self._tick, flow))
             else:
                 return flow
+        raise AssertionError("the band's heap kept changing under one look (rule 7)")
 
     def _least_service(self, band: _Band) -> float:
         return self._least_served_flow(band).tenant.service

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from worker_ingress._fair_queue import (
     DISPLACED_BY_PRIORITY,
     DISPLACED_BY_SHARE,
+    MAX_TENANT_WEIGHT,
+    MIN_TENANT_WEIGHT,
     FairQueue,
     QueueEntry,
 )
@@ -114,10 +118,34 @@ def test_tenant_records_are_bounded_and_forgotten_when_idle() -> None:
     queue.release(b)
 
 
-@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf"), 1e-310, 1e-7, 1e7])
 def test_bad_weights_are_refused(weight: float) -> None:
-    with pytest.raises(ValueError, match="weight"):
+    with pytest.raises(ValueError, match="weight must be a number from 1e-06 to 1e"):
         FairQueue(weights={"a": weight})
+
+
+@pytest.mark.parametrize("weight", [MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT])
+def test_weights_at_the_edges_keep_every_counter_finite_and_every_pop_ends(weight: float) -> None:
+    # Empty prompts (0 tokens) and the largest count a prompt may claim, interleaved with a
+    # tenant of weight 1: what a weight of 1e-310 turned into NaN and an endless pop.
+    queue = FairQueue(weights={"edge": weight})
+    for tokens in (0, 2**53, 0, 1, 0):
+        entries = _queue(queue, [(0, "edge", tokens), (0, "plain", tokens), (0, "edge", 0)])
+        popped = [queue.pop() for _ in entries]
+        assert sorted(id(e) for e in popped) == sorted(id(e) for e in entries)
+        for name in ("edge", "plain"):
+            service = queue.tenants[name].service
+            assert math.isfinite(service)
+            assert service < 1e23
+
+
+def test_a_pop_ends_even_if_a_counter_were_not_a_number() -> None:
+    # The weight range keeps NaN out; the heap walk is bounded all the same (rule 7).
+    queue = FairQueue()
+    entries = _queue(queue, [(0, "a", 0), (0, "b", 0), (0, "a", 0)])
+    queue.tenants["a"].service = math.nan
+    assert {id(queue.pop()) for _ in entries} == {id(e) for e in entries}
+    assert queue.pop() is None
 
 
 def test_many_cancellations_keep_memory_proportional_to_what_is_queued() -> None:

@@ -1,0 +1,119 @@
+"""Hostile input to the admission classes, through real ``worker-ingress`` and ``frontend-shim``
+processes: tenant weights at the edge of their range, and out of it (docs/reliability.md,
+"Hostile input").
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+from test_classes import MODEL, post
+from test_e2e import (
+    MOCKER_FLAGS,
+    READY,
+    call,
+    clean_env,
+    frontend_cmd,
+    started,
+    wait_connected,
+    wait_for_metric,
+)
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT = 60.0
+
+
+def _worker_args(*flags: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "worker_ingress",
+        "--port",
+        "0",
+        "--system-port",
+        "0",
+        "--engine-request-limit",
+        "1",
+        *MOCKER_FLAGS,
+        *flags,
+    ]
+
+
+async def test_a_weight_at_the_edge_of_its_range_keeps_the_fair_queue_finite() -> None:
+    # The probe of a worker that hung for good: N = 1, Q = 4, one long request, then three of
+    # the tiny-weight tenant with an empty prompt and no tokens to generate. A weight of 1e-6,
+    # the smallest taken, must leave it serving, answering /live, and stopping on SIGTERM.
+    env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT="4")
+    args = _worker_args("--tenant-weights", "gold=1e-6")
+    with trio.fail_after(TIMEOUT):
+        worker = await trio.lowlevel.open_process(
+            args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        try:
+            assert worker.stdout is not None
+            line = b""
+            with trio.fail_after(15):
+                while not line.endswith(b"\n") and len(line) < 4096:
+                    chunk = await worker.stdout.receive_some(4096)
+                    if not chunk:
+                        break
+                    line += chunk
+            ws, system = (url.decode() for url in READY.findall(line))
+            async with started(frontend_cmd("--worker", ws), clean_env()) as (url,):
+                await wait_connected(url)
+                replies: list[int] = []
+
+                async def long_request() -> None:
+                    body = {"model": MODEL, "prompt": "one two three", "max_tokens": 60}
+                    replies.append((await post(url, body, [("x-dynamo-tenant", "blocker")]))[0])
+
+                async def tiny_tenant() -> None:
+                    body = {"model": MODEL, "prompt": "", "max_tokens": 0}
+                    replies.append((await post(url, body, [("x-dynamo-tenant", "gold")]))[0])
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(long_request)
+                    await wait_for_metric(
+                        system, "dynamo_engine_request", lambda v: v == 1, "the long request"
+                    )
+                    for _ in range(3):
+                        nursery.start_soon(tiny_tenant)
+                    await wait_for_metric(
+                        system, "dynamo_request_queue", lambda v: v == 3, "three queued"
+                    )
+                    with trio.fail_after(2):
+                        assert (await call(system, "GET", "/live"))[0] == 200
+                assert len(replies) == 4
+                # Each is answered: served, or refused as any request may be; never a 503 of a
+                # worker that stopped answering.
+                assert all(status in (200, 400) for status in replies), replies
+                with trio.fail_after(2):
+                    assert (await call(system, "GET", "/live"))[0] == 200
+            worker.send_signal(signal.SIGTERM)
+            with trio.fail_after(10):
+                assert await worker.wait() == 0
+        finally:
+            with trio.CancelScope(shield=True):
+                if worker.returncode is None:
+                    worker.kill()
+                    await worker.wait()
+
+
+@pytest.mark.parametrize("weight", ["1e-310", "1e-7", "0", "-1", "nan", "inf", "1e7"])
+def test_a_weight_out_of_its_range_is_refused_at_start_up(weight: str) -> None:
+    result = subprocess.run(
+        _worker_args("--tenant-weights", f"gold={weight}"),
+        capture_output=True,
+        env=clean_env(),
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"--tenant-weights" in result.stderr
+    assert b"from 1e-6 to 1e6" in result.stderr
+    assert b" ready " not in result.stdout
