@@ -146,15 +146,17 @@ class HTTPChannel(Protocol):
     """What an exchange asks of the connection its request arrived on (one request at a time).
 
     The rules these calls follow (100-continue, the body cap, when a response closes the
-    connection, one response per request) are those of :mod:`shim_common._http_connection`.
-
-    Attributes:
-        response_started: whether the current request's status line has gone out.
-        response_finished: whether the current request's response is complete.
+    connection, one response per request) are those of :mod:`shim_common._http_connection` and
+    :mod:`shim_common._http_cycle`.
     """
 
-    response_started: bool
-    response_finished: bool
+    @property
+    def response_started(self) -> bool:
+        """Whether the current request's status line has gone out."""
+
+    @property
+    def response_finished(self) -> bool:
+        """Whether the current request's response is complete."""
 
     async def receive_body(self) -> bytes:
         """Read the current request's whole body (see :meth:`HTTPRequest.read_body`)."""
