@@ -16,6 +16,7 @@ fleet change and finds the link of a routed worker), then the API.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import signal
@@ -212,7 +213,9 @@ async def run_frontend(
         # large fleet connects.
         url = base_url("https" if tls is not None else "http", settings.http_host, port)
         print(f"frontend-shim ready http={url}", flush=True)
-        await nursery.start(pool.run, bridge)
+        await nursery.start(
+            functools.partial(pool.run, bridge, on_link_stopped=bridge.link_stopped)
+        )
         # Everything built so far (the links, the fleet, imported modules) lives as long as the
         # process: out of the collector's sight, full collections stop rescanning it.
         gc.freeze()

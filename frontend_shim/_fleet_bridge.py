@@ -4,6 +4,14 @@ The worker links speak of workers by address (``ws://host:port``), the load stat
 worker announces; :class:`FleetBridge` keeps the map between the two and is the only place that
 turns link news into :class:`~frontend_shim._load.Fleet` calls. The same map answers the other
 way: the link of a routed worker id (:meth:`FleetBridge.link_of`).
+
+Models are remembered by address: each link *claims* the model of its latest hello, while it is
+up and while it is down (a worker restarting keeps its model known: its requests get 503, not
+404). A hello that names another model moves the link's claim, and a link stopped (its address
+left the worker list or the name's lookup) gives its claim up. A model no link claims and no
+worker serves is forgotten (:meth:`~frontend_shim._load.Fleet.forget_model`), with the
+thresholds set for it: so the models known are at most one per worker address, however many
+models one worker announces in turn.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ class FleetBridge:
         #: down finds its standby without a scan of the fleet (a fleet of thousands going down
         #: at once would otherwise cost the square of its size).
         self._keys: dict[str, dict[WorkerKey, None]] = {}
+        #: The model each link claims: that of its latest hello, kept while it is down.
+        self._claim: dict[WorkerKey, str] = {}
+        #: The links claiming each model.
+        self._claimants: dict[str, set[WorkerKey]] = {}
 
     def key_of(self, worker_id: str) -> WorkerKey | None:
         """The link address of a registered worker."""
@@ -67,6 +79,7 @@ class FleetBridge:
 
     def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
         self._up[key] = config
+        self._move_claim(key, config.model)
         self._keys.setdefault(config.worker_id, {})[key] = None
         owner = self._owner.get(config.worker_id)
         if owner is not None and owner != key:
@@ -131,4 +144,31 @@ class FleetBridge:
         if standby is not None:
             self.worker_up(standby, self._up[standby], now)
         else:
+            self._forget_if_unclaimed(config.model)
             self._on_change()
+
+    def link_stopped(self, key: WorkerKey) -> None:
+        """The link of ``key`` was stopped (its address is no longer resolved): it gives its
+        claim up (its ``worker_down``, if it was up, comes after)."""
+        self._move_claim(key, None)
+
+    def _move_claim(self, key: WorkerKey, model: str | None) -> None:
+        """Make ``key`` claim ``model`` (``None``: nothing), forgetting what it claimed before
+        when nobody else claims or serves it."""
+        before = self._claim.pop(key, None)
+        if model is not None:
+            self._claim[key] = model
+            self._claimants.setdefault(model, set()).add(key)
+        if before is None or before == model:
+            return
+        claimants = self._claimants.get(before)
+        if claimants is not None:
+            claimants.discard(key)
+        self._forget_if_unclaimed(before)
+
+    def _forget_if_unclaimed(self, model: str) -> None:
+        if self._claimants.get(model):
+            return
+        self._claimants.pop(model, None)
+        if self._fleet.forget_model(model):
+            _log.info("model %s forgotten: no worker serves it now", model)

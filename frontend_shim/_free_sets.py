@@ -324,7 +324,7 @@ class FreeSets:
 
     def __init__(self, queue_threshold: float | None) -> None:
         self.queue_threshold = queue_threshold
-        #: Every model ever announced, in order of first announcement.
+        #: Every model announced and not forgotten since, in order of first announcement.
         self.pools: dict[str, ModelPool] = {}
         self._models_available = 0
         self._models_with_free = 0

@@ -203,12 +203,22 @@ class Fleet:
         return len(self._workers)
 
     def models(self) -> list[str]:
-        """Every model ever announced by a worker, in order of first announcement."""
+        """Every model announced by a worker and not forgotten since (:meth:`forget_model`), in
+        order of first announcement."""
         return list(self._pools)
 
     def is_known_model(self, model: str) -> bool:
-        """Whether some worker has announced ``model`` since start."""
+        """Whether some worker has announced ``model`` and it was not forgotten since."""
         return model in self._pools
+
+    def forget_model(self, model: str) -> bool:
+        """Forget ``model`` and its thresholds, if no worker of it is registered now; returns
+        whether it was forgotten (the caller knows no worker will announce it again soon)."""
+        pool = self._pools.get(model)
+        if pool is None or pool.workers:
+            return False
+        del self._pools[model]
+        return True
 
     # ------------------------------------------------------------------ events
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import trio
@@ -109,6 +109,7 @@ class WorkerPool:
         self._resolver = resolver
         self._links: dict[WorkerKey, WorkerLink] = {}
         self._scopes: dict[WorkerKey, trio.CancelScope] = {}
+        self._on_link_stopped: Callable[[WorkerKey], object] | None = None
         # The keys each URL resolved to last time, kept when a later lookup fails.
         self._resolved: dict[WorkerUrl, list[WorkerKey]] = {}
         self._limiter = trio.CapacityLimiter(connect_concurrency)
@@ -146,6 +147,7 @@ class WorkerPool:
         self,
         listener: FleetListener,
         *,
+        on_link_stopped: Callable[[WorkerKey], object] | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Resolve, start and supervise the links until cancelled.
@@ -153,7 +155,10 @@ class WorkerPool:
         Calls ``task_status.started()`` after the first lookup of every URL, once the links of
         the addresses found are running (not yet connected: see the listener). A URL whose
         first lookup fails is retried with backoff, and every ``resolve_interval`` after.
+        ``on_link_stopped(key)`` is called when the link of an address no longer resolved is
+        stopped (before its ``worker_down``, if it was up).
         """
+        self._on_link_stopped = on_link_stopped
         backoff = Backoff(
             initial=min(1.0, self._resolve_interval),
             cap=self._resolve_interval,
@@ -203,6 +208,8 @@ class WorkerPool:
                 logger.info("worker %s no longer resolved: stopping its link", key)
                 del self._links[key]
                 self._scopes.pop(key).cancel()
+                if self._on_link_stopped is not None:
+                    self._on_link_stopped(key)
         if self.budget is not None and self.budget.resize(len(wanted)):
             self._ask_interval_again(nursery)
         for key, host in wanted.items():

@@ -64,3 +64,38 @@ def test_the_link_of_a_worker_id_is_its_owners_and_none_once_it_is_down() -> Non
     assert bridge.link_of("w-1") is standby
     del links["ws://b:1"]  # the pool stopped the link before its session reported down
     assert bridge.link_of("w-1") is None
+
+
+def test_a_worker_announcing_model_after_model_leaves_only_its_latest_known() -> None:
+    fleet = Fleet()
+    bridge = FleetBridge(fleet, on_change=lambda: None)
+    bridge.worker_up("ws://b:1", runtime_config("w-b", model="shared"), now=0.0)
+    for n in range(378):
+        bridge.worker_up("ws://a:1", runtime_config(model=f"m-{n}"), now=float(n))
+        bridge.worker_down("ws://a:1", now=n + 0.5)
+        # While its worker restarts, a model stays known (503 for it, not 404) ...
+        assert fleet.models() == ["shared", f"m-{n}"]
+    # ... and the one a worker announced before its latest is forgotten, thresholds too.
+    assert [model for model, _ in fleet.all_thresholds()] == ["shared", "m-377"]
+    assert not fleet.is_known_model("m-0")
+
+
+def test_a_model_is_kept_while_another_worker_serves_it_and_forgotten_with_its_last_link() -> None:
+    fleet = Fleet()
+    bridge = FleetBridge(fleet, on_change=lambda: None)
+    bridge.worker_up("ws://a:1", runtime_config("w-a", model="m"), now=0.0)
+    bridge.worker_up("ws://b:1", runtime_config("w-b", model="m"), now=0.0)
+    # a's worker now serves another model: m is still b's.
+    bridge.worker_down("ws://a:1", now=1.0)
+    bridge.worker_up("ws://a:1", runtime_config("w-a", model="n"), now=1.0)
+    assert fleet.models() == ["m", "n"]
+    # b's address is no longer resolved: its link is stopped, then goes down.
+    bridge.link_stopped("ws://b:1")
+    assert fleet.is_known_model("m")  # its worker is still registered until the down
+    bridge.worker_down("ws://b:1", now=2.0)
+    assert fleet.models() == ["n"]
+    # A link stopped while down gives its claim up at once.
+    bridge.worker_down("ws://a:1", now=3.0)
+    assert fleet.models() == ["n"]
+    bridge.link_stopped("ws://a:1")
+    assert fleet.models() == []

@@ -126,3 +126,44 @@ async def test_a_worker_breaking_the_protocol_after_its_hello_is_closed_and_back
     assert len(warnings) == 1  # the streak's first; its repeats at DEBUG
     if case == "ping-flood":
         assert pongs <= sessions * (CONTROL_BURST + 8)
+
+
+async def test_a_worker_announcing_a_new_model_each_session_leaves_one_known() -> None:
+    # One address, a new model in every hello (once 378 of them in 90 s grew /busy_threshold to
+    # 126 KB): the frontend knows at most the latest, however many went before.
+    announced = 0
+
+    async def plane(stream: trio.SocketStream) -> None:
+        nonlocal announced
+        with contextlib.suppress(trio.BrokenResourceError):
+            path = await accept_upgrade(stream)
+            if path == wire.EVENTS_PATH:
+                await stream.send_all(frame(wire.encode(HELLO)))
+                await trio.sleep_forever()
+            announced += 1
+            config = runtime_config(model=f"model-{announced}")
+            hello = wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=config)
+            await stream.send_all(frame(wire.encode(hello)))
+            await trio.sleep(0.05)  # then the session ends: a clean close, redialled at once
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            await nursery.start(trio.serve_listeners, plane, listeners)
+            port = listeners[0].socket.getsockname()[1]
+            settings = FrontendSettings(http_port=0, workers=(f"ws://127.0.0.1:{port}",))
+            url: str = await nursery.start(run_frontend, settings)
+            async with httpx.AsyncClient(base_url=url) as client:
+                for _ in range(300):
+                    if announced >= 10:
+                        break
+                    await trio.sleep(0.05)
+                assert announced >= 10
+                models = [
+                    entry["model"]
+                    for entry in (await client.get("/busy_threshold")).json()["thresholds"]
+                ]
+                assert len(models) <= 1
+                assert set(models) <= {f"model-{announced}", f"model-{announced - 1}"}
+                assert len((await client.get("/health")).json()["models"]) <= 1
+            nursery.cancel_scope.cancel()
