@@ -44,8 +44,8 @@ async def undecodable(stream: trio.SocketStream) -> None:
 async def huge_batch(stream: trio.SocketStream) -> None:
     # The header announces 14 MiB; the frontend must close without reading (or holding) it.
     beat = wire.Heartbeat(seq=1, ts=0.0, loads=[], engine_requests=0, queued_requests=0)
-    body = wire.encode(wire.EventBatch(events=[beat] * (HUGE // 60)))
-    assert len(body) > HUGE
+    body = wire.encode(wire.EventBatch(events=[beat] * (HUGE // len(wire.encode(beat)))))
+    assert HUGE - 1024 < len(body) <= HUGE < wire.MAX_MESSAGE_BYTES
     await stream.send_all(bytes([0x82, 127]) + struct.pack("!Q", len(body)))
     with contextlib.suppress(trio.BrokenResourceError):
         for start in range(0, len(body), 1 << 20):
