@@ -8,7 +8,13 @@ Prints medians over several rounds of:
 - the ratio of kv to round-robin picks, measured side by side in the same run;
 - class-aware picks on a fleet whose every worker is marked overloaded for a batch class (no
   worker free), for an interactive request that beats those marks: the bounded look at marked
-  workers, against round-robin picks over the free set in the same rounds.
+  workers, against round-robin picks over the free set in the same rounds;
+- the ``kv`` router with its index full: every rank's cache holds ``--kv-blocks`` block names
+  (16,384 by default: 1,024 x 4 x 16,384 is 67 million), some of them the prefixes of the
+  prompts picked for. The index's memory (resident bytes of the process before and after it is
+  filled, over the blocks it holds) and ``kv`` picks per second for prompts of
+  ``--prompt-blocks`` blocks whose prefix one rank holds, side by side with round-robin picks.
+  ``--kv-blocks 0`` skips it (it needs about 6 GB at the default size).
 
 Run: ``python bench/bench_router.py`` (``--workers``, ``--ranks``, ``--rounds`` to change the
 shape). Figures depend on the machine; compare ratios, not absolute numbers across machines.
@@ -23,10 +29,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
+from frontend_shim._kv_cost import KvScorer, Prompt
+from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from shim_common import wire
 from shim_common._busy import BusyThresholds
+from shim_common.prefix import block_names
 
 MODEL = "bench-model"
 TOTAL_BLOCKS = 16384
@@ -126,6 +135,84 @@ def pick_past_marks(router: Router, count: int, now: float) -> None:
         assert isinstance(outcome, Routed)
 
 
+def pick_prompts(router: Router, prompts: Sequence[Prompt], now: float) -> None:
+    pick = router.pick
+    for prompt in prompts:
+        outcome = pick(MODEL, now, prompt=prompt)
+        assert isinstance(outcome, Routed)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux), in bytes."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    import resource
+
+    return pages * resource.getpagesize()
+
+
+def fill_index(
+    fleet: Fleet, blocks: int, prompt_blocks: int, rng: random.Random
+) -> tuple[KvIndex, list[Prompt]]:
+    """An index whose every rank holds ``blocks`` names: the chains of a few conversations (so
+    that picks find prefixes) and random names for the rest; and the prompts to pick for."""
+    index = KvIndex()
+    workers = list(fleet.workers(MODEL))
+    conversations = []
+    for _ in range(min(4096, len(workers) * 4)):
+        tokens = [rng.randrange(50_000) for _ in range(prompt_blocks * 16)]
+        conversations.append((tokens, block_names(tokens, 16)))
+    prompts: list[Prompt] = []
+    for worker_index, worker in enumerate(workers):
+        config = worker.config
+        index.add_worker(config, 0.0, events=True)
+        ranks = []
+        for rank in range(config.data_parallel_size):
+            tokens, names = conversations[(worker_index * 4 + rank) % len(conversations)]
+            held = names[: rng.randrange(1, len(names) + 1)]
+            filler = [rng.getrandbits(63) for _ in range(blocks - len(held))]
+            ranks.append(held + filler)
+        index.apply(config.worker_id, [wire.KvSnapshot(seq=0, ranks=ranks)], 0.0)
+    for tokens, _ in conversations:
+        prompt = Prompt([*tokens, *(rng.randrange(50_000) for _ in range(8))])
+        prompt.names(16)  # named before the timing: picks/s is the scoring alone
+        prompts.append(prompt)
+    return index, prompts
+
+
+def bench_kv(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> None:
+    before = resident_bytes()
+    start = time.perf_counter()
+    index, prompts = fill_index(fleet, args.kv_blocks, args.prompt_blocks, rng)
+    filled = time.perf_counter() - start
+    held = index.blocks()
+    # The prompts (their tokens and names) are not the index's: counted out.
+    prompt_bytes = sum(len(p.tokens) * 8 + len(p.names(16)) * 44 for p in prompts)
+    grown = resident_bytes() - before - prompt_bytes
+    print(
+        f"kv index: {held:,} blocks held ({args.workers} x {args.ranks} ranks x "
+        f"{args.kv_blocks:,}), filled in {filled:.1f} s; resident +{grown / 2**30:.2f} GiB, "
+        f"{grown / held:.1f} bytes per block, {grown / args.workers / 2**20:.1f} MiB per worker"
+    )
+    kv = Router(fleet, RouterMode.KV, kv=KvScorer(index, rng=random.Random(1)))
+    plain = Router(fleet, RouterMode.ROUND_ROBIN)
+    picks = prompts[: args.picks // 10]
+    kv_rates: list[float] = []
+    ratios: list[float] = []
+    for _ in range(args.rounds):  # side by side in each round
+        kv_rate = per_second(len(picks), functools.partial(pick_prompts, kv, picks, 0.7))
+        rr_rate = per_second(args.picks, functools.partial(pick_many, plain, args.picks, 0.7))
+        kv_rates.append(kv_rate)
+        ratios.append(kv_rate / rr_rate)
+    hits = [kv.pick(MODEL, 0.7, prompt=p) for p in picks[:200]]
+    cached = [h.kv.cached_blocks for h in hits if isinstance(h, Routed) and h.kv is not None]
+    print(
+        f"kv picks with the index full ({args.prompt_blocks}-block prompts): "
+        f"{statistics.median(kv_rates):,.0f} /s, {statistics.median(ratios):.4f} x round-robin "
+        f"(median per round); mean cached prefix chosen {statistics.mean(cached):.1f} blocks"
+    )
+
+
 def marked_fleet(workers: int, ranks: int, now: float) -> Fleet:
     """Every worker marked, for priority 10 of one tenant, at ``now``."""
     fleet = build_fleet(workers, ranks)
@@ -141,6 +228,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--picks", type=int, default=20_000)
+    parser.add_argument("--kv-blocks", type=int, default=TOTAL_BLOCKS)
+    parser.add_argument("--prompt-blocks", type=int, default=64)
     args = parser.parse_args()
     rng = random.Random(42)
 
@@ -203,6 +292,9 @@ def main() -> None:
         f"class picks past marks (every worker marked): {statistics.median(class_rates):,.0f} /s, "
         f"{statistics.median(class_ratios):.3f} x round-robin (median per round)"
     )
+    if args.kv_blocks > 0:
+        # An idle fleet: the cache decides, and every rank is scored.
+        bench_kv(build_fleet(args.workers, args.ranks), args, rng)
 
 
 if __name__ == "__main__":

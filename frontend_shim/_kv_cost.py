@@ -129,21 +129,38 @@ def choose(
     credit = weights.credit
     sampled = weights.temperature > 0
     tokens = len(prompt.tokens)
+    kept_of = index.worker
     best: tuple[WorkerLoad, int, int, list[int]] | None = None
     best_cost = math.inf
     best_load = math.inf
     scored: list[tuple[float, WorkerLoad, int, int, list[int]]] = []
+    # Per block size (the same for every worker of a model, as a rule): the names, the first
+    # name, and the prefill cost of the prompt itself. The loop below runs once per free rank:
+    # it is kept to a few attribute reads and one set lookup for a rank that holds nothing.
+    block_size = -1
+    names: list[int] = []
+    first = 0
+    per_token = 0.0
     for worker in candidates:
         config = worker.config
-        names = prompt.names(config.block_size)
-        block_size = max(1, config.block_size)
-        kept = index.worker(config.worker_id) if names else None
+        if config.block_size != block_size:
+            block_size = config.block_size
+            names = prompt.names(block_size)
+            first = names[0] if names else -1
+            per_token = scale / max(1, block_size)
+        kept = kept_of(config.worker_id) if first >= 0 else None
+        kept_ranks = kept.ranks if kept is not None else None
         for rank_index, rank in enumerate(worker.ranks):
             if rank.busy:
                 continue
-            cached = kept.ranks[rank_index].depth(names, now) if kept is not None else 0
-            prefill = (tokens + rank.effective_prefill) / block_size
-            cost = scale * max(0.0, prefill - credit * cached) + rank.effective_blocks
+            cached = 0
+            cost = per_token * (tokens + rank.effective_prefill) + rank.effective_blocks
+            if kept_ranks is not None:
+                held = kept_ranks[rank_index]
+                if first in held.cached or held.predicted.get(first, now) > now:
+                    cached = held.depth(names, now)
+                    prefill = (tokens + rank.effective_prefill) / max(1, block_size)
+                    cost = scale * max(0.0, prefill - credit * cached) + rank.effective_blocks
             if sampled:
                 scored.append((cost, worker, rank_index, cached, names))
             elif cost < best_cost or (cost == best_cost and worker.load_cost < best_load):
