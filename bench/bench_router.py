@@ -14,7 +14,10 @@ Prints medians over several rounds of:
   prompts picked for. The index's memory (resident bytes of the process before and after it is
   filled, over the blocks it holds) and ``kv`` picks per second for prompts of
   ``--prompt-blocks`` blocks whose prefix one rank holds, side by side with round-robin picks.
-  ``--kv-blocks 0`` skips it (it needs about 6 GB at the default size).
+  ``--kv-blocks 0`` skips it (it needs about 6 GB at the default size);
+- what ``kv`` adds to each request before its pick: the chat body's prompt read as token ids
+  (the mocker's word tokeniser, or ``--tokenizer``'s ``tokenizer.json``) and cut into named
+  blocks of 16 tokens, in microseconds per request at 1,000 and 12,000 tokens.
 
 Run: ``python bench/bench_router.py`` (``--workers``, ``--ranks``, ``--rounds`` to change the
 shape). Figures depend on the machine; compare ratios, not absolute numbers across machines.
@@ -35,7 +38,13 @@ from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from shim_common import wire
 from shim_common._busy import BusyThresholds
-from shim_common.prefix import block_names
+from shim_common.prefix import (
+    FileTokenizer,
+    PromptTokenizer,
+    WordTokenizer,
+    block_names,
+    prompt_token_ids,
+)
 
 MODEL = "bench-model"
 TOTAL_BLOCKS = 16384
@@ -213,6 +222,27 @@ def bench_kv(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> None
     )
 
 
+def bench_tokenise(tokenizer: PromptTokenizer, rounds: int, rng: random.Random) -> None:
+    words = [f"w{rng.randrange(30_000)}" for _ in range(12_000)]
+    for count in (1_000, 12_000):
+        system, user = " ".join(words[: count // 2]), " ".join(words[count // 2 : count])
+        body = {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        }
+        repeat = max(1, 200_000 // count)
+        costs = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(repeat):
+                block_names(prompt_token_ids("chat_completions", body, tokenizer), 16)
+            costs.append((time.perf_counter() - start) / repeat)
+        tokens = len(prompt_token_ids("chat_completions", body, tokenizer))
+        print(
+            f"tokenise and name ({type(tokenizer).__name__}, {tokens:,} tokens): "
+            f"{statistics.median(costs) * 1e6:,.0f} us per request (median of {rounds})"
+        )
+
+
 def marked_fleet(workers: int, ranks: int, now: float) -> Fleet:
     """Every worker marked, for priority 10 of one tenant, at ``now``."""
     fleet = build_fleet(workers, ranks)
@@ -230,6 +260,7 @@ def main() -> None:
     parser.add_argument("--picks", type=int, default=20_000)
     parser.add_argument("--kv-blocks", type=int, default=TOTAL_BLOCKS)
     parser.add_argument("--prompt-blocks", type=int, default=64)
+    parser.add_argument("--tokenizer", help="a tokenizer.json to time besides the word tokeniser")
     args = parser.parse_args()
     rng = random.Random(42)
 
@@ -292,6 +323,9 @@ def main() -> None:
         f"class picks past marks (every worker marked): {statistics.median(class_rates):,.0f} /s, "
         f"{statistics.median(class_ratios):.3f} x round-robin (median per round)"
     )
+    bench_tokenise(WordTokenizer(), args.rounds, rng)
+    if args.tokenizer:
+        bench_tokenise(FileTokenizer(args.tokenizer), args.rounds, rng)
     if args.kv_blocks > 0:
         # An idle fleet: the cache decides, and every rank is scored.
         bench_kv(build_fleet(args.workers, args.ranks), args, rng)
