@@ -253,11 +253,25 @@ class FrameReader:
         max_message_bytes: The largest message accepted (rule 4).
     """
 
-    __slots__ = ("_fragment_opcode", "_fragments", "_fragments_size", "_max", "_pending")
+    __slots__ = (
+        "_fragment_opcode",
+        "_fragments",
+        "_fragments_size",
+        "_held",
+        "_max",
+        "_needed",
+        "_pending",
+    )
 
     def __init__(self, max_message_bytes: int) -> None:
         self._max = max_message_bytes
-        self._pending = b""
+        # The bytes of an incomplete frame, as they arrived: joined once, when they are enough
+        # for the frame (``_needed`` bytes), never copied piece by piece. Joining at every read
+        # would copy a large message once per read, quadratic in its size (the receive-buffer
+        # trap h11 fixed too).
+        self._pending: list[bytes] = []
+        self._held = 0
+        self._needed = 0
         self._fragments: list[bytes] = []
         self._fragment_opcode = 0
         self._fragments_size = 0
@@ -269,7 +283,7 @@ class FrameReader:
     @property
     def buffered(self) -> int:
         """Bytes of an incomplete frame held for the next call."""
-        return len(self._pending)
+        return self._held
 
     def receive(self, data: bytes) -> list[tuple[int, bytes]]:
         """Every complete message and control frame in what arrived so far, in order.
@@ -278,10 +292,20 @@ class FrameReader:
             WebSocketProtocolError: a masked frame, reserved bits, a bad opcode or sequence.
             MessageTooBig: a message over the cap.
         """
-        buffer = self._pending + data if self._pending else data
+        if self._pending:
+            self._pending.append(data)
+            self._held += len(data)
+            if self._held < self._needed:
+                return []  # the frame is still incomplete: nothing is copied
+            buffer = b"".join(self._pending)
+            self._pending = []
+            self._held = 0
+        else:
+            buffer = data
         out: list[tuple[int, bytes]] = []
         size = len(buffer)
         position = 0
+        needed = 2  # what the incomplete frame at the end needs, from its first byte
         while size - position >= 2:
             first = buffer[position]
             length = buffer[position + 1]
@@ -291,11 +315,13 @@ class FrameReader:
             head = 2
             if length == 126:
                 if size - position < 4:
+                    needed = 4
                     break
                 length = int.from_bytes(buffer[position + 2 : position + 4], "big")
                 head = 4
             elif length == 127:
                 if size - position < 10:
+                    needed = 10
                     break
                 length = int.from_bytes(buffer[position + 2 : position + 10], "big")
                 head = 10
@@ -304,6 +330,7 @@ class FrameReader:
                 raise MessageTooBig(f"a message over {self._max} bytes")
             end = position + head + length
             if end > size:
+                needed = head + length
                 break
             payload = buffer[position + head : end]
             position = end
@@ -311,7 +338,11 @@ class FrameReader:
                 out.append((opcode, payload))  # the common case: one whole message
             else:
                 self._frame(first & 0x80, opcode, payload, out)
-        self._pending = buffer[position:]
+        if position < size:
+            # At most one read's worth: what came after the last complete frame.
+            self._pending = [buffer[position:]]
+            self._held = size - position
+            self._needed = needed
         return out
 
     def _frame(self, fin: int, opcode: int, payload: bytes, out: list[tuple[int, bytes]]) -> None:
