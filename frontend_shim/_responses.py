@@ -151,7 +151,7 @@ async def _serve_stream(
                     return
                 first = reply.index not in started_choices
                 started_choices.add(reply.index)
-                events.append(_sse(shape.chunk(reply, first)))
+                events.append(shape.event(reply, first))
             elif isinstance(reply, wire.End):
                 if shape.include_usage:
                     events.append(_sse(shape.usage_chunk(reply)))
@@ -339,6 +339,20 @@ class ResponseShape:
         if self.chat:
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
+
+    def event(self, reply: wire.Chunk, first: bool) -> bytes:
+        """The SSE event of one streamed chunk, the bytes of ``_sse(self.chunk(reply, first))``.
+
+        The common chunk (a chat's text, neither the first of its choice nor the last) is
+        formatted in one step around its encoded text, with no dict built and encoded per token.
+        """
+        if self.chat and not first and reply.finish_reason is None:
+            return b'data: %b{"index":%d,"delta":{"content":%b},"finish_reason":null}]}\n\n' % (
+                self._chunk_prefix,
+                reply.index,
+                _json_encode(reply.text),
+            )
+        return _sse(self.chunk(reply, first))
 
     def chunk(self, reply: wire.Chunk, first: bool) -> bytes:
         choice: dict[str, Any]

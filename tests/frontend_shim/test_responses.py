@@ -64,6 +64,22 @@ def test_a_streamed_chat_chunk_is_the_envelope_around_its_choice() -> None:
     assert later["choices"] == [{"index": 1, "delta": {"content": "!"}, "finish_reason": "stop"}]
 
 
+@pytest.mark.parametrize("endpoint", ["chat_completions", "completions"])
+def test_an_event_is_the_sse_frame_of_its_chunk_byte_for_byte(endpoint: wire.Endpoint) -> None:
+    shape = ResponseShape(endpoint, {"model": "m", "stream": True})
+    texts = ["", " tok", 'quote " and \\ back', "line\nbreak", "\u00e9\u4e2d\U0001f600", "\x00\x1f"]
+    for text in texts:
+        for index in (0, 3):
+            for finish_reason in (None, "length"):
+                for first in (True, False):
+                    reply = wire.Chunk(
+                        request_id=1, text=text, index=index, finish_reason=finish_reason
+                    )
+                    event = shape.event(reply, first)
+                    assert event == b"data: " + shape.chunk(reply, first) + b"\n\n"
+                    assert msgspec.json.decode(event[6:-2])["choices"][0]["index"] == index
+
+
 def test_a_whole_text_completion_lists_its_choices_with_usage() -> None:
     shape = ResponseShape("completions", {"model": "m", "stream_options": {"include_usage": True}})
     assert shape.include_usage
