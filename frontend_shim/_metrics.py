@@ -284,6 +284,8 @@ class FrontendMetrics:
         self._reason_children: dict[tuple[str, str], Counter] = {}
         self._request_children: dict[tuple[str, str, int], Counter] = {}
         self._inflight_children: dict[str, Gauge] = {}
+        self._ttft_children: dict[str, Histogram] = {}
+        self._duration_children: dict[str, Histogram] = {}
 
     def watch_links(self, samples: Callable[[], Iterable[LinkSample]]) -> None:
         """Export the worker links' own figures (connected, lag), read at scrape time."""
@@ -330,11 +332,17 @@ class FrontendMetrics:
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         """Time to the first token of a generating request."""
-        self._ttft.labels(model).observe(seconds)
+        child = self._ttft_children.get(model)
+        if child is None:
+            child = self._ttft_children[model] = self._ttft.labels(model)
+        child.observe(seconds)
 
     def observe_duration(self, model: str, seconds: float) -> None:
         """Time from arrival to the end of the response."""
-        self._duration.labels(model).observe(seconds)
+        child = self._duration_children.get(model)
+        if child is None:
+            child = self._duration_children[model] = self._duration.labels(model)
+        child.observe(seconds)
 
     def count_connection_error(self) -> None:
         """An HTTP connection ended in an unexpected error (the server itself goes on)."""
