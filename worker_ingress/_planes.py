@@ -8,7 +8,9 @@ serves which plane, access, and the drain that closes the connections are in
 - Event plane (:class:`EventConnection`): the worker sends a :class:`~wire.Hello`, then one
   :class:`~wire.EventBatch` per websocket message, from a latest-wins, rate-bounded
   :class:`~worker_ingress._events.Subscription`. A subscriber may send :class:`~wire.Subscribe`
-  (its thresholds, for busy/free edges sent at once); anything else closes the connection.
+  (its thresholds, for busy/free edges sent at once; with ``kv_events`` it asks for the KV
+  events, sent as :class:`~wire.KvBatch` messages by a sender of their own, see
+  :mod:`worker_ingress._kv_events`); anything else closes the connection.
 - Request plane (:class:`RequestConnection`): the worker sends a :class:`~wire.Hello`; the
   client multiplexes :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
 
@@ -74,6 +76,7 @@ from shim_common.wire import (
     Failed,
     Generate,
     Hello,
+    KvBatch,
     Rejected,
     Reply,
     Started,
@@ -84,6 +87,7 @@ from shim_common.wire import (
 )
 from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._events import Subscription
+from worker_ingress._kv_events import KvEventLog, KvSubscription
 from worker_ingress.engines._base import FIRST_OUTPUT, Engine, EngineInputError, PreparedRequest
 
 __all__ = [
@@ -133,6 +137,11 @@ class PlaneHost(Protocol):
 
     def subscribe(self) -> AbstractContextManager[Subscription]:
         """An event-plane subscription for as long as the ``with`` block runs."""
+        ...
+
+    @property
+    def kv_events(self) -> KvEventLog | None:
+        """The engine's KV events (``None``: no prefix cache, the hello does not list them)."""
         ...
 
     def count_connection_error(self) -> None:
@@ -548,6 +557,10 @@ class EventConnection:
         self._scope = trio.CancelScope()
         self._send_scope = trio.CancelScope()
         self._finished = trio.Event()
+        #: Set by a Subscribe asking for KV events; the KV sender then starts (rule 6 of
+        #: shim_common.wire).
+        self._kv_wanted = trio.Event()
+        self._kv: KvSubscription | None = None
 
     async def serve(self) -> None:
         """Serve the subscriber until it leaves or the worker shuts it."""
@@ -565,6 +578,9 @@ class EventConnection:
                     nursery.start_soon(
                         _keepalive_then_stop, self._host, self._ws, nursery.cancel_scope
                     )
+                    kv_events = self._host.kv_events
+                    if kv_events is not None:
+                        nursery.start_soon(self._send_kv_events, kv_events, subscription)
                     with contextlib.suppress(ConnectionClosed), self._send_scope:
                         while True:
                             events = await subscription.next_batch()
@@ -591,7 +607,22 @@ class EventConnection:
                     break
                 subscription.set_thresholds(message.thresholds)
                 subscription.set_publish_interval(message.publish_interval)
+                if message.kv_events:
+                    if self._kv is not None and message.kv_snapshot:
+                        self._kv.ask_snapshot()
+                    self._kv_wanted.set()
         stop.cancel()
+
+    async def _send_kv_events(self, log: KvEventLog, subscription: Subscription) -> None:
+        # KV events, once asked for: a snapshot, then every event in order, paced like the
+        # load events (worker_ingress/_kv_events.py). Never from a worker that does not list
+        # the feature, never to a subscriber that did not ask.
+        await self._kv_wanted.wait()
+        with contextlib.suppress(ConnectionClosed), log.subscribe() as kv:
+            self._kv = kv
+            while True:
+                events = await kv.next_batch(subscription.publish_interval)
+                await self._ws.send_message(encode(KvBatch(events=events)))
 
     async def close(self) -> None:
         """Stop sending batches, close with 1001, and return after."""

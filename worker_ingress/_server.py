@@ -52,6 +52,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -63,6 +64,7 @@ from shim_common.wire import (
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._config import WorkerSettings
 from worker_ingress._events import EventPublisher, Subscription
+from worker_ingress._kv_events import KvEventLog
 from worker_ingress._metrics import WorkerMetrics
 from worker_ingress._planes import (
     CLOSE_FLUSH_SECONDS,
@@ -138,6 +140,9 @@ class Worker:
         self.close_timeout = close_timeout
         self.max_event_subscribers = max_event_subscribers
         self._event_subscribers = 0
+        # An engine with a prefix cache offers its KV events (the mocker's ``kv_events``).
+        kv_events = getattr(engine, "kv_events", None)
+        self._kv_events = kv_events if isinstance(kv_events, KvEventLog) else None
         self.gate = AdmissionGate.from_settings(settings, on_change=self._gate_changed)
         self.publisher = EventPublisher(
             load=engine.load,
@@ -183,9 +188,19 @@ class Worker:
                     heartbeat_interval=self.settings.heartbeat_interval,
                     load_publish_interval=self.settings.load_publish_interval,
                 ),
-                features=[FEATURE_BUSY_EDGES, FEATURE_CLASSES, FEATURE_PUBLISH_INTERVAL],
+                features=[
+                    FEATURE_BUSY_EDGES,
+                    FEATURE_CLASSES,
+                    FEATURE_PUBLISH_INTERVAL,
+                    *([FEATURE_KV_EVENTS] if self._kv_events is not None else []),
+                ],
             )
         return self._hello
+
+    @property
+    def kv_events(self) -> KvEventLog | None:
+        """The engine's KV events, when it has a prefix cache."""
+        return self._kv_events
 
     def subscribe(self) -> contextlib.AbstractContextManager[Subscription]:
         """An event-plane subscription for as long as the ``with`` block runs."""

@@ -35,6 +35,7 @@ from shim_common.prefix import (
 )
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._kv_events import KvEventLog
 from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
@@ -46,6 +47,7 @@ from worker_ingress.engines._base import (
     refuse_several_choices,
     requested_max_tokens,
 )
+from worker_ingress.engines._cache_stats import CacheHitCounter, PrefixCacheStats
 from worker_ingress.engines._mock_scheduler import GpuStepModel, MockSequence, RankScheduler
 
 __all__ = [
@@ -165,6 +167,15 @@ class MockerEngine:
             )
             for _ in range(settings.data_parallel_size)
         )
+        self._kv_events: KvEventLog | None = None
+        if settings.enable_prefix_caching:
+            self._kv_events = KvEventLog(
+                self._cached_names,
+                backlog_limit=settings.num_gpu_blocks * settings.data_parallel_size,
+            )
+        self._hits = CacheHitCounter(len(self._ranks))
+        #: (queried, hit) tokens of each rank already counted in ``_hits``.
+        self._hits_seen = [(0, 0)] * len(self._ranks)
         self._work_arrived: list[trio.Event | None] = [None] * len(self._ranks)
         #: The wake-up of each sequence whose generator waits for its next token or its end.
         self._progress: dict[MockSequence, trio.Event] = {}
@@ -194,6 +205,15 @@ class MockerEngine:
     def load(self) -> list[RankLoad]:
         """The current load of every rank, rank 0 first."""
         return list(self._loads)
+
+    @property
+    def kv_events(self) -> KvEventLog | None:
+        """What enters and leaves the ranks' prefix caches (``None`` with caching off)."""
+        return self._kv_events
+
+    def prefix_cache_stats(self) -> list[PrefixCacheStats]:
+        """Prompt tokens looked up and found per rank, and the last minute's hit rate."""
+        return self._hits.stats(trio.current_time())
 
     def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
         """Validate a body, tokenise its prompt and name its full blocks.
@@ -317,6 +337,8 @@ class MockerEngine:
             started = time.perf_counter()
             step = rank.schedule()
             if step is None:
+                # A step that preempted everything it scheduled may still have evicted.
+                self._record_cache_changes()
                 # Park until generate() adds work; no await between the check and the wait.
                 arrived = trio.Event()
                 self._work_arrived[rank_index] = arrived
@@ -366,7 +388,28 @@ class MockerEngine:
             key=lambda i: (self._ranks[i].live_sequences, self._ranks[i].used_blocks),
         )
 
+    def _cached_names(self) -> list[list[int]]:
+        return [rank.pool.names() for rank in self._ranks]
+
+    def _record_cache_changes(self) -> None:
+        # Synchronously after every change, so the KV log and the caches agree at every await.
+        log = self._kv_events
+        for index, rank in enumerate(self._ranks):
+            events = rank.take_kv_events()
+            if events and log is not None:
+                log.record(index, events)
+            seen = self._hits_seen[index]
+            if rank.queried_tokens != seen[0]:
+                self._hits.count(
+                    index,
+                    rank.queried_tokens - seen[0],
+                    rank.hit_tokens - seen[1],
+                    trio.current_time(),
+                )
+                self._hits_seen[index] = (rank.queried_tokens, rank.hit_tokens)
+
     def _loads_may_have_changed(self) -> None:
+        self._record_cache_changes()
         changed = False
         for index, rank in enumerate(self._ranks):
             current = self._loads[index]
