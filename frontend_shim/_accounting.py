@@ -12,7 +12,9 @@ One completion request leaves three traces, all kept here so that formatting the
 3. The fleet's view of what this frontend sent a worker: a started request is charged to the
    worker with its prompt tokens (:meth:`~frontend_shim._load.Fleet.request_sent`), each output
    chunk moves that charge (:meth:`~frontend_shim._load.Fleet.request_output`), and the charge is
-   dropped when the request ends, however it ends (:meth:`Progress.finished`).
+   dropped when the request ends, however it ends (:meth:`Progress.finished`): as soon as the
+   worker's final frame is read (:meth:`Progress.ended`), before the answer's last bytes go
+   out, so a client that sends its next request on the last byte finds the worker free.
 """
 
 from __future__ import annotations
@@ -110,8 +112,19 @@ class Progress:
             self.exchange.label, trio.current_time() - self.exchange.arrival
         )
 
-    def finished(self) -> None:
-        """The request is over, however it ended: drop the router's charge (idempotent)."""
+    def ended(self, final: wire.End | wire.Failed) -> None:
+        """The worker ended the request: it leaves the worker's load now, before the answer's
+        last bytes are written (rule 3), with the worker's word on which of its events still
+        count it."""
+        self.finished(final)
+
+    def finished(self, final: wire.End | wire.Failed | None = None) -> None:
+        """The request is over, however it ended: drop the router's charge (idempotent).
+
+        Args:
+            final: the worker's final frame, when there was one (its event window, see
+                :meth:`~frontend_shim._load.Fleet.request_finished`).
+        """
         if self._charge is not None:
-            self._fleet.request_finished(self.worker_id, self._charge)
+            self._fleet.request_finished(self.worker_id, self._charge, final)
             self._charge = None

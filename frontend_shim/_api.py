@@ -338,6 +338,7 @@ class FrontendAPI:
                         first.prompt_tokens,
                         outcome.dp_rank,
                     )
+                    stream.on_final = progress.ended
                     try:
                         await serve_started(
                             responder,

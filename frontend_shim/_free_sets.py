@@ -46,6 +46,7 @@ __all__ = [
     "InFlight",
     "ModelPool",
     "RankState",
+    "Release",
     "WorkerLoad",
     "mark_admits",
 ]
@@ -62,6 +63,9 @@ class RankState:
         "effective_prefill",
         "own_blocks",
         "own_prefill",
+        "released_blocks",
+        "released_prefill",
+        "report_seq",
         "reported",
         "reported_blocks",
         "reported_prefill",
@@ -72,6 +76,12 @@ class RankState:
         self.reported = False
         self.reported_blocks = 0
         self.reported_prefill = 0
+        #: The ``seq`` of the newest event that reported this rank (-1: none yet).
+        self.report_seq = -1
+        #: What requests that finished here still weigh in the report: taken off it until an
+        #: event produced after they ended is applied (:class:`Release`).
+        self.released_blocks = 0
+        self.released_prefill = 0
         self.own_blocks = 0
         self.own_prefill = 0
         self.effective_blocks = 0
@@ -84,16 +94,51 @@ class RankState:
 class InFlight:
     """The router's own charge for one request sent to a worker (a handle, opaque to callers)."""
 
-    __slots__ = ("blocks", "finished", "output_tokens", "prefill_tokens", "prompt_tokens", "rank")
+    __slots__ = (
+        "blocks",
+        "finished",
+        "first_output_seq",
+        "output_tokens",
+        "prefill_tokens",
+        "prompt_tokens",
+        "rank",
+        "sent_seq",
+    )
 
-    def __init__(self, rank: int, prompt_tokens: int, blocks: int) -> None:
+    def __init__(self, rank: int, prompt_tokens: int, blocks: int, sent_seq: int) -> None:
         self.rank = rank
+        #: The ``seq`` of the rank's report when the request was sent, and when its first
+        #: output arrived (``None`` before): the window of a worker that names none.
+        self.sent_seq = sent_seq
+        self.first_output_seq: int | None = None
         self.prompt_tokens = prompt_tokens
         self.output_tokens = 0
         self.blocks = blocks
         #: Prompt tokens still charged as prefill (0 once output arrived).
         self.prefill_tokens = prompt_tokens
         self.finished = False
+
+
+class Release:
+    """A finished request that reports of its rank may still count (a handle, opaque).
+
+    A report of the rank whose ``seq`` is above :attr:`started` and at most :attr:`ended` was
+    produced while the request held its slot: its blocks are taken off that report, and its
+    prompt tokens too while the ``seq`` is at most :attr:`first_output`. A report above
+    :attr:`ended` no longer counts it: the release is over.
+    """
+
+    __slots__ = ("blocks", "ended", "first_output", "prefill", "rank", "started")
+
+    def __init__(
+        self, rank: int, blocks: int, prefill: int, started: int, first_output: int, ended: int
+    ) -> None:
+        self.rank = rank
+        self.blocks = blocks
+        self.prefill = prefill
+        self.started = started
+        self.first_output = first_output
+        self.ended = ended
 
 
 class WorkerLoad:
@@ -122,6 +167,7 @@ class WorkerLoad:
         "queued_for_stale",
         "queued_requests",
         "ranks",
+        "releases",
         "removed",
         "reported_ranks",
         "saturated_ranks",
@@ -176,6 +222,8 @@ class WorkerLoad:
         self.removed = False
         #: The router's charges for the requests in flight to this worker.
         self.charges: set[InFlight] = set()
+        #: Finished requests its last reports may still count, oldest first (bounded).
+        self.releases: list[Release] = []
 
     @property
     def worker_id(self) -> str:
@@ -226,7 +274,8 @@ def load_cost(worker: WorkerLoad) -> float:
     cost /= len(worker.ranks)
     limit = worker.effective_limit
     if limit is not None and limit > 0:
-        held = max(worker.engine_requests + worker.queued_requests, len(worker.charges))
+        reported = worker.engine_requests + worker.queued_requests - len(worker.releases)
+        held = max(reported, len(worker.charges))
         cost += held / limit
     return cost
 
@@ -347,8 +396,8 @@ class FreeSets:
 
     def recompute_rank(self, worker: WorkerLoad, rank: RankState) -> None:
         """Refresh one rank's effective figures and busy bit, keeping the worker's counts."""
-        blocks = max(rank.reported_blocks, rank.own_blocks)
-        prefill = max(rank.reported_prefill, rank.own_prefill)
+        blocks = max(rank.reported_blocks - rank.released_blocks, rank.own_blocks)
+        prefill = max(rank.reported_prefill - rank.released_prefill, rank.own_prefill)
         worker.sum_blocks += blocks - rank.effective_blocks
         worker.sum_prefill += prefill - rank.effective_prefill
         rank.effective_blocks = blocks

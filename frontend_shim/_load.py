@@ -12,6 +12,15 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    (prompt blocks of requests in flight to that rank, plus their output blocks with
    ``track_output_blocks``; prompt tokens of requests sent to the rank that have not produced
    output yet).
+   A finished request is gone at once (:meth:`Fleet.request_finished`): its charge is dropped,
+   and it is taken off every report of its rank produced while it ran, which the frontend may
+   read after the end (a :class:`~frontend_shim._free_sets.Release`): its blocks (prompt and
+   output) from a report produced while it held its slot, its prompt tokens from one produced
+   before its first output. The worker's final frame names that window in its event ``seq``
+   (``started_seq``, ``first_output_seq``, ``ended_seq``); from a worker that names none, the
+   window is the reports applied after the request was sent (and, for the prompt, until its
+   first output arrived) up to the next report after its end. A report past the window ends the
+   release. At most :data:`MAX_RELEASES` are kept per worker (the oldest goes first).
 2. Stale: no event or heartbeat for longer than ``stale_after_intervals * heartbeat_interval``.
    The next event makes it fresh again. Dynamo has no staleness: a silent worker keeps its last
    load forever; here a worker that stopped talking stops receiving requests. Likewise a worker
@@ -50,7 +59,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Final, NamedTuple
 
-from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad, load_cost
+from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, Release, WorkerLoad, load_cost
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -58,6 +67,7 @@ __all__ = [
     "DEFAULT_MARK_LEASE",
     "DEFAULT_MARK_TENANTS",
     "DEFAULT_STALE_AFTER_INTERVALS",
+    "MAX_RELEASES",
     "Fleet",
     "RankGauge",
 ]
@@ -68,6 +78,8 @@ DEFAULT_MARK_LEASE: Final = 1.0
 DEFAULT_STALE_AFTER_INTERVALS: Final = 3.0
 #: Tenants a mark names at its priority; past that it covers every tenant of the priority.
 DEFAULT_MARK_TENANTS: Final = 8
+#: Finished requests per worker whose release waits for a newer report (rule 1).
+MAX_RELEASES: Final = 64
 
 
 class RankGauge(NamedTuple):
@@ -261,13 +273,15 @@ class Fleet:
             newest = event
             applied += 1
             if isinstance(event, wire.LoadEvent):
-                self._report(worker, event.load)
+                self._report(worker, event.load, event.seq)
             else:
                 worker.draining = event.status == "draining"
                 for load in event.loads:
-                    self._report(worker, load)
+                    self._report(worker, load, event.seq)
         if newest is None:
             return 0
+        if worker.releases:
+            self._fit_releases(worker)
         worker.last_seen = now
         worker.stale = False
         worker.mark_until = None
@@ -300,10 +314,11 @@ class Fleet:
             self._limited_running += engine
         worker.load_cost = load_cost(worker)
 
-    def _report(self, worker: WorkerLoad, load: wire.RankLoad) -> None:
+    def _report(self, worker: WorkerLoad, load: wire.RankLoad, seq: int) -> None:
         if not 0 <= load.dp_rank < len(worker.ranks):
             return
         rank = worker.ranks[load.dp_rank]
+        rank.report_seq = seq
         if not rank.reported:
             # From now on this rank takes part in the AND of _free_sets.py's rule 1.
             rank.reported = True
@@ -311,6 +326,30 @@ class Fleet:
         rank.reported_blocks = max(load.kv_used_blocks, load.active_decode_blocks)
         rank.reported_prefill = load.active_prefill_tokens
         self._sets.recompute_rank(worker, rank)
+
+    def _fit_releases(self, worker: WorkerLoad) -> None:
+        # Rule 1: what each rank's report still counts of the finished requests, from the
+        # windows of the releases (at most MAX_RELEASES of them); a release whose rank was
+        # reported past its end is over. The ranks are recomputed (the gauges' term too).
+        ranks = worker.ranks
+        released = [[0, 0] for _ in ranks]
+        kept: list[Release] = []
+        for release in worker.releases:
+            seq = ranks[release.rank].report_seq
+            if seq > release.ended:
+                continue
+            kept.append(release)
+            if seq > release.started:
+                figures = released[release.rank]
+                figures[0] += release.blocks
+                if seq <= release.first_output:
+                    figures[1] += release.prefill
+        worker.releases = kept
+        for rank, (blocks, prefill) in zip(ranks, released, strict=True):
+            if (blocks, prefill) != (rank.released_blocks, rank.released_prefill):
+                rank.released_blocks, rank.released_prefill = blocks, prefill
+                self._sets.recompute_rank(worker, rank)
+        worker.load_cost = load_cost(worker)
 
     # ------------------------------------------------------------------ time
 
@@ -486,9 +525,10 @@ class Fleet:
             rank_index = dp_rank
         else:
             rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
-        in_flight = InFlight(rank_index, prompt_tokens, _blocks(prompt_tokens, worker.config))
-        worker.charges.add(in_flight)
         rank = worker.ranks[rank_index]
+        blocks = _blocks(prompt_tokens, worker.config)
+        in_flight = InFlight(rank_index, prompt_tokens, blocks, rank.report_seq)
+        worker.charges.add(in_flight)
         rank.own_blocks += in_flight.blocks
         rank.own_prefill += prompt_tokens
         self._sets.recompute_rank(worker, rank)
@@ -508,6 +548,8 @@ class Fleet:
         if worker is None or in_flight.finished or in_flight not in worker.charges:
             return
         rank = worker.ranks[in_flight.rank]
+        if in_flight.first_output_seq is None:
+            in_flight.first_output_seq = rank.report_seq
         in_flight.output_tokens += max(0, tokens)
         # Called once per streamed chunk: after the first one, nothing changes unless output
         # blocks are tracked and the request just crossed into a new block.
@@ -524,12 +566,18 @@ class Fleet:
             self._sets.recompute_rank(worker, rank)
             self._sets.update_membership(worker)
 
-    def request_finished(self, worker_id: str, in_flight: InFlight) -> None:
-        """Remove a request's charge (completed, failed, rejected or cancelled); idempotent.
+    def request_finished(
+        self, worker_id: str, in_flight: InFlight, window: wire.End | wire.Failed | None = None
+    ) -> None:
+        """Remove a request from the worker's load at once (completed, failed or cancelled):
+        its charge, and what reports of the worker produced while it ran still count of it
+        (rule 1); idempotent.
 
         Args:
             worker_id: the worker the request went to.
             in_flight: the handle from :meth:`request_sent`.
+            window: the worker's final frame, whose ``*_seq`` fields say which of its events
+                count the request; ``None``, or fields unset: the frontend's own view.
         """
         worker = self._workers.get(worker_id)
         if worker is None or in_flight.finished or in_flight not in worker.charges:
@@ -540,6 +588,20 @@ class Fleet:
         rank.own_blocks -= in_flight.blocks
         rank.own_prefill -= in_flight.prefill_tokens
         self._sets.recompute_rank(worker, rank)
+        if window is not None and window.ended_seq is not None:
+            ended = window.ended_seq
+            started = ended if window.started_seq is None else window.started_seq
+            first = ended if window.first_output_seq is None else window.first_output_seq
+        else:
+            started, ended = in_flight.sent_seq, worker.last_seq
+            first = ended if in_flight.first_output_seq is None else in_flight.first_output_seq
+        if rank.reported and rank.report_seq <= ended:
+            blocks = _blocks(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
+            prompt = in_flight.prompt_tokens
+            worker.releases.append(Release(in_flight.rank, blocks, prompt, started, first, ended))
+            if len(worker.releases) > MAX_RELEASES:
+                del worker.releases[0]
+            self._fit_releases(worker)
         self._sets.update_membership(worker)
 
     # ------------------------------------------------------------------ queries

@@ -540,7 +540,9 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True, tag="chunk", tag_field="t
     index: int = 0
 
 
-class End(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field="type"):
+class End(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="end", tag_field="type"
+):
     """The request completed normally."""
 
     request_id: int
@@ -549,14 +551,29 @@ class End(msgspec.Struct, frozen=True, kw_only=True, tag="end", tag_field="type"
     #: Of the prompt tokens, those found in the engine's prefix cache (0 when none, or unknown,
     #: or from an older worker).
     cached_tokens: int = 0
+    #: Where the request's life falls among the worker's events, as the ``seq`` of its last
+    #: event or heartbeat at three moments (``None`` from a worker that predates the fields):
+    #: when the request took its slot (events after it count the request), when its first
+    #: output came (events after it no longer count its prompt as waiting for prefill), and
+    #: when it had given its slot and blocks back (events after it no longer count it). A
+    #: frontend takes a finished request out of the reports it holds from within that window.
+    started_seq: int | None = None
+    first_output_seq: int | None = None
+    ended_seq: int | None = None
 
 
-class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field="type"):
+class Failed(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="failed", tag_field="type"
+):
     """The request ended in error, before or after it started."""
 
     request_id: int
     kind: FailureKind
     message: str
+    #: As in :class:`End`, for a request that had started.
+    started_seq: int | None = None
+    first_output_seq: int | None = None
+    ended_seq: int | None = None
 
 
 Reply = Rejected | Started | Chunk | End | Failed | Cancel

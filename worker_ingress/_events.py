@@ -356,6 +356,11 @@ class EventPublisher:
         return self._status
 
     @property
+    def seq(self) -> int:
+        """The ``seq`` of the last event or heartbeat produced (0: none yet)."""
+        return self._tracker.seq
+
+    @property
     def subscriber_count(self) -> int:
         """Subscribers connected now."""
         return self._subscription_count

@@ -148,6 +148,12 @@ class PlaneHost(Protocol):
         """Count a connection that failed or broke the protocol."""
         ...
 
+    @property
+    def event_seq(self) -> int:
+        """The ``seq`` of the last event or heartbeat the event plane produced (``End`` and
+        ``Failed`` carry it, so a frontend knows which events still count the request)."""
+        ...
+
 
 def coalesce_chunks(messages: list[msgspec.Struct]) -> list[msgspec.Struct]:
     """Merge the text chunks of each request that queued up behind a busy connection.
@@ -316,6 +322,9 @@ class RequestConnection:
         self._ws = ws
         self._sender = _FrameSender(ws, batching=ws.subprotocol == SUBPROTOCOL_BATCH)
         self._requests: dict[int, trio.CancelScope] = {}
+        #: Per started request, the event ``seq`` when it took its slot and at its first
+        #: output (``None`` before it): its final frame carries them (docs/protocol.md).
+        self._seqs: dict[int, tuple[int, int | None]] = {}
         #: Set by _abandon(): cancelled requests end with ``Failed(unavailable)`` and this text.
         self._abandoned: str | None = None
         self._no_requests = trio.Event()
@@ -452,8 +461,21 @@ class RequestConnection:
                 final = await self._execute(generate, prepared)
             if scope.cancelled_caught and self._abandoned is not None:
                 final = [Failed(request_id=request_id, kind="unavailable", message=self._abandoned)]
+            last = final[-1]
+            if isinstance(last, End | Failed) and request_id in self._seqs:
+                # The slot and the engine's blocks are given back by now: events after this
+                # seq no longer count the request.
+                started, first = self._seqs[request_id]
+                ended = self._host.event_seq
+                final[-1] = msgspec.structs.replace(
+                    last,
+                    started_seq=started,
+                    first_output_seq=ended if first is None else first,
+                    ended_seq=ended,
+                )
             await self._sender.send(*final)
         finally:
+            self._seqs.pop(request_id, None)
             del self._requests[request_id]
             if not self._requests:
                 self._no_requests.set()
@@ -470,10 +492,13 @@ class RequestConnection:
         request_id = generate.request_id
         completion_tokens = 0
         cached_tokens = 0
+        output_seen = False
         held: list[msgspec.Struct] = []
         try:
             lease = host.gate.slot(generate.priority, generate.tenant, prepared.prompt_tokens)
             async with lease:
+                started_seq = host.event_seq
+                self._seqs[request_id] = (started_seq, None)
                 await self._sender.send(
                     Started(
                         request_id=request_id,
@@ -486,6 +511,9 @@ class RequestConnection:
                         # The first output (of the mocker after its prefill, of the openai
                         # engine its first upstream chunk) gives the waiting place back.
                         lease.first_output()
+                        if not output_seen:
+                            output_seen = True
+                            self._seqs[request_id] = (started_seq, host.event_seq)
                         if output is FIRST_OUTPUT:
                             continue
                         if output.cached_tokens is not None:

@@ -210,6 +210,11 @@ class Worker:
         """Count a connection that failed or broke the protocol."""
         self.metrics.count_connection_error()
 
+    @property
+    def event_seq(self) -> int:
+        """The ``seq`` of the last event or heartbeat published."""
+        return self.publisher.seq
+
     def _default_metrics(self) -> WorkerMetrics:
         return WorkerMetrics(self.gate, kv_blocks=self._kv_blocks)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from frontend_shim._free_sets import WorkerLoad, mark_admits
-from frontend_shim._load import Fleet, RankGauge
+from frontend_shim._load import MAX_RELEASES, Fleet, RankGauge
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -269,6 +269,94 @@ def test_router_own_blocks_beat_a_lower_report() -> None:
     assert state(fleet).ranks[0].own_blocks == 0
 
 
+def end(started: int, first: int, ended: int) -> wire.End:
+    """A worker's final frame with its event window."""
+    return wire.End(
+        request_id=1,
+        prompt_tokens=16,
+        completion_tokens=20,
+        started_seq=started,
+        first_output_seq=first,
+        ended_seq=ended,
+    )
+
+
+def test_a_finished_request_leaves_every_report_of_its_window() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()  # seq 1: idle
+    in_flight = fleet.request_sent("w0", prompt_tokens=16)
+    assert in_flight is not None
+    fleet.request_output("w0", in_flight, tokens=20)  # 36 tokens: 3 blocks on the worker
+    feed.load(decode=3)  # seq 2: the worker reports the request running
+    assert not is_free(fleet)
+    # Started at seq 1, done by seq 3: events 2 and 3 count it, later ones do not.
+    fleet.request_finished("w0", in_flight, end(1, 1, 3))
+    assert is_free(fleet)
+    feed.load(decode=3)  # seq 3: produced before the end, read after it: still released
+    assert is_free(fleet)
+    assert state(fleet).ranks[0].effective_blocks == 0
+    feed.load(decode=2)  # seq 4: after the end, the load of another frontend's request
+    assert not is_free(fleet)
+    assert state(fleet).releases == []
+    assert state(fleet).ranks[0].released_blocks == 0
+
+
+def test_a_report_from_before_the_request_keeps_what_it_says() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=10))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load(prefill=30)  # seq 1: another frontend's prompts
+    in_flight = fleet.request_sent("w0", prompt_tokens=16)
+    assert in_flight is not None
+    fleet.request_output("w0", in_flight, tokens=20)
+    fleet.request_finished("w0", in_flight, end(1, 2, 3))
+    assert state(fleet).ranks[0].effective_prefill == 30  # seq 1 never counted it
+    feed.load(prefill=46)  # seq 2: during its prefill: its 16 prompt tokens are taken off
+    assert state(fleet).ranks[0].effective_prefill == 30
+    feed.load(prefill=30, decode=3)  # seq 3: after its first output: only its blocks
+    assert state(fleet).ranks[0].effective_prefill == 30
+    assert state(fleet).ranks[0].effective_blocks == 0
+
+
+def test_without_the_workers_window_the_next_report_ends_the_release() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=0))
+    fleet.register(config(), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=50)
+    assert in_flight is not None
+    feed.load(prefill=50)  # read after the request was sent: it may count it
+    fleet.request_finished("w0", in_flight)  # an older worker: no window in its End
+    assert is_free(fleet)
+    feed.load(prefill=50)  # the next report is believed
+    assert not is_free(fleet)
+
+
+def test_no_release_once_an_event_after_the_end_was_applied() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load(decode=1)  # seq 1
+    in_flight = fleet.request_sent("w0", prompt_tokens=16)
+    assert in_flight is not None
+    feed.load(decode=1)  # seq 2: already after the end (another request's block)
+    fleet.request_finished("w0", in_flight, end(0, 1, 1))
+    assert state(fleet).releases == []
+    assert not is_free(fleet)
+
+
+def test_releases_per_worker_are_bounded_and_the_oldest_goes_first() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
+    fleet.register(config(total=1000, block_size=1), 0.0)
+    feed.load(decode=1000)
+    for _ in range(MAX_RELEASES + 5):
+        in_flight = fleet.request_sent("w0", prompt_tokens=1)
+        assert in_flight is not None
+        fleet.request_finished("w0", in_flight, end(0, 0, 10**9))  # never passed
+    worker = state(fleet)
+    assert len(worker.releases) == MAX_RELEASES
+    assert worker.ranks[0].released_blocks == MAX_RELEASES
+    assert worker.ranks[0].effective_blocks == 1000 - MAX_RELEASES
+
+
 def test_prompt_blocks_round_up() -> None:
     fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=10, block_size=16), 0.0)
@@ -480,20 +568,29 @@ def reference_rank_busy(t: BusyThresholds, worker: WorkerLoad, blocks: int, pref
     return decode or absolute or frac
 
 
+def reference_figures(worker: WorkerLoad, index: int) -> tuple[int, int]:
+    """A rank's blocks and prefill recomputed from its report, charges and releases."""
+    rank = worker.ranks[index]
+    seq = rank.report_seq
+    releases = [r for r in worker.releases if r.rank == index and r.started < seq <= r.ended]
+    charges = [c for c in worker.charges if c.rank == index]
+    blocks = rank.reported_blocks - sum(r.blocks for r in releases)
+    prefill = rank.reported_prefill - sum(r.prefill for r in releases if seq <= r.first_output)
+    return (
+        max(blocks, sum(c.blocks for c in charges)),
+        max(prefill, sum(c.prefill_tokens for c in charges)),
+    )
+
+
 def reference_free(fleet: Fleet, now: float) -> set[str]:
     """The free set recomputed from scratch from every worker's raw state."""
     result = set()
     for worker in fleet.workers():
         thresholds = fleet.thresholds(worker.model)
-        reported = [r for r in worker.ranks if r.reported]
+        reported = [i for i, r in enumerate(worker.ranks) if r.reported]
         worker_busy = bool(reported) and all(
-            reference_rank_busy(
-                thresholds,
-                worker,
-                max(r.reported_blocks, r.own_blocks),
-                max(r.reported_prefill, r.own_prefill),
-            )
-            for r in reported
+            reference_rank_busy(thresholds, worker, *reference_figures(worker, i))
+            for i in reported
         )
         # Stale past last_seen + stale_after, written as Fleet.expire writes it: as a difference,
         # float rounding could put the two on either side of the deadline.
@@ -574,12 +671,24 @@ class FreeSetMachine(RuleBasedStateMachine):
             worker_id, in_flight = data.draw(st.sampled_from(self.in_flight))
             self.fleet.request_output(worker_id, in_flight, tokens)
 
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), ahead=st.none() | st.integers(-1, 3))
+    def finish(self, data: st.DataObject, ahead: int | None) -> None:
+        # ahead: where the worker's End puts its events, from the last one applied.
         if self.in_flight:
             index = data.draw(st.integers(0, len(self.in_flight) - 1))
             worker_id, in_flight = self.in_flight.pop(index)
-            self.fleet.request_finished(worker_id, in_flight)
+            window = None
+            if ahead is not None:
+                seq = self.feed.seq.get(worker_id, 0)
+                window = wire.End(
+                    request_id=1,
+                    prompt_tokens=0,
+                    completion_tokens=0,
+                    started_seq=seq - 2,
+                    first_output_seq=seq - 1 + ahead // 2,
+                    ended_seq=seq + ahead,
+                )
+            self.fleet.request_finished(worker_id, in_flight, window)
 
     @rule(seconds=st.sampled_from([0.1, 0.5, 0.99, 1.0, 2.5, 4.0]))
     def advance(self, seconds: float) -> None:
@@ -623,8 +732,9 @@ class FreeSetMachine(RuleBasedStateMachine):
     @invariant()
     def load_cost_matches_recomputation(self) -> None:
         for worker in self.fleet.workers():
-            blocks = sum(max(r.reported_blocks, r.own_blocks) for r in worker.ranks)
-            prefill = sum(max(r.reported_prefill, r.own_prefill) for r in worker.ranks)
+            figures = [reference_figures(worker, i) for i in range(len(worker.ranks))]
+            blocks = sum(b for b, _ in figures)
+            prefill = sum(p for _, p in figures)
             expected = (blocks / 10 + prefill / 1000) / len(worker.ranks)
             assert math.isclose(worker.load_cost, expected, abs_tol=1e-12)
 

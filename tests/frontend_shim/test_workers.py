@@ -188,9 +188,14 @@ async def test_a_request_streams_end_to_end(nursery: trio.Nursery) -> None:
         chunks = [r for r in replies if isinstance(r, wire.Chunk)]
         assert sum(c.tokens for c in chunks) == 5
         assert chunks[-1].finish_reason == "length"
-        assert replies[-1] == wire.End(
-            request_id=stream.request_id, prompt_tokens=3, completion_tokens=5
+        end = replies[-1]
+        assert isinstance(end, wire.End)
+        assert (end.request_id, end.prompt_tokens, end.completion_tokens) == (
+            stream.request_id,
+            3,
+            5,
         )
+        assert end.ended_seq is not None
         assert link.open_requests == 0
 
 

@@ -67,7 +67,13 @@ async def test_completion_streams_started_chunks_end() -> None:
     assert sum(chunk.tokens for chunk in chunks if isinstance(chunk, Chunk)) == 3
     assert isinstance(chunks[-1], Chunk)
     assert chunks[-1].finish_reason == "length"
-    assert frames[-1] == End(request_id=7, prompt_tokens=5, completion_tokens=3)
+    end = frames[-1]
+    assert isinstance(end, End)
+    assert (end.request_id, end.prompt_tokens, end.completion_tokens) == (7, 5, 3)
+    assert end.started_seq is not None
+    assert end.first_output_seq is not None
+    assert end.ended_seq is not None
+    assert end.started_seq <= end.first_output_seq <= end.ended_seq
 
 
 async def test_bad_request_fails_without_taking_a_slot() -> None:
@@ -360,6 +366,43 @@ async def test_events_follow_the_mockers_load() -> None:
                     idle = True
                     break
             assert idle
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_the_final_frame_names_the_last_event_that_counts_the_request(
+    cancelled: bool,
+) -> None:
+    from worker_ingress.engines._mocker import create as create_mocker
+
+    settings = make_settings(
+        heartbeat_interval=0.5, mocker=MockerSettings(speedup_ratio=50.0, block_size=4)
+    )
+    worker = new_worker(settings, create_mocker(settings))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(worker) as address,
+            event_plane(address, queue_size=64) as events,
+            request_plane(address) as ws,
+        ):
+            for request_id in range(1, 4):  # repeated: the publisher races the end each time
+                await send(ws, completion(request_id, prompt="w " * 16, max_tokens=6))
+                if cancelled:
+                    await send(ws, Cancel(request_id=request_id))
+                final = (await collect_until_final(ws, {request_id}))[request_id][-1]
+                assert isinstance(final, End | Failed)
+                ended = final.ended_seq
+                assert ended is not None
+                # Every event produced after the end sees the request gone.
+                after: list[LoadEvent | Heartbeat] = []
+                for _ in range(200):
+                    after += [e for e in await read_events(events) if e.seq > ended]
+                    if after:
+                        break
+                assert after
+                for event in after:
+                    loads = event.loads if isinstance(event, Heartbeat) else [event.load]
+                    assert event.engine_requests == 0
+                    assert all(load.active_decode_blocks == 0 for load in loads)
 
 
 async def read_until_idle(ws: WebSocketConnection) -> int:

@@ -206,7 +206,9 @@ async def test_drain_closes_no_plane_before_every_reply_frame_is_written() -> No
             frames = await collect_until_final(ws, {1})
             finishes = [m.finish_reason for m in frames[1] if isinstance(m, Chunk)]
             assert finishes.count("stop") == 2
-            assert frames[1][-1] == End(request_id=1, prompt_tokens=3, completion_tokens=26)
+            end = frames[1][-1]
+            assert isinstance(end, End)
+            assert (end.request_id, end.prompt_tokens, end.completion_tokens) == (1, 3, 26)
             assert await closed_code(ws) == 1001
             assert await closed_code(events) == 1001
 
