@@ -54,6 +54,15 @@ Admission classes (priorities, tenants, the waiting limit W):
   outcome}`` (``admitted``, ``rejected``, ``cancelled``): from the gate's bounded ledger
   (``--tenant-metrics-limit`` tenants by name, the rest under ``tenant="other"``).
 
+Prefix caching, by ``dp_rank``, from an engine that offers ``prefix_cache_stats()`` (the mocker
+with its cache on; worker_ingress/engines/_cache_stats.py):
+
+- ``dynamo_worker_prefix_cache_queried_tokens_total`` and
+  ``dynamo_worker_prefix_cache_hit_tokens_total`` (counters): prompt tokens looked up in the
+  cache, and of those found there.
+- ``dynamo_component_kv_cache_hit_rate`` (gauge, 0-1): hit over queried tokens in the last minute
+  (0 when nothing was looked up).
+
 SLO-aware admission (a time-to-first-token objective):
 
 - ``dynamo_engine_request_limit_effective`` (gauge): L, the engine limit in force now (N unless a
@@ -73,11 +82,14 @@ from prometheus_client.registry import Collector
 from shim_common._status import render_registry
 from worker_ingress._admission import REJECTION_KINDS, AdmissionGate
 from worker_ingress._config import UNLIMITED_ENGINE_SLOTS
+from worker_ingress.engines._cache_stats import PrefixCacheStats
 
-__all__ = ["KvBlocks", "WorkerMetrics"]
+__all__ = ["KvBlocks", "PrefixCacheSource", "WorkerMetrics"]
 
 #: Returns ``(total_blocks, used_blocks)`` of the engine's KV cache, summed over its ranks.
 KvBlocks = Callable[[], tuple[int, int]]
+#: Returns what each rank's prefix cache found (the engine's ``prefix_cache_stats``).
+PrefixCacheSource = Callable[[], list[PrefixCacheStats]]
 
 
 #: Priorities labelled by name in ``dynamo_request_queue_by_priority``; the rest are ``other``.
@@ -88,12 +100,19 @@ def _no_kv_blocks() -> tuple[int, int]:
     return (0, 0)
 
 
+def _no_prefix_cache() -> list[PrefixCacheStats]:
+    return []
+
+
 class _GateCollector(Collector):
     """Samples of the gate and the KV cache, computed when the registry is collected."""
 
-    def __init__(self, gate: AdmissionGate, kv_blocks: KvBlocks) -> None:
+    def __init__(
+        self, gate: AdmissionGate, kv_blocks: KvBlocks, prefix_cache: PrefixCacheSource
+    ) -> None:
         self._gate = gate
         self._kv_blocks = kv_blocks
+        self._prefix_cache = prefix_cache
         #: Bumped by :meth:`WorkerMetrics.count_connection_error`.
         self.connection_errors = 0
         #: Bumped by :meth:`WorkerMetrics.count_unauthorized`.
@@ -109,17 +128,23 @@ class _GateCollector(Collector):
 
     def describe(self) -> Iterable[Metric]:
         # Names only: lets the registry check for duplicates without calling kv_blocks() early.
-        return self._families(running=0, queued=0, total_blocks=0, used_blocks=0)
+        return [
+            *self._families(running=0, queued=0, total_blocks=0, used_blocks=0),
+            *_prefix_cache_families([]),
+        ]
 
     def collect(self) -> Iterable[Metric]:
         gate = self._gate
         total_blocks, used_blocks = self._kv_blocks()
-        return self._families(
-            running=gate.running,
-            queued=gate.queued,
-            total_blocks=total_blocks,
-            used_blocks=used_blocks,
-        )
+        return [
+            *self._families(
+                running=gate.running,
+                queued=gate.queued,
+                total_blocks=total_blocks,
+                used_blocks=used_blocks,
+            ),
+            *_prefix_cache_families(self._prefix_cache()),
+        ]
 
     def _slo_families(self) -> list[Metric]:
         # Only with a TTFT objective: what the controller last measured and the bound it set.
@@ -351,6 +376,30 @@ class _GateCollector(Collector):
         ]
 
 
+def _prefix_cache_families(ranks: list[PrefixCacheStats]) -> list[Metric]:
+    queried = CounterMetricFamily(
+        "dynamo_worker_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+        labels=["dp_rank"],
+    )
+    hit = CounterMetricFamily(
+        "dynamo_worker_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache.",
+        labels=["dp_rank"],
+    )
+    rate = GaugeMetricFamily(
+        "dynamo_component_kv_cache_hit_rate",
+        "Prompt tokens found in the prefix cache over those looked up, in the last minute.",
+        labels=["dp_rank"],
+    )
+    for stats in ranks:
+        label = [str(stats.dp_rank)]
+        queried.add_metric(label, stats.queried_tokens)
+        hit.add_metric(label, stats.hit_tokens)
+        rate.add_metric(label, stats.hit_rate)
+    return [queried, hit, rate]
+
+
 class WorkerMetrics:
     """The metrics of one worker, in a registry of its own.
 
@@ -358,14 +407,23 @@ class WorkerMetrics:
         gate: The worker's admission gate (running, queued, limits, rejections).
         kv_blocks: Returns ``(total_blocks, used_blocks)`` of the engine's KV cache; called at
             each scrape. ``None``: both read 0.
+        prefix_cache: Returns what each rank's prefix cache found; called at each scrape.
+            ``None``: the prefix-cache families have no series.
 
     Attributes:
         registry: The registry to expose on ``/metrics``.
     """
 
-    def __init__(self, gate: AdmissionGate, kv_blocks: KvBlocks | None = None) -> None:
+    def __init__(
+        self,
+        gate: AdmissionGate,
+        kv_blocks: KvBlocks | None = None,
+        prefix_cache: PrefixCacheSource | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._collector = _GateCollector(gate, kv_blocks or _no_kv_blocks)
+        self._collector = _GateCollector(
+            gate, kv_blocks or _no_kv_blocks, prefix_cache or _no_prefix_cache
+        )
         self.registry.register(self._collector)
 
     def count_connection_error(self) -> None:

@@ -216,7 +216,13 @@ class Worker:
         return self.publisher.seq
 
     def _default_metrics(self) -> WorkerMetrics:
-        return WorkerMetrics(self.gate, kv_blocks=self._kv_blocks)
+        # An engine that knows what its prefix cache found offers prefix_cache_stats().
+        stats = getattr(self.engine, "prefix_cache_stats", None)
+        return WorkerMetrics(
+            self.gate,
+            kv_blocks=self._kv_blocks,
+            prefix_cache=stats if callable(stats) else None,
+        )
 
     def _kv_blocks(self) -> tuple[int, int]:
         config = self.engine.config

@@ -34,6 +34,8 @@ ALL_VARIABLES = [
     "DYN_MOCKER_MAX_NUM_BATCHED_TOKENS",
     "DYN_MOCKER_DATA_PARALLEL_SIZE",
     "DYN_MOCKER_SPEEDUP_RATIO",
+    "DYN_ENABLE_PREFIX_CACHING",
+    "DYN_TOKENIZER",
     "DYN_LOG",
     "DYN_WORKER_TOKEN",
     "DYN_TLS_CERT_PATH",
@@ -167,6 +169,27 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
     assert settings.mocker.speedup_ratio == 10.0
     assert settings.mocker.block_size == 4
     assert settings.mocker.data_parallel_size == 2
+
+
+def test_prefix_caching_is_on_by_default_and_both_spellings_turn_it_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse_args([])[0].mocker.enable_prefix_caching is True
+    assert parse_args(["--no-enable-prefix-caching"])[0].mocker.enable_prefix_caching is False
+    monkeypatch.setenv("DYN_ENABLE_PREFIX_CACHING", "false")
+    assert parse_args([])[0].mocker.enable_prefix_caching is False
+    assert parse_args(["--enable-prefix-caching"])[0].mocker.enable_prefix_caching is True
+    monkeypatch.setenv("DYN_ENABLE_PREFIX_CACHING", "perhaps")
+    with pytest.raises(CliError, match="DYN_ENABLE_PREFIX_CACHING"):
+        parse_args([])
+
+
+def test_a_tokenizer_path_is_kept_and_an_empty_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([])[0].mocker.tokenizer is None
+    monkeypatch.setenv("DYN_TOKENIZER", "/models/m/tokenizer.json")
+    assert parse_args([])[0].mocker.tokenizer == "/models/m/tokenizer.json"
+    with pytest.raises(CliError, match="--tokenizer"):
+        parse_args(["--tokenizer", ""])
 
 
 @pytest.mark.parametrize(

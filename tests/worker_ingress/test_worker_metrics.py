@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
+import msgspec
 import trio
 import trio.testing
 
 from shim_common.wire import REASON_OVERLOADED
 from worker_ingress._admission import AdmissionGate, GateRefusal, Rejection
-from worker_ingress._config import WorkerSettings
+from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._metrics import WorkerMetrics
+from worker_ingress.engines._cache_stats import CacheHitCounter, PrefixCacheStats
+from worker_ingress.engines._mocker import MockerEngine
 
 STABLE_NAMES = [
     "dynamo_rejection_request_total",
@@ -296,3 +301,53 @@ def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
         if line.startswith("dynamo_request_queue_by_priority{")
     ]
     assert len(labels) == 17
+
+
+def test_the_hit_counter_rates_the_last_minute_only() -> None:
+    counter = CacheHitCounter(2, window=60.0)
+    counter.count(0, 100, 40, now=10.0)
+    counter.count(1, 10, 0, now=10.5)
+    counter.count(0, 100, 60, now=50.0)
+    assert counter.stats(now=60.0) == [
+        PrefixCacheStats(dp_rank=0, queried_tokens=200, hit_tokens=100, hit_rate=0.5),
+        PrefixCacheStats(dp_rank=1, queried_tokens=10, hit_tokens=0, hit_rate=0.0),
+    ]
+    # A minute after the first request only the second counts; the totals keep everything.
+    assert counter.stats(now=100.0)[0] == PrefixCacheStats(
+        dp_rank=0, queried_tokens=200, hit_tokens=100, hit_rate=0.6
+    )
+    assert counter.stats(now=200.0)[0].hit_rate == 0.0
+
+
+async def test_the_mocker_reports_prefix_cache_hits_by_rank(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = MockerEngine(
+        MockerSettings(num_gpu_blocks=64, block_size=2, data_parallel_size=2, speedup_ratio=10.0)
+    )
+    metrics = WorkerMetrics(
+        AdmissionGate(engine_slots=2, queue_limit=3), None, engine.prefix_cache_stats
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        with trio.fail_after(60):
+            for _ in range(2):
+                request = engine.prepare("completions", {"prompt": "a b c d e", "max_tokens": 1})
+                request = msgspec.structs.replace(request, dp_rank=1)
+                async with aclosing(engine.generate(request)) as stream:
+                    async for _output in stream:
+                        pass
+        nursery.cancel_scope.cancel()
+    labels = {"dp_rank": "1"}
+    get = metrics.registry.get_sample_value
+    assert get("dynamo_worker_prefix_cache_queried_tokens_total", labels) == 10
+    assert get("dynamo_worker_prefix_cache_hit_tokens_total", labels) == 4
+    assert get("dynamo_component_kv_cache_hit_rate", labels) == 0.4
+    assert get("dynamo_worker_prefix_cache_queried_tokens_total", {"dp_rank": "0"}) == 0
+    assert get("dynamo_component_kv_cache_hit_rate", {"dp_rank": "0"}) == 0.0
+
+
+def test_without_a_prefix_cache_the_families_have_no_series() -> None:
+    metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
+    body, _ = metrics.render(None)
+    assert "dynamo_worker_prefix_cache_hit_tokens_total{" not in body.decode()
