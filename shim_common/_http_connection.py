@@ -192,7 +192,12 @@ class Connection:
     ) -> None:
         self._stream = stream
         self._idle = idle
-        self._parser = RequestParser(limits.max_head_bytes)
+        self._parser = RequestParser(
+            limits.max_head_bytes,
+            max_headers=limits.max_headers,
+            max_body_chunks=limits.max_body_chunks,
+            bytes_per_extra_chunk=limits.bytes_per_extra_chunk,
+        )
         self._events = self._parser.events
         self._handler = handler
         self._limits = limits

@@ -61,6 +61,11 @@ class HTTPLimits:
             per ``send_piece_bytes`` written.
         send_piece_bytes: a larger write is made in pieces of this size, each with its own
             ``send_timeout``, so a slow but reading client of a large response is not dropped.
+        max_headers: the most header lines a request head may have (431 past it); trailers of
+            a chunked body are counted apart against the same number.
+        max_body_chunks: the chunks any chunked body may come in; it may have one more for
+            every ``bytes_per_extra_chunk`` bytes of it received (400 past it).
+        bytes_per_extra_chunk: see ``max_body_chunks``.
     """
 
     max_body_bytes: int = 16 * 1024 * 1024
@@ -76,6 +81,9 @@ class HTTPLimits:
     discard_body_bytes: int = 64 * 1024
     send_timeout: float = 60.0
     send_piece_bytes: int = 64 * 1024
+    max_headers: int = 100
+    max_body_chunks: int = 1024
+    bytes_per_extra_chunk: int = 256
 
 
 DEFAULT_LIMITS = HTTPLimits()

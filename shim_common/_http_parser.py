@@ -6,16 +6,23 @@ lenient flags is set. :class:`RequestParser` turns its callbacks into a queue of
 adds the rules llhttp leaves to its user:
 
 1. A head (request line and header lines) longer than ``max_head_bytes`` is refused 431,
-   whether it arrives whole or in pieces; chunk-size lines and trailers of a chunked body are
-   bounded by the same size (400 past it).
-2. HTTP/1.1 needs exactly one ``Host``; a second is refused 400 at any version.
-3. ``chunked`` is the only transfer coding (501 for any other). llhttp itself refuses
+   whether it arrives whole or in pieces, and so is a head of more than ``max_headers`` header
+   lines (a line costs a callback, however short: the count bounds the CPU of a head as the
+   size bounds its memory); chunk-size lines and trailers of a chunked body are bounded by the
+   same size (400 past it), trailers by the same count (431).
+2. A chunked body may come in at most ``max_body_chunks`` chunks, plus one for every
+   ``bytes_per_extra_chunk`` bytes of it received: each chunk costs a callback, so a body in
+   one-byte chunks would cost a hundred times what the same body costs whole. Past that, 400.
+   The pieces of body one :meth:`RequestParser.feed` parses are delivered as one ``bytes``,
+   however many chunks they came in, so what the body holds in memory is its size.
+3. HTTP/1.1 needs exactly one ``Host``; a second is refused 400 at any version.
+4. ``chunked`` is the only transfer coding (501 for any other). llhttp itself refuses
    ``Content-Length`` beside ``Transfer-Encoding`` and obs-folded lines (400).
-4. An ``Upgrade`` header switches nothing (RFC 9110 7.8): the request is an ordinary one, its
+5. An ``Upgrade`` header switches nothing (RFC 9110 7.8): the request is an ordinary one, its
    ``Content-Length`` body taken by hand where llhttp stops; a chunked body with ``Upgrade`` is
    refused 501, being rare enough not to parse by hand. A ``CONNECT`` ends the parse after its
    head: it is answered, then the connection ends.
-5. After a refusal, or after a ``CONNECT``, nothing more is parsed.
+6. After a refusal, or after a ``CONNECT``, nothing more is parsed.
 
 The connection (:mod:`shim_common._http_connection`) feeds it and acts on the events.
 """
@@ -26,6 +33,8 @@ from collections import deque
 from typing import Final
 
 import httptools
+
+from shim_common._http_exchange import DEFAULT_LIMITS
 
 __all__ = [
     "END",
@@ -135,15 +144,26 @@ class RequestParser:
     Feed it with :meth:`feed`; take events from :attr:`events` in order. After a
     :class:`ParseFailure`, or after a ``CONNECT`` (which asks for a tunnel), it ignores what it
     is fed. Memory is bounded: a head by ``max_head_bytes`` (plus one piece of input while it is
-    incomplete), body pieces by what is fed.
+    incomplete), body pieces by what is fed. The limits are those of
+    :class:`~shim_common._http_exchange.HTTPLimits` of the same names.
 
     Attributes:
         events: the parsed events, oldest first.
     """
 
-    def __init__(self, max_head_bytes: int) -> None:
+    def __init__(
+        self,
+        max_head_bytes: int,
+        *,
+        max_headers: int = DEFAULT_LIMITS.max_headers,
+        max_body_chunks: int = DEFAULT_LIMITS.max_body_chunks,
+        bytes_per_extra_chunk: int = DEFAULT_LIMITS.bytes_per_extra_chunk,
+    ) -> None:
         self.events: deque[ParserEvent] = deque()
         self._max_head_bytes = max_head_bytes
+        self._max_headers = max_headers
+        self._max_body_chunks = max_body_chunks
+        self._bytes_per_extra_chunk = bytes_per_extra_chunk
         self._parser = httptools.HttpRequestParser(self)
         self._done = False  # refused, or switched protocols: nothing more is parsed
         self._in_message = False
@@ -157,6 +177,13 @@ class RequestParser:
         # trailers, which nothing else bounds.
         self._framing_bytes = 0
         self._body_seen = 0
+        # The current message's header (or trailer) lines so far, its chunks, and where its
+        # body began in _body_seen.
+        self._lines = 0
+        self._chunks = 0
+        self._body_begun_at = 0
+        # Pieces of body parsed in the current feed, delivered as one event (rule 2).
+        self._body_parts: list[bytes] = []
         self._target = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._last_head: RequestHead | None = None
@@ -201,6 +228,8 @@ class RequestParser:
         except httptools.HttpParserError as exc:
             self._fail(400, str(exc) or "malformed request")
             return None
+        if self._body_parts:
+            self._flush_body()
         if self._in_head:
             if was_in_head and self._messages_begun == begun_before:
                 self._head_pieces += len(data)  # all of it is part of one incomplete head
@@ -253,7 +282,14 @@ class RequestParser:
 
     def _fail(self, status: int, reason: str) -> None:
         self._done = True
+        if self._body_parts:
+            self._flush_body()
         self.events.append(ParseFailure(status, reason))
+
+    def _flush_body(self) -> None:
+        parts = self._body_parts
+        self.events.append(parts[0] if len(parts) == 1 else b"".join(parts))
+        self._body_parts = []
 
     # -- llhttp's callbacks (names fixed by httptools) -----------------------------------------
 
@@ -261,6 +297,8 @@ class RequestParser:
         self._messages_begun += 1
         self._in_message = self._in_head = True
         self._head_size = self._head_pieces = 0
+        self._lines = self._chunks = 0
+        self._body_begun_at = self._body_seen
         self._target = b""
         self._headers = []
 
@@ -274,6 +312,10 @@ class RequestParser:
         self._head_size += len(name) + len(value) + _LINE_OVERHEAD
         if self._head_size > self._max_head_bytes:
             raise _Refused(431, f"request head over {self._max_head_bytes} bytes")
+        self._lines += 1
+        if self._lines > self._max_headers:
+            where = "request head" if self._in_head else "trailer section"
+            raise _Refused(431, f"{where} over {self._max_headers} header lines")
         if self._in_head:
             # llhttp drops the whitespace before a value, not after it.
             self._headers.append((name.lower(), value.rstrip(b" \t")))
@@ -282,6 +324,7 @@ class RequestParser:
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._framing_bytes = 0
+        self._lines = 0  # trailers are counted apart
         parser = self._parser
         version = parser.get_http_version().encode("ascii")
         hosts = 0
@@ -324,12 +367,24 @@ class RequestParser:
         self._last_head = head
         self.events.append(head)
 
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
+        received = self._body_seen - self._body_begun_at
+        if self._chunks > self._max_body_chunks + received // self._bytes_per_extra_chunk:
+            raise _Refused(
+                400,
+                f"chunked body in too many chunks: {self._chunks} for {received} bytes (at most "
+                f"{self._max_body_chunks} and one per {self._bytes_per_extra_chunk} bytes)",
+            )
+
     def on_body(self, body: bytes) -> None:
         self._body_seen += len(body)
-        self.events.append(body)
+        self._body_parts.append(body)
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        if self._body_parts:
+            self._flush_body()
         self.events.append(END)
 
 

@@ -386,3 +386,51 @@ def test_an_absolute_form_target_is_read_as_sent() -> None:
     head = parser.events[0]
     assert isinstance(head, RequestHead)
     assert head.target == b"http://host/health?x=1"
+
+
+def test_a_head_of_more_header_lines_than_the_bound_is_refused_431() -> None:
+    def head(lines: int) -> bytes:
+        others = b"".join(b"h%d: v\r\n" % i for i in range(lines - 1))
+        return b"GET / HTTP/1.1\r\nHost: x\r\n" + others + b"\r\n"
+
+    parser = RequestParser(MAX_HEAD, max_headers=10)
+    parser.feed(head(10))
+    assert isinstance(parser.events[0], RequestHead)
+    parser = RequestParser(MAX_HEAD, max_headers=10)
+    parser.feed(head(11))
+    refusal = parser.events[-1]
+    assert isinstance(refusal, ParseFailure)
+    assert (refusal.status, refusal.reason) == (431, "request head over 10 header lines")
+
+
+def chunked_post(body: bytes, chunk: int) -> bytes:
+    pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
+    framed = b"".join(b"%x\r\n%b\r\n" % (len(piece), piece) for piece in pieces)
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + framed + b"0\r\n\r\n"
+
+
+def test_a_body_in_tiny_chunks_comes_out_as_one_piece_per_feed() -> None:
+    body = bytes(range(256)) * 4
+    parser = RequestParser(MAX_HEAD)
+    parser.feed(chunked_post(body, 1))  # 1,024 chunks and the last: the free allowance
+    events = list(parser.events)
+    assert isinstance(events[0], RequestHead)
+    assert events[1:] == [body, END]
+
+
+def test_chunks_past_the_allowance_and_one_per_so_many_bytes_are_refused() -> None:
+    # 4 free chunks, then one more per 8 bytes received: 16-byte chunks stay within it forever,
+    # 2-byte chunks pass it soon.
+    limits = {"max_body_chunks": 4, "bytes_per_extra_chunk": 8}
+    parser = RequestParser(MAX_HEAD, **limits)
+    parser.feed(chunked_post(b"x" * 16_000, 16))
+    assert list(parser.events)[1:] == [b"x" * 16_000, END]
+    parser = RequestParser(MAX_HEAD, **limits)
+    parser.feed(chunked_post(b"x" * 16_000, 2))
+    refusal = parser.events[-1]
+    assert isinstance(refusal, ParseFailure)
+    assert refusal.status == 400
+    assert "too many chunks" in refusal.reason
+    # What came before the refusal is the body so far, in one piece.
+    assert sum(len(e) for e in parser.events if isinstance(e, bytes)) < 100
