@@ -396,3 +396,37 @@ async def test_a_server_killed_mid_stream_ends_the_stream_with_an_error(
             assert await worker_metric(s, "dynamo_engine_request") == 0
             after = await s.client.post(url, json=body(url, stream=False, max_tokens=4))
             assert after.status_code >= 500
+
+
+async def test_the_servers_cached_prompt_tokens_reach_the_client(
+    tmp_path: Path, llama_server: str, tiny_model: Path
+) -> None:
+    # One slot: the same prompt again reuses what the slot cached, and llama-server says so in
+    # its usage; the answer the client gets carries the count, streamed or not.
+    path = "/v1/chat/completions"
+    with trio.fail_after(TIMEOUT):
+        async with stack(
+            tmp_path, llama_server, tiny_model, slots=1, context=4096, request_limit=1
+        ) as s:
+            url = s.frontend_url + path
+            cached: list[int] = []
+            for _ in range(2):
+                whole = await s.client.post(url, json=body(path, stream=False, max_tokens=2))
+                assert whole.status_code == 200, whole.text
+                cached.append(whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            streamed = Streamed()
+            options = {"stream_options": {"include_usage": True}}
+            request = body(path, stream=True, max_tokens=2, **options)
+            async with s.client.stream("POST", url, json=request) as response:
+                assert response.status_code == 200
+                await read_stream(response.aiter_lines(), streamed)
+            assert streamed.usage is not None
+            details: Any = streamed.usage["prompt_tokens_details"]
+            cached.append(details["cached_tokens"])
+            hits = await worker_metric(s, "dynamo_worker_prefix_cache_hit_tokens_total")
+            queried = await worker_metric(s, "dynamo_worker_prefix_cache_queried_tokens_total")
+    assert cached[0] == 0
+    assert cached[1] > 0
+    assert cached[2] > 0
+    assert hits == sum(cached)
+    assert queried > hits

@@ -19,7 +19,11 @@ Requests:
 - :meth:`OpenAIUpstreamEngine.generate` yields one output per streamed delta with one token each;
   the final output of each choice (the one with ``finish_reason``) is held back until the usage
   chunk arrives, and it absorbs the difference between the upstream's ``completion_tokens`` and
-  the deltas counted, so the token total matches the upstream. Only text is forwarded (content,
+  the deltas counted, so the token total matches the upstream, and carries the prompt tokens the
+  upstream found in its prefix cache (``usage.prompt_tokens_details.cached_tokens``, as vLLM and
+  llama.cpp report it, else llama.cpp's ``timings.cache_n``; 0 when the upstream says neither),
+  which the worker's metrics count too (:meth:`OpenAIUpstreamEngine.prefix_cache_stats`). Only
+  text is forwarded (content,
   not tool calls, reasoning or logprobs: :class:`~worker_ingress.engines._base.EngineOutput` carries
   text). Embeddings are one plain POST and one output per vector (``base64`` vectors are decoded).
 - Errors: an upstream 4xx other than 408 and 429 raises
@@ -92,6 +96,7 @@ from worker_ingress.engines._base import (
     prompt_words,
     requested_max_tokens,
 )
+from worker_ingress.engines._cache_stats import CacheHitCounter, PrefixCacheStats
 from worker_ingress.engines.upstream._client import (
     DEFAULT_READ_TIMEOUT,
     Origin,
@@ -155,14 +160,25 @@ class _Choice(msgspec.Struct):
     finish_reason: str | None = None
 
 
+class _PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: _PromptTokensDetails | None = None
+
+
+class _Timings(msgspec.Struct):
+    # llama.cpp: prompt tokens reused from the slot's cache.
+    cache_n: int | None = None
 
 
 class _StreamChunk(msgspec.Struct):
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
+    timings: _Timings | None = None
     error: Any = None
     object: str | None = None
     message: str | None = None
@@ -251,6 +267,7 @@ class OpenAIUpstreamEngine:
         self._discovery = UpstreamDiscovery(origin, model=model, request_limit=request_limit)
         self._metrics_poll_interval = metrics_poll_interval
         self._in_flight = InFlightLoad(fallback.block_size)
+        self._hits = CacheHitCounter(1)
         self._upstream_used_blocks = 0
         self._load_changed = ChangeSignal()
         self._published = self._snapshot()
@@ -278,6 +295,10 @@ class OpenAIUpstreamEngine:
             One :class:`~shim_common.wire.RankLoad`, rank 0.
         """
         return [self._published]
+
+    def prefix_cache_stats(self) -> list[PrefixCacheStats]:
+        """Prompt tokens the upstream reported, and of those found in its prefix cache."""
+        return self._hits.stats(trio.current_time())
 
     def _snapshot(self) -> RankLoad:
         blocks = max(self._in_flight.blocks, self._upstream_used_blocks)
@@ -406,6 +427,7 @@ class OpenAIUpstreamEngine:
         counted = 0
         held: list[EngineOutput] = []
         completion_tokens: int | None = None
+        cached_tokens: int | None = None
         done = False
         while not done:
             piece = await anext(body, b"")
@@ -420,6 +442,12 @@ class OpenAIUpstreamEngine:
                 chunk = self._decode_chunk(data)
                 if chunk.usage is not None:
                     completion_tokens = chunk.usage.completion_tokens
+                    cached_tokens = _cached_tokens(chunk)
+                    self._hits.count(
+                        0, chunk.usage.prompt_tokens, cached_tokens or 0, trio.current_time()
+                    )
+                elif chunk.timings is not None and chunk.timings.cache_n is not None:
+                    cached_tokens = chunk.timings.cache_n
                 for choice in chunk.choices or ():
                     first = self._in_flight.first_output(key)
                     if first:
@@ -451,17 +479,17 @@ class OpenAIUpstreamEngine:
                 raise UpstreamError(f"upstream {self._origin} ended the stream before finishing")
             held.append(EngineOutput(finish_reason="stop"))
         held_tokens = sum(output.tokens for output in held)
-        missing = (completion_tokens or 0) - counted - held_tokens
-        if missing > 0:
-            last = held[-1]
-            held[-1] = EngineOutput(
-                text=last.text,
-                tokens=last.tokens + missing,
-                finish_reason=last.finish_reason,
-                index=last.index,
-            )
-            if self._in_flight.generated(key, missing):
-                self._refresh()
+        missing = max((completion_tokens or 0) - counted - held_tokens, 0)
+        last = held[-1]
+        held[-1] = EngineOutput(
+            text=last.text,
+            tokens=last.tokens + missing,
+            finish_reason=last.finish_reason,
+            index=last.index,
+            cached_tokens=cached_tokens or 0,
+        )
+        if missing and self._in_flight.generated(key, missing):
+            self._refresh()
         for output in held:
             yield output
 
@@ -539,6 +567,17 @@ class OpenAIUpstreamEngine:
     def _set_upstream_used_blocks(self, blocks: int) -> None:
         self._upstream_used_blocks = blocks
         self._refresh()
+
+
+def _cached_tokens(chunk: _StreamChunk) -> int | None:
+    """The prompt tokens the upstream found in its cache, as the usage (or llama.cpp's timings)
+    of a chunk says; ``None`` when it says nothing. A negative count is taken as none."""
+    usage = chunk.usage
+    details = usage.prompt_tokens_details if usage is not None else None
+    found = details.cached_tokens if details is not None else None
+    if found is None and chunk.timings is not None:
+        found = chunk.timings.cache_n
+    return None if found is None else max(found, 0)
 
 
 async def _drain(body: AsyncGenerator[bytes, None]) -> None:

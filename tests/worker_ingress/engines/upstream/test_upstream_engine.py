@@ -859,3 +859,52 @@ async def test_the_first_upstream_chunk_gives_the_waiting_place_back(
                         ended.add(reply.request_id)
             nursery.cancel_scope.cancel()
     assert gate.state.admitted_queue_total == 1
+
+
+@pytest.mark.parametrize(
+    ("tail", "cached"),
+    [
+        # vLLM (with --enable-prompt-tokens-details) and newer llama.cpp: OpenAI's field.
+        (
+            {
+                "usage": {
+                    "prompt_tokens": 9,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": 8},
+                }
+            },
+            8,
+        ),
+        # llama.cpp's own count, beside a usage that does not say.
+        ({"usage": {"prompt_tokens": 9, "completion_tokens": 1}, "timings": {"cache_n": 5}}, 5),
+        # An upstream that says nothing: 0.
+        ({"usage": {"prompt_tokens": 9, "completion_tokens": 1}}, 0),
+        (
+            {
+                "usage": {
+                    "prompt_tokens": 9,
+                    "completion_tokens": 1,
+                    "prompt_tokens_details": {"cached_tokens": None},
+                }
+            },
+            0,
+        ),
+    ],
+)
+async def test_the_upstreams_cached_tokens_are_passed_on_and_counted(
+    upstream: FakeUpstream, tail: dict[str, Any], cached: int
+) -> None:
+    async def chat(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk(" one", finish="length"))
+        await exchange.event({"choices": [], **tail})
+        await exchange.end_sse()
+
+    upstream.routes["POST /v1/chat/completions"] = chat
+    engine = make_engine(upstream)
+    with trio.fail_after(TIMEOUT):
+        outputs = await collect(engine, engine.prepare("chat_completions", CHAT))
+    assert outputs[-1].finish_reason == "length"
+    assert outputs[-1].cached_tokens == cached
+    (stats,) = engine.prefix_cache_stats()
+    assert (stats.queried_tokens, stats.hit_tokens) == (9, cached)
