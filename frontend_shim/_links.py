@@ -19,10 +19,11 @@ Rules of a session (the state machine of a link):
    From then on the worker's event messages may be at most the size its hello implies
    (:func:`~frontend_shim._worker_hello.event_message_bound`), and its control frames come at
    a bounded rate (:mod:`frontend_shim._connection`, rule 6). A worker that lists
-   :data:`wire.FEATURE_BUSY_EDGES` is sent the thresholds of its model (:class:`wire.Subscribe`),
-   again whenever they change; one that lists :data:`wire.FEATURE_PUBLISH_INTERVAL` is sent the
-   interval of the pool's :class:`~frontend_shim._event_budget.EventBudget` in it too, again
-   whenever it changes.
+   :data:`wire.FEATURE_BUSY_EDGES` is sent a :class:`wire.Subscribe` at once (even with no
+   thresholds to send: the worker keeps its event-plane places for subscribers that subscribed)
+   and the thresholds of its model in it, again whenever they change; one that lists
+   :data:`wire.FEATURE_PUBLISH_INTERVAL` is sent the interval of the pool's
+   :class:`~frontend_shim._event_budget.EventBudget` in it too, again whenever it changes.
 2. While ``up``, four tasks run: a tight reader per plane, the request plane's sender, and a
    watchdog. Nothing runs per message but decoding and handing over (no timeout scope, no task
    hop). The watchdog wakes a few times per keepalive interval and ends the session when the
@@ -412,7 +413,9 @@ class WorkerLink:
             return
         if self.negotiated and self._budget is not None:
             interval = self._budget.interval
-        elif (self._edges and thresholds is not None) or self.kv_events:
+        elif self._edges or self.negotiated or self.kv_events:
+            # Sent even with nothing to ask: a worker keeps its places for subscribers that
+            # subscribed (its idle squatters give theirs up).
             interval = 0.0
         else:
             return

@@ -34,9 +34,14 @@ Rules:
    (:meth:`Subscription.set_publish_interval`, a frontend keeping to its event budget): its
    batches then keep ``max(publish_interval, asked)`` apart. The worker's own interval bounds it
    below, and the edges and status heartbeats of rule 7 keep their own, shorter gap.
+9. A subscriber that has sent a ``Subscribe`` is :attr:`Subscription.subscribed`: a frontend
+   sends one as soon as it has read the hello of a worker that takes one. The worker's
+   subscriber places are kept for those: at the cap, a new event-plane connection takes the
+   place of the oldest one that has not subscribed within a grace period (a squatter),
+   instead of being refused (:mod:`worker_ingress._server`).
 
 :class:`LoadTracker` (rules 1 to 3) is sans-IO. :class:`Subscription` keeps a subscriber's
-mailbox and decides synchronously what a delivery does (rules 4, 6, 7, 8), but its
+mailbox and decides synchronously what a delivery does (rules 4, 6 to 9), but its
 :meth:`~Subscription.next_batch` waits on Trio (the subscriber's sender sleeps out the interval
 in it). :class:`EventPublisher` is the Trio shell that watches the engine's
 :class:`~worker_ingress._watch.ChangeSignal`, ticks the heartbeat and wakes subscribers.
@@ -189,6 +194,8 @@ class Subscription:
         self._away = False
         #: The ``seq`` of the newest event taken (0: none yet).
         self.last_seq = 0
+        #: Whether the subscriber has sent a ``Subscribe`` (rule 9): what a frontend does first.
+        self.subscribed = False
         self._mailbox = Mailbox()
         self._signal = ChangeSignal()
         self._seen = 0
@@ -204,8 +211,12 @@ class Subscription:
         self._sent_loads: dict[int, RankLoad] = {}
 
     def set_thresholds(self, thresholds: BusyThresholds | None) -> None:
-        """Route-relevant edges under ``thresholds`` skip the interval from now on."""
+        """Route-relevant edges under ``thresholds`` skip the interval from now on.
+
+        Called for every ``Subscribe`` the subscriber sends, so it also marks the subscriber as
+        :attr:`subscribed` (rule 9)."""
         self._thresholds = thresholds
+        self.subscribed = True
 
     def set_publish_interval(self, asked: float) -> None:
         """Send at most one batch every ``asked`` seconds, never more often than the worker's

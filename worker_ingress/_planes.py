@@ -589,6 +589,17 @@ class EventConnection:
         #: shim_common.wire).
         self._kv_wanted = trio.Event()
         self._kv: KvSubscription | None = None
+        #: When the connection was accepted (``trio.current_time()``), and from where.
+        self.opened_at = trio.current_time()
+        self.remote = ws.remote
+        self._subscription: Subscription | None = None
+
+    def squatting(self, now: float, grace: float) -> bool:
+        """Whether the subscriber has sent no ``Subscribe`` in the ``grace`` seconds since it
+        was accepted (what a frontend sends first: ``_events`` rule 9)."""
+        subscription = self._subscription
+        subscribed = subscription is not None and subscription.subscribed
+        return not subscribed and now - self.opened_at >= grace
 
     async def serve(self) -> None:
         """Serve the subscriber until it leaves or the worker shuts it."""
@@ -601,6 +612,7 @@ class EventConnection:
         with self._scope:
             await self._ws.send_message(encode(self._host.hello))
             with self._host.subscribe() as subscription:
+                self._subscription = subscription
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
                     nursery.start_soon(

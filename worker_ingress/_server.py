@@ -3,7 +3,9 @@
 Access: with a token set (``DYN_WORKER_TOKEN``), a handshake on any path without
 ``Authorization: Bearer <token>`` is refused with HTTP 401 before anything else is looked at, and
 counted (``dynamo_worker_unauthorized_total``); the comparison is constant-time and the token is
-never logged. With ``--tls-cert-path``/``--tls-key-path`` the port speaks TLS (``wss://``); each
+never logged. Without a token (the default, meant for loopback) any client that reaches the port
+may use both planes: the worker says so in a warning at start-up.
+With ``--tls-cert-path``/``--tls-key-path`` the port speaks TLS (``wss://``); each
 handshake runs in its connection's task, bounded, and a failure is counted and closes that
 connection only.
 
@@ -14,6 +16,13 @@ worker only through :class:`~worker_ingress._planes.PlaneHost`, which :class:`Wo
 exception escaping a connection is logged and counted
 (:meth:`~worker_ingress._metrics.WorkerMetrics.count_connection_error`); it never reaches the
 listener, because ``serve_websocket`` would crash entirely.
+
+Event-plane places: at most ``max_event_subscribers`` subscribers are served at once. At the cap
+a new handshake takes the place of the oldest subscriber that has not sent a ``Subscribe`` within
+``squatter_grace`` seconds of being accepted (what a frontend sends first, rule 9 of
+:mod:`worker_ingress._events`): that connection is closed and the new one served, so idle
+squatters never lock a frontend out. With no such subscriber the handshake gets 503 (counted).
+Only a token keeps out clients that speak the protocol as a frontend does.
 
 Drain (:meth:`Worker.drain`, or SIGTERM/SIGINT in :func:`run_worker`): the gate rejects new
 requests with ``Server unavailable: draining``, ``/health`` answers 503 ``draining`` and heartbeats
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import logging
 import math
 import os
@@ -95,6 +105,9 @@ REFUSAL_LOG_INTERVAL: Final = 10.0
 #: Event-plane subscribers a worker serves at once; a handshake beyond them gets 503 (counted).
 #: Each frontend is one subscriber of each of its workers.
 MAX_EVENT_SUBSCRIBERS: Final = 128
+#: Seconds a subscriber has to send its ``Subscribe`` before, at the cap, a newcomer may take
+#: its place: a frontend sends it as soon as it has read the hello.
+SQUATTER_GRACE: Final = 5.0
 
 HealthStatus = Literal["starting", "ready", "draining"]
 
@@ -118,6 +131,8 @@ class Worker:
         ping_timeout: Seconds a pong may take before the peer is dropped.
         close_timeout: Seconds a closing handshake may take before the socket is closed anyway.
         max_event_subscribers: Event-plane connections served at once; more are refused.
+        squatter_grace: Seconds after which, at the cap, a subscriber that sent no
+            ``Subscribe`` gives its place to a new handshake.
     """
 
     def __init__(
@@ -131,6 +146,7 @@ class Worker:
         ping_timeout: float = 20.0,
         close_timeout: float = 5.0,
         max_event_subscribers: int = MAX_EVENT_SUBSCRIBERS,
+        squatter_grace: float = SQUATTER_GRACE,
     ) -> None:
         self.settings = settings
         self.engine = engine
@@ -139,6 +155,7 @@ class Worker:
         self.ping_timeout = ping_timeout
         self.close_timeout = close_timeout
         self.max_event_subscribers = max_event_subscribers
+        self.squatter_grace = squatter_grace
         self._event_subscribers = 0
         # An engine with a prefix cache offers its KV events (the mocker's ``kv_events``).
         kv_events = getattr(engine, "kv_events", None)
@@ -162,6 +179,10 @@ class Worker:
         self._refusals = _RefusalLog("without the right bearer token")
         self._subscriber_refusals = _RefusalLog(
             f"on the event plane: already {max_event_subscribers} subscribers"
+        )
+        self._squatter_evictions = _RefusalLog(
+            f"that sent no subscribe within {squatter_grace:g} s, to serve new handshakes",
+            what="closed %d event-plane subscriber(s) at the cap",
         )
 
     @property
@@ -296,6 +317,14 @@ class Worker:
                 hello.config.kv_total_blocks,
                 hello.config.block_size,
             )
+            if self._token is None:
+                logger.log(
+                    logging.INFO if _is_loopback(settings.host) else logging.WARNING,
+                    "no worker token (DYN_WORKER_TOKEN unset): any client that reaches %s may "
+                    "submit requests and take event-plane places; set one whenever the port is "
+                    "reachable from other hosts",
+                    address.ws_url,
+                )
             task_status.started(address)
             await self._drain_requested.wait()
             await self._drain()
@@ -407,7 +436,7 @@ class Worker:
             await _refuse(request, 503, b"worker draining\n")
             return
         if factory is EventConnection:
-            if self._event_subscribers >= self.max_event_subscribers:
+            if self._event_subscribers >= self.max_event_subscribers and not self._evict_squatter():
                 self.metrics.count_subscriber_refused()
                 self._subscriber_refusals.note(request.remote)
                 await _refuse(request, 503, b"too many event-plane subscribers\n")
@@ -419,6 +448,26 @@ class Worker:
         finally:
             if factory is EventConnection:
                 self._count_event_subscriber(-1)
+
+    def _evict_squatter(self) -> bool:
+        """At the cap: close the oldest subscriber that sent no ``Subscribe`` within the grace;
+        False when there is none."""
+        now = trio.current_time()
+        squatters = [
+            connection
+            for connection in self._connections
+            if isinstance(connection, EventConnection)
+            and connection.squatting(now, self.squatter_grace)
+        ]
+        if not squatters:
+            return False
+        oldest = min(squatters, key=lambda connection: connection.opened_at)
+        # Out of the set at once, so that concurrent handshakes pick other squatters; its task
+        # unwinds at its next checkpoint and gives its place back then.
+        self._connections.discard(oldest)
+        oldest.abort()
+        self._squatter_evictions.note(oldest.remote)
+        return True
 
     def _count_event_subscriber(self, change: int) -> None:
         self._event_subscribers += change
@@ -464,6 +513,16 @@ async def _close_all(connections: Sequence[WorkerPlaneConnection]) -> None:
             nursery.start_soon(connection.close)
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _authorized(request: WebSocketRequest, token: bytes) -> bool:
     authorization = next(
         (value for name, value in request.headers if name.lower() == b"authorization"), None
@@ -479,8 +538,9 @@ class _RefusalLog:
         why: What the log line says after "refused N websocket handshake(s)".
     """
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, *, what: str = "refused %d websocket handshake(s)") -> None:
         self._why = why
+        self._what = what
         self._next = -math.inf
         self._since = 0
 
@@ -489,9 +549,7 @@ class _RefusalLog:
         now = trio.current_time()
         if now < self._next:
             return
-        logger.warning(
-            "refused %d websocket handshake(s) %s, latest from %s", self._since, self._why, remote
-        )
+        logger.warning(f"{self._what} %s, latest from %s", self._since, self._why, remote)
         self._since = 0
         self._next = now + REFUSAL_LOG_INTERVAL
 
