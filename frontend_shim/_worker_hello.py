@@ -26,10 +26,11 @@ and nothing of the worker reaches the load state.
 Once accepted, the hello also bounds the size of the worker's event messages
 (:func:`event_message_bound`): the largest batch of its load (one load event per rank and a
 heartbeat repeating every rank, about 310 bytes a rank at the widest integers) with room to
-spare, and, for a worker that lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`, a snapshot of
-every block of every rank besides. A message over it ends the session from its frame's header
-(the link backs off), so a peer that claims to be a worker cannot make the frontend read, hold
-and decode megabytes at a time.
+spare, and, for a worker that lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`, the largest
+batch of KV events besides (a snapshot of every block of every rank, or the backlog the worker
+lets pile up before it sends a snapshot instead: an event per block). A message over it ends
+the session from its frame's header (the link backs off), so a peer that claims to be a worker
+cannot make the frontend read, hold and decode megabytes at a time.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ MAX_MODEL_CHARS: Final = 512
 EVENT_MESSAGE_BASE_BYTES: Final = 64 * 1024
 #: ... bytes per announced rank (a load event and a heartbeat's entry: about 310 at most) ...
 EVENT_MESSAGE_RANK_BYTES: Final = 1024
-#: ... and, with KV events, bytes per block of every rank (a block name is at most 9 bytes).
-EVENT_MESSAGE_BLOCK_BYTES: Final = 16
+#: ... and, with KV events, bytes per block of every rank: a snapshot costs 9 bytes a block at
+#: most, and a backlog of events (one block each, the worst case, at most one per block before
+#: the worker sends a snapshot instead) about 45 bytes of event per block.
+EVENT_MESSAGE_BLOCK_BYTES: Final = 64
 
 
 def refusal(config: wire.RuntimeConfig) -> str | None:

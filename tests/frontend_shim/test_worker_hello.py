@@ -145,5 +145,11 @@ def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
     with_kv = event_message_bound(config, [wire.FEATURE_KV_EVENTS])
     snapshot = wire.KvSnapshot(seq=big, ranks=[[big] * 16384, [big] * 16384])
     assert len(wire.encode(wire.KvBatch(events=[snapshot]))) < with_kv
+    # And so does the backlog the worker lets pile up before it sends a snapshot instead: up to
+    # 2 x 16,384 names, an event naming one block costing two (the widest events per block).
+    backlog: list[wire.KvEvent] = [
+        wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(16384)
+    ]
+    assert len(wire.encode(wire.KvBatch(events=backlog))) < with_kv
     huge = runtime_config(kv_total_blocks=MAX_COUNT)
     assert event_message_bound(huge, [wire.FEATURE_KV_EVENTS]) == wire.MAX_MESSAGE_BYTES
