@@ -412,6 +412,9 @@ class SizeResult:
     generated_per_s: float | None = None
     offered_events_per_s: float | None = None
     offered_messages_per_s: float | None = None
+    #: With ``--kv-blocks``: KV events the simulators sent per second, and their messages.
+    kv_events_per_s: float | None = None
+    kv_messages_per_s: float | None = None
     applied_events_per_s: float | None = None
     frontend_cpu: float | None = None
     #: Share of the window the frontend was runnable but waited for its CPU (other work on it).
@@ -481,6 +484,8 @@ class Options:
     frontend_args: tuple[str, ...] = ()
     #: A key of :data:`SIMULATORS`.
     simulator: str = "lean"
+    #: Blocks per stored chain of the lean simulator's KV events (0: none; lean_sim rule 6).
+    kv_blocks: int = 0
 
 
 async def _wait_live(client: HttpClient, deadline: float) -> bool:
@@ -720,6 +725,8 @@ async def _start_simulators(
         ]  # fmt: skip
         if not options.startup_under_load:
             args.append("--paused")
+        if options.kv_blocks:
+            args += ["--kv-blocks", str(options.kv_blocks)]
         child = await Child.start(args, cpu=SIM_CPU, stderr=log, name=f"simulator {shard}")
         children.append(child)
         sims.append(Simulator(child))
@@ -837,6 +844,9 @@ async def _measure_frontend(
     result.generated_per_s = delta["generated"] / window
     result.offered_events_per_s = (delta["load_events"] + delta["heartbeats"]) / window
     result.offered_messages_per_s = delta["batches"] / window
+    if options.kv_blocks:
+        result.kv_events_per_s = delta.get("kv_events", 0) / window
+        result.kv_messages_per_s = delta.get("kv_messages", 0) / window
     if applied0 is not None and applied1 is not None:
         result.applied_events_per_s = (applied1 - applied0) / (scraped_at - window_start)
 
@@ -898,10 +908,13 @@ def table_row(r: SizeResult) -> str:
     completions = _ms(r.completion_ms) + (
         f" ({r.completion_errors} not 200)" if r.completion_errors else ""
     )
+    kv = ""
+    if r.kv_events_per_s is not None:
+        kv = f" + kv {r.kv_events_per_s:.0f} ({_num(r.kv_messages_per_s, '.0f')})"
     return (
         f"| {r.workers} x {r.ranks} | {r.protocol} | {r.simulator} "
         f"| {r.target_events_per_s:.0f} "
-        f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}) "
+        f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}){kv} "
         f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}; "
         f"{_num(r.cost_s, '.0f', 1e6)}) "
         f"| {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
@@ -1030,9 +1043,18 @@ def main() -> None:
         action="store_true",
         help="change loads while the frontend connects (default: only heartbeats until all up)",
     )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="lean simulator: KV events, each rank's tick storing a chain of this many blocks "
+        "and evicting the oldest once full (0: none); the offered column adds '+ kv E (M)'",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     parser.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here")
     args = parser.parse_args()
+    if args.kv_blocks and args.simulator != "lean":
+        parser.error("--kv-blocks needs --simulator lean")
     _pin(0, SIM_CPU)
     _raise_fd_limit()
     options = Options(
@@ -1049,6 +1071,7 @@ def main() -> None:
         startup_under_load=args.startup_under_load,
         frontend_args=tuple(args.frontend_arg),
         simulator=args.simulator,
+        kv_blocks=max(args.kv_blocks, 0),
     )
     print(
         f"simulator {options.simulator} ({SIMULATORS[options.simulator].name}); "

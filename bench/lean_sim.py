@@ -50,6 +50,16 @@ Rules, per simulated worker (the real worker's, ``worker_ingress/_events.py`` an
    slots and queue places (50,000 in flight on one connection), ``Rejected(overloaded)``. With
    the batch subprotocol a pass's replies on one connection are one
    :class:`~shim_common.wire.Batch` message.
+6. KV events (``--kv-blocks B``, protocol ``new`` only; docs/protocol.md, "KV events"): the hello
+   also lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`, and each rank's tick also stores one
+   chain of ``B`` new block names (parent nil), evicting its oldest chain first once the rank
+   holds ``KV_TOTAL_BLOCKS`` blocks: the steady churn of a full cache, one or two KV events per
+   rank per tick, numbered per worker. A subscriber that sends ``Subscribe.kv_events`` gets a
+   :class:`~shim_common.wire.KvSnapshot` (the worker's whole cache), then every event, in
+   :class:`~shim_common.wire.KvBatch` messages that go out with its load batches (same
+   interval, edges included); ``kv_snapshot`` asks for a fresh snapshot. Past max(1024, the
+   worker's blocks) pending names, a subscriber's backlog is replaced by a snapshot, as the real
+   worker does. Names are ``(worker * ranks + rank) << 32 | n``: distinct across the fleet.
 
 Control, one command per line on stdin, one answer line per command on stdout (fleet_sim's):
 
@@ -61,7 +71,8 @@ Control, one command per line on stdin, one answer line per command on stdout (f
   first one also starts the ticking. A line on stderr says how long the loads and the writes took.
 - ``stats``: answer ``stats {json}``: ``generated`` load changes, ``load_events`` and
   ``heartbeats`` taken into batches, ``batches`` (event-plane messages), ``subscribers``
-  connected, and ``monotonic`` (``time.monotonic()``);
+  connected, ``kv_events`` sent, ``kv_messages`` (``kv`` messages), ``kv_snapshots`` sent (of
+  the events), and ``monotonic`` (``time.monotonic()``);
 - ``quit`` or end of input: stop.
 
 Left out, as no frontend of a benchmark needs them: the bearer token, TLS, the system port,
@@ -101,6 +112,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -116,6 +128,11 @@ from shim_common.wire import (
     Generate,
     Heartbeat,
     Hello,
+    KvBatch,
+    KvEvent,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
     LoadEvent,
     RankLoad,
     Rejected,
@@ -197,6 +214,10 @@ class Counters:
     heartbeats: int = 0
     #: Event-plane websocket messages (one per batch).
     batches: int = 0
+    #: KV events sent (rule 6), snapshots included, and the ``kv`` messages that carried them.
+    kv_events: int = 0
+    kv_messages: int = 0
+    kv_snapshots: int = 0
 
 
 # ----------------------------------------------------------------------------- websocket framing
@@ -363,9 +384,11 @@ def _refusal(status: int, body: bytes) -> bytes:
 # ----------------------------------------------------------------------------- the workers
 
 
-def hello_of(worker_id: str, ranks: int, protocol: Protocol) -> Hello:
-    """The hello a simulated worker sends on both planes (rule 2)."""
+def hello_of(worker_id: str, ranks: int, protocol: Protocol, kv_events: bool = False) -> Hello:
+    """The hello a simulated worker sends on both planes (rules 2 and 6)."""
     features = {"new": list(NEW_FEATURES), "current": list(CURRENT_FEATURES), "v1": []}[protocol]
+    if kv_events and protocol == "new":
+        features.append(FEATURE_KV_EVENTS)
     return Hello(
         protocol_version=PROTOCOL_VERSION,
         config=RuntimeConfig(
@@ -413,6 +436,8 @@ class SimWorker:
         "heartbeat",
         "hello_frame",
         "index",
+        "kv_chains",
+        "kv_seq",
         "listener",
         "load_seq",
         "load_ts",
@@ -439,6 +464,10 @@ class SimWorker:
         self.load_seq = 0
         self.load_ts = 0.0
         self.step = index * 37
+        #: KV events (rule 6): the last ``seq`` given out, and per rank the chains cached, as
+        #: ``[oldest, next)``: chain ``k`` holds names ``base + k * B`` to ``base + (k + 1) * B``.
+        self.kv_seq = 0
+        self.kv_chains = [[0, 0] for _ in range(ranks)]
         #: The newest heartbeat published to every subscriber.
         self.heartbeat: Heartbeat | None = None
         self.subscribers: list[EventPlane] = []
@@ -629,6 +658,12 @@ class EventPlane(Connection):
         self.busy_from: int | None = None
         #: When a batch is due (``None``: none scheduled).
         self.send_at: float | None = None
+        #: KV events (rule 6): asked for; a snapshot due; the events not yet sent, and their
+        #: block names.
+        self.kv_on = False
+        self.kv_snapshot_due = False
+        self.kv_pending: list[KvEvent] = []
+        self.kv_pending_names = 0
 
     def start(self, answer: bytes) -> None:
         fleet = self.fleet
@@ -660,13 +695,34 @@ class EventPlane(Connection):
         self.busy_from = busy_from(subscribe.thresholds)
         if protocol == "new":
             self.interval = max(self.own_interval, subscribe.publish_interval)
+            if subscribe.kv_events and self.fleet.kv_blocks:
+                if not self.kv_on or subscribe.kv_snapshot:
+                    self.kv_snapshot_due = True
+                    self.kv_pending = []
+                    self.kv_pending_names = 0
+                self.kv_on = True
+                self.schedule(self.fleet.now)
 
     def pending(self) -> bool:
         worker = self.worker
         heartbeat = worker.heartbeat
-        return worker.load_seq > self.taken_seq or (
-            heartbeat is not None and heartbeat.seq > self.taken_seq
+        return (
+            worker.load_seq > self.taken_seq
+            or (heartbeat is not None and heartbeat.seq > self.taken_seq)
+            or self.kv_snapshot_due
+            or bool(self.kv_pending)
         )
+
+    def kv_event(self, event: KvEvent, names: int) -> None:
+        """Queue a KV event (rule 6); past the bound, a snapshot replaces the backlog."""
+        if not self.kv_on or self.kv_snapshot_due:
+            return
+        self.kv_pending.append(event)
+        self.kv_pending_names += names + 1
+        if self.kv_pending_names > self.fleet.kv_backlog_limit:
+            self.kv_snapshot_due = True
+            self.kv_pending = []
+            self.kv_pending_names = 0
 
     def changed(self, now: float) -> None:
         """The worker's loads changed: note an edge (rule 4), then send or schedule."""
@@ -719,6 +775,26 @@ class EventPlane(Connection):
             ]
         if events:
             self._send(events, heartbeats=heartbeats, now=now, loads=worker.loads)
+        if self.kv_snapshot_due or self.kv_pending:
+            self._send_kv(now)
+
+    def _send_kv(self, now: float) -> None:
+        fleet = self.fleet
+        counters = fleet.counters
+        kv: list[KvEvent]
+        if self.kv_snapshot_due:
+            kv = [fleet.kv_snapshot(self.worker)]
+            counters.kv_snapshots += 1
+            self.kv_snapshot_due = False
+        else:
+            kv = self.kv_pending
+        self.kv_pending = []
+        self.kv_pending_names = 0
+        counters.kv_events += len(kv)
+        counters.kv_messages += 1
+        self.last_sent = now
+        self.send_at = None
+        self.write(server_frame(OP_BINARY, encode(KvBatch(events=kv))))
 
     def _send(
         self, events: list[WorkerEvent], *, heartbeats: int, now: float, loads: list[RankLoad]
@@ -1011,8 +1087,14 @@ class Fleet:
         paused: bool,
         protocol: Protocol,
         answer: Callable[[str], None],
+        kv_blocks: int = 0,
     ) -> None:
         self.protocol = protocol
+        #: Blocks per stored chain (rule 6; 0: no KV events), chains a rank holds at most, and
+        #: the pending names past which a subscriber is sent a snapshot instead.
+        self.kv_blocks = kv_blocks if protocol == "new" else 0
+        self.kv_chains_per_rank = KV_TOTAL_BLOCKS // kv_blocks if kv_blocks else 0
+        self.kv_backlog_limit = max(1024, KV_TOTAL_BLOCKS * ranks)
         self.ranks = ranks
         self.rate = rate
         self.answer = answer
@@ -1049,9 +1131,8 @@ class Fleet:
             listener.bind(("127.0.0.1", 0))
             listener.listen(socket.SOMAXCONN)
             listener.setblocking(False)
-            worker = SimWorker(
-                index, listener, hello_of(f"{prefix}-{index}", ranks, protocol), ranks
-            )
+            hello = hello_of(f"{prefix}-{index}", ranks, protocol, kv_events=bool(self.kv_blocks))
+            worker = SimWorker(index, listener, hello, ranks)
             self.workers.append(worker)
             self.selector.register(listener, selectors.EVENT_READ, _Listener(self, worker))
         self._tick_shares = [self.workers[slot::SLOTS] for slot in range(SLOTS)]
@@ -1102,8 +1183,50 @@ class Fleet:
         worker.seq += ranks
         worker.load_ts = wall
         self.counters.generated += ranks
+        if self.kv_blocks:
+            self._churn(worker)
         for subscriber in worker.subscribers:
             subscriber.changed(now)
+
+    def _churn(self, worker: SimWorker) -> None:
+        """Store one chain per rank, evicting the oldest first when the rank is full (rule 6)."""
+        size = self.kv_blocks
+        subscribers = [s for s in worker.subscribers if s.kv_on]
+        for rank, chains in enumerate(worker.kv_chains):
+            base = (worker.index * self.ranks + rank) << 32
+            events: list[KvEvent] = []
+            if chains[1] - chains[0] >= self.kv_chains_per_rank:
+                start = base + chains[0] * size
+                worker.kv_seq += 1
+                events.append(
+                    KvRemoved(
+                        seq=worker.kv_seq, dp_rank=rank, blocks=list(range(start, start + size))
+                    )
+                )
+                chains[0] += 1
+            start = base + chains[1] * size
+            worker.kv_seq += 1
+            events.append(
+                KvStored(
+                    seq=worker.kv_seq,
+                    dp_rank=rank,
+                    parent=None,
+                    blocks=list(range(start, start + size)),
+                )
+            )
+            chains[1] += 1
+            for subscriber in subscribers:
+                for event in events:
+                    subscriber.kv_event(event, size)
+
+    def kv_snapshot(self, worker: SimWorker) -> KvSnapshot:
+        """The worker's whole cache as of its last KV event (rule 6)."""
+        size = self.kv_blocks
+        ranks = []
+        for rank, (oldest, following) in enumerate(worker.kv_chains):
+            base = (worker.index * self.ranks + rank) << 32
+            ranks.append(list(range(base + oldest * size, base + following * size)))
+        return KvSnapshot(seq=worker.kv_seq, ranks=ranks)
 
     def _mode_range(self) -> tuple[int, int]:
         low_fraction, high_fraction = BUSY_RANGE if self.busy else FREE_RANGE
@@ -1265,6 +1388,13 @@ def main() -> None:
     parser.add_argument(
         "--paused", action="store_true", help="no load changes before the first busy/free"
     )
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="KV events (protocol new): each rank's tick stores a chain of this many blocks, "
+        "evicting the oldest once full (0: no KV events)",
+    )
     options = parser.parse_args()
     if options.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {options.cpu})
@@ -1282,6 +1412,7 @@ def main() -> None:
         options.paused,
         options.protocol,
         answer,
+        kv_blocks=max(options.kv_blocks, 0),
     )
     # Few long-lived objects, but thousands of connections' worth: out of the collector's view.
     gc.freeze()

@@ -306,3 +306,62 @@ async def test_the_event_plane_honours_the_asked_interval_but_sends_edges_at_onc
                 assert seqs == sorted(seqs)
                 assert seqs[0] > last_seq
                 last_seq = seqs[-1]
+
+
+async def test_kv_events_a_snapshot_then_every_event_in_order_and_a_fresh_snapshot() -> None:
+    # Rule 6: ticks store chains of 4 blocks and evict the oldest once a rank holds its 1,000.
+    args = ["--rate", "200", "--ranks", "2", "--kv-blocks", "4"]
+    with trio.fail_after(60):
+        async with (
+            _simulator("new", workers=1, extra=args) as (sim, [port]),
+            _plane(port, wire.EVENTS_PATH) as plane,
+        ):
+            hello = wire.decode_event_message((await plane.messages())[0])
+            assert isinstance(hello, wire.Hello)
+            assert wire.FEATURE_KV_EVENTS in hello.features
+            ask = wire.Subscribe(thresholds=wire.BusyThresholds(), kv_events=True)
+            await plane.send_message(wire.encode(ask))
+            cached: dict[int, set[int]] = {}
+            seq: int | None = None
+            snapshots: list[wire.KvSnapshot] = []
+            evictions = 0
+            asked = False
+            for _ in range(10_000):
+                for data in await plane.messages():
+                    message = wire.decode_event_message(data)
+                    if not isinstance(message, wire.KvBatch):
+                        continue
+                    for event in message.events:
+                        if isinstance(event, wire.KvSnapshot):
+                            snapshots.append(event)
+                            cached = {r: set(names) for r, names in enumerate(event.ranks)}
+                            seq = event.seq
+                            continue
+                        assert seq is not None, "an event before the first snapshot"
+                        assert event.seq == seq + 1, "a gap or a reordering"
+                        seq = event.seq
+                        if isinstance(event, wire.KvStored):
+                            assert not cached[event.dp_rank] & set(event.blocks)
+                            cached[event.dp_rank].update(event.blocks)
+                        elif isinstance(event, wire.KvRemoved):
+                            assert set(event.blocks) <= cached[event.dp_rank]
+                            cached[event.dp_rank].difference_update(event.blocks)
+                            evictions += 1
+                    assert all(len(names) <= lean_sim.KV_TOTAL_BLOCKS for names in cached.values())
+                if evictions and not asked:
+                    fresh = wire.Subscribe(
+                        thresholds=ask.thresholds, kv_events=True, kv_snapshot=True
+                    )
+                    await plane.send_message(wire.encode(fresh))
+                    asked = True
+                if len(snapshots) == 2 and seq is not None and seq > snapshots[1].seq + 10:
+                    break
+            assert len(snapshots) == 2
+            # The fresh snapshot is the full cache of each rank, and events went on from it.
+            assert [len(names) for names in snapshots[1].ranks] == [lean_sim.KV_TOTAL_BLOCKS] * 2
+            assert seq is not None
+            assert seq > snapshots[1].seq
+            assert all(len(names) == lean_sim.KV_TOTAL_BLOCKS for names in cached.values())
+            stats = json.loads((await _command(sim, "stats")).partition(" ")[2])
+            assert stats["kv_snapshots"] == 2
+            assert stats["kv_events"] >= seq - snapshots[1].seq
