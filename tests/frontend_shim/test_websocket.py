@@ -251,3 +251,12 @@ def test_our_masked_frames_read_back_through_wsproto(size: int) -> None:
     assert message.data == payload
     server.receive_data(encode_frame(OP_CLOSE, close_payload(1000)))
     assert any(isinstance(event, CloseConnection) for event in server.events())
+
+
+def test_masking_keys_are_fresh_for_every_frame_across_refills() -> None:
+    # Keys come from one read of os.urandom per 1,024 frames: 3,000 frames cross two refills.
+    keys = [encode_frame(OP_BINARY, b"abcd")[2:6] for _ in range(3000)]
+    assert len(set(keys)) > 2990  # random 32-bit keys: a handful of repeats at most
+    frame = encode_frame(OP_BINARY, b"payload!")
+    key, masked = frame[2:6], frame[6:]
+    assert bytes(byte ^ key[i % 4] for i, byte in enumerate(masked)) == b"payload!"
