@@ -23,6 +23,7 @@ import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
+from typing import Final
 
 import prometheus_client
 import trio
@@ -42,7 +43,7 @@ from frontend_shim._pool import WorkerPool
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
-from shim_common._httpserver import HTTPLimits, IdleConnections, serve_http
+from shim_common._httpserver import HTTPLimits, IdleConnections, Shutdown, serve_http
 from shim_common._net import CLOSE_BATCH, base_url
 from shim_common.prefix import FileTokenizer, PromptTokenizer, WordTokenizer
 
@@ -192,6 +193,7 @@ async def run_frontend(
             else None
         )
         # HTTP first: /live and /health answer while the links of a large fleet start.
+        http_shutdown = Shutdown()
         port = await nursery.start(
             lambda task_status: serve_http(
                 handler,
@@ -206,6 +208,7 @@ async def run_frontend(
                 ssl_context=tls,
                 on_tls_failure=metrics.count_tls_failure,
                 idle=idle_http,
+                shutdown=http_shutdown,
                 task_status=task_status,
             )
         )
@@ -230,8 +233,16 @@ async def run_frontend(
                 )
                 break
             await _drain(api, settings.drain_grace, signals)
+            # The listener closes before the last answers: a client arriving now is refused by
+            # the kernel, or was accepted and gets its answer (503 while draining), never a
+            # connection closed with no status line.
+            await http_shutdown.close(_EXIT_ANSWER_SECONDS)
         nursery.cancel_scope.cancel()
     sys.stdout.flush()
+
+
+#: At the exit, the longest wait for the connections accepted to get their answers and close.
+_EXIT_ANSWER_SECONDS: Final = 1.0
 
 
 async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) -> None:

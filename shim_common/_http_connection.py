@@ -69,6 +69,12 @@ Rules of one connection (a loop of request/response cycles):
    next on a keep-alive connection), it is listed in the server's :class:`IdleConnections`; a
    server out of file descriptors closes the longest idle of them first
    (:mod:`shim_common._httpserver`).
+9. A server that stops winds its connections down (:meth:`Connection.wind_down`): each one
+   answers the request it has begun to receive, or the first one of a connection that has sent
+   nothing yet (it was accepted, so it is owed an answer), with ``Connection: close``, then
+   closes; one that waits for a next request on a kept connection closes at once. (A client
+   that sends a next request at that very moment finds the connection closed, the race every
+   keep-alive client must retry, RFC 9112 9.3.1.)
 """
 
 from __future__ import annotations
@@ -223,6 +229,8 @@ class Connection:
         # The request being handled: its head, and when it arrived.
         self._request: RequestHead | None = None
         self._request_started = 0.0
+        # The server stops: no request after the current one (rule 9).
+        self._winding_down = False
 
     @property
     def response_started(self) -> bool:
@@ -360,6 +368,12 @@ class Connection:
         """End the connection now, as it waits for a request it has received nothing of."""
         self._scope.cancel()
 
+    def wind_down(self) -> None:
+        """End the connection after the request it answers or awaits first (rule 9)."""
+        self._winding_down = True
+        self._cycle.keep_alive = False
+        self._data_arrived.unpark_all()  # a wait for a next request ends (see _read_head)
+
     async def _run_cycles(self) -> None:
         cycle = self._cycle
         first = True
@@ -401,6 +415,8 @@ class Connection:
                 return None  # pragma: no cover - a head always comes first
             if self._cycle.theirs == GONE:
                 return None  # a clean close between requests, or a partial head at EOF
+            if self._winding_down and not first and not self._parser.mid_request:
+                return None  # no next request is awaited (rule 9)
             if self._idle is None or events or self._parser.mid_request:
                 await self._wait_for_data()
             else:
@@ -474,7 +490,10 @@ class Connection:
         )
         # Positional arguments: this runs once per request.
         cycle.request_received(
-            head.keep_alive and not head.upgrade, head.expects_continue, discardable, ended
+            head.keep_alive and not head.upgrade and not self._winding_down,
+            head.expects_continue,
+            discardable,
+            ended,
         )
         request = HTTPRequest(self, head.method, head.target, head.headers, head.http_version)
         failure: Exception | None = None

@@ -14,6 +14,13 @@ the longest idle connections (those waiting for a request with nothing of it rec
 8 of :mod:`shim_common._http_connection`) and accepts again, so new clients are served while
 idle keep-alive connections pile up; only with none idle does it wait 0.1 s before the next try.
 It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts since the last line.
+
+A server stops in order with a :class:`Shutdown`: first it stops accepting (what already waits in
+the listen backlog is accepted, then the listeners close, so a later connection is refused by
+the kernel), then every connection answers the request it has begun, or the first one of a
+connection that has sent nothing yet, and closes (rule 9 of :mod:`shim_common._http_connection`).
+A client arriving at the exit thus gets a status line or a refused connection, never a
+connection that closes with no answer.
 """
 
 from __future__ import annotations
@@ -62,10 +69,61 @@ __all__ = [
     "RequestTimeout",
     "error_body",
     "json_headers",
+    "Shutdown",
     "serve_connection",
     "serve_http",
     "serve_http_listeners",
 ]
+
+
+class Shutdown:
+    """How a server stops in order (see the module's docstring): give one to
+    :func:`serve_http` (or :func:`serve_http_listeners`), then call :meth:`close` before
+    cancelling the server."""
+
+    def __init__(self) -> None:
+        self._closing = False
+        self._accepting: list[trio.CancelScope] = []
+        self._accept_loops = 0
+        # Connections accepted and not yet ended (counted from the accept, before their task
+        # runs), and those of them whose Connection exists, to wind down.
+        self._open = 0
+        self._connections: set[Connection] = set()
+        self._changed = trio.lowlevel.ParkingLot()
+
+    async def close(self, answer_seconds: float) -> None:
+        """Stop accepting, then let every connection answer what it is owed and close.
+
+        Args:
+            answer_seconds: the longest wait for the connections to end (what is still open
+                after it is left to the caller's cancellation).
+        """
+        self._closing = True
+        for scope in self._accepting:
+            scope.cancel()
+        with trio.move_on_after(answer_seconds):
+            # Bounded: each accept loop ends after a bounded sweep of its backlog.
+            while self._accept_loops:
+                await self._changed.park()
+            for connection in list(self._connections):
+                connection.wind_down()
+            while self._open:
+                await self._changed.park()
+
+    def _accepted(self) -> None:
+        self._open += 1
+
+    def _ended(self) -> None:
+        self._open -= 1
+        self._changed.unpark_all()
+
+    def _add(self, connection: Connection) -> None:
+        self._connections.add(connection)
+        if self._closing:
+            connection.wind_down()
+
+    def _discard(self, connection: Connection) -> None:
+        self._connections.discard(connection)
 
 
 async def serve_connection(
@@ -76,6 +134,7 @@ async def serve_connection(
     on_error: Callable[[BaseException], None] | None = None,
     on_send_stall: Callable[[], None] | None = None,
     idle: IdleConnections | None = None,
+    shutdown: Shutdown | None = None,
 ) -> None:
     """Serve HTTP/1.1 on one connection until either side ends it; never raises ``Exception``.
 
@@ -88,14 +147,19 @@ async def serve_connection(
             for ``limits.send_timeout`` (a client that stopped reading).
         idle: where the connection is listed while it is idle (closable at the descriptor
             limit).
+        shutdown: the server's :class:`Shutdown`, which winds the connection down.
     """
     connection = Connection(stream, handler, limits, on_error, on_send_stall, idle)
+    if shutdown is not None:
+        shutdown._add(connection)
     try:
         await connection.run()
     except Exception as exc:
         # Whatever one connection does wrong stays with that connection.
         connection.report(exc)
     finally:
+        if shutdown is not None:
+            shutdown._discard(connection)
         await trio.aclose_forcefully(stream)
 
 
@@ -109,6 +173,7 @@ async def serve_http_listeners(
     ssl_context: ssl.SSLContext | None = None,
     on_tls_failure: Callable[[BaseException], None] | None = None,
     idle: IdleConnections | None = None,
+    shutdown: Shutdown | None = None,
 ) -> None:
     """Serve HTTP on listeners the caller opened, until cancelled.
 
@@ -124,6 +189,8 @@ async def serve_http_listeners(
             nothing else is affected).
         idle: the registry of idle connections to use (e.g. shared with code that also needs
             descriptors, to close some when it runs out); a fresh one by default.
+        shutdown: how the server is to stop in order; without one, cancelling it ends every
+            connection where it stands.
     """
 
     def tls_failed(exc: BaseException) -> None:
@@ -145,16 +212,19 @@ async def serve_http_listeners(
                 on_error=on_error,
                 on_send_stall=on_send_stall,
                 idle=idle_connections,
+                shutdown=shutdown,
             )
         finally:
             await trio.aclose_forcefully(stream)
+            if shutdown is not None:
+                shutdown._ended()
 
     idle_connections = IdleConnections() if idle is None else idle
     log = DescriptorLimitLog(logger, "accept")
     async with trio.open_nursery() as nursery:
         for listener in listeners:
             nursery.start_soon(
-                _accept_forever, listener, nursery, on_connection, idle_connections, log
+                _accept_forever, listener, nursery, on_connection, idle_connections, log, shutdown
             )
 
 
@@ -166,25 +236,69 @@ _RETRY_SECONDS: Final = 0.1
 logger = logging.getLogger(__name__)
 
 
+# At a shutdown, the most connections taken from one listener's backlog, and how long an accept
+# may wait for one before the backlog counts as empty.
+_BACKLOG_SWEEP: Final = 1024
+_BACKLOG_WAIT_SECONDS: Final = 0.005
+
+
 async def _accept_forever(
     listener: trio.SocketListener,
     nursery: trio.Nursery,
     on_connection: Callable[[trio.SocketStream], Awaitable[None]],
     idle: IdleConnections,
     log: DescriptorLimitLog,
+    shutdown: Shutdown | None,
 ) -> None:
     async with listener:
-        while True:
+        accepting = trio.CancelScope()
+        if shutdown is not None:
+            if shutdown._closing:
+                return
+            shutdown._accepting.append(accepting)
+            shutdown._accept_loops += 1
+        try:
+            with accepting:
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if not out_of_descriptors(exc):
+                            raise
+                        closed = idle.close_oldest(CLOSE_BATCH)
+                        log.note(exc, closed)
+                        await trio.sleep(RELEASE_SECONDS if closed else _RETRY_SECONDS)
+                        continue
+                    if shutdown is not None:
+                        shutdown._accepted()
+                    nursery.start_soon(on_connection, stream)
+            if shutdown is not None:
+                # The shutdown began: a connection the kernel has already completed is owed an
+                # answer (closing the listener would reset it), so the backlog is taken first.
+                await _sweep_backlog(listener, nursery, on_connection, shutdown)
+        finally:
+            if shutdown is not None:
+                shutdown._accept_loops -= 1
+                shutdown._changed.unpark_all()
+    # Leaving ``async with listener`` closed it: the kernel refuses later connections.
+
+
+async def _sweep_backlog(
+    listener: trio.SocketListener,
+    nursery: trio.Nursery,
+    on_connection: Callable[[trio.SocketStream], Awaitable[None]],
+    shutdown: Shutdown,
+) -> None:
+    for _ in range(_BACKLOG_SWEEP):
+        with trio.move_on_after(_BACKLOG_WAIT_SECONDS):
             try:
                 stream = await listener.accept()
-            except OSError as exc:
-                if not out_of_descriptors(exc):
-                    raise
-                closed = idle.close_oldest(CLOSE_BATCH)
-                log.note(exc, closed)
-                await trio.sleep(RELEASE_SECONDS if closed else _RETRY_SECONDS)
-                continue
+            except OSError:
+                return  # out of descriptors: what is left is reset with the listener
+            shutdown._accepted()
             nursery.start_soon(on_connection, stream)
+            continue
+        return
 
 
 async def serve_http(
@@ -198,6 +312,7 @@ async def serve_http(
     ssl_context: ssl.SSLContext | None = None,
     on_tls_failure: Callable[[BaseException], None] | None = None,
     idle: IdleConnections | None = None,
+    shutdown: Shutdown | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind ``host:port`` and serve HTTP (HTTPS with ``ssl_context``) until cancelled.
@@ -212,6 +327,7 @@ async def serve_http(
         ssl_context: serve HTTPS (see :func:`serve_http_listeners`).
         on_tls_failure: called for each failed or late TLS handshake.
         idle: the registry of idle connections (see :func:`serve_http_listeners`).
+        shutdown: how the server is to stop in order (see :func:`serve_http_listeners`).
         task_status: receives the bound port once listening (use with ``nursery.start``).
 
     Raises:
@@ -229,4 +345,5 @@ async def serve_http(
         ssl_context=ssl_context,
         on_tls_failure=on_tls_failure,
         idle=idle,
+        shutdown=shutdown,
     )

@@ -167,3 +167,77 @@ async def test_sigterm_to_a_frontend_mid_stream_loses_nothing() -> None:
                         assert await frontend.wait() == 0
 
             await repeated(scenario)
+
+
+# -- arrivals at the frontend's exit ---------------------------------------------------------
+
+#: Connections opened before the exit (accepted, nothing sent), and new ones opened at it.
+EARLY_CONNECTIONS = 4
+LATE_CONNECTIONS = 4
+
+
+async def _answer_or_refusal(url: str, stream: trio.SocketStream | None, request: bytes) -> str:
+    """What one arrival at the exit got: ``"status"``, ``"refused"`` or ``"no status"``.
+
+    ``stream``: a connection opened before the exit, or ``None`` to open one now.
+    """
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    if stream is None:
+        try:
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        except OSError:
+            return "refused"  # the listener was closed: the kernel refused the connection
+    received = b""
+    async with stream:
+        try:
+            await stream.send_all(request)
+            for _ in range(1000):
+                data = await stream.receive_some(65536)
+                received += data
+                if not data or b"\r\n" in received:
+                    break
+        except (trio.BrokenResourceError, OSError):
+            pass
+    return "status" if received.startswith(b"HTTP/1.1 ") else "no status"
+
+
+async def test_arrivals_at_a_frontends_exit_get_a_status_line_or_a_refused_connection() -> None:
+    # The interleaving, driven on purpose: connections accepted before the exit send their
+    # request, and new connections are opened, the moment the last stream in flight ends, which
+    # is when the drain ends and the frontend exits. Each is owed a status line (the accepted
+    # ones) or is refused; none may be closed with no answer.
+    body = json.dumps({"model": MODEL, "prompt": "one", "max_tokens": 4}).encode()
+
+    async def scenario() -> None:
+        async with started(frontend_cmd(ws), clean_env()) as ((url,), frontend):
+            await wait_connected(url)
+            parts = urllib.parse.urlsplit(url)
+            assert parts.hostname is not None
+            assert parts.port is not None
+            request = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (parts.netloc.encode(), len(body), body)
+            )
+            early = [
+                await trio.open_tcp_stream(parts.hostname, parts.port)
+                for _ in range(EARLY_CONNECTIONS)
+            ]
+            await stream_and_signal(url, frontend)  # returns as the stream ends: the exit
+            outcomes: list[str] = []
+
+            async def arrive(stream: trio.SocketStream | None) -> None:
+                outcomes.append(await _answer_or_refusal(url, stream, request))
+
+            async with trio.open_nursery() as nursery:
+                for stream in [*early, *[None] * LATE_CONNECTIONS]:
+                    nursery.start_soon(arrive, stream)
+            with trio.fail_after(30):
+                assert await frontend.wait() == 0
+            assert "no status" not in outcomes, outcomes
+            assert len(outcomes) == EARLY_CONNECTIONS + LATE_CONNECTIONS
+
+    with trio.fail_after(TIMEOUT):
+        async with started(worker_cmd(), clean_env()) as ((ws, _system), _worker):
+            await repeated(scenario)
