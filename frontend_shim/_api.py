@@ -28,7 +28,7 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
 4. Route (:class:`~frontend_shim._router.Router`): 529 all busy, 503 no worker, 404 unknown model.
    A busy-exempt request that finds no free worker goes to the least loaded unmarked one.
    With no free (or, exempt, unmarked) worker, a request may still go to a marked worker whose
-   mark its class beats (rule 7 of :mod:`frontend_shim._router`): a better priority, or the
+   mark its class beats (rule 5 of :mod:`frontend_shim._router`): a better priority, or the
    same priority and another tenant, may displace a waiting request there. A refusal marks the
    worker for the refused request's class.
    Every 529 and 503 says why in ``x-dynamo-reject-reason`` (``busy``, ``marked``,
@@ -325,8 +325,14 @@ class FrontendAPI:
             if kv is not None and choice is not None:
                 kv.sent(choice, now)
             request = link.request(exchange.endpoint, body, priority, tenant, outcome.dp_rank)
+            queue_bound: int | None = None
             async with request as stream:
-                first = await stream.first()
+                # In the worker's queue, as this frontend pictures it, until its first reply.
+                self._fleet.request_pending(worker_id, now)
+                try:
+                    first = await stream.first()
+                finally:
+                    self._fleet.request_answered(worker_id, trio.current_time())
                 if isinstance(first, wire.Started):
                     if kv is not None and choice is not None:
                         kv.started(exchange.label, choice, prompt)
@@ -354,6 +360,7 @@ class FrontendAPI:
                     return
                 if isinstance(first, wire.Rejected):
                     reason = wire.RejectReason.parse(first.reason)
+                    queue_bound = first.queue_bound
                 elif first.kind == "unavailable":
                     reason = wire.RejectReason.OTHER_UNAVAILABLE
                 else:
@@ -362,7 +369,7 @@ class FrontendAPI:
             # The events the worker sent before it refused are applied already: the link
             # applies them before it hands a refusal over (frontend_shim._request_plane).
             if attempt.on_rejected(
-                self._router, worker_id, reason, trio.current_time(), priority, tenant
+                self._router, worker_id, reason, trio.current_time(), priority, tenant, queue_bound
             ):
                 continue
             if reason.kind is RejectionKind.OVERLOADED:

@@ -163,6 +163,7 @@ class WorkerLoad:
         "mark_tenants",
         "mark_until",
         "pool",
+        "queue_delta",
         "queued_for_mark",
         "queued_for_stale",
         "queued_requests",
@@ -171,6 +172,10 @@ class WorkerLoad:
         "removed",
         "reported_ranks",
         "saturated_ranks",
+        "slo_bound",
+        "slo_holds",
+        "slo_priority",
+        "slo_until",
         "stale",
         "stale_after",
         "sum_blocks",
@@ -213,6 +218,16 @@ class WorkerLoad:
         self.mark_tenants: set[str] | None = None
         self.queued_for_mark = False
         self.queued_for_stale = False
+        #: Requests this frontend sent the worker since its last event and has not heard a
+        #: first reply from: with :attr:`queued_requests`, its picture of the worker's queue.
+        self.queue_delta = 0
+        #: The queue depth an objective's refusal said the worker refuses at (``None``: no such
+        #: refusal in force), until ``slo_until``, for priorities of ``slo_priority`` and worse;
+        #: ``slo_holds``: the mark in force is that refusal's, held while the queue is as long.
+        self.slo_bound: int | None = None
+        self.slo_until = 0.0
+        self.slo_priority = 0
+        self.slo_holds = False
         self.available = False
         self.free = False
         #: Counted in its pool's ``unsaturated_free`` (remembered: saturation changes later).

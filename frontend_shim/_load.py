@@ -32,6 +32,13 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    A mark can never stick (Dynamo issue #14213). The mark has the class of the request refused
    (:mod:`frontend_shim._free_sets` rule 4): a request of a better class may still be routed to a
    marked worker when none is free, and a refusal of it widens the mark.
+3b. An objective's refusal (``slo``) marks only what it proves: that this worker refuses while
+   its queue is at least B deep (the ``queue_bound`` of its refusal). For one lease, renewed by
+   each such refusal, the worker is marked, for the refused priority and worse, exactly while
+   this frontend's picture of its queue is at least B: the queue of the worker's last event
+   plus the requests sent since then that have no first reply yet (:meth:`Fleet.request_pending`,
+   :meth:`Fleet.request_answered`). Each event re-judges it with the new queue, so a worker
+   whose queue went down is routed to again at once, not after the lease.
 4. A threshold change (:meth:`Fleet.set_thresholds`) recomputes every worker of that model at
    once (one scan per change), so it takes effect immediately: sooner than Dynamo's documented
    "next load event or within one second".
@@ -285,11 +292,15 @@ class Fleet:
         worker.last_seen = now
         worker.stale = False
         worker.mark_until = None
+        worker.slo_holds = False
+        worker.queue_delta = 0
         if not worker.queued_for_stale:
             self._push_stale_deadline(worker)
         self._set_gauges(
             worker, newest.engine_requests, newest.queued_requests, newest.effective_limit
         )
+        if worker.slo_bound is not None:
+            self._hold_for_slo(worker, now)
         self._sets.update_membership(worker)
         return applied
 
@@ -382,6 +393,9 @@ class Fleet:
                 continue
             if worker.mark_until <= now:
                 worker.mark_until = None
+                if worker.slo_holds:
+                    worker.slo_holds = False
+                    worker.slo_bound = None
                 self._sets.update_membership(worker)
             else:
                 self._push(self._mark_heap, worker.mark_until, worker)
@@ -416,7 +430,8 @@ class Fleet:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
-        fresh = worker.mark_until is None or worker.mark_until <= now
+        # A mark held for an objective's refusal is not a refusal of this kind: start afresh.
+        fresh = worker.mark_until is None or worker.mark_until <= now or worker.slo_holds
         if priority is None:
             # Below every valid priority, with every tenant: nothing beats it.
             worker.mark_priority, worker.mark_tenants = wire.PRIORITY_MIN - 1, None
@@ -427,11 +442,92 @@ class Fleet:
             if len(worker.mark_tenants) > self.mark_tenants:
                 worker.mark_tenants = None
         worker.mark_until = now + self.mark_lease
+        worker.slo_holds = False
         if not worker.queued_for_mark:
             self._push(self._mark_heap, worker.mark_until, worker)
             worker.queued_for_mark = True
         self._sets.update_membership(worker)
         return True
+
+    def mark_slo(
+        self, worker_id: str, now: float, priority: int, queue_bound: int | None = None
+    ) -> bool:
+        """Take note of an objective's refusal (rule 3b): the worker is held back, for the
+        refused priority and worse, only while its queue in this frontend's picture is at least
+        the depth it refuses at; for one lease, renewed by each such refusal.
+
+        Args:
+            worker_id: the worker that refused.
+            now: current time.
+            priority: the refused request's priority.
+            queue_bound: the depth the worker said it refuses at (its ``Rejected``);
+                ``None`` (an older worker): the depth of this frontend's picture now.
+
+        Returns:
+            Whether the worker is known.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        bound = max(1, self._queue_picture(worker) if queue_bound is None else queue_bound)
+        if worker.slo_bound is None or worker.slo_until <= now:
+            worker.slo_priority = priority
+        else:
+            worker.slo_priority = min(worker.slo_priority, priority)
+        worker.slo_bound = bound
+        worker.slo_until = now + self.mark_lease
+        self._hold_for_slo(worker, now)
+        self._sets.update_membership(worker)
+        return True
+
+    def request_pending(self, worker_id: str, now: float) -> None:
+        """A request goes to the worker: it is in the worker's queue until its first reply."""
+        self._move_queue(worker_id, 1, now)
+
+    def request_answered(self, worker_id: str, now: float) -> None:
+        """The worker's first reply to a request (started, refused or failed) arrived."""
+        self._move_queue(worker_id, -1, now)
+
+    def _move_queue(self, worker_id: str, step: int, now: float) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.queue_delta += step
+        if worker.slo_bound is not None:
+            self._hold_for_slo(worker, now)
+            self._sets.update_membership(worker)
+
+    @staticmethod
+    def _queue_picture(worker: WorkerLoad) -> int:
+        return max(0, worker.queued_requests + worker.queue_delta)
+
+    def _hold_for_slo(self, worker: WorkerLoad, now: float) -> None:
+        # Rule 3b: hold the worker back by a mark while its queue is at the bound, let it go
+        # when the queue is shorter; an ordinary mark in force is left as it is. The caller
+        # updates the membership.
+        bound = worker.slo_bound
+        if bound is None:
+            return
+        if worker.slo_until <= now:
+            worker.slo_bound = None
+            if worker.slo_holds:
+                worker.slo_holds = False
+                worker.mark_until = None
+            return
+        holds = self._queue_picture(worker) >= bound
+        if holds and worker.mark_until is None:
+            worker.slo_holds = True
+            worker.mark_until = worker.slo_until
+            worker.mark_priority, worker.mark_tenants = worker.slo_priority, None
+            if not worker.queued_for_mark:
+                self._push(self._mark_heap, worker.mark_until, worker)
+                worker.queued_for_mark = True
+        elif worker.slo_holds and not holds:
+            worker.slo_holds = False
+            worker.mark_until = None
+        elif worker.slo_holds:
+            worker.mark_until = worker.slo_until
+            worker.mark_priority = worker.slo_priority
 
     def set_lagging(self, worker_id: str, lagging: bool) -> bool:
         """Take a worker out of routing while its events are read too far behind, or back.

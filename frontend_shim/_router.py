@@ -2,7 +2,8 @@
 
 What the I/O side does for one request, and which piece here answers each question::
 
-    if fleet.all_models_busy(now): 529 before reading the body      (Fleet, O(1))
+    if fleet.may_shed_unread(now) and the head rules out a busy-exempt priority:
+        529 before reading the body                                 (Fleet, O(1))
     if queue.should_park(fleet, model, now):                        (FrontendQueue)
         queue.park(model, waiter) or 529 (queue full); wait until queue.release(fleet, now)
         hands the waiter back (called after applying events and on completions)
@@ -10,7 +11,7 @@ What the I/O side does for one request, and which piece here answers each questi
     loop:
         outcome = router.pick_class(model, now, priority, tenant, attempt.rejected_by, exempt)
         Routed -> send; on Rejected(reason):
-                  if attempt.on_rejected(router, id, reason, now, priority, tenant):
+                  if attempt.on_rejected(router, id, reason, now, priority, tenant, bound):
                   pick again; else 529
         AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
 
@@ -31,10 +32,12 @@ Rules:
    the scan at the cursor so that ties rotate, and names the rank chosen in :class:`Routed`.
    ``kv`` is O(free ranks) per pick (see bench/bench_router.py).
 4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event)
-   for the refused request's class; ``Server unavailable: ...`` takes it out until it reports
-   ``ready``. Either way the request never started, so it may go to another worker while
-   ``migration_limit`` allows, never to one that already rejected it.
-7. Class-aware marks (:meth:`Router.pick_class`; the mark's class is
+   for the refused request's class, but an objective's (``slo``) only while the worker's queue
+   is as deep as the one it refused at (:mod:`frontend_shim._load` rule 3b); ``Server
+   unavailable: ...`` takes it out until it reports ``ready``. Either way the request never
+   started, so it may go to another worker while ``migration_limit`` allows, never to one that
+   already rejected it.
+5. Class-aware marks (:meth:`Router.pick_class`; the mark's class is
    :mod:`frontend_shim._free_sets` rule 4). Free workers come first, chosen by the mode, so the
    common path costs what rule 3 says. Only when none is free (and, for a busy-exempt request,
    no unmarked worker either): a look at no more than :data:`MARKED_LOOK` marked workers of the
@@ -45,16 +48,16 @@ Rules:
    the price that a look over more than :data:`MARKED_LOOK` marked workers may miss one. None
    found: :class:`AllBusy`, which the HTTP layer answers ``marked`` when every available worker
    of the model is marked.
-5. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
+6. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
    the model has free workers but all of them are saturated (every reported rank has more
    prefill tokens than ``int(f * max_num_batched_tokens)``), or when it has free workers and
    requests of that model already wait (first come, first served). With no free worker there
    is nothing to wait for: the request gets its 529 (or 503) at once. The queue is bounded
-   (one bound for all models); full means 529. A release
-   hands back at most one waiter per unsaturated free worker (each routed request adds to the
+   (one bound for all models); full means 529. A release hands back at most one waiter per
+   unsaturated free worker (each routed request adds to the
    router's own prefill count, so the next release sees it), or every waiter of a model that
    has no free worker left (they then get their 529/503 at once instead of waiting).
-6. Retry-After: ``ceil(in_flight / completions_per_second)``, the time the fleet needs to turn
+7. Retry-After: ``ceil(in_flight / completions_per_second)``, the time the fleet needs to turn
    over what it holds now, clamped to [1, 30] s; 1 s before any completion was seen. When
    workers with a TTFT objective have lowered their effective limit below what they still run
    (:meth:`~frontend_shim._load.Fleet.slot_share` < 1), the rate measured so far overstates the
@@ -97,7 +100,7 @@ __all__ = [
 
 #: Largest Retry-After (seconds) sent with a 529.
 DEFAULT_RETRY_AFTER_CAP: Final = 30
-#: Marked workers one request looks at, at most, for one whose mark its class beats (rule 7).
+#: Marked workers one request looks at, at most, for one whose mark its class beats (rule 5).
 MARKED_LOOK: Final = 16
 
 
@@ -308,7 +311,7 @@ class Router:
         self, model: str, now: float, priority: int, tenant: str, exclude: Collection[str],
         busy_ok: bool,
     ) -> Routed | None:  # fmt: skip
-        # Rule 7: the least loaded of at most MARKED_LOOK marked workers whose mark the class
+        # Rule 5: the least loaded of at most MARKED_LOOK marked workers whose mark the class
         # beats (busy ones only for a busy-exempt request); None: none among those looked at.
         marked = self.fleet.marked_workers(model, now)
         if not marked:
@@ -339,7 +342,7 @@ class Router:
         exempt: bool = False,
         prompt: Prompt = NO_PROMPT,
     ) -> Outcome:
-        """Choose a worker for a request of a class (rules 1-3, then 7).
+        """Choose a worker for a request of a class (rules 1-3, then 5).
 
         Args:
             model: the requested model.
@@ -370,6 +373,7 @@ class Router:
         now: float,
         priority: int | None = None,
         tenant: str = "",
+        queue_bound: int | None = None,
     ) -> RejectionKind:
         """Take note that a worker rejected a request (rule 4).
 
@@ -380,12 +384,18 @@ class Router:
             priority: the rejected request's priority (``None``: unknown; an overload mark
                 then covers every class).
             tenant: the rejected request's tenant.
+            queue_bound: for an objective's refusal, the queue depth the worker refuses at
+                (:attr:`~shim_common.wire.Rejected.queue_bound`).
 
         Returns:
             The kind of rejection.
         """
         kind = classify_rejection(reason)
-        if kind is RejectionKind.OVERLOADED:
+        if wire.RejectReason.parse(reason) is wire.RejectReason.SLO:
+            # Rule 4: it proves only that the worker's queue is long; held while it is.
+            refused = wire.PRIORITY_MIN - 1 if priority is None else priority
+            self.fleet.mark_slo(worker_id, now, refused, queue_bound)
+        elif kind is RejectionKind.OVERLOADED:
             self.fleet.mark_overloaded(worker_id, now, priority, tenant)
         elif kind is RejectionKind.UNAVAILABLE:
             self.fleet.mark_draining(worker_id)
@@ -423,6 +433,7 @@ class Attempt:
         now: float,
         priority: int | None = None,
         tenant: str = "",
+        queue_bound: int | None = None,
     ) -> bool:
         """Record a rejection (marking the worker through ``router``); say whether to retry.
 
@@ -433,12 +444,13 @@ class Attempt:
             now: current time.
             priority: the request's priority (``None``: unknown, the mark covers every class).
             tenant: the request's tenant.
+            queue_bound: as in :meth:`Router.on_rejected`.
 
         Returns:
             ``True`` when the request may be tried on another worker: the rejection was a
             capacity or availability one and the migration limit is not used up.
         """
-        kind = router.on_rejected(worker_id, reason, now, priority, tenant)
+        kind = router.on_rejected(worker_id, reason, now, priority, tenant, queue_bound)
         self.rejected_by.add(worker_id)
         return kind is not RejectionKind.OTHER and self.migrations <= self.migration_limit
 
@@ -517,7 +529,7 @@ class FrontendQueue(Generic[_W]):
         return True
 
     def should_park(self, fleet: Fleet, model: str, now: float) -> bool:
-        """Whether a new request of ``model`` must wait here (rule 5 of the module docstring).
+        """Whether a new request of ``model`` must wait here (rule 6 of the module docstring).
 
         When it is ``True`` the caller parks the request with :meth:`park` (which answers
         ``False`` when the queue is full: reject with 529).
@@ -532,7 +544,7 @@ class FrontendQueue(Generic[_W]):
         return self.waiting(model) > 0 or fleet.unsaturated_free_count(model, now) == 0
 
     def release(self, fleet: Fleet, now: float) -> list[_W]:
-        """Waiters that may go on now (rule 5), oldest first per model.
+        """Waiters that may go on now (rule 6), oldest first per model.
 
         The I/O side calls this after applying a batch of events and after a request ends,
         wakes each returned waiter, and each then calls :meth:`Router.pick`.
@@ -644,7 +656,7 @@ def retry_after_seconds(
         in_flight: requests in flight in the fleet (or of the model).
         completions_per_second: from :meth:`CompletionRate.rate`; ``None`` when unknown.
         cap: the largest value returned (>= 1).
-        slot_share: the fleet's effective limits over what it runs (in (0, 1]; rule 6): the
+        slot_share: the fleet's effective limits over what it runs (in (0, 1]; rule 7): the
             part of the measured pace that will last.
 
     Returns:

@@ -503,17 +503,24 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field=
     reason: str = CANCEL_REASON_CLIENT
 
 
-class Rejected(msgspec.Struct, frozen=True, kw_only=True, tag="rejected", tag_field="type"):
+class Rejected(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="rejected", tag_field="type"
+):
     """The request never started; ``reason`` is a :class:`RejectReason`'s text (a frontend reads
     it back with :meth:`RejectReason.parse`)."""
 
     request_id: int
     reason: str
+    #: With :attr:`RejectReason.SLO`: the queue depth the worker refuses at, B (an arrival
+    #: with B or more requests queued ahead of it is refused), so a frontend holds the worker
+    #: back only while its queue is that long, not for every later request. ``None`` from a
+    #: worker that predates the field, and with every other reason.
+    queue_bound: int | None = None
 
     @classmethod
-    def of(cls, request_id: int, reason: RejectReason) -> Rejected:
+    def of(cls, request_id: int, reason: RejectReason, queue_bound: int | None = None) -> Rejected:
         """The message for a worker's rejection: where a reason becomes the wire's text."""
-        return cls(request_id=request_id, reason=reason.value)
+        return cls(request_id=request_id, reason=reason.value, queue_bound=queue_bound)
 
 
 class Started(msgspec.Struct, frozen=True, kw_only=True, tag="started", tag_field="type"):

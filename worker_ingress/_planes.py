@@ -78,6 +78,7 @@ from shim_common.wire import (
     Hello,
     KvBatch,
     Rejected,
+    RejectReason,
     Reply,
     Started,
     decode_client_message,
@@ -411,6 +412,13 @@ class RequestConnection:
                 self._no_requests = trio.Event()
             nursery.start_soon(self._run_request, message, prepared, scope)
 
+    def _rejected(self, request_id: int, reason: RejectReason) -> Rejected:
+        # An objective's refusal says at which queue depth it refuses (docs/protocol.md).
+        slo = self._host.gate.slo
+        if reason is RejectReason.SLO and slo is not None:
+            return Rejected.of(request_id, reason, slo.queue_bound)
+        return Rejected.of(request_id, reason)
+
     async def _prepare(self, generate: Generate) -> PreparedRequest | None:
         """Validate a request; answer it here when that needs no task (bad input, certain
         rejection), else return the prepared request."""
@@ -423,7 +431,7 @@ class RequestConnection:
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the
             # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
-            await self._ws.send_message(encode(Rejected.of(request_id, reason)))
+            await self._ws.send_message(encode(self._rejected(request_id, reason)))
             return None
         try:
             prepared = host.engine.prepare(generate.endpoint, generate.body)
@@ -534,7 +542,7 @@ class RequestConnection:
                             await self._sender.send(*held)
                             held = []
         except Rejection as rejection:
-            return [Rejected.of(request_id, rejection.reason)]
+            return [self._rejected(request_id, rejection.reason)]
         except Exception as error:
             logger.exception("engine failed on request %d", request_id)
             failed = Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")

@@ -357,6 +357,62 @@ def test_releases_per_worker_are_bounded_and_the_oldest_goes_first() -> None:
     assert worker.ranks[0].effective_blocks == 1000 - MAX_RELEASES
 
 
+def queue_event(feed: Feed, queued: int, now: float = 0.0, worker_id: str = "w0") -> None:
+    """A load event of an idle rank whose worker queues ``queued`` requests."""
+    event = wire.LoadEvent(
+        seq=feed._next(worker_id),
+        ts=0.0,
+        load=wire.RankLoad(
+            dp_rank=0, active_decode_blocks=0, active_prefill_tokens=0, kv_used_blocks=0
+        ),
+        engine_requests=4,
+        queued_requests=queued,
+    )
+    feed.fleet.apply(worker_id, event, now)
+
+
+def test_an_objectives_refusal_holds_the_worker_only_while_its_queue_is_that_deep() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(), 0.0)
+    queue_event(feed, queued=3)
+    assert fleet.mark_slo("w0", 0.0, priority=0, queue_bound=4)
+    assert is_free(fleet)  # 3 queued: an arrival would be the 4th, still admitted
+    fleet.request_pending("w0", 0.0)  # on its way: 4 in the picture
+    assert not is_free(fleet)
+    assert mark_admits(state(fleet), -1, "")
+    assert not mark_admits(state(fleet), 0, "x")
+    fleet.request_answered("w0", 0.01)  # it started
+    assert is_free(fleet)
+    queue_event(feed, queued=5, now=0.1)  # the worker's queue grew: held again
+    assert not is_free(fleet, now=0.1)
+    queue_event(feed, queued=1, now=0.2)  # and shrank: routed to again, lease or not
+    assert is_free(fleet, now=0.2)
+    queue_event(feed, queued=9, now=1.5)  # the lease ran out: the refusal is forgotten
+    assert is_free(fleet, now=1.5)
+    assert state(fleet).slo_bound is None
+
+
+def test_an_objectives_refusal_leaves_an_ordinary_mark_alone() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(), 0.0)
+    queue_event(feed, queued=0)
+    fleet.mark_overloaded("w0", 0.0, 0, "")  # queue full: marked until the next event
+    fleet.mark_slo("w0", 0.1, priority=0, queue_bound=3)
+    assert not is_free(fleet, now=0.1)
+    queue_event(feed, queued=0, now=0.2)  # the event clears the mark; the queue is short
+    assert is_free(fleet, now=0.2)
+
+
+def test_an_older_workers_objective_refusal_holds_at_the_pictured_depth() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(), 0.0)
+    queue_event(feed, queued=2)
+    fleet.mark_slo("w0", 0.0, priority=0)  # no bound in the refusal: the depth pictured, 2
+    assert not is_free(fleet)
+    queue_event(feed, queued=1, now=0.1)
+    assert is_free(fleet, now=0.1)
+
+
 def test_prompt_blocks_round_up() -> None:
     fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
     fleet.register(config(total=10, block_size=16), 0.0)
@@ -651,13 +707,34 @@ class FreeSetMachine(RuleBasedStateMachine):
     def mark(self, worker_id: str, priority: int | None, tenant: str) -> None:
         worker = self.fleet.worker(worker_id)
         until = None if worker is None else worker.mark_until
-        if until is None or until <= self.now:
+        if until is None or until <= self.now or (worker is not None and worker.slo_holds):
             self.refusals[worker_id] = []  # a mark whose lease ran out starts afresh
         self.fleet.mark_overloaded(worker_id, self.now, priority, tenant)
         if worker is not None:
             # A refusal of unknown class: below every priority, so nothing beats it.
             refused = wire.PRIORITY_MIN - 1 if priority is None else priority
             self.refusals[worker_id].append((refused, tenant))
+
+    @rule(
+        worker_id=st.sampled_from(WORKERS),
+        priority=st.integers(-1, 1),
+        bound=st.none() | st.integers(1, 3),
+    )
+    def refuse_for_the_objective(self, worker_id: str, priority: int, bound: int | None) -> None:
+        self.fleet.mark_slo(worker_id, self.now, priority, bound)
+
+    @rule(worker_id=st.sampled_from(WORKERS), answered=st.booleans())
+    def pending_or_answered(self, worker_id: str, answered: bool) -> None:
+        if answered:
+            self.fleet.request_answered(worker_id, self.now)
+        else:
+            self.fleet.request_pending(worker_id, self.now)
+
+    @invariant()
+    def an_objectives_mark_holds_exactly_while_the_queue_is_at_its_bound(self) -> None:
+        for worker in self.fleet.workers():
+            if worker.slo_holds and worker.slo_bound is not None and worker.slo_until > self.now:
+                assert worker.queued_requests + worker.queue_delta >= worker.slo_bound
 
     @rule(worker_id=st.sampled_from(WORKERS), prompt=st.integers(0, 30))
     def send(self, worker_id: str, prompt: int) -> None:
@@ -716,7 +793,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     @invariant()
     def a_mark_admits_a_class_iff_it_beats_every_refusal(self) -> None:
         for worker in self.fleet.workers():
-            if worker.mark_until is None or worker.mark_until <= self.now:
+            if worker.mark_until is None or worker.mark_until <= self.now or worker.slo_holds:
                 continue
             refusals = self.refusals[worker.worker_id]
             best = min(p for p, _ in refusals)

@@ -575,7 +575,12 @@ async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_fo
             await send(ws, completion(2))
             # Request 2 waits behind 1 (held by the engine) until its wait leaves no room.
             (refused,) = (await collect_until_final(ws, {2}))[2]
-            assert refused == Rejected(request_id=2, reason=wire.REASON_SLO)
+            slo = worker.gate.slo
+            assert slo is not None
+            # The refusal says at which queue depth the worker refuses (none yet: unbounded).
+            assert refused == Rejected(
+                request_id=2, reason=wire.REASON_SLO, queue_bound=slo.queue_bound
+            )
             assert worker.gate.state.slo_rejected_total == 1
             engine.release.set()
             assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
