@@ -304,8 +304,10 @@ class FrameReader:
         self._fragments_size = 0
 
     def limit(self, max_message_bytes: int) -> None:
-        """Accept messages of at most ``max_message_bytes`` from now on (rule 4)."""
+        """Accept messages of at most ``max_message_bytes`` from now on (rule 4), the frame
+        under way included: its header, held with it, is read again at the next call."""
         self._max = max_message_bytes
+        self._needed = 0
 
     @property
     def buffered(self) -> int:

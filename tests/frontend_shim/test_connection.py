@@ -177,3 +177,20 @@ async def test_a_message_over_the_lowered_cap_is_refused_from_its_header() -> No
             await trio.sleep(0.05)
             with pytest.raises(ProtocolError, match="a message over 1000 bytes"):
                 connection.messages_now()
+
+
+async def test_the_lowered_cap_applies_to_a_message_already_under_way() -> None:
+    # The hello and the header of a large message (under the connection's first cap) come in
+    # one read, before the hello says how large the worker's messages can be: the cap lowered
+    # then still refuses that message.
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            header = bytes([0x82, 127]) + (CAP // 2).to_bytes(8, "big")
+            await worker.send_all(server_frame(OP_BINARY, b"hello") + header + b"x" * 1000)
+            await trio.sleep(0.05)
+            assert connection.messages_now() == [b"hello"]
+            connection.limit_messages(66560)
+            await worker.send_all(b"x" * 1000)
+            await trio.sleep(0.05)
+            with pytest.raises(ProtocolError, match="a message over 66560 bytes"):
+                connection.messages_now()
