@@ -19,17 +19,27 @@ Rules of the discipline
    attained service divided by its weight: prompt tokens (charged when its request is chosen
    to start) plus :data:`GENERATED_TOKEN_COST` per generated token (charged by the gate as
    output arrives), as in Virtual Token Counter fair queuing (:func:`service_tokens`).
-3. **No credit for idle time.** A flow that becomes backlogged in a band lifts its tenant's
-   counter to the smallest counter among the flows already backlogged there (never lowers it).
-   So a tenant that was idle cannot then monopolise the band to "catch up", and a heavy tenant
-   that is always backlogged cannot starve a light one: the difference between the counters of
-   two backlogged tenants stays within a bound set by the largest single charge.
+3. **No credit for idle time, none for a new name.** A flow that becomes backlogged in a band
+   lifts its tenant's counter (never lowers it) to the smallest counter among the flows already
+   backlogged there or to the band's *clock*, whichever is larger. The clock is the largest
+   counter a tenant of the band had right after it was chosen to start (its charge included):
+   the service already attained there. So a tenant that was idle cannot then monopolise the
+   band to "catch up", a heavy tenant that is always backlogged cannot starve a light one (the
+   difference between the counters of two backlogged tenants stays within a bound set by the
+   largest single charge), and tenants that come and go under ever new names cannot hold the
+   band's counters still: each one served moves the clock on by its charge, so a tenant that
+   stays is served again once the clock passes its counter (with equal charges, at least every
+   other start while it is backlogged).
 4. **Equal priorities and one tenant are FIFO**, as the gate was before this module.
 5. **Displacement at a full queue** (:meth:`FairQueue.victim`): an arrival whose priority is
    strictly lower (better) than the worst priority waiting displaces the most recently queued
    entry of that worst priority. An arrival *of* the worst priority waiting whose tenant holds
    fewer places in that band than the tenant holding the most displaces that tenant's most
-   recently queued entry. Otherwise nobody is displaced (the gate rejects the arrival).
+   recently queued entry, except that an arrival of a tenant new to the gate (no record: no
+   request of it queued or running) never takes another tenant's only place: it displaces only
+   from a tenant holding two places or more. So names made up per request cannot turn a queue of
+   one place per tenant into a displacement per arrival. Otherwise nobody is displaced (the gate
+   rejects the arrival).
 6. **Tenant state is bounded.** A :class:`Tenant` record lives while its tenant has a request in
    the gate (queued or running) and is forgotten when the last one leaves (so idle tenants cost
    nothing). At most ``max_tenants`` records exist; tenants beyond that share one overflow record
@@ -157,10 +167,13 @@ class _Flow:
 class _Band:
     """Everything waiting at one priority."""
 
-    __slots__ = ("by_places", "flows", "heap", "most", "order", "priority", "size")
+    __slots__ = ("by_places", "clock", "flows", "heap", "most", "order", "priority", "size")
 
     def __init__(self, priority: int) -> None:
         self.priority = priority
+        #: The largest counter a tenant of the band had right after it was chosen to start
+        #: (rule 3); a newly backlogged flow starts from it at least.
+        self.clock = 0.0
         #: Backlogged flows by tenant.
         self.flows: dict[Tenant, _Flow] = {}
         #: (service and attained service when pushed, tie-break, flow): least service on top;
@@ -292,7 +305,7 @@ class FairQueue:
         if flow is None:
             flow = _Flow(tenant)
             if band.flows:
-                floor = self._least_service(band)
+                floor = max(self._least_service(band), band.clock)
                 if tenant.service < floor:
                     tenant.service = floor
             band.flows[tenant] = flow
@@ -329,7 +342,10 @@ class FairQueue:
         order = band.order
         while order and order[0]._flow is None:
             order.popleft()
-        self.charge(entry.tenant, service_tokens(prompt_tokens=entry.prompt_tokens))
+        tenant = entry.tenant
+        self.charge(tenant, service_tokens(prompt_tokens=entry.prompt_tokens))
+        if tenant.service > band.clock:
+            band.clock = tenant.service
         return entry
 
     def remove(self, entry: QueueEntry) -> bool:
@@ -368,7 +384,10 @@ class FairQueue:
         if priority > band.priority:
             return None
         own = band.flows.get(tenant) if tenant is not None else None
-        if (own.live if own is not None else 0) >= band.most:
+        places = own.live if own is not None else 0
+        # A tenant new to the gate counts as holding one place more (rule 5): it never takes
+        # another tenant's only place.
+        if places + (tenant is None) >= band.most:
             return None
         heaviest = next(iter(band.by_places[band.most]))
         return self._newest(heaviest.entries), DISPLACED_BY_SHARE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -160,3 +161,46 @@ def test_many_cancellations_keep_memory_proportional_to_what_is_queued() -> None
     assert len(band.order) < 64
     assert len(band.heap) < 64
     assert _drain(queue) == [keep[0].number]
+
+
+def test_a_tenant_new_to_the_gate_never_takes_another_tenants_only_place() -> None:
+    queue = FairQueue()
+    _queue(queue, [(0, f"once-{n}", 10) for n in range(4)])
+    # Every tenant holds one place: a made-up name per request displaces nobody.
+    assert queue.victim(0, None) is None
+    # A tenant the gate knows (a request of it running, none queued here) still may.
+    known = queue.tenant("known")
+    found = queue.victim(0, known)
+    assert found is not None
+    assert found[1] == DISPLACED_BY_SHARE
+    # From a tenant holding two places, a newcomer takes one (the light-tenant case).
+    _queue(queue, [(0, "once-0", 10)])
+    found = queue.victim(0, None)
+    assert found is not None
+    assert found[0].tenant.name == "once-0"
+
+
+def test_tenants_under_ever_new_names_cannot_starve_one_that_stays() -> None:
+    # A tenant that stays backlogged, against a stream of tenants each sending one request
+    # under a new name: the band's clock moves on with each of them served, so the one that
+    # stays is served at least every other start (equal prompts).
+    queue = FairQueue()
+    stays = queue.tenant("stays")
+    stays.service = stays.attained = 1000.0  # it has been served before
+    for number in range(4):
+        queue.push(QueueEntry(number, 0, stays, 10))
+    starts: list[str] = []
+    for number in range(4, 60):
+        queue.push(QueueEntry(number, 0, queue.tenant(f"new-{number}"), 10))
+        entry = queue.pop()
+        assert entry is not None
+        starts.append(entry.tenant.name)
+        queue.release(entry.tenant)
+        if entry.tenant is stays:
+            queue.push(QueueEntry(1000 + number, 0, stays, 10))
+            queue.tenant("stays")  # the record counts the new request
+    # Each newcomer is lifted to the one that stays (the floor) and would win the tie on
+    # attained service every time; the clock lifts the next one past it instead.
+    served = [name == "stays" for name in starts]
+    assert all(a or b for a, b in itertools.pairwise(served))
+    assert sum(served) >= len(served) // 2
