@@ -63,7 +63,12 @@ from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
 from frontend_shim._request_body import BadRequest, parse_completion_body, shorten
-from frontend_shim._request_class import header_priority, request_class
+from frontend_shim._request_class import (
+    OPEN_POLICY,
+    ClassPolicy,
+    header_priority,
+    request_class,
+)
 from frontend_shim._responses import (
     REJECT_REASON_HEADER,
     error_type,
@@ -124,6 +129,8 @@ class FrontendAPI:
         busy_exempt_priority: requests of this priority or better are not shed by the busy
             thresholds (``--busy-exempt-priority``); ``None``: every request may be.
         kv: ``--router-mode kv``'s per-request part (tokenisation, guesses, hit metrics).
+        class_policy: who may claim which class (``--max-client-priority``,
+            ``DYN_GATEWAY_TOKEN``); the default takes every claim as it is.
     """
 
     def __init__(
@@ -138,6 +145,7 @@ class FrontendAPI:
         metrics: FrontendMetrics,
         busy_exempt_priority: int | None = None,
         kv: KvRouting | None = None,
+        class_policy: ClassPolicy = OPEN_POLICY,
     ) -> None:
         self._fleet = fleet
         self._router = router
@@ -147,6 +155,7 @@ class FrontendAPI:
         self._overload_status = overload_status
         self._overload_body = overload_body(overload_status)
         self._busy_exempt = busy_exempt_priority
+        self._class_policy = class_policy
         self._kv = kv
         self._completions = CompletionRate()
         self._in_flight = 0
@@ -242,7 +251,7 @@ class FrontendAPI:
         try:
             try:
                 body = parse_completion_body(await request.read_body(), endpoint)
-                priority, tenant = request_class(request.headers, body)
+                priority, tenant = request_class(request.headers, body, self._class_policy)
             except BadRequest as exc:
                 self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
                 raise
@@ -270,8 +279,11 @@ class FrontendAPI:
         # body decides, so it is read; a malformed header is answered 400 after the read.
         if self._busy_exempt is None:
             return False
+        floor = self._class_policy.priority_floor(request.headers)
+        if floor is not None and floor > self._busy_exempt:
+            return False  # it may not claim a priority that exempts it
         try:
-            priority = header_priority(request.headers)
+            priority = header_priority(request.headers, self._class_policy)
         except BadRequest:
             return True
         return priority is None or priority <= self._busy_exempt

@@ -40,6 +40,7 @@ from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
 from frontend_shim._metrics import BudgetSample, FrontendMetrics, LinkSample, RankLoadSample
 from frontend_shim._pool import WorkerPool
+from frontend_shim._request_class import ClassPolicy
 from frontend_shim._router import Router, RouterMode
 from frontend_shim._waiting import WaitingRoom
 from shim_common._access import client_context, server_context
@@ -178,6 +179,12 @@ async def run_frontend(
         api = FrontendAPI(
             overload_status=settings.overload_status,
             busy_exempt_priority=settings.busy_exempt_priority,
+            class_policy=ClassPolicy(
+                max_client_priority=settings.max_client_priority,
+                gateway_token=None
+                if settings.gateway_token is None
+                else settings.gateway_token.encode(),
+            ),
             fleet=fleet,
             router=router,
             links=bridge,

@@ -27,6 +27,7 @@ from frontend_shim._config import (
     admin_api_disabled,
     overload_status_from_env,
 )
+from frontend_shim._request_class import GATEWAY_TOKEN_ENV
 from shim_common._access import (
     ADMIN_TOKEN_ENV,
     WORKER_TOKEN_ENV,
@@ -156,6 +157,14 @@ def _frontend(
             validator=of_kind(PRIORITY),
         ),
     ] = None,
+    max_client_priority: Annotated[
+        int | None,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_MAX_CLIENT_PRIORITY",
+            validator=of_kind(PRIORITY),
+        ),
+    ] = None,
     max_body_bytes: Annotated[
         int,
         Parameter(
@@ -231,8 +240,9 @@ def _frontend(
     Other environment: DYN_HTTP_OVERLOAD_STATUS_CODE (status of an overload answer, default 529;
     any integer 200-599), DYN_DISABLE_FRONTEND_ADMIN_API (truthy: /busy_threshold answers 404),
     DYN_WORKER_TOKEN (bearer token sent to every worker), DYN_ADMIN_TOKEN (bearer token
-    /busy_threshold requires). --admission-control and DYN_ADMISSION_CONTROL are accepted and
-    ignored.
+    /busy_threshold requires), DYN_GATEWAY_TOKEN (the token a trusted gateway sends in
+    x-dynamo-gateway-token: only its requests claim a priority and a tenant freely).
+    --admission-control and DYN_ADMISSION_CONTROL are accepted and ignored.
 
     Parameters
     ----------
@@ -266,6 +276,10 @@ def _frontend(
         Requests with a priority <= this (x-dynamo-priority, else the body's priority) are not
         shed by the busy thresholds: with every worker busy they go to the least loaded one not
         marked overloaded, whose own cap decides. Unset: every request may be shed.
+    max_client_priority
+        The most urgent priority a client may claim (lower is more urgent): a request's
+        x-dynamo-priority or body priority below it is raised to it. Unset: any priority from
+        -1000 to 1000. With DYN_GATEWAY_TOKEN set it bounds every request but the gateway's.
     max_body_bytes
         Largest request body accepted (413 beyond).
     admission_control
@@ -345,6 +359,7 @@ def _frontend(
         router_queue_capacity=router_queue_capacity,
         migration_limit=migration_limit,
         busy_exempt_priority=busy_exempt_priority,
+        max_client_priority=max_client_priority,
         max_body_bytes=max_body_bytes,
         overload_status=overload_status_from_env(),
         admin_api_disabled=admin_api_disabled(),
@@ -354,6 +369,7 @@ def _frontend(
         event_budget=event_budget,
         worker_token=token_from_env(WORKER_TOKEN_ENV),
         admin_token=token_from_env(ADMIN_TOKEN_ENV),
+        gateway_token=token_from_env(GATEWAY_TOKEN_ENV),
         tls_cert_path=tls.cert_path,
         tls_key_path=tls.key_path,
         tls_ca_path=tls_ca_path,

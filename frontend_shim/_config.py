@@ -54,6 +54,8 @@ class FrontendSettings:
     migration_limit: int = 0
     #: ``--busy-exempt-priority``: requests of this priority or better skip the busy thresholds.
     busy_exempt_priority: int | None = None
+    #: ``--max-client-priority``: the most urgent priority a client may claim (``None``: any).
+    max_client_priority: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     #: Status code of an overload answer (``DYN_HTTP_OVERLOAD_STATUS_CODE``).
     overload_status: int = DEFAULT_OVERLOAD_STATUS
@@ -84,6 +86,9 @@ class FrontendSettings:
     worker_token: str | None = dataclasses.field(default=None, repr=False)
     #: ``DYN_ADMIN_TOKEN``: required by ``GET``/``POST /busy_threshold`` when set.
     admin_token: str | None = dataclasses.field(default=None, repr=False)
+    #: ``DYN_GATEWAY_TOKEN``: with it, only a request that carries it in
+    #: ``x-dynamo-gateway-token`` claims its class freely (frontend_shim/_request_class.py).
+    gateway_token: str | None = dataclasses.field(default=None, repr=False)
     #: ``--tls-cert-path``/``--tls-key-path``: the HTTP listener serves ``https://``.
     tls_cert_path: str | None = None
     tls_key_path: str | None = None

@@ -11,10 +11,21 @@ Rules (the gate that acts on them is worker_ingress/_fair_queue.py):
    ``user`` that is not a string is a 400 as well.
 3. The header is read from the request head, so a priority given there is known before the
    body is read (what lets a busy frontend shed a non-exempt request without reading its body).
+4. Who may claim a class (:class:`ClassPolicy`, from ``--max-client-priority`` and
+   ``DYN_GATEWAY_TOKEN``). By default a request's class is what it says (rules 1 and 2). With
+   a maximum client priority P, a claimed priority more urgent than P (lower) is raised to P.
+   With a gateway token, only a request whose ``x-dynamo-gateway-token`` header carries it
+   (compared in constant time) is from the trusted gateway: its class is taken as it says,
+   unclamped. Every other request is a client speaking for itself: its priority is clamped to
+   P (to 0 when P is unset: it may ask to wait longer, never to be served sooner) and its
+   tenant is the shared tenant ``""``, whatever it claims. A claim is still checked (rules 1
+   and 2: out of range is a 400) before it is clamped or set aside.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -23,7 +34,11 @@ from shim_common._numbers import PRIORITY, NumberError
 from shim_common.wire import TENANT_MAX_CHARS
 
 __all__ = [
+    "GATEWAY_TOKEN_ENV",
+    "GATEWAY_TOKEN_HEADER",
+    "OPEN_POLICY",
     "PRIORITY_HEADER",
+    "ClassPolicy",
     "TENANT_HEADER",
     "header_priority",
     "request_class",
@@ -31,6 +46,47 @@ __all__ = [
 
 PRIORITY_HEADER: Final = b"x-dynamo-priority"
 TENANT_HEADER: Final = b"x-dynamo-tenant"
+#: The header a trusted gateway sends its token in (rule 4).
+GATEWAY_TOKEN_HEADER: Final = b"x-dynamo-gateway-token"
+#: The variable that holds the gateway's token (never a flag: it would show in ``ps``).
+GATEWAY_TOKEN_ENV: Final = "DYN_GATEWAY_TOKEN"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClassPolicy:
+    """Who may claim which class (rule 4).
+
+    Attributes:
+        max_client_priority: The most urgent priority a client may claim (``None``: any, or 0
+            for a client that is not the gateway when a gateway token is set).
+        gateway_token: The trusted gateway's token, as bytes; ``None``: every request is
+            trusted (bounded by ``max_client_priority`` alone).
+    """
+
+    max_client_priority: int | None = None
+    gateway_token: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def trusts(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        """Whether the request comes from the trusted gateway (there is one, and its token is
+        in the request's ``x-dynamo-gateway-token`` header)."""
+        token = self.gateway_token
+        if token is None:
+            return False
+        presented = _header(headers, GATEWAY_TOKEN_HEADER)
+        # Constant time, as every token comparison (shim_common/_access.py, rule 2).
+        return presented is not None and hmac.compare_digest(presented.strip(), token)
+
+    def priority_floor(self, headers: Sequence[tuple[bytes, bytes]]) -> int | None:
+        """The most urgent priority this request may have (``None``: no bound)."""
+        if self.gateway_token is None:
+            return self.max_client_priority
+        if self.trusts(headers):
+            return None
+        return 0 if self.max_client_priority is None else self.max_client_priority
+
+
+#: Every claim taken as it is (no flag, no variable): the default.
+OPEN_POLICY: Final = ClassPolicy()
 
 
 def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -64,28 +120,46 @@ def _priority(value: object, where: str) -> int:
         ) from None
 
 
-def header_priority(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
-    """The priority the request head gives (``None``: no header).
+def header_priority(
+    headers: Sequence[tuple[bytes, bytes]], policy: ClassPolicy = OPEN_POLICY
+) -> int | None:
+    """The priority the request head gives (``None``: no header), as the policy allows it.
 
     Raises:
         BadRequest: 400, the header is not an integer in range.
     """
     raw = _header(headers, PRIORITY_HEADER)
-    return None if raw is None else _priority(raw, "header x-dynamo-priority")
+    if raw is None:
+        return None
+    return _allowed(_priority(raw, "header x-dynamo-priority"), policy.priority_floor(headers))
+
+
+def _allowed(priority: int, floor: int | None) -> int:
+    return priority if floor is None or priority >= floor else floor
 
 
 def request_class(
-    headers: Sequence[tuple[bytes, bytes]], body: Mapping[str, Any]
+    headers: Sequence[tuple[bytes, bytes]],
+    body: Mapping[str, Any],
+    policy: ClassPolicy = OPEN_POLICY,
 ) -> tuple[int, str]:
-    """``(priority, tenant)`` of a completion request (rules 1 and 2).
+    """``(priority, tenant)`` of a completion request (rules 1, 2 and 4).
 
     Raises:
         BadRequest: 400, naming the header or the field.
     """
-    priority = header_priority(headers)
+    priority = header_priority(headers, policy)
     if priority is None:
         value = body.get("priority")
         priority = 0 if value is None else _priority(value, "`priority`")
+        priority = _allowed(priority, policy.priority_floor(headers))
+    tenant = _tenant(headers, body)
+    if policy.gateway_token is not None and not policy.trusts(headers):
+        return priority, ""
+    return priority, tenant
+
+
+def _tenant(headers: Sequence[tuple[bytes, bytes]], body: Mapping[str, Any]) -> str:
     raw = _header(headers, TENANT_HEADER)
     if raw is not None:
         tenant = raw.decode("utf-8", "replace")
@@ -93,7 +167,7 @@ def request_class(
     else:
         user = body.get("user")
         if user is None:
-            return priority, ""
+            return ""
         if not isinstance(user, str):
             raise BadRequest(400, f"`user` must be a string, got {quote(user)}")
         tenant, where = user, "`user`"
@@ -101,4 +175,4 @@ def request_class(
         raise BadRequest(
             400, f"{where} must be at most {TENANT_MAX_CHARS} characters, got {len(tenant)}"
         )
-    return priority, tenant
+    return tenant

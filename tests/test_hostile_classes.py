@@ -1,6 +1,6 @@
 """Hostile input to the admission classes, through real ``worker-ingress`` and ``frontend-shim``
-processes: tenant weights at the edge of their range, and out of it (docs/reliability.md,
-"Hostile input").
+processes: tenant weights at the edge of their range, and out of it; priorities and tenants
+claimed by clients that may not (docs/reliability.md, "Hostile input").
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import trio
-from test_classes import MODEL, post
+from test_classes import MODEL, Queue, _blocker, _worker, post
 from test_e2e import (
     MOCKER_FLAGS,
     READY,
@@ -117,3 +117,32 @@ def test_a_weight_out_of_its_range_is_refused_at_start_up(weight: str) -> None:
     assert b"--tenant-weights" in result.stderr
     assert b"from 1e-6 to 1e6" in result.stderr
     assert b" ready " not in result.stdout
+
+
+async def test_a_client_may_not_claim_a_class_only_the_gateway_may() -> None:
+    # One slot, so the start order is the answer order. With --max-client-priority 0 and a
+    # gateway token, a client claiming -1000 is served as 0 (after the plain request queued
+    # before it); the gateway's -5, carried with its token, overtakes both.
+    worker, env = _worker(8)
+    frontend_env = clean_env(DYN_GATEWAY_TOKEN="gw-token")
+    frontend = frontend_cmd("--worker", "WS", "--max-client-priority", "0")
+    with trio.fail_after(TIMEOUT):
+        async with started(worker, env) as (ws, system):
+            frontend[frontend.index("WS")] = ws
+            async with started(frontend, frontend_env) as (url,):
+                await wait_connected(url)
+                queue = Queue(url, system)
+                async with trio.open_nursery() as nursery:
+                    await _blocker(queue, nursery)
+                    await queue.enqueue(nursery, "hand")
+                    await queue.enqueue(nursery, "plain")
+                    await queue.enqueue(
+                        nursery, "client", ("x-dynamo-priority", "-1000"), ("x-dynamo-tenant", "a")
+                    )
+                    await queue.enqueue(
+                        nursery,
+                        "gateway",
+                        ("x-dynamo-priority", "-5"),
+                        ("x-dynamo-gateway-token", "gw-token"),
+                    )
+                assert queue.order == ["hand", "gateway", "plain", "client"]
