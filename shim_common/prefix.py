@@ -45,6 +45,8 @@ MAX_BLOCK_NAME: Final = 2**63 - 1
 
 # The array type code whose items are 4 bytes wide ("I" on every common platform).
 _UINT32: Final = next(code for code in ("I", "L") if array(code).itemsize == 4)
+#: ASCII characters ``str.split`` takes for whitespace and ``bytes.split`` does not.
+_ASCII_ONLY_STR_SPACES: Final = "\x1c\x1d\x1e\x1f"
 _ROOT: Final = b"\x00"
 _CHILD: Final = b"\x01"
 
@@ -67,8 +69,12 @@ class WordTokenizer:
     __slots__ = ()
 
     def encode(self, text: str) -> list[int]:
-        """One id per whitespace-separated word of ``text``."""
+        """One id per whitespace-separated word of ``text`` (as ``str.split`` cuts it)."""
         crc32 = zlib.crc32
+        if text.isascii() and not any(separator in text for separator in _ASCII_ONLY_STR_SPACES):
+            # The same words, three times faster: on ASCII text bytes.split() cuts where
+            # str.split() does, except at the four separators only str.split() takes for spaces.
+            return list(map(crc32, text.encode("ascii").split()))
         return [crc32(word.encode("utf-8")) for word in text.split()]
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,18 @@ def test_word_tokenizer_counts_as_the_mocker_does() -> None:
 WORDS = WordTokenizer()
 
 
+@given(
+    text=st.text(
+        alphabet=st.sampled_from(list("ab \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\u00a0\u2003é")),
+        max_size=30,
+    )
+)
+def test_every_text_is_cut_where_str_split_cuts_it(text: str) -> None:
+    # The fast path for ASCII text must give the ids of the plain definition, exotic spaces
+    # included.
+    assert WORDS.encode(text) == [zlib.crc32(word.encode("utf-8")) for word in text.split()]
+
+
 def test_chat_prompts_are_the_messages_texts_in_order() -> None:
     body = {
         "messages": [
@@ -206,4 +219,3 @@ def test_without_the_library_the_error_says_what_to_install(
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r"dynamo-shim\[tokenizers\]"):
         FileTokenizer(str(tmp_path / "tokenizer.json"))
-
