@@ -1,11 +1,14 @@
 """Can the mocker keep up with its own simulated GPU? Wall-clock cost per engine step.
 
 Run: ``python bench/bench_mocker.py [--concurrency C] [--prompt-words P] [--max-tokens M]
-[--rounds R] [--speedups 10,100]``.
+[--rounds R] [--speedups 10,100] [--caching off,on]``.
 
 Each round starts C concurrent requests (P prompt words, M generated tokens, every token read by
 its client task) on a default-shaped mocker and runs them to the end in real time, once per
-speedup ratio, side by side in one ``trio.run``. It prints, as medians over the rounds:
+speedup ratio and prefix-caching setting, side by side in one ``trio.run``. Every request has a
+prompt of its own (its words numbered apart from the others'), so with caching on the cache is
+looked up, filled and evicted but never hit: the rows compare what the cache's bookkeeping
+costs. It prints, as medians over the rounds:
 
 - ``cpu/step``: wall time the step loop spends computing a step (schedule + complete + wakeups),
   sleeping excluded;
@@ -28,6 +31,7 @@ from contextlib import aclosing
 import trio
 
 from worker_ingress._config import MockerSettings
+from worker_ingress.engines._base import PreparedRequest
 from worker_ingress.engines._mocker import MockerEngine
 
 
@@ -42,10 +46,20 @@ class _Result:
         self.keep_up = simulated / elapsed if elapsed > 0 else 0.0
 
 
-async def _one_run(speedup: float, concurrency: int, prompt_words: int, max_tokens: int) -> _Result:
-    engine = MockerEngine(MockerSettings(speedup_ratio=speedup))
-    body = {"prompt": " ".join(["word"] * prompt_words), "max_tokens": max_tokens}
-    request = engine.prepare("completions", body)
+async def _one_run(
+    speedup: float, caching: bool, concurrency: int, prompt_words: int, max_tokens: int
+) -> _Result:
+    engine = MockerEngine(MockerSettings(speedup_ratio=speedup, enable_prefix_caching=caching))
+    requests = [
+        engine.prepare(
+            "completions",
+            {
+                "prompt": " ".join(f"c{client}w{word}" for word in range(prompt_words)),
+                "max_tokens": max_tokens,
+            },
+        )
+        for client in range(concurrency)
+    ]
     simulated_total = 0.0
     original_schedule = engine.ranks[0].schedule
 
@@ -59,7 +73,7 @@ async def _one_run(speedup: float, concurrency: int, prompt_words: int, max_toke
 
     engine.ranks[0].schedule = schedule_and_account  # type: ignore[method-assign,assignment]
 
-    async def client() -> None:
+    async def client(request: PreparedRequest) -> None:
         async with aclosing(engine.generate(request)) as stream:
             async for _ in stream:
                 pass
@@ -68,8 +82,8 @@ async def _one_run(speedup: float, concurrency: int, prompt_words: int, max_toke
         await nursery.start(engine.run)
         started = time.perf_counter()
         async with trio.open_nursery() as clients:
-            for _ in range(concurrency):
-                clients.start_soon(client)
+            for request in requests:
+                clients.start_soon(client, request)
         elapsed = time.perf_counter() - started
         nursery.cancel_scope.cancel()
     return _Result(engine, elapsed, simulated_total)
@@ -77,21 +91,27 @@ async def _one_run(speedup: float, concurrency: int, prompt_words: int, max_toke
 
 async def _main(args: argparse.Namespace) -> None:
     speedups = [float(s) for s in args.speedups.split(",")]
-    results: dict[float, list[_Result]] = {s: [] for s in speedups}
+    cachings = [part.strip() == "on" for part in args.caching.split(",") if part.strip()]
+    results: dict[tuple[float, bool], list[_Result]] = {
+        (s, c): [] for s in speedups for c in cachings
+    }
     for _ in range(args.rounds):
-        for speedup in speedups:
-            result = await _one_run(speedup, args.concurrency, args.prompt_words, args.max_tokens)
-            results[speedup].append(result)
+        for speedup, caching in results:
+            result = await _one_run(
+                speedup, caching, args.concurrency, args.prompt_words, args.max_tokens
+            )
+            results[speedup, caching].append(result)
     print(
         f"concurrency={args.concurrency} prompt_words={args.prompt_words} "
         f"max_tokens={args.max_tokens} rounds={args.rounds} (medians)"
     )
-    columns = ("speedup", "steps", "cpu/step", "wall/step", "sim/step", "keep-up")
-    widths = (8, 6, 10, 10, 10, 8)
+    columns = ("speedup", "cache", "steps", "cpu/step", "wall/step", "sim/step", "keep-up")
+    widths = (8, 5, 6, 10, 10, 10, 8)
     print(" ".join(f"{name:>{width}}" for name, width in zip(columns, widths, strict=True)))
-    for speedup, runs in results.items():
+    for (speedup, caching), runs in results.items():
         print(
-            f"{speedup:>8g} {statistics.median(r.steps for r in runs):>6g} "
+            f"{speedup:>8g} {'on' if caching else 'off':>5} "
+            f"{statistics.median(r.steps for r in runs):>6g} "
             f"{statistics.median(r.cpu_per_step for r in runs) * 1e6:>8.0f}us "
             f"{statistics.median(r.wall_per_step for r in runs) * 1e6:>8.0f}us "
             f"{statistics.median(r.sim_per_step for r in runs) * 1e6:>8.0f}us "
@@ -107,6 +127,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speedups", default="10,100")
+    parser.add_argument("--caching", default="off,on", help="prefix caching: off, on or both")
     trio.run(_main, parser.parse_args())
 
 
