@@ -336,7 +336,9 @@ class FrontendAPI:
             choice = outcome.kv
             if kv is not None and choice is not None:
                 kv.sent(choice, now)
-            request = link.request(exchange.endpoint, body, priority, tenant, outcome.dp_rank)
+            request = link.request(
+                exchange.endpoint, body, priority, tenant, outcome.dp_rank, exchange.arrival
+            )
             queue_bound: int | None = None
             async with request as stream:
                 # In the worker's queue, as this frontend pictures it, until its first reply.

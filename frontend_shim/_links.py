@@ -346,6 +346,7 @@ class WorkerLink:
         priority: int = 0,
         tenant: str = "",
         dp_rank: int | None = None,
+        arrival: float | None = None,
     ) -> AbstractAsyncContextManager[RequestStream]:
         """Run one request on the worker; use as ``async with link.request(...) as stream``.
 
@@ -363,11 +364,13 @@ class WorkerLink:
             priority: the request's priority (lower first), for a worker that reads it.
             tenant: the request's tenant, for a worker that reads it.
             dp_rank: the rank the router chose, for a worker that honours it.
+            arrival: when the request reached the frontend (Trio time), so that a worker that
+                counts it knows the time already spent.
 
         Returns:
             An async context manager yielding the :class:`RequestStream`.
         """
-        return self._request(endpoint, body, priority, tenant, dp_rank)
+        return self._request(endpoint, body, priority, tenant, dp_rank, arrival)
 
     @asynccontextmanager
     async def _request(
@@ -377,6 +380,7 @@ class WorkerLink:
         priority: int,
         tenant: str,
         dp_rank: int | None,
+        arrival: float | None,
     ) -> AsyncIterator[RequestStream]:
         plane = self._plane
         if plane is None:
@@ -384,7 +388,7 @@ class WorkerLink:
             buffer.finish(unavailable(0, f"{self.key} is not connected"))
             yield RequestStream(0, buffer)
             return
-        request_id, buffer = await plane.open(endpoint, body, priority, tenant, dp_rank)
+        request_id, buffer = await plane.open(endpoint, body, priority, tenant, dp_rank, arrival)
         try:
             yield RequestStream(request_id, buffer)
         finally:
@@ -550,6 +554,7 @@ class WorkerLink:
             classes=wire.FEATURE_CLASSES in hello.features,
             before_refusal=self._catch_up_events,
             ranks=wire.FEATURE_KV_EVENTS in hello.features,
+            frontend_time=wire.FEATURE_FRONTEND_TIME in hello.features,
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features

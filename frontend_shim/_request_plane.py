@@ -185,8 +185,11 @@ class RequestPlane:
         classes: bool = False,
         before_refusal: Callable[[], object] | None = None,
         ranks: bool = False,
+        frontend_time: bool = False,
     ) -> None:
         self._request_buffer = request_buffer
+        # The worker counts Generate.frontend_ms (its hello lists wire.FEATURE_FRONTEND_TIME).
+        self._frontend_time = frontend_time
         # The worker honours Generate.dp_rank (its hello lists wire.FEATURE_KV_EVENTS).
         self._ranks = ranks
         self._before_refusal = before_refusal
@@ -222,10 +225,12 @@ class RequestPlane:
         priority: int = 0,
         tenant: str = "",
         dp_rank: int | None = None,
+        arrival: float | None = None,
     ) -> tuple[int, ResponseBuffer]:
         """Register a request and queue its ``Generate``; waits while the outbox is full.
 
-        ``priority``, ``tenant`` and ``dp_rank`` are sent only to a worker that speaks them.
+        ``priority``, ``tenant`` and ``dp_rank`` are sent only to a worker that speaks them, and
+        so is the time since ``arrival`` (the request's arrival at the frontend, Trio time).
         """
         while self._closed_reason is None and self._generates_queued >= self._send_queue:
             await self._room.wait()
@@ -239,6 +244,10 @@ class RequestPlane:
             priority, tenant = 0, ""
         if not self._ranks:
             dp_rank = None
+        frontend_ms = 0
+        if self._frontend_time and arrival is not None:
+            spent = round((trio.current_time() - arrival) * 1000)
+            frontend_ms = min(wire.MAX_FRONTEND_MS, max(0, spent))
         data = wire.encode(
             wire.Generate(
                 request_id=request_id,
@@ -247,6 +256,7 @@ class RequestPlane:
                 priority=priority,
                 tenant=tenant,
                 dp_rank=dp_rank,
+                frontend_ms=frontend_ms,
             )
         )
         if len(data) > wire.MAX_MESSAGE_BYTES:

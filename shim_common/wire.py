@@ -70,6 +70,8 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "FEATURE_CLASSES",
+    "FEATURE_FRONTEND_TIME",
+    "MAX_FRONTEND_MS",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "REASON_DISPLACED_PRIORITY",
@@ -143,6 +145,13 @@ FEATURE_CLASSES: Final = "classes"
 PRIORITY_MIN: Final = PRIORITY.low
 PRIORITY_MAX: Final = PRIORITY.high
 TENANT_MAX_CHARS: Final = 256
+
+#: Hello feature: the worker reads :attr:`Generate.frontend_ms` and counts it against its
+#: time-to-first-token objective (an older worker ignores the field; it is sent only to a worker
+#: that lists this).
+FEATURE_FRONTEND_TIME: Final = "frontend-time"
+#: The largest :attr:`Generate.frontend_ms` (an hour): far beyond any objective.
+MAX_FRONTEND_MS: Final = 3_600_000
 
 #: Hello feature: the worker honours :attr:`Subscribe.publish_interval` (it reads
 #: :class:`Subscribe` even without :data:`FEATURE_BUSY_EDGES`).
@@ -494,6 +503,10 @@ class Generate(
     #: The data-parallel rank the router chose, honoured by a worker that lists
     #: :data:`FEATURE_KV_EVENTS` (``None``, or a rank the worker does not have: its own pick).
     dp_rank: int | None = None
+    #: Whole milliseconds the request had already spent in the frontend when this was sent
+    #: (parsing, routing, its own queue): the objective is the client's, so a worker that lists
+    #: :data:`FEATURE_FRONTEND_TIME` counts it against the room a request has to wait.
+    frontend_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_FRONTEND_MS)] = 0
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):

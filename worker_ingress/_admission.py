@@ -215,7 +215,14 @@ class AdmissionGate:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def slot(self, priority: int = 0, tenant: str = "", prompt_tokens: int = 0) -> SlotLease:
+    def slot(
+        self,
+        priority: int = 0,
+        tenant: str = "",
+        prompt_tokens: int = 0,
+        *,
+        already_waited: float = 0.0,
+    ) -> SlotLease:
         """Wait for an engine slot, or raise :class:`Rejection` at once; hold it for the block.
 
         Cancellation while queued gives the place back; leaving the block (normally, by an error
@@ -228,15 +235,19 @@ class AdmissionGate:
             priority: Lower starts first.
             tenant: Whose request it is, for fair sharing (``""``: the shared tenant).
             prompt_tokens: The prompt's size (the service it costs the tenant).
+            already_waited: Seconds the request spent before the gate (in a frontend), which
+                an objective counts against its room to wait.
 
         Returns:
             An async context manager, to be used once; inside the block, tell it of the first
             output (:meth:`SlotLease.first_output`) and of generated tokens
             (:meth:`SlotLease.charge`).
         """
-        return SlotLease(self, priority, tenant, prompt_tokens)
+        return SlotLease(self, priority, tenant, prompt_tokens, already_waited)
 
-    def reject_now(self, priority: int = 0, tenant: str = "") -> RejectReason | None:
+    def reject_now(
+        self, priority: int = 0, tenant: str = "", *, already_waited: float = 0.0
+    ) -> RejectReason | None:
         """Turn an arrival away here and now if the state's decision is a refusal (draining, Q
         waiting and nobody this arrival could displace, or, with an objective, no room for its
         first token within it).
@@ -248,6 +259,7 @@ class AdmissionGate:
         Args:
             priority: The arrival's priority.
             tenant: The arrival's tenant.
+            already_waited: As for :meth:`slot`.
 
         Returns:
             The reason of the refusal, or ``None``.
@@ -255,9 +267,9 @@ class AdmissionGate:
         state = self._state
         now = trio.current_time()
         self._wake_all(state.tick(now))
-        if not state.would_reject(priority, tenant, now=now):
+        if not state.would_reject(priority, tenant, now=now, already_waited=already_waited):
             return None
-        decision = state.arrive(priority, tenant, now=now)
+        decision = state.arrive(priority, tenant, now=now, already_waited=already_waited)
         if not isinstance(decision, GateRefusal):
             raise RuntimeError(f"the gate admitted a request it had refused: {decision!r}")
         return decision.reason
@@ -347,10 +359,18 @@ class AdmissionGate:
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
-    __slots__ = ("_gate", "_priority", "_prompt_tokens", "_tenant", "_ticket")
+    __slots__ = ("_already_waited", "_gate", "_priority", "_prompt_tokens", "_tenant", "_ticket")
 
-    def __init__(self, gate: AdmissionGate, priority: int, tenant: str, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        gate: AdmissionGate,
+        priority: int,
+        tenant: str,
+        prompt_tokens: int,
+        already_waited: float = 0.0,
+    ) -> None:
         self._gate = gate
+        self._already_waited = already_waited
         self._priority = priority
         self._tenant = tenant
         self._prompt_tokens = prompt_tokens
@@ -389,7 +409,13 @@ class SlotLease:
         state = gate._state
         now = trio.current_time()
         gate._wake_all(state.tick(now))
-        decision = state.arrive(self._priority, self._tenant, self._prompt_tokens, now=now)
+        decision = state.arrive(
+            self._priority,
+            self._tenant,
+            self._prompt_tokens,
+            now=now,
+            already_waited=self._already_waited,
+        )
         if isinstance(decision, GateRefusal):
             raise Rejection(decision.reason)
         ticket = decision

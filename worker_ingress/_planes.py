@@ -426,7 +426,9 @@ class RequestConnection:
         request_id = generate.request_id
         # Asked first, synchronously, so shedding costs no task and no preparation of a prompt
         # that will not run (it must stay cheap).
-        reason = host.gate.reject_now(generate.priority, generate.tenant)
+        reason = host.gate.reject_now(
+            generate.priority, generate.tenant, already_waited=generate.frontend_ms / 1000
+        )
         if reason is not None:
             # Written here rather than through the sender: a rejection is the request's only
             # frame, so no ordering is at stake, and the hop through the channel is half the
@@ -503,7 +505,12 @@ class RequestConnection:
         output_seen = False
         held: list[msgspec.Struct] = []
         try:
-            lease = host.gate.slot(generate.priority, generate.tenant, prepared.prompt_tokens)
+            lease = host.gate.slot(
+                generate.priority,
+                generate.tenant,
+                prepared.prompt_tokens,
+                already_waited=generate.frontend_ms / 1000,
+            )
             async with lease:
                 started_seq = host.event_seq
                 self._seqs[request_id] = (started_seq, None)

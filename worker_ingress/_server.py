@@ -62,6 +62,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
@@ -212,6 +213,7 @@ class Worker:
                 features=[
                     FEATURE_BUSY_EDGES,
                     FEATURE_CLASSES,
+                    FEATURE_FRONTEND_TIME,
                     FEATURE_PUBLISH_INTERVAL,
                     *([FEATURE_KV_EVENTS] if self._kv_events is not None else []),
                 ],

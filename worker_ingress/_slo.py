@@ -29,7 +29,10 @@ Rules
    - ``p > T`` (the engine is over-subscribed): multiplicative decrease by the gradient,
      ``L <- max(min_limit, min(L - 1, max(floor(L * min_decrease_factor), floor(U * T / p))))``
      with ``U`` the most requests that ran at once in the window (at most L: cutting the unused
-     part of a limit that was never reached would change nothing), and the
+     part of a limit that was never reached would change nothing). The first decrease from N
+     (no ceiling, no probe) may cut three steps at once, to ``floor(N * min_decrease_factor **
+     3)`` at the least: an overload that starts at N is met within one window near the level
+     the engine sustains, instead of spending its first seconds halving from N. The
      old L becomes the *ceiling*: a level known to be too high, not tried again for
      ``probe_seconds``. When the window before raised L, the decrease goes back to the level it
      was raised from instead (that level was fine a window ago), and the ceiling is the level
@@ -44,7 +47,8 @@ Rules
      only stops a past overload from capping the worker once the load has fallen.
    - otherwise (between ``comfort * T`` and ``T``: the dead band) L holds.
 
-   Every step is bounded: ``floor(L * min_decrease_factor) <= L' <= ceil(L * recovery_factor)``.
+   Every step is bounded: ``floor(L * min_decrease_factor) <= L' <= ceil(L * recovery_factor)``,
+   but for the first decrease from N, ``floor(N * min_decrease_factor ** 3) <= L'``.
    On a steady load L settles in the dead band or one below the ceiling, and moves again at most
    once per ``probe_seconds`` (one probe of the ceiling), never in a sawtooth.
 5. Start rate. Every finished request reports how long it held its slot. Their exponentially
@@ -358,14 +362,16 @@ class SloController:
         raised_from, self._raised_from = self._raised_from, None
         target = tuning.engine_share * self.objective
         if p90 > target:
-            factor = max(tuning.min_decrease_factor, target / p90)
+            # The first decrease from N (no level known to be too high yet) goes straight to the
+            # gradient: the first seconds of an overload are not spent halving from N.
+            first = limit == self.max_limit and self._ceiling is None and raised_from is None
+            least = tuning.min_decrease_factor ** (3 if first else 1)
+            factor = max(least, target / p90)
             # The epsilon keeps a float such as 0.15 / 0.2 = 0.7499... from costing a whole step.
             # From what ran, when that stayed under L (cutting an unused limit changes nothing),
             # but never below the largest cut of one step.
             used = min(limit, self._peak_running) if self._peak_running else limit
-            cut = max(
-                math.floor(limit * tuning.min_decrease_factor), math.floor(used * factor + 1e-9)
-            )
+            cut = max(math.floor(limit * least), math.floor(used * factor + 1e-9))
             lowered = max(self.min_limit, min(limit - 1, cut))
             ceiling = limit
             if raised_from is not None:

@@ -177,6 +177,25 @@ async def test_generate_waits_for_room_in_the_outbox() -> None:
         await plane.open("completions", {"prompt": "x"})
 
 
+@pytest.mark.parametrize("listed", [True, False])
+async def test_generate_tells_a_worker_that_counts_it_the_time_spent_in_the_frontend(
+    listed: bool,
+) -> None:
+    plane = RequestPlane(request_buffer=256, send_queue=4, stats=LinkStats(), frontend_time=listed)
+    with trio.fail_after(5):
+        arrival = trio.current_time() - 0.25  # the request came a quarter of a second ago
+        await plane.open("completions", {"prompt": "x"}, arrival=arrival)
+        await plane.open("completions", {"prompt": "x"}, arrival=trio.current_time() - 1e9)
+        sent = [wire.decode_client_message(await plane.next_outgoing()) for _ in range(2)]
+    assert all(isinstance(m, wire.Generate) for m in sent)
+    spent = [m.frontend_ms for m in sent if isinstance(m, wire.Generate)]
+    if listed:
+        assert 250 <= spent[0] < 2500
+        assert spent[1] == wire.MAX_FRONTEND_MS  # bounded as the decoder requires
+    else:
+        assert spent == [0, 0]  # an older worker is sent what it always was
+
+
 async def test_stream_hands_out_replies_in_order() -> None:
     buffer = ResponseBuffer(8)
     for reply in (

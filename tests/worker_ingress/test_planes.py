@@ -586,6 +586,29 @@ async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_fo
             assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
 
 
+async def test_the_time_a_request_spent_in_the_frontend_counts_against_the_objective() -> None:
+    settings = make_settings(engine_request_limit=1, request_queue_limit=4, ttft_slo=30.0)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    assert wire.FEATURE_FRONTEND_TIME in worker.hello.features
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            await send(ws, completion(1))  # holds the only slot
+            # 30 s already spent in the frontend: no room left to wait, refused at once.
+            late = msgspec.structs.replace(completion(2), frontend_ms=30_000)
+            await send(ws, late)
+            # 0 s spent: it waits in the queue for its turn.
+            await send(ws, completion(3))
+            (refused,) = (await collect_until_final(ws, {2}))[2]
+            assert isinstance(refused, Rejected)
+            assert refused.reason == wire.REASON_SLO
+            await wait_for(lambda: worker.gate.queued == 1, "request 3 to wait in the queue")
+            engine.release.set()
+            finals = await collect_until_final(ws, {1, 3})
+            assert isinstance(finals[1][-1], End)
+            assert isinstance(finals[3][-1], End)
+
+
 # ----------------------------------------------------------------------------- admission classes
 
 

@@ -119,7 +119,7 @@ def test_a_window_needs_its_time_as_well_as_its_samples() -> None:
         controller.observe_first_output(object(), arrived=0.0, started=0.0, first_output=5.0)
     assert not controller.update(0.5)
     assert controller.update(1.0)
-    assert controller.limit == 32  # far over: the largest cut, by half
+    assert controller.limit == 8  # far over: the first cut from N, by eight at most
 
 
 def test_max_samples_closes_a_window_early() -> None:
@@ -141,13 +141,20 @@ def test_decrease_follows_the_gradient_and_sets_a_ceiling() -> None:
 
 def test_a_limit_that_was_not_reached_is_cut_from_what_ran() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=100)
-    # 20 ran at most, 0.2 s against 0.15 s: from 20 * 0.75 = 15, but one step cuts half at most.
+    # 20 ran at most, 0.2 s against 0.15 s: 20 * 0.75 = 15, at once (the first cut from N).
     now = feed_window(controller, 0.0, engine_ttft=0.2, running=20)
-    assert controller.limit == 50
-    now = feed_window(controller, now, engine_ttft=0.2, running=20)
-    assert controller.limit == 25
-    feed_window(controller, now, engine_ttft=0.2, running=20)
     assert controller.limit == 15
+    # Later cuts take half at most: 15 -> max(7, floor(15 * 0.15 / 1.0)).
+    feed_window(controller, now, engine_ttft=1.0, running=20)
+    assert controller.limit == 7
+
+
+def test_the_first_cut_from_n_meets_an_overload_within_one_window() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=256)
+    # 256 ran, 1.2 s against 0.15 s: the gradient says 32, and the first cut goes there.
+    feed_window(controller, 0.0, engine_ttft=1.2, running=256)
+    assert controller.limit == 32
+    assert controller.ceiling == 256
 
 
 def test_a_small_overshoot_still_moves_by_one() -> None:
@@ -192,11 +199,11 @@ def test_recovery_when_nobody_waits() -> None:
 def test_samples_that_started_before_the_change_are_not_samples() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=64)
     now = feed_window(controller, 0.0, engine_ttft=5.0)
-    assert controller.limit == 32
-    for _ in range(50):  # admitted under L = 64: say nothing about 32
+    assert controller.limit == 8
+    for _ in range(50):  # admitted under L = 64: say nothing about 8
         controller.observe_first_output(object(), arrived=0.5, started=0.5, first_output=now + 3.0)
     assert not controller.update(now + 2.0)
-    assert controller.limit == 32
+    assert controller.limit == 8
 
 
 def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
@@ -240,7 +247,7 @@ def test_requests_still_waiting_for_a_first_output_count_once_overdue() -> None:
     for index in range(20):  # in the engine since 0.1 s, no first output by 1.0 s
         controller.observe_start(index, started=0.1)
     assert controller.update(1.0)
-    assert controller.limit == 32  # 0.9 s overdue against 0.15 s: the largest cut
+    assert controller.limit == 10  # 0.9 s overdue against 0.15 s: floor(64 * 0.15 / 0.9)
     # The change forgets them: they were admitted under the old L.
     assert not controller.update(2.5)
 
