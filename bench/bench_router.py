@@ -15,6 +15,10 @@ Prints medians over several rounds of:
   filled, over the blocks it holds) and ``kv`` picks per second for prompts of
   ``--prompt-blocks`` blocks whose prefix one rank holds, side by side with round-robin picks.
   ``--kv-blocks 0`` skips it (it needs about 6 GB at the default size);
+- ``--compare-tree``: the index's layout (a set of names per rank: hashed chains) against a
+  shared radix tree over the same names (a node per distinct block, its children and holders),
+  on the same caches, distinct per rank and sharing half their blocks: bytes per block held
+  and microseconds per prefix lookup;
 - what ``kv`` adds to each request before its pick: the chat body's prompt read as token ids
   (the mocker's word tokeniser, or ``--tokenizer``'s ``tokenizer.json``) and cut into named
   blocks of 16 tokens, in microseconds per request at 1,000 and 12,000 tokens.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -222,6 +227,87 @@ def bench_kv(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> None
     )
 
 
+class RadixNode:
+    """A node of the radix tree compared with (one per distinct block name)."""
+
+    __slots__ = ("children", "holders")
+
+    def __init__(self) -> None:
+        self.children: dict[int, RadixNode] = {}
+        self.holders: set[int] = set()
+
+
+def tree_insert(root: RadixNode, names: Sequence[int], holder: int) -> None:
+    node = root
+    for name in names:
+        child = node.children.get(name)
+        if child is None:
+            child = node.children[name] = RadixNode()
+        child.holders.add(holder)
+        node = child
+
+
+def tree_depth(root: RadixNode, names: Sequence[int], holder: int) -> int:
+    node, depth = root, 0
+    for name in names:
+        child = node.children.get(name)
+        if child is None or holder not in child.holders:
+            break
+        node, depth = child, depth + 1
+    return depth
+
+
+def _set_lookups(sets: list[set[int]], queries: list[tuple[int, list[int]]]) -> None:
+    for rank, names in queries:
+        len(list(itertools.takewhile(sets[rank].__contains__, names)))
+
+
+def _tree_lookups(root: RadixNode, queries: list[tuple[int, list[int]]]) -> None:
+    for rank, names in queries:
+        tree_depth(root, names, rank)
+
+
+def compare_tree(ranks: int, blocks: int, rounds: int, rng: random.Random) -> None:
+    """Hashed chains (a set per rank) against a radix tree, on the same chains of 64 blocks."""
+    for shared in (False, True):
+        common = [rng.getrandbits(63) for _ in range(64)]
+        caches = []
+        for _ in range(ranks):
+            chains = []
+            for chain in range(blocks // 64):
+                names = [rng.getrandbits(63) for _ in range(64)]
+                if shared and chain % 2 == 0:
+                    names = common[:32] + names[32:]  # half the blocks under one shared prefix
+                chains.append(names)
+            caches.append(chains)
+        queries = [(r, caches[r][rng.randrange(len(caches[r]))]) for r in range(ranks)] * 8
+        before = resident_bytes()
+        sets = [{name for chain in chains for name in chain} for chains in caches]
+        set_bytes = resident_bytes() - before
+        before = resident_bytes()
+        root = RadixNode()
+        for holder, chains in enumerate(caches):
+            for names in chains:
+                tree_insert(root, names, holder)
+        tree_bytes = resident_bytes() - before
+        held = sum(len(held) for held in sets)
+
+        set_lookups = functools.partial(_set_lookups, sets, queries)
+        tree_lookups = functools.partial(_tree_lookups, root, queries)
+        set_us = statistics.median(
+            1e6 / per_second(len(queries), set_lookups) for _ in range(rounds)
+        )
+        tree_us = statistics.median(
+            1e6 / per_second(len(queries), tree_lookups) for _ in range(rounds)
+        )
+        kind = "half shared" if shared else "distinct"
+        print(
+            f"layout ({kind}, {held:,} blocks held): sets {set_bytes / held:.0f} B/block, "
+            f"{set_us:.1f} us/lookup; radix tree {tree_bytes / held:.0f} B/block, "
+            f"{tree_us:.1f} us/lookup (64-block prompts, fully held)"
+        )
+
+
 def bench_tokenise(tokenizer: PromptTokenizer, rounds: int, rng: random.Random) -> None:
     words = [f"w{rng.randrange(30_000)}" for _ in range(12_000)]
     for count in (1_000, 12_000):
@@ -260,6 +346,7 @@ def main() -> None:
     parser.add_argument("--picks", type=int, default=20_000)
     parser.add_argument("--kv-blocks", type=int, default=TOTAL_BLOCKS)
     parser.add_argument("--prompt-blocks", type=int, default=64)
+    parser.add_argument("--compare-tree", action="store_true")
     parser.add_argument("--tokenizer", help="a tokenizer.json to time besides the word tokeniser")
     args = parser.parse_args()
     rng = random.Random(42)
@@ -323,6 +410,8 @@ def main() -> None:
         f"class picks past marks (every worker marked): {statistics.median(class_rates):,.0f} /s, "
         f"{statistics.median(class_ratios):.3f} x round-robin (median per round)"
     )
+    if args.compare_tree:
+        compare_tree(256, 4096, args.rounds, rng)
     bench_tokenise(WordTokenizer(), args.rounds, rng)
     if args.tokenizer:
         bench_tokenise(FileTokenizer(args.tokenizer), args.rounds, rng)

@@ -107,7 +107,7 @@ class RankBlocks:
         if first not in cached and predicted.get(first, now) <= now:
             return 0  # the common case, one or two lookups
         if not predicted:
-            return sum(1 for _ in itertools.takewhile(cached.__contains__, names))
+            return len(list(itertools.takewhile(cached.__contains__, names)))
         count = 0
         for name in names:
             if name not in cached and predicted.get(name, now) <= now:
