@@ -28,6 +28,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
+from frontend_shim._kv_routing import KvMetrics
 from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
 from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
 from worker_ingress._admission import AdmissionGate
@@ -511,6 +512,7 @@ def _exposed_metric_names() -> set[str]:
     frontend.inflight("m").inc()
     frontend.observe_ttft("m", 0.1)
     frontend.observe_duration("m", 0.2)
+    KvMetrics(frontend.registry).observe("m", 16, 32)
     frontend_text, _ = frontend.render(None)
     names: set[str] = set()
     for text in (worker_text, frontend_text):
