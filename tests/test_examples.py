@@ -33,6 +33,7 @@ from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
 from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._metrics import WorkerMetrics
+from worker_ingress.engines._cache_stats import PrefixCacheStats
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -503,7 +504,10 @@ def test_load_generator_refuses_unbounded_runs() -> None:
 def _exposed_metric_names() -> set[str]:
     """Every sample name both processes expose, read from real registries."""
     gate = AdmissionGate(engine_slots=2, queue_limit=2)
-    worker_text, _ = WorkerMetrics(gate, kv_blocks=lambda: (10, 1)).render(None)
+    cache = [PrefixCacheStats(dp_rank=0, queried_tokens=32, hit_tokens=16, hit_rate=0.5)]
+    worker_text, _ = WorkerMetrics(
+        gate, kv_blocks=lambda: (10, 1), prefix_cache=lambda: cache
+    ).render(None)
     frontend = FrontendMetrics(lambda: [RankLoadSample("w", 0, 1, 2, 10)])
     frontend.watch_links(lambda: [LinkSample("w", True, False, 0.001, 0.002, 5, 0)])
     frontend.count_rejection("m", "chat_completions")
