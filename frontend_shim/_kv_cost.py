@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from frontend_shim._free_sets import WorkerLoad
-from frontend_shim._kv_index import KvIndex
+from frontend_shim._kv_index import KvIndex, RankBlocks
 from shim_common.prefix import block_names
 
 __all__ = [
@@ -136,19 +136,20 @@ def choose(
     scored: list[tuple[float, WorkerLoad, int, int, list[int]]] = []
     # Per block size (the same for every worker of a model, as a rule): the names, the first
     # name, and the prefill cost of the prompt itself. The loop below runs once per free rank:
-    # it is kept to a few attribute reads and one set lookup for a rank that holds nothing.
+    # it is kept to a few attribute reads for a rank that holds nothing of the prompt (the
+    # index names the ranks that may hold its first block: rule 6 of frontend_shim._kv_index).
     block_size = -1
     names: list[int] = []
-    first = 0
+    holders: set[RankBlocks] = set()
     per_token = 0.0
     for worker in candidates:
         config = worker.config
         if config.block_size != block_size:
             block_size = config.block_size
             names = prompt.names(block_size)
-            first = names[0] if names else -1
+            holders = index.holders(names[0], now) if names else set()
             per_token = scale / max(1, block_size)
-        kept = kept_of(config.worker_id) if first >= 0 else None
+        kept = kept_of(config.worker_id) if holders else None
         kept_ranks = kept.ranks if kept is not None else None
         for rank_index, rank in enumerate(worker.ranks):
             if rank.busy:
@@ -157,7 +158,7 @@ def choose(
             cost = per_token * (tokens + rank.effective_prefill) + rank.effective_blocks
             if kept_ranks is not None:
                 held = kept_ranks[rank_index]
-                if first in held.cached or held.predicted.get(first, now) > now:
+                if held in holders:
                     cached = held.depth(names, now)
                     prefill = (tokens + rank.effective_prefill) / max(1, block_size)
                     cost = scale * max(0.0, prefill - credit * cached) + rank.effective_blocks

@@ -35,6 +35,14 @@ Rules:
 5. A removal or a clear of a rank also drops the router's guesses of those blocks there: the
    worker's word is the newer one. An event naming a rank the worker does not have is ignored
    and counted (:attr:`IndexStats.invalid`); it loses nothing else.
+6. Who may hold a prompt's first block (:meth:`KvIndex.holders`), so that a pick probes the
+   ranks that do instead of every rank's set: the index remembers, for at most
+   :data:`MAX_FIRST_NAMES` first block names the router has asked about (oldest forgotten first),
+   a superset of the ranks that hold it. The first question about a name scans every rank once;
+   from then on every way a rank comes to hold that name (stored, snapshot, guessed) adds the
+   rank, and a rank that no longer holds it is dropped when the name is next asked about. So the
+   answer never misses a holder, and a pick checks each rank it names with
+   :meth:`RankBlocks.depth`.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ __all__ = [
     "DEFAULT_PREDICTION_TTL",
     "EVENTS_PREDICTION_TTL",
     "MAX_BLOCKS_PER_WORKER",
+    "MAX_FIRST_NAMES",
     "SNAPSHOT_RETRY",
     "IndexStats",
     "KvIndex",
@@ -68,6 +77,8 @@ MAX_BLOCKS_PER_WORKER: Final = 1 << 20
 DEFAULT_RANK_CAP: Final = 16384
 #: Seconds after a snapshot request before another gap asks again (rule 4).
 SNAPSHOT_RETRY: Final = 5.0
+#: First block names whose holders the index remembers (rule 6).
+MAX_FIRST_NAMES: Final = 65536
 
 
 @dataclasses.dataclass(slots=True)
@@ -162,6 +173,8 @@ class KvIndex:
         self.use_events = use_events
         self.stats = IndexStats()
         self._workers: dict[str, WorkerBlocks] = {}
+        #: First block name -> a superset of the ranks holding it (rule 6), oldest first.
+        self._first: dict[int, set[RankBlocks]] = {}
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -182,6 +195,7 @@ class KvIndex:
         Returns:
             Whether to subscribe to the worker's KV events.
         """
+        self.remove_worker(config.worker_id)  # its old picture, and its place in rule 6's sets
         subscribe = events and self.use_events
         ttl = EVENTS_PREDICTION_TTL if subscribe else self.prediction_ttl
         ttl = min(ttl, self.prediction_ttl)
@@ -190,7 +204,11 @@ class KvIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """The worker went away: forget everything about it."""
-        self._workers.pop(worker_id, None)
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None and self._first:
+            gone = set(worker.ranks)
+            for holders in self._first.values():
+                holders -= gone
 
     # ------------------------------------------------------------------ the worker's events
 
@@ -227,6 +245,7 @@ class KvIndex:
             rank = worker.ranks[event.dp_rank]
             if isinstance(event, wire.KvStored):
                 self._store(rank, event.blocks, worker.cap)
+                self._note(rank, event.blocks)
             elif isinstance(event, wire.KvRemoved):
                 cached = rank.cached
                 predicted = rank.predicted
@@ -261,6 +280,7 @@ class KvIndex:
             rank.cached = set()
             if index < len(snapshot.ranks):
                 self._store(rank, snapshot.ranks[index], worker.cap)
+                self._note(rank, snapshot.ranks[index])
         worker.last_seq = snapshot.seq
         worker.awaiting = False
 
@@ -278,6 +298,8 @@ class KvIndex:
                 break
             del predicted[name]
         until = now + worker.ttl
+        rank = worker.ranks[dp_rank]
+        self._note(rank, names)
         for name in names[: worker.cap]:
             predicted.pop(name, None)
             predicted[name] = until
@@ -285,6 +307,48 @@ class KvIndex:
         if excess > 0:
             for name in list(itertools.islice(predicted, excess)):
                 del predicted[name]
+
+    def _note(self, rank: RankBlocks, names: Sequence[int]) -> None:
+        # Rule 6: a rank that comes to hold a remembered first name is added to its holders.
+        first = self._first
+        if not first:
+            return
+        if len(names) > len(first):
+            for name in first.keys() & set(names):
+                first[name].add(rank)
+            return
+        for name in names:
+            holders = first.get(name)
+            if holders is not None:
+                holders.add(rank)
+
+    def _remember(self, name: int, holders: set[RankBlocks]) -> None:
+        first = self._first
+        if len(first) >= MAX_FIRST_NAMES:
+            del first[next(iter(first))]
+        first[name] = holders
+
+    def holders(self, name: int, now: float) -> set[RankBlocks]:
+        """The ranks that hold ``name`` (either layer), and perhaps a few that held it (rule 6).
+
+        The caller checks each with :meth:`RankBlocks.depth`; a rank not in the answer holds
+        nothing of a prompt whose first block ``name`` is.
+        """
+        holders = self._first.get(name)
+        if holders is None:
+            holders = {
+                rank
+                for worker in self._workers.values()
+                for rank in worker.ranks
+                if name in rank.cached or rank.predicted.get(name, now) > now
+            }
+            self._remember(name, holders)
+        elif len(holders) > 8:
+            # Drop the ones that no longer hold it, so the set does not grow with turnover.
+            holders.intersection_update(
+                [r for r in holders if name in r.cached or r.predicted.get(name, now) > now]
+            )
+        return holders
 
     def depth(self, worker_id: str, dp_rank: int, names: Sequence[int], now: float) -> int:
         """How many of ``names``, from the first, the worker's rank holds (0 when unknown)."""

@@ -117,6 +117,14 @@ def test_the_index_follows_the_worker_and_asks_for_a_snapshot_after_a_gap(
                 assert index.worker("w").ranks[r].cached == worker.held[r]  # type: ignore[union-attr]
                 for prompt in prompts:
                     assert index.depth("w", r, prompt, now) == model_depth(worker.held[r], prompt)
+        kept = index.worker("w")
+        assert kept is not None
+        for prompt in prompts:
+            # Rule 6: the holders of a first name never miss a rank that holds it.
+            holding = {rank for rank in kept.ranks if rank.depth(prompt, now) > 0}
+            assert holding <= index.holders(prompt[0], now)
+        if kind == "lost" and names:
+            index.predict("w", rank, names, now)  # the router's guesses count as held too
 
 
 def test_a_gap_asks_once_then_again_only_after_the_retry_delay() -> None:
