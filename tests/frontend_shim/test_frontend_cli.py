@@ -283,3 +283,45 @@ def test_the_passed_flags_are_the_workers_own_declarations() -> None:
         assert parse_args([f"--{flag.replace('_', '-')}", "1"])[0].local_worker_args
     with pytest.raises(CliError, match=r'Invalid value "0" for --num-gpu-blocks\. Must be >= 1'):
         parse_args(["--num-gpu-blocks", "0"])
+
+
+def test_the_kv_router_flags_and_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings, _ = parse_args([])
+    assert settings.router_kv_overlap_score_credit == 1.0
+    assert settings.router_prefill_load_scale == 1.0
+    assert settings.router_temperature == 0.0
+    assert settings.router_kv_events
+    assert settings.router_ttl_secs == 120.0
+    assert settings.tokenizer is None
+    argv = [
+        "--router-kv-overlap-score-credit", "0.5",
+        "--router-prefill-load-scale", "2",
+        "--router-temperature", "0.25",
+        "--router-ttl-secs", "30",
+    ]  # fmt: skip
+    settings, _ = parse_args(argv)
+    assert settings.router_kv_overlap_score_credit == 0.5
+    assert settings.router_prefill_load_scale == 2.0
+    assert settings.router_temperature == 0.25
+    assert settings.router_ttl_secs == 30.0
+    for flag in ("--no-router-kv-events", "--no-kv-events"):
+        assert not parse_args([flag])[0].router_kv_events
+    assert parse_args(["--kv-events"])[0].router_kv_events
+    monkeypatch.setenv("DYN_ROUTER_USE_KV_EVENTS", "false")
+    monkeypatch.setenv("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", "0")
+    monkeypatch.setenv("DYN_ROUTER_TTL_SECS", "5")
+    settings, _ = parse_args([])
+    assert not settings.router_kv_events
+    assert settings.router_kv_overlap_score_credit == 0.0
+    assert settings.router_ttl_secs == 5.0
+    # The command line wins over the environment.
+    assert parse_args(["--router-kv-events"])[0].router_kv_events
+    for bad in (
+        ["--router-ttl-secs", "0"],
+        ["--router-temperature", "-1"],
+        ["--router-prefill-load-scale", "nan"],
+    ):
+        with pytest.raises(CliError, match=bad[0]):
+            parse_args(bad)
+    with pytest.raises(CliError, match="--tokenizer"):
+        parse_args(["--tokenizer", "/nonexistent/tokenizer.json"])
