@@ -101,9 +101,11 @@ class HandMadeWorker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._record, stream, path)
                 if path == wire.EVENTS_PATH:
-                    nursery.start_soon(self._heartbeats, stream)
+                    sending = trio.Lock()  # one writer at a time on the stream
+                    nursery.start_soon(self._heartbeats, stream, sending)
                     async for data in self._to_send:
-                        await stream.send_all(data)
+                        async with sending:
+                            await stream.send_all(data)
                 else:
                     await trio.sleep_forever()
 
@@ -111,16 +113,17 @@ class HandMadeWorker:
         while data := await stream.receive_some(4096):
             self.written[path].extend(data)
 
-    async def _heartbeats(self, stream: trio.SocketStream) -> None:
+    async def _heartbeats(self, stream: trio.SocketStream, sending: trio.Lock) -> None:
         seq = 0
         while True:
             seq += 1
             beat = wire.Heartbeat(
                 seq=seq, ts=time.time(), loads=[], engine_requests=0, queued_requests=0
             )
-            await stream.send_all(
-                frame(wire.encode(wire.EventBatch(events=[beat], sent=time.time())))
-            )
+            async with sending:
+                await stream.send_all(
+                    frame(wire.encode(wire.EventBatch(events=[beat], sent=time.time())))
+                )
             await trio.sleep(0.05)
 
 
