@@ -53,7 +53,14 @@ def _server(
     args: list[str], env: dict[str, str], cwd: str | None = None
 ) -> Iterator[tuple[int, list[str]]]:
     """Start a server pinned to ``SERVER_CPU``, yield its pid and the URLs of its ready line,
-    stop it."""
+    stop it.
+
+    Each server runs in a session of its own, as the Dynamo processes of
+    ``bench/bench_dynamo.py`` do: with the kernel's autogroup scheduling (Linux's default), CPU
+    time is shared between sessions first, so servers left in this script's session would
+    share one session's share of a core that other programs also use, and lose to servers that
+    each have their own.
+    """
     process = subprocess.Popen(
         _pinned(SERVER_CPU, args),
         stdout=subprocess.PIPE,
@@ -61,6 +68,7 @@ def _server(
         env=env,
         cwd=cwd,
         text=True,
+        start_new_session=True,
     )
     try:
         assert process.stdout is not None
