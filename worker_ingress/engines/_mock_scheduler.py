@@ -1,4 +1,5 @@
-"""The mocker's core: the scheduler and KV-block pool of one data-parallel rank (sans-IO).
+"""The mocker's core: the scheduler of one data-parallel rank over its KV-block pool (sans-IO;
+the pool and its prefix cache are :class:`~worker_ingress.engines._kv_pool.KvBlockPool`).
 
 :class:`RankScheduler` is plain objects, no clock, no I/O: the caller adds and aborts sequences,
 asks for the next step, sleeps for its simulated duration, then applies it. The Trio shell that
@@ -15,9 +16,10 @@ Rules of a sequence (one request) inside a rank:
    ``num_computed`` up to ``num_tokens``, the sequence emits its next token, as vLLM does: the
    step that finishes a prefill also produces the first output token.
 2. States. WAITING (in the FIFO waiting queue, no blocks) -> RUNNING (in the batch, holds
-   blocks) -> FINISHED (all ``max_tokens`` emitted; blocks freed at once). ABORTED (the caller
-   closed the generator) can happen from any live state and frees the blocks at once. RUNNING ->
-   WAITING is a preemption.
+   blocks) -> FINISHED (all ``max_tokens`` emitted; blocks released at once). ABORTED (the
+   caller closed the generator) can happen from any live state and releases the blocks at once.
+   RUNNING -> WAITING is a preemption. Released blocks are free capacity at once; the named ones
+   stay cached until their space is needed (rule 8).
 3. Prefill vs decode. A sequence is "prefilling" from admission (or re-admission after a
    preemption) until the step that brings ``num_computed`` to ``num_tokens``; afterwards it is
    "decoding". ``active_prefill_tokens`` sums ``num_tokens - num_computed`` over all prefilling
@@ -31,8 +33,9 @@ Rules of a sequence (one request) inside a rank:
    prefilled running sequences get chunks, then waiting sequences are admitted in FIFO order
    while the batch has fewer than ``max_num_seqs`` sequences and budget is left.
 6. Out of blocks. A RUNNING sequence that needs a block that is not free preempts the newest
-   running sequence (LIFO, vLLM's default recompute preemption): its blocks are freed and it goes
-   to the head of the waiting queue, to be prefilled again (prompt and generated tokens) later.
+   running sequence (LIFO, vLLM's default recompute preemption): its blocks are released and it
+   goes to the head of the waiting queue, to be prefilled again (prompt and generated tokens,
+   less what is still cached) later.
    This repeats until the block is free or the sequence preempted itself. A WAITING sequence
    never preempts: when its first chunk does not fit, it and everyone behind it wait (FIFO, no
    overtaking), and no waiting sequence is admitted in a step that preempted. The oldest running
@@ -43,13 +46,13 @@ Rules of a sequence (one request) inside a rank:
 8. Prefix cache (on unless ``prefix_caching=False``). A sequence carries the names of its prompt's
    full blocks. When it is admitted (again, after a preemption) it holds its longest cached
    prefix at once, those tokens count as computed and only the rest is prefilled; at least one
-   prompt token is always computed, as vLLM does, so the last block of a prompt cached whole is
+   token is always computed, as vLLM does, so the last block of a prompt cached whole is
    computed again. The space it needs is its first chunk's new blocks plus the cached blocks
    nobody held. A block is named, and enters the cache, when a step completes its tokens; a
    preempted, finished or aborted sequence's named blocks stay cached, evictable. Its
-   ``cached_tokens`` are those found at its first admission, and that admission adds its prompt
-   tokens to :attr:`RankScheduler.queried_tokens` and its cached ones to
-   :attr:`RankScheduler.hit_tokens`.
+   ``cached_tokens`` are those found at its first admission (0 with caching off), and with
+   caching on that admission adds its prompt tokens to :attr:`RankScheduler.queried_tokens`
+   and its cached ones to :attr:`RankScheduler.hit_tokens`.
 """
 
 from __future__ import annotations
