@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from bench.bench_frontend import LOAD_CPU, Wrk, _pinned, _server, _wait_connected
+from bench.bench_frontend import LOAD_CPU, Wrk, _pinned, _server, _wait_connected, cpu_seconds
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 SERVER_CPU: Final = "0"
@@ -302,30 +302,6 @@ def _long_request(url: str, scratch: Path) -> Iterator[None]:
 # ----------------------------------------------------------------------------- CPU per process
 
 
-def _cpu_seconds(root: int) -> float:
-    """User plus system CPU seconds of ``root`` and every live process below it."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
-    tree = {root}
-    grew = True
-    while grew:
-        below = {pid for pid, parent in parents.items() if parent in tree} - tree
-        grew = bool(below)
-        tree |= below
-    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
-
-
 class Pair:
     """One frontend in front of one worker: its URL and the pids whose CPU is measured."""
 
@@ -335,7 +311,7 @@ class Pair:
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds used so far by each process of the pair."""
-        return {role: _cpu_seconds(pid) for role, pid in self.pids.items()}
+        return {role: cpu_seconds(pid) for role, pid in self.pids.items()}
 
 
 class Deployment:

@@ -128,6 +128,30 @@ def _made_busy(url: str, body: str) -> Iterator[None]:
         holder.wait()
 
 
+def cpu_seconds(root: int) -> float:
+    """User plus system CPU seconds of ``root`` and every live process below it."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
+    tree = {root}
+    grew = True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        grew = bool(below)
+        tree |= below
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
 class Wrk:
     """Runs wrk on the load core and parses its summary."""
 

@@ -15,7 +15,11 @@ measured in this one run, the servers taking turns within each round, medians of
 
 For each row: requests/s, the core time per request (one core divided by the rate: the server's
 CPU per request, the kernel's share of its system calls included, when it has the core to
-itself), and the ratio to the llhttp floor (the median of the rounds' ratios).
+itself), the CPU per request measured (user plus system time from ``/proc`` of the server's
+processes over the run, divided by the requests answered: for the frontend's rows the frontend
+and its worker, shown as their sum and the frontend's part; it stays near the true cost when
+other programs take part of the core, which the core time does not), and the ratio to the
+llhttp floor (the median of the rounds' ratios).
 Then the ratios the HTTP layer is judged by: a 529 against ``/live``, ``/live`` against the
 floor. The hypercorn row (hypercorn's Trio worker serving a raw ASGI hello world, the
 off-the-shelf server this project would otherwise use) is measured when hypercorn is installed
@@ -47,7 +51,7 @@ import h11
 import httptools
 import trio
 
-from bench.bench_frontend import Wrk, _made_busy, _pinned, _process, _wait_connected
+from bench.bench_frontend import Wrk, _made_busy, _pinned, _server, _wait_connected, cpu_seconds
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
@@ -171,16 +175,18 @@ BARE_SERVERS: Final = {
 
 
 @contextlib.contextmanager
-def bare_server(kind: str) -> Iterator[str]:
-    """Start a bare server in a pinned child process; yield its URL."""
+def bare_server(kind: str) -> Iterator[tuple[str, list[int]]]:
+    """Start a bare server in a pinned child process (a session of its own); yield its URL and
+    its pid."""
     process = subprocess.Popen(
         _pinned(SERVER_CPU, [sys.executable, "-m", "bench.bench_http", "--serve", kind]),
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         assert process.stdout is not None
-        yield f"http://127.0.0.1:{int(process.stdout.readline())}"
+        yield f"http://127.0.0.1:{int(process.stdout.readline())}", [process.pid]
     finally:
         process.terminate()
         process.wait(10)
@@ -190,8 +196,9 @@ def bare_server(kind: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def frontends() -> Iterator[tuple[str, str]]:
-    """A busy frontend (every completion answered 529) and a fast one; yields their URLs."""
+def frontends() -> Iterator[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
+    """A busy frontend (every completion answered 529) and a fast one; yields each one's URL
+    with the pids of the frontend and its worker."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
     python = sys.executable
     worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
@@ -199,18 +206,18 @@ def frontends() -> Iterator[tuple[str, str]]:
     frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
     long_body = json.dumps({**COMPLETION, "max_tokens": 100_000, "stream": True})
     with (
-        _process([*worker, "--speedup-ratio", "0.02"], env) as (slow_ws, _),
-        _process([*worker, "--engine", "instant"], env) as (instant_ws, _),
-        _process(
+        _server([*worker, "--speedup-ratio", "0.02"], env) as (slow_pid, (slow_ws, _)),
+        _server([*worker, "--engine", "instant"], env) as (instant_pid, (instant_ws, _)),
+        _server(
             [*frontend, "--worker", slow_ws, "--active-decode-blocks-threshold", "0.0"], env
-        ) as (busy,),
-        _process([*frontend, "--worker", instant_ws], env) as (fast,),
+        ) as (busy_pid, (busy,)),
+        _server([*frontend, "--worker", instant_ws], env) as (fast_pid, (fast,)),
     ):
         _wait_connected(busy)
         _wait_connected(fast)
         # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
         with _made_busy(busy, long_body):
-            yield busy, fast
+            yield (busy, [busy_pid, slow_pid]), (fast, [fast_pid, instant_pid])
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -237,17 +244,22 @@ def _lua(folder: Path, name: str, body: dict[str, object]) -> str:
     return str(path)
 
 
-def report(rates: dict[str, list[float]]) -> str:
+def report(
+    rates: dict[str, list[float]], cpu: dict[str, list[tuple[float, float]]] | None = None
+) -> str:
     """The medians as a Markdown table, then the ratios the HTTP layer is judged by.
 
     A ratio is the median of its per-round ratios: the rows of one round ran back to back, so
-    a neighbour's load on the machine weighs on both sides of it alike.
+    a neighbour's load on the machine weighs on both sides of it alike. ``cpu`` holds, per row
+    and round, the CPU microseconds per request measured for all the row's processes and for
+    the first of them (the frontend).
     """
     medians = {key: statistics.median(values) for key, values in rates.items() if values}
     floor = medians.get("llhttp")
     lines = [
-        "| server | requests/s | core time per request (us) | ratio to the llhttp floor | runs |",
-        "|---|---|---|---|---|",
+        "| server | requests/s | core time per request (us) | CPU per request measured (us),"
+        " all (frontend) | ratio to the llhttp floor | runs |",
+        "|---|---|---|---|---|---|",
     ]
     for label, key in ROWS:
         if key not in medians:
@@ -255,7 +267,14 @@ def report(rates: dict[str, list[float]]) -> str:
         rate = medians[key]
         ratio = f"{_ratio(rates, key, 'llhttp'):.2f}" if floor else "n/a"
         runs = ", ".join(f"{value:,.0f}" for value in rates[key])
-        lines.append(f"| {label} | {rate:,.0f} | {1e6 / rate:.1f} | {ratio} | {runs} |")
+        measured = "-"
+        if cpu and cpu.get(key):
+            total = statistics.median(every for every, _ in cpu[key])
+            first = statistics.median(part for _, part in cpu[key])
+            measured = f"{total:.1f}" if key in BARE_SERVERS else f"{total:.1f} ({first:.1f})"
+        lines.append(
+            f"| {label} | {rate:,.0f} | {1e6 / rate:.1f} | {measured} | {ratio} | {runs} |"
+        )
     if "live" in medians and "shed" in medians:
         extra = statistics.median(
             1e6 / shed - 1e6 / live for shed, live in zip(rates["shed"], rates["live"], strict=True)
@@ -291,35 +310,41 @@ def main() -> None:
     else:
         print("hypercorn is not installed (pip install hypercorn): its row is skipped")
     rates: dict[str, list[float]] = {key: [] for _, key in ROWS}
+    cpu: dict[str, list[tuple[float, float]]] = {key: [] for _, key in ROWS}
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         completion = _lua(Path(scratch), "completion", COMPLETION)
         streamed = _lua(Path(scratch), "streamed", STREAMED)
         plain = Wrk(options.seconds, options.connections, completion)
         stream_wrk = Wrk(options.seconds, options.connections, streamed)
-        urls = {kind: stack.enter_context(bare_server(kind)) for kind in bare}
-        busy, fast = stack.enter_context(frontends())
+        servers = {kind: stack.enter_context(bare_server(kind)) for kind in bare}
+        (busy, busy_pids), (fast, fast_pids) = stack.enter_context(frontends())
         figures = {
-            **{kind: (plain, url + "/", False) for kind, url in urls.items()},
-            "live": (plain, busy + "/live", False),
-            "shed": (plain, busy + "/v1/completions", True),
-            "one_token": (plain, fast + "/v1/completions", True),
-            "streamed": (stream_wrk, fast + "/v1/completions", True),
+            **{kind: (plain, url + "/", False, pids) for kind, (url, pids) in servers.items()},
+            "live": (plain, busy + "/live", False, busy_pids),
+            "shed": (plain, busy + "/v1/completions", True, busy_pids),
+            "one_token": (plain, fast + "/v1/completions", True, fast_pids),
+            "streamed": (stream_wrk, fast + "/v1/completions", True, fast_pids),
         }
-        for wrk, url, post in figures.values():
+        for wrk, url, post, _ in figures.values():
             Wrk(1.0, options.connections, wrk.lua).run(url, post=post)  # warm-up
         for _ in range(options.rounds):
-            for key, (wrk, url, post) in figures.items():
+            for key, (wrk, url, post, pids) in figures.items():
+                before = [cpu_seconds(pid) for pid in pids]
                 result = wrk.run(url, post=post)
+                used = [cpu_seconds(pid) - start for pid, start in zip(pids, before, strict=True)]
                 expected_non_2xx = key == "shed"
                 if (result["non_2xx"] > 0) != expected_non_2xx:
                     raise RuntimeError(f"{key}: {result['non_2xx']:.0f} non-2xx answers")
                 rates[key].append(result["rps"])
+                if result["requests"]:
+                    per_request = 1e6 / result["requests"]
+                    cpu[key].append((sum(used) * per_request, used[0] * per_request))
     print(
         f"wrk: 1 thread on CPU 1, {options.connections} keep-alive connections, "
         f"{options.seconds:.0f} s per figure; servers on CPU {SERVER_CPU}; "
         f"medians of {options.rounds} rounds"
     )
-    print(report(rates))
+    print(report(rates, cpu))
 
 
 if __name__ == "__main__":
