@@ -159,6 +159,10 @@ class FrontendAPI:
         self._kv = kv
         self._completions = CompletionRate()
         self._in_flight = 0
+        # Of those, the requests still uploading their body: the fleet holds nothing of them,
+        # so Retry-After leaves them out (a thousand slow uploads must not tell every shed
+        # client to wait 30 s).
+        self._uploading = 0
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
         self._draining = False
         self._idle = trio.Event()
@@ -250,7 +254,12 @@ class FrontendAPI:
         self._in_flight += 1
         try:
             try:
-                body = parse_completion_body(await request.read_body(), endpoint)
+                self._uploading += 1
+                try:
+                    raw = await request.read_body()
+                finally:
+                    self._uploading -= 1
+                body = parse_completion_body(raw, endpoint)
                 priority, tenant = request_class(request.headers, body, self._class_policy)
             except BadRequest as exc:
                 self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, exc.status)
@@ -399,7 +408,7 @@ class FrontendAPI:
         self._metrics.count_rejection(exchange.label, exchange.endpoint)
         self._metrics.count_rejection_reason(exchange.label, reason)
         retry_after = retry_after_seconds(
-            self._in_flight,
+            self._in_flight - self._uploading,
             self._completions.rate(trio.current_time()),
             slot_share=self._fleet.slot_share(),
         )

@@ -68,7 +68,10 @@ Rules of one connection (a loop of request/response cycles):
 8. While a connection waits for a request it has received nothing of (the first one, or the
    next on a keep-alive connection), it is listed in the server's :class:`IdleConnections`; a
    server out of file descriptors closes the longest idle of them first
-   (:mod:`shim_common._httpserver`).
+   (:mod:`shim_common._httpserver`). So is a connection waiting for more of a body that has
+   fallen behind ``min_body_rate`` bytes per second once ``min_body_rate_grace`` has passed
+   since its head: a slow upload holds a descriptor the server needs no longer than an idle
+   connection does (its handler is cancelled as if the client had left).
 9. A server that stops winds its connections down (:meth:`Connection.wind_down`): each one
    answers the request it has begun to receive, or the first one of a connection that has sent
    nothing yet (it was accepted, so it is owed an answer), with ``Connection: close``, then
@@ -143,11 +146,13 @@ logger = logging.getLogger("shim_common._httpserver")
 
 
 class IdleConnections:
-    """The connections of a server that wait for a request with none of it received yet.
+    """The connections of a server that wait for a request with none of it received yet, and
+    those whose upload has fallen behind the minimum rate (rule 8).
 
     When the process runs out of file descriptors, closing the longest idle of these frees
     descriptors at the least cost: no request is lost, and a keep-alive client opens a new
-    connection when it needs one (RFC 9112 9.3 lets a server close an idle connection).
+    connection when it needs one (RFC 9112 9.3 lets a server close an idle connection); an
+    upload that slow would hold its descriptor for minutes.
     """
 
     def __init__(self) -> None:
@@ -365,7 +370,8 @@ class Connection:
                 self._idle.discard(self)
 
     def close_idle(self) -> None:
-        """End the connection now, as it waits for a request it has received nothing of."""
+        """End the connection now, as it waits for a request it has received nothing of, or for
+        more of a body that has fallen behind the minimum rate (rule 8)."""
         self._scope.cancel()
 
     def wind_down(self) -> None:
@@ -571,11 +577,14 @@ class Connection:
         if cycle.continue_due():
             await self._send_all(CONTINUE)
         events = self._events
-        whole_body_due = self._request_started + limits.body_total_timeout
+        started = self._request_started
+        whole_body_due = started + limits.body_total_timeout
+        last_data = trio.current_time()
         parts: list[bytes] = []
         size = 0
         # Every pass consumes at least one byte of a body capped at max_body_bytes, or ends,
-        # or waits within the deadlines.
+        # or waits within the deadlines (at most once more when the upload falls behind the
+        # minimum rate).
         while True:
             if events:
                 event = events.popleft()
@@ -587,14 +596,33 @@ class Connection:
                     if size > limits.max_body_bytes:
                         raise BodyTooLarge(f"body over {limits.max_body_bytes} bytes")
                     parts.append(event)
+                    last_data = trio.current_time()
                     continue
                 assert isinstance(event, ParseFailure), event
                 raise MalformedRequest(event.reason, event.status)
             if cycle.theirs == GONE:
                 raise ClientDisconnected("the client left during the request body")
-            piece_due = trio.current_time() + limits.body_timeout
-            with trio.move_on_at(min(piece_due, whole_body_due)) as scope:
-                await self._wait_for_data()
+            piece_due = last_data + limits.body_timeout
+            due = min(piece_due, whole_body_due)
+            # When this upload falls behind the minimum rate (rule 8); never without a registry
+            # of idle connections to be listed in.
+            behind = (
+                math.inf
+                if self._idle is None
+                else started + limits.min_body_rate_grace + size / limits.min_body_rate
+            )
+            if self._idle is not None and trio.current_time() >= behind:
+                self._idle.add(self)
+                try:
+                    with trio.move_on_at(due) as scope:
+                        await self._wait_for_data()
+                finally:
+                    self._idle.discard(self)
+            else:
+                with trio.move_on_at(min(due, behind)) as scope:
+                    await self._wait_for_data()
+                if scope.cancelled_caught and behind < due:
+                    continue  # fell behind the rate: the next wait is a closable one
             if scope.cancelled_caught:
                 if piece_due <= whole_body_due:
                     raise RequestTimeout(f"no body data for {limits.body_timeout} s")

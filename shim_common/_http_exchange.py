@@ -66,6 +66,11 @@ class HTTPLimits:
         max_body_chunks: the chunks any chunked body may come in; it may have one more for
             every ``bytes_per_extra_chunk`` bytes of it received (400 past it).
         bytes_per_extra_chunk: see ``max_body_chunks``.
+        min_body_rate: bytes per second; once ``min_body_rate_grace`` has passed since the
+            head, a body that has arrived slower than this is an upload the server may close
+            when it runs out of file descriptors, as it closes idle connections. (It is not
+            refused otherwise: ``body_timeout`` and ``body_total_timeout`` bound it.)
+        min_body_rate_grace: see ``min_body_rate``.
     """
 
     max_body_bytes: int = 16 * 1024 * 1024
@@ -84,6 +89,8 @@ class HTTPLimits:
     max_headers: int = 100
     max_body_chunks: int = 1024
     bytes_per_extra_chunk: int = 256
+    min_body_rate: float = 240.0
+    min_body_rate_grace: float = 5.0
 
 
 DEFAULT_LIMITS = HTTPLimits()

@@ -182,3 +182,117 @@ async def test_thousands_of_tiny_headers_get_431_and_a_hundred_are_served() -> N
             assert b"header lines" in answer
             status, answer = await exchange(url, live(99))  # with Host, 100
             assert status == 200, answer
+
+
+# -- slow uploads ------------------------------------------------------------------------------
+
+#: A completion body declared and never sent but for its first byte.
+SLOW_BODY_BYTES = 100_000
+
+
+async def open_slow_upload(url: str, priority: int | None = None) -> trio.SocketStream:
+    """A connection sending a completion head and one byte of its body, then nothing."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+    extra = b"" if priority is None else b"\r\nx-dynamo-priority: %d" % priority
+    framing = b"Content-Length: %d%s" % (SLOW_BODY_BYTES, extra)
+    await stream.send_all(completion_head(url, framing) + b"{")
+    return stream
+
+
+async def answer_head(url: str, request: bytes) -> bytes:
+    """The head of the answer to ``request`` on a fresh connection."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    async with await trio.open_tcp_stream(parts.hostname, parts.port) as stream:
+        await stream.send_all(request)
+        received = b""
+        for _ in range(1000):
+            data = await stream.receive_some(65536)
+            received += data
+            if not data or b"\r\n\r\n" in received:
+                break
+    assert received.startswith(b"HTTP/1.1 "), received
+    return received.partition(b"\r\n\r\n")[0]
+
+
+def retry_after(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"retry-after":
+            return int(value)
+    raise AssertionError(f"no Retry-After in {head!r}")
+
+
+async def test_slow_uploads_are_not_counted_in_retry_after() -> None:
+    # The fleet made busy by one long stream (any KV block held is busy), after a pace of
+    # completions is known; then forty uploads of a body that never comes. The Retry-After a
+    # shed client gets is the same with them as without: the fleet holds nothing of them.
+    env = clean_env()
+    busy = ("--active-decode-blocks-threshold", "0.0", "--busy-exempt-priority", "0")
+    async with (
+        started([*worker_cmd("--model", MODEL)], env) as (urls, _),
+        started(frontend_cmd("--worker", urls[0], *busy), env) as (front, _),
+    ):
+        url = front[0]
+        with trio.fail_after(TIMEOUT):
+            await wait_connected(url)
+            short = json.dumps({"model": MODEL, "prompt": "one", "max_tokens": 1}).encode()
+            for _ in range(8):
+                status, answer = await exchange(
+                    url, completion_head(url, b"Content-Length: %d" % len(short)) + short
+                )
+                assert status == 200, answer
+                await trio.sleep(0.15)
+            long = {"model": MODEL, "prompt": "one", "max_tokens": 20_000, "stream": True}
+            held = json.dumps(long).encode()
+            probe = completion_head(url, b"Content-Length: 2\r\nx-dynamo-priority: 5") + b"{}"
+            async with trio.open_nursery() as nursery:
+                # The stream holds the only worker busy until the test ends.
+                nursery.start_soon(
+                    exchange, url, completion_head(url, b"Content-Length: %d" % len(held)) + held
+                )
+                for _ in range(500):
+                    head = await answer_head(url, probe)
+                    if head.startswith(b"HTTP/1.1 529 "):
+                        break
+                    await trio.sleep(0.02)
+                before = retry_after(head)
+                # Busy-exempt uploads: their body is awaited although the fleet is busy.
+                uploads = [await open_slow_upload(url, priority=-5) for _ in range(40)]
+                await trio.sleep(0.5)
+                head = await answer_head(url, probe)
+                assert head.startswith(b"HTTP/1.1 529 "), head
+                assert retry_after(head) <= before + 1, (before, head)
+                for upload in uploads:
+                    await upload.aclose()
+                nursery.cancel_scope.cancel()
+
+
+async def test_slow_uploads_at_the_descriptor_limit_give_way_to_new_clients() -> None:
+    # A frontend with few descriptors, every one of them taken by an upload that sent one byte
+    # of its body: once they fall behind the minimum rate (240 B/s after 5 s), the server closes
+    # them to accept new clients, as it closes idle connections.
+    env = clean_env()
+    async with started([*worker_cmd("--model", MODEL)], env) as (urls, _):
+        limited = ["prlimit", "--nofile=64:64", *frontend_cmd("--worker", urls[0])]
+        async with started(limited, env) as (front, process):
+            url = front[0]
+            with trio.fail_after(TIMEOUT):
+                await wait_connected(url)
+                uploads: list[trio.SocketStream] = []
+                # Until the frontend's table is full (the last ones wait in the listen backlog).
+                for _ in range(64):
+                    uploads.append(await open_slow_upload(url))
+                    await trio.sleep(0.01)
+                assert len(os.listdir(f"/proc/{process.pid}/fd")) >= 60
+                netloc = urllib.parse.urlsplit(url).netloc.encode()
+                live = b"GET /live HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % netloc
+                with trio.fail_after(30):
+                    head = await answer_head(url, live)
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                for upload in uploads:
+                    await upload.aclose()
