@@ -6,7 +6,9 @@ tokens and of the name of the block before it, so one name stands for the whole 
 
 Rules:
 
-1. Hashed chains, not a tree: each rank keeps the *set* of the names it holds. A prompt's cached
+1. Hashed chains, not a tree: each rank keeps the *set* of the names it holds (a dict with
+   no values: a dict of integers is not tracked by the garbage collector, a set is, and a
+   collection that walked 67 million names would stall the frontend for seconds). A prompt's cached
    prefix on a rank is the longest run of the prompt's names, from the first, that the rank holds
    (as the worker's own lookup counts it). Because names are chained, the set needs no parent
    links: a flat set per rank answers the run in one membership test per block, and costs one
@@ -102,8 +104,8 @@ class RankBlocks:
     __slots__ = ("cached", "predicted")
 
     def __init__(self) -> None:
-        #: Names the worker's events say this rank holds.
-        self.cached: set[int] = set()
+        #: Names the worker's events say this rank holds (keys; rule 1 says why not a set).
+        self.cached: dict[int, None] = {}
         #: The router's guesses: name -> time until which it is believed. Insertion-ordered by
         #: that time (a guess made again moves to the end), so the oldest is first.
         self.predicted: dict[int, float] = {}
@@ -250,7 +252,7 @@ class KvIndex:
                 cached = rank.cached
                 predicted = rank.predicted
                 for name in event.blocks:
-                    cached.discard(name)
+                    cached.pop(name, None)
                     predicted.pop(name, None)
             else:
                 rank.cached.clear()
@@ -269,7 +271,7 @@ class KvIndex:
             if room <= 0:
                 self.stats.overflow += 1
                 continue
-            cached.add(name)
+            cached[name] = None
             room -= 1
 
     def _replace(self, worker: WorkerBlocks, snapshot: wire.KvSnapshot) -> None:
@@ -277,7 +279,7 @@ class KvIndex:
         if len(snapshot.ranks) > len(worker.ranks):
             self.stats.invalid += 1
         for index, rank in enumerate(worker.ranks):
-            rank.cached = set()
+            rank.cached = {}
             if index < len(snapshot.ranks):
                 self._store(rank, snapshot.ranks[index], worker.cap)
                 self._note(rank, snapshot.ranks[index])
