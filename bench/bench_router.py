@@ -257,7 +257,7 @@ def tree_depth(root: RadixNode, names: Sequence[int], holder: int) -> int:
     return depth
 
 
-def _set_lookups(sets: list[set[int]], queries: list[tuple[int, list[int]]]) -> None:
+def _set_lookups(sets: list[dict[int, None]], queries: list[tuple[int, list[int]]]) -> None:
     for rank, names in queries:
         len(list(itertools.takewhile(sets[rank].__contains__, names)))
 
@@ -282,7 +282,8 @@ def compare_tree(ranks: int, blocks: int, rounds: int, rng: random.Random) -> No
             caches.append(chains)
         queries = [(r, caches[r][rng.randrange(len(caches[r]))]) for r in range(ranks)] * 8
         before = resident_bytes()
-        sets = [{name for chain in chains for name in chain} for chains in caches]
+        # As the index keeps them: a dict without values per rank (its rule 1).
+        sets = [dict.fromkeys(name for chain in chains for name in chain) for chains in caches]
         set_bytes = resident_bytes() - before
         before = resident_bytes()
         root = RadixNode()
