@@ -213,6 +213,49 @@ async def test_stream_hands_out_replies_in_order() -> None:
     assert [r async for r in stream] == []
 
 
+async def test_ready_hands_out_everything_that_arrived_together_and_ends_at_the_final() -> None:
+    buffer = ResponseBuffer(8)
+    buffer.push(wire.Started(request_id=1, prompt_tokens=2))
+    stream = RequestStream(1, buffer)
+    with pytest.raises(RuntimeError):
+        await stream.ready()  # before first()
+    assert isinstance(await stream.first(), wire.Started)
+    for text in "abc":
+        buffer.push(_chunk(text))
+    assert [reply.text for reply in await stream.ready() if isinstance(reply, wire.Chunk)] == [
+        "a",
+        "b",
+        "c",
+    ]
+    # Nothing buffered: ready() waits for the next reply, then hands over what came with it.
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            got: list[list[wire.Chunk | wire.End | wire.Failed]] = []
+
+            async def read() -> None:
+                got.append(await stream.ready())
+
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            buffer.push(_chunk("d", finish="stop"))
+            buffer.push(wire.Rejected(request_id=1, reason="late"))  # out of protocol: a failure
+    assert [type(reply).__name__ for reply in got[0]] == ["Chunk", "Failed"]
+    assert await stream.ready() == []  # the stream ended with the failure
+
+
+async def test_ready_after_a_chunk_without_started_starts_with_that_chunk() -> None:
+    buffer = ResponseBuffer(8)
+    buffer.push(_chunk("a"))
+    buffer.push(_chunk("b"))
+    stream = RequestStream(1, buffer)
+    assert isinstance(await stream.first(), wire.Started)
+    first = await stream.ready()
+    assert [reply.text for reply in first if isinstance(reply, wire.Chunk)] == ["a"]
+    second = await stream.ready()
+    assert [reply.text for reply in second if isinstance(reply, wire.Chunk)] == ["b"]
+
+
 # ----------------------------------------------------------------------------- property
 
 
@@ -293,9 +336,7 @@ def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[An
 async def test_priority_and_tenant_go_only_to_a_worker_that_speaks_them(classes: bool) -> None:
     # An older worker (no "classes" in its hello) gets the generate it always got: plain msgpack
     # without the two fields, so even a decoder that refuses unknown fields reads it.
-    plane = RequestPlane(
-        request_buffer=1, send_queue=256, stats=LinkStats(), classes=classes
-    )
+    plane = RequestPlane(request_buffer=1, send_queue=256, stats=LinkStats(), classes=classes)
     with trio.fail_after(5):
         await plane.open("completions", {"prompt": "a"}, priority=7, tenant="nightly")
         (data,) = await _drain_outbox(plane)

@@ -12,6 +12,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 from worker_configs import runtime_config
 
@@ -19,8 +20,10 @@ import frontend_shim._responses as responses
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._request_body import MAX_EMBEDDING_INPUTS
+from frontend_shim._request_plane import RequestStream, ResponseBuffer
 from frontend_shim._responses import MAX_ANSWER_CHARS, ResponseShape
 from shim_common import wire
+from shim_common._http_exchange import HTTPResponder
 
 #: What formatting must not reach: routing, load state, the links, the books.
 _ROUTING = {
@@ -196,3 +199,80 @@ async def test_a_worker_past_the_bounds_of_an_answer_fails_that_request_alone(
                 assert 'status="500"' in metrics
                 assert (await client.get("/live")).status_code == 200
             nursery.cancel_scope.cancel()
+
+
+class _RecordingChannel:
+    """The HTTP connection's side of a responder, recording each write of a streamed body."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.response_started = False
+        self.response_finished = False
+
+    async def receive_body(self) -> bytes:
+        return b""
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        raise AssertionError("a streamed answer sends no whole response")
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.response_started = True
+
+    async def send_data(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    async def end_stream(self) -> None:
+        self.response_finished = True
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.status = 0
+        self.outputs = 0
+        self.done = False
+
+    def output(self, reply: wire.Chunk) -> None:
+        self.outputs += 1
+
+    def completed(self) -> None:
+        self.done = True
+
+
+async def test_replies_that_arrived_together_leave_in_one_write_later_ones_in_their_own() -> None:
+    buffer = ResponseBuffer(16)
+    buffer.push(wire.Started(request_id=1, prompt_tokens=2))
+    stream = RequestStream(1, buffer)
+    await stream.first()
+    for text in ("a", "b", "c"):
+        buffer.push(wire.Chunk(request_id=1, text=text, tokens=1))
+    channel = _RecordingChannel()
+    tally = _Tally()
+    body = {"model": "m", "stream": True}
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                responses.serve_started,
+                HTTPResponder(channel),
+                "chat_completions",
+                stream,
+                body,
+                tally,
+            )
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(channel.writes) == 1  # three tokens, one write
+            buffer.push(wire.Chunk(request_id=1, text="d", tokens=1, finish_reason="length"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(channel.writes) == 2  # a token that came alone leaves at once, alone
+            buffer.push(wire.End(request_id=1, prompt_tokens=2, completion_tokens=4))
+    assert len(channel.writes) == 3
+    events = b"".join(channel.writes).split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    deltas = [msgspec.json.decode(event[6:])["choices"][0]["delta"] for event in events[:-2]]
+    assert [delta["content"] for delta in deltas] == ["a", "b", "c", "d"]
+    assert deltas[0]["role"] == "assistant"
+    assert "role" not in deltas[1]
+    assert channel.writes[0].count(b"data: ") == 3
+    assert tally.outputs == 4
+    assert tally.done
+    assert tally.status == 200
+    assert channel.response_finished
