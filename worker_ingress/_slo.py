@@ -22,7 +22,13 @@ Rules
 3. Windows. Samples collect in a window. A window closes at the first :meth:`~SloController.update`
    after it has lasted ``window_seconds`` **and** holds ``min_samples`` samples, or as soon as it
    holds ``max_samples`` (memory is bounded). With too few samples the window stays open and L
-   holds, however long that takes; nothing is decided on noise.
+   holds; nothing is decided on noise. One exception: a window that has lasted
+   ``starve_seconds`` with the limit in use (arrivals wait) and no request in the engine late
+   for its first output (no overdue open sample) is *starved*: its slots are held by requests
+   past their first output (a ``max_tokens`` of thousands), which no sample will ever show. It
+   closes and raises L by the additive step (under a fresh ceiling; a ceiling at L + 1 or
+   below is forgotten: it was set by what held the slots, not by a slow engine), so one long
+   request cannot hold a lowered limit down for as long as it runs.
 4. The law, applied when a window closes, with ``p`` the window's 90th percentile of in-engine
    time to first token and ``T = engine_share * S`` the engine's share of the objective:
 
@@ -33,14 +39,22 @@ Rules
      (no ceiling, no probe) may cut three steps at once, to ``floor(N * min_decrease_factor **
      3)`` at the least: an overload that starts at N is met within one window near the level
      the engine sustains, instead of spending its first seconds halving from N. The
-     old L becomes the *ceiling*: a level known to be too high, not tried again for
-     ``probe_seconds``. When the window before raised L, the decrease goes back to the level it
-     was raised from instead (that level was fine a window ago), and the ceiling is the level
-     just above it: a failed probe costs one step up and one back.
+     old L becomes the *ceiling*: a level known to be too high, not tried again while it is
+     fresh. A ceiling lives ``first_probe_seconds``; each failed probe doubles that, up to
+     ``probe_seconds``, and a window whose limit was not in use resets it. When the window
+     before raised L, the decrease goes back to the level it was raised from instead (that
+     level was fine a window ago), and the ceiling is the level just above it: a failed probe
+     costs one step up and one back, and from then on increases are single steps.
    - ``p <= comfort * T`` and the limit was in use (some arrival had to wait in the queue, or was
-     refused, during the window): additive increase,
-     ``L <- L + max(1, floor(L * increase_share))``, capped at N and, while the ceiling is fresh,
-     at ``ceiling - 1``.
+     refused, during the window): increase toward the level where the engine would just be
+     comfortable if its time grew in proportion to L,
+     ``L <- min(N, ceil(L * recovery_factor), max(L + max(1, floor(L * increase_share)),
+     floor(L * comfort * T / p)))``, capped, while the ceiling is fresh, at ``ceiling - 1``.
+     After a failed probe (until a window is comfortable at or above the level that failed, or
+     the limit is not in use) the increase is the additive step alone: a knee in the engine's
+     curve is found by single steps, never jumped over again and again. So a limit that an
+     attack of long prompts drove down comes back within a few windows of its end, yet a
+     steady load near a knee sees one step up and one back per ceiling life.
    - ``p <= comfort * T`` and the limit was not in use (nobody waited): recovery,
      ``L <- min(N, max(L + 1, ceil(L * recovery_factor)))``, and the ceiling is forgotten (the
      load that set it has gone). L is not binding then, so raising it changes nothing now; it
@@ -49,12 +63,15 @@ Rules
 
    Every step is bounded: ``floor(L * min_decrease_factor) <= L' <= ceil(L * recovery_factor)``,
    but for the first decrease from N, ``floor(N * min_decrease_factor ** 3) <= L'``.
-   On a steady load L settles in the dead band or one below the ceiling, and moves again at most
-   once per ``probe_seconds`` (one probe of the ceiling), never in a sawtooth.
+   On a steady load L settles in the dead band or one below the ceiling, and once the failed
+   probes have doubled its life, moves again at most once per ``probe_seconds`` (one probe of
+   the ceiling), never in a sawtooth.
 5. Start rate. Every finished request reports how long it held its slot. Their exponentially
    weighted mean ``hold`` gives the rate at which a saturated gate starts requests, ``L / hold``
    (Little's law: L requests in the engine, each leaving after ``hold`` on average). It needs no
-   measurement of idle time and does not collapse when the load pauses.
+   measurement of idle time and does not collapse when the load pauses. One hold counts at most
+   ``hold_outlier`` times the mean so far: a single request of thousands of tokens moves the
+   mean as a few ordinary ones would, instead of closing the queue for everyone after it.
 6. Early refusal. Requests start from a saturated queue at the rate ``r = L / hold``, so an
    arrival with ``k`` requests queued ahead of it starts after ``k + 1`` starts, which take
    ``(k + 1) / r`` on average, give or take ``sqrt(k + 1) / r`` (starts as a Poisson stream),
@@ -132,6 +149,14 @@ class SloTuning:
     recovery_factor: float = 2.0
     #: A level that proved too high is not tried again for this long.
     probe_seconds: float = 30.0
+    #: A ceiling that no probe has confirmed caps the increase this long; each failed probe
+    #: doubles it, up to ``probe_seconds``.
+    first_probe_seconds: float = 2.0
+    #: A window this old whose limit is in use but that holds too few samples, none of them
+    #: overdue, closes as comfortable: the slots are held by requests past their first output.
+    starve_seconds: float = 3.0
+    #: One finished request's hold counts at most this many times the mean so far (rule 5).
+    hold_outlier: float = 4.0
     #: Weight of each new hold time in the start-rate estimate.
     hold_smoothing: float = 0.05
 
@@ -146,6 +171,9 @@ class SloTuning:
             "increase_share": 0 <= self.increase_share < 1,
             "recovery_factor": self.recovery_factor >= 1,
             "probe_seconds": self.probe_seconds >= 0,
+            "first_probe_seconds": 0 <= self.first_probe_seconds <= self.probe_seconds,
+            "starve_seconds": self.starve_seconds >= self.window_seconds,
+            "hold_outlier": self.hold_outlier >= 1,
             "hold_smoothing": 0 < self.hold_smoothing <= 1,
         }
         for name, ok in checks.items():
@@ -176,8 +204,10 @@ class SloController:
     __slots__ = (
         "_binding",
         "_ceiling",
+        "_ceiling_life",
         "_ceiling_since",
         "_engine_samples",
+        "_failed_level",
         "_hold",
         "_limit_since",
         "_peak_running",
@@ -235,6 +265,10 @@ class SloController:
         self._peak_running = 0
         self._ceiling: int | None = None
         self._ceiling_since = now
+        self._ceiling_life = self.tuning.first_probe_seconds
+        # The last level a probe found too high (None: none lately): increases toward the
+        # gradient stop below it, and only single steps probe it again.
+        self._failed_level: int | None = None
         self._hold: float | None = None
         self._limit_since = now
         # Requests in the engine without a first output yet, oldest start first (a dict keeps
@@ -291,6 +325,9 @@ class SloController:
         if self._hold is None:
             self._hold = hold
         else:
+            # Rule 5: one very long request (a max_tokens of thousands) moves the mean as a few
+            # ordinary ones would, not enough to close the queue for everyone else.
+            hold = min(hold, self.tuning.hold_outlier * self._hold)
             self._hold += self.tuning.hold_smoothing * (hold - self._hold)
 
     # -- decisions ------------------------------------------------------------------------------
@@ -330,17 +367,28 @@ class SloController:
         ):
             return False
         overdue = self._overdue(now)
+        starved = False
         if len(self._engine_samples) + len(overdue) < tuning.min_samples:
-            return False
+            # Rule 3: too few samples hold L, unless the limit is in use, nothing in the engine
+            # is late for its first output, and that has lasted: then the slots are held by
+            # requests past their first output, which no sample will ever show.
+            starved = (
+                self._binding and not overdue and now - self._window_start >= tuning.starve_seconds
+            )
+            if not starved:
+                return False
         before = (self.limit, self.queue_bound)
-        if self._ceiling is not None and now - self._ceiling_since >= tuning.probe_seconds:
+        if self._ceiling is not None and now - self._ceiling_since >= self._ceiling_life:
             self._ceiling = None
-        engine = sorted(self._engine_samples + overdue)
-        self.engine_ttft_p50 = percentile(engine, 0.5)
-        self.engine_ttft_p90 = percentile(engine, 0.9)
-        if self._total_samples:
-            self.ttft_p90 = percentile(sorted(self._total_samples), 0.9)
-        self.limit = self._next_limit(self.engine_ttft_p90, now)
+        if starved:
+            self.limit = self._starved_limit()
+        else:
+            engine = sorted(self._engine_samples + overdue)
+            self.engine_ttft_p50 = percentile(engine, 0.5)
+            self.engine_ttft_p90 = percentile(engine, 0.9)
+            if self._total_samples:
+                self.ttft_p90 = percentile(sorted(self._total_samples), 0.9)
+            self.limit = self._next_limit(self.engine_ttft_p90, now)
         if self.limit != before[0]:
             # Whatever started before now was admitted under the old L: not a sample of the new.
             self._limit_since = now
@@ -373,28 +421,60 @@ class SloController:
             used = min(limit, self._peak_running) if self._peak_running else limit
             cut = max(math.floor(limit * least), math.floor(used * factor + 1e-9))
             lowered = max(self.min_limit, min(limit - 1, cut))
-            ceiling = limit
+            top = limit
             if raised_from is not None:
                 # A failed probe: back to the level it left, which was fine a window ago, and
                 # nothing above that is tried until the next probe (the step may have jumped
                 # over levels never measured). A load that has grown meanwhile is cut next.
                 lowered = max(self.min_limit, min(raised_from, limit - 1))
-                ceiling = raised_from + 1
+                top = raised_from + 1
+                # The level above is confirmed too high once more: probed less often.
+                self._ceiling_life = min(tuning.probe_seconds, 2 * self._ceiling_life)
+                self._failed_level = limit
             if lowered < limit:
-                self._ceiling = ceiling
+                self._ceiling = top
                 self._ceiling_since = now
             return lowered
-        if p90 > tuning.comfort * target:
+        comfortable = tuning.comfort * target
+        if p90 > comfortable:
             return limit
+        ceiling = self._ceiling
+        failed = self._failed_level
+        if failed is not None and limit >= failed:
+            # Comfortable at or above the level that failed: the load has changed.
+            self._failed_level = failed = None
         if not self._binding:
+            self._failed_level = None
             self._ceiling = None
+            self._ceiling_life = tuning.first_probe_seconds
             raised = min(self.max_limit, max(limit + 1, math.ceil(limit * tuning.recovery_factor)))
         else:
-            raised = min(self.max_limit, limit + max(1, math.floor(limit * tuning.increase_share)))
-            if self._ceiling is not None:
-                raised = min(raised, max(limit, self._ceiling - 1))
+            # Toward the level where the engine would just be comfortable (at most
+            # proportionally slower there), by at least the additive step and at most the
+            # recovery factor.
+            step = limit + max(1, math.floor(limit * tuning.increase_share))
+            toward = math.floor(limit * comfortable / p90) if p90 > 0 else self.max_limit
+            most = math.ceil(limit * tuning.recovery_factor)
+            if failed is not None:
+                toward = limit  # a probe failed at this load: single steps only
+            raised = min(self.max_limit, most, max(step, toward))
+            if ceiling is not None:
+                raised = min(raised, max(limit, ceiling - 1))
         if raised > limit:
             self._raised_from = limit
+        return raised
+
+    def _starved_limit(self) -> int:
+        # Rule 3: a starved window raises L by the additive step, under a fresh ceiling.
+        limit = self.limit
+        raised = min(self.max_limit, limit + max(1, math.floor(limit * self.tuning.increase_share)))
+        if self._ceiling is not None and self._ceiling - 1 > limit:
+            raised = min(raised, self._ceiling - 1)
+        elif self._ceiling is not None:
+            # The ceiling was set by what the requests holding the slots now did: no evidence
+            # about the level above, so one step is tried.
+            self._ceiling = None
+        self._raised_from = None
         return raised
 
     def _overdue(self, now: float) -> list[float]:
@@ -412,7 +492,8 @@ class SloController:
         hold = self._hold
         if hold is None or hold <= 0:
             return UNBOUNDED_QUEUE
-        room = (self.objective - self.engine_ttft_p90) * self.limit / hold
+        engine = 0.0 if math.isnan(self.engine_ttft_p90) else self.engine_ttft_p90
+        room = (self.objective - engine) * self.limit / hold
         if room <= 0:
             return 0
         z = _Z90

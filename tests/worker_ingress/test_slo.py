@@ -176,12 +176,65 @@ def test_increase_only_while_the_limit_is_in_use_and_under_the_ceiling() -> None
     now = feed_window(controller, 0.0, engine_ttft=0.2)
     assert controller.limit == 75
     now = feed_window(controller, now, engine_ttft=0.05, queued=True)
-    assert controller.limit == 78  # + floor(75 * 0.05)
-    for _ in range(20):
+    assert controller.limit == 99  # the gradient says more: ceiling 100, minus one
+    now = feed_window(controller, now, engine_ttft=0.05, queued=True)
+    assert controller.limit == 100  # the ceiling's first life ran out: probe it
+
+
+def test_an_increase_goes_toward_where_the_engine_would_just_be_comfortable() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    now = feed_window(controller, 0.0, engine_ttft=0.2)
+    now = feed_window(controller, now, engine_ttft=0.1, queued=True)
+    assert controller.limit == 84  # floor(75 * 0.1125 / 0.1), at most proportionally slower
+
+
+def test_a_failed_probe_makes_increases_single_steps_and_the_ceiling_live_longer() -> None:
+    tuning = SloTuning()
+    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    now = feed_window(controller, 0.0, engine_ttft=0.2)  # 75, ceiling 100
+    now = feed_window(controller, now, engine_ttft=0.05, queued=True)  # raised to 99
+    assert controller.limit == 99
+    now = feed_window(controller, now, engine_ttft=0.2, queued=True)  # the probe failed
+    assert controller.limit == 75
+    assert controller.ceiling == 76
+    for _ in range(3):  # the ceiling now lives twice as long: still capped at 75
         now = feed_window(controller, now, engine_ttft=0.05, queued=True)
-    assert controller.limit == 99  # ceiling 100, minus one, while the ceiling is fresh
-    now = feed_window(controller, 31.0, engine_ttft=0.05, queued=True)
-    assert controller.limit == 100  # the ceiling expired: probe it again
+        assert controller.limit == 75
+    now = feed_window(controller, now, engine_ttft=0.05, queued=True)
+    assert controller.limit == 75 + max(1, math.floor(75 * tuning.increase_share))  # one step
+
+
+def test_an_attack_of_long_prompts_cannot_pin_the_limit_once_it_is_over() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=16)
+    now = 0.0
+    for _ in range(15):  # long prompts: in-engine first tokens far over the engine's share
+        now = feed_window(controller, now, engine_ttft=2.0, queued=True)
+    assert controller.limit == 1
+    # One request past its first output holds the only slot: no sample for a long while. A
+    # window that the held slot starves, with nothing late in the engine, raises L anyway.
+    controller.observe_backlog()
+    assert not controller.update(now + 2.0)
+    assert controller.update(now + 3.0)
+    assert controller.limit == 2
+    now += 3.0
+    # The attack is over: short prompts, comfortable, queued behind the limit. Within a few
+    # windows L is back within 10% of N.
+    windows = 0
+    while controller.limit < 0.9 * 16:
+        now = feed_window(controller, now, engine_ttft=0.02, queued=True)
+        windows += 1
+        assert windows <= 6, controller.limit
+
+
+def test_one_very_long_request_moves_the_hold_time_as_a_few_ordinary_ones() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=4)
+    for index in range(50):
+        controller.observe_finish(index, started=0.0, finished=0.5)
+    controller.observe_finish("long", started=0.0, finished=38.0)  # max_tokens 6000
+    hold = controller.hold_seconds
+    assert hold is not None
+    tuning = controller.tuning
+    assert hold <= 0.5 * (1 + tuning.hold_smoothing * (tuning.hold_outlier - 1)) + 1e-9
 
 
 def test_recovery_when_nobody_waits() -> None:
