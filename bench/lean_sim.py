@@ -112,6 +112,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
@@ -150,7 +151,12 @@ __all__ = ["NEW_FEATURES", "Counters", "Fleet", "hello_of", "main"]
 Protocol = Literal["new", "current", "v1"]
 PROTOCOLS: Final = ("new", "current", "v1")
 #: What the real worker lists in its hello now (``Worker.hello``; a test keeps them equal).
-NEW_FEATURES: Final = (FEATURE_BUSY_EDGES, FEATURE_CLASSES, FEATURE_PUBLISH_INTERVAL)
+NEW_FEATURES: Final = (
+    FEATURE_BUSY_EDGES,
+    FEATURE_CLASSES,
+    FEATURE_FRONTEND_TIME,
+    FEATURE_PUBLISH_INTERVAL,
+)
 #: What a worker of the fleet work's protocol lists.
 CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)
 
