@@ -410,7 +410,9 @@ class AdmissionState:
                 and tenant == self._refused_tenant
             ):
                 return _REFUSED_OVERLOADED
-            found = queue.victim(priority, queue.tenants.get(tenant)) if queue.size else None
+            record = queue.tenants.get(tenant)
+            new = record is None and queue.is_new(tenant)
+            found = queue.victim(priority, record, new=new) if queue.size else None
             if found is None:
                 return _REFUSED_OVERLOADED
             entry, why = found

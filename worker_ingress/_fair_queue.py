@@ -35,10 +35,12 @@ Rules of the discipline
    strictly lower (better) than the worst priority waiting displaces the most recently queued
    entry of that worst priority. An arrival *of* the worst priority waiting whose tenant holds
    fewer places in that band than the tenant holding the most displaces that tenant's most
-   recently queued entry, except that an arrival of a tenant new to the gate (no record: no
-   request of it queued or running) never takes another tenant's only place: it displaces only
-   from a tenant holding two places or more. So names made up per request cannot turn a queue of
-   one place per tenant into a displacement per arrival. Otherwise nobody is displaced (the gate
+   recently queued entry, except that an arrival of a tenant new to the gate (no request of it
+   queued or running, and not among the last ``max_tenants`` tenants that were served and left:
+   :meth:`FairQueue.is_new`) never takes another tenant's only place: it displaces only from a
+   tenant holding two places or more. So names made up per request cannot turn a queue of one
+   place per tenant into a displacement per arrival, while a tenant that comes back keeps its
+   right to a place. Otherwise nobody is displaced (the gate
    rejects the arrival).
 6. **Tenant state is bounded.** A :class:`Tenant` record lives while its tenant has a request in
    the gate (queued or running) and is forgotten when the last one leaves (so idle tenants cost
@@ -204,6 +206,7 @@ class FairQueue:
     __slots__ = (
         "_bands",
         "_best",
+        "_known",
         "_overflow",
         "_spare",
         "_tick",
@@ -235,6 +238,9 @@ class FairQueue:
         # The record forgotten last, reused (reset: forgotten is forgotten) when the same
         # tenant comes back: one tenant sending one request at a time allocates nothing.
         self._spare: Tenant | None = None
+        # Names of tenants that were served and have left the gate, least recently left first
+        # (at most max_tenants): a tenant that comes back is not new (rule 5).
+        self._known: dict[str, None] = {}
         self._bands: dict[int, _Band] = {}
         # Priorities of the bands: a min-heap (best first) and a max-heap (negated: worst
         # first), both with lazy deletion (a priority whose band is gone is skipped).
@@ -283,8 +289,20 @@ class FairQueue:
         """One request of ``tenant`` left the gate; forget the tenant when it was the last."""
         tenant.requests -= 1
         if tenant.requests == 0 and tenant is not self._overflow:
-            del self.tenants[tenant.name]
+            name = tenant.name
+            del self.tenants[name]
             self._spare = tenant
+            if tenant.attained > 0:
+                known = self._known
+                known.pop(name, None)
+                known[name] = None
+                if len(known) > self.max_tenants:
+                    del known[next(iter(known))]
+
+    def is_new(self, name: str) -> bool:
+        """Whether tenant ``name`` is new to the gate (rule 5): no request of it queued or
+        running, and not among the last ``max_tenants`` tenants served that left."""
+        return name not in self.tenants and name not in self._known
 
     @staticmethod
     def charge(tenant: Tenant, tokens: float) -> None:
@@ -365,13 +383,17 @@ class FairQueue:
             band.order = deque(e for e in band.order if e._flow is not None)
         return True
 
-    def victim(self, priority: int, tenant: Tenant | None) -> tuple[QueueEntry, str] | None:
+    def victim(
+        self, priority: int, tenant: Tenant | None, *, new: bool | None = None
+    ) -> tuple[QueueEntry, str] | None:
         """Whom an arrival at a full queue displaces (rule 5), without changing anything.
 
         Args:
             priority: The arrival's priority.
             tenant: The arrival's tenant record, or ``None`` if it has none yet (it then holds
                 no place).
+            new: Whether the tenant is new to the gate (:meth:`is_new`); ``None``: new when it
+                has no record.
 
         Returns:
             ``(entry, DISPLACED_BY_PRIORITY or DISPLACED_BY_SHARE)``, or ``None``.
@@ -387,7 +409,7 @@ class FairQueue:
         places = own.live if own is not None else 0
         # A tenant new to the gate counts as holding one place more (rule 5): it never takes
         # another tenant's only place.
-        if places + (tenant is None) >= band.most:
+        if places + (tenant is None if new is None else new) >= band.most:
             return None
         heaviest = next(iter(band.by_places[band.most]))
         return self._newest(heaviest.entries), DISPLACED_BY_SHARE

@@ -468,7 +468,9 @@ class ClassesStateMachine(RuleBasedStateMachine):
         predicted = state.would_reject(priority, tenant)
         # A tenant new to the gate counts one place more when it may displace by share (the
         # policy's rule 5: it never takes another tenant's only place).
-        new = not any(t.tenant.name == tenant for t in self.running + self.queued)
+        new = state.policy.is_new(tenant)
+        # The policy's memory of tenants served and gone aside, "new" means nothing in the gate.
+        assert not (new and any(t.tenant.name == tenant for t in self.running + self.queued))
         decision = state.arrive(priority, tenant, prompt)
         if isinstance(decision, GateRefusal):
             assert predicted

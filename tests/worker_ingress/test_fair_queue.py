@@ -204,3 +204,18 @@ def test_tenants_under_ever_new_names_cannot_starve_one_that_stays() -> None:
     served = [name == "stays" for name in starts]
     assert all(a or b for a, b in itertools.pairwise(served))
     assert sum(served) >= len(served) // 2
+
+
+def test_a_tenant_served_before_is_not_new_when_it_comes_back_and_the_memory_is_bounded() -> None:
+    queue = FairQueue(max_tenants=2)
+    for name in ("a", "b", "c"):
+        record = queue.tenant(name)
+        queue.charge(record, 5)  # served
+        queue.release(record)
+    never_served = queue.tenant("d")
+    queue.release(never_served)
+    assert [queue.is_new(name) for name in "abcd"] == [True, False, False, True]
+    # Back with nothing queued here: it still may displace from a tenant's only place.
+    _queue(queue, [(0, f"once-{n}", 10) for n in range(3)])
+    assert queue.victim(0, None, new=queue.is_new("c")) is not None
+    assert queue.victim(0, None, new=queue.is_new("a")) is None
