@@ -245,8 +245,10 @@ def _server(args: list[str], env: Mapping[str, str]) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def shim_fleet(mode: str, plan: Plan, speedup: float) -> Iterator[Fleet]:
-    """Our frontend and ``plan.workers`` mockers, in ``mode``."""
+def shim_fleet(
+    mode: str, plan: Plan, speedup: float, frontend_args: Sequence[str] = ()
+) -> Iterator[Fleet]:
+    """Our frontend (with ``frontend_args`` added) and ``plan.workers`` mockers, in ``mode``."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
     python = sys.executable
     worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
@@ -258,7 +260,7 @@ def shim_fleet(mode: str, plan: Plan, speedup: float) -> Iterator[Fleet]:
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(_server(worker, env)) for _ in range(plan.workers)]
         frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
-        frontend += ["--router-mode", router]
+        frontend += ["--router-mode", router, *frontend_args]
         for ws, _ in urls:
             frontend += ["--worker", ws]
         (http,) = stack.enter_context(_server(frontend, env))
@@ -509,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-in-flight", type=int, default=512)
     parser.add_argument("--modes", default=",".join(MODES), help="ours, comma-separated")
     parser.add_argument(
+        "--frontend-args", default="", help="more flags for our frontend, space-separated"
+    )
+    parser.add_argument(
         "--dynamo-modes", default=",".join(DYNAMO_MODES), help="Dynamo's ('' for none)"
     )
     parser.add_argument(
@@ -561,7 +566,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"repeat {repeat + 1}: {system} {mode}", file=sys.stderr)
                 fleet: contextlib.AbstractContextManager[Fleet]
                 if system == OURS:
-                    fleet = shim_fleet(mode, plan, options.speedup_ratio)
+                    fleet = shim_fleet(
+                        mode, plan, options.speedup_ratio, options.frontend_args.split()
+                    )
                 else:
                     fleet = dynamo_fleet(
                         options.dynamo_python, mode, plan, options.speedup_ratio, scratch,
