@@ -389,12 +389,121 @@ def replay(
     return figures
 
 
-def measure(
-    fleet: Fleet, window: Window, plan: Plan, scratch: Path, timeout: float, max_in_flight: int
+def aiperf_trace(window: Window, path: Path) -> None:
+    """Write the window as a Mooncake file for aiperf: arrivals scaled, lengths as they are.
+
+    aiperf rebuilds each prompt from the hash ids in blocks of 512 of its tokenizer's tokens and
+    scales no length, so only the time is scaled here. Only a Mooncake trace can be given.
+    """
+    trace = load_generator().read_trace(window.trace, "mooncake")
+    chosen = load_generator().select_window(
+        trace, start=window.start, duration=window.duration, count=window.requests
+    )
+    with path.open("w") as out:
+        for request in chosen:
+            row = {
+                "timestamp": round(request.arrival * window.time_scale * 1000),
+                "input_length": request.input_tokens,
+                "output_length": request.output_tokens,
+                "hash_ids": list(request.hash_ids),
+            }
+            out.write(json.dumps(row) + "\n")
+
+
+def aiperf_tokenizer(scratch: Path) -> tuple[str, dict[str, str]]:
+    """The tiny word-level tokenizer as an entry of a scratch model cache, and its environment.
+
+    aiperf's prompt builders load the tokenizer in offline mode, where it reads only a model
+    cache, not a folder: the folder of :func:`write_model_folder` is laid out as one.
+    """
+    revision = "0" * 40
+    entry = scratch / "hub" / "models--local--words"
+    write_model_folder(entry / "snapshots" / revision)
+    (entry / "refs").mkdir(parents=True, exist_ok=True)
+    (entry / "refs" / "main").write_text(revision)
+    return "local/words", {"HF_HUB_CACHE": str(scratch / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
+def replay_aiperf(
+    aiperf: str, url: str, window: Window, span: float, scratch: Path
 ) -> dict[str, Any]:
-    """One replay and the share of its requests each worker started."""
+    """Replay the window with NVIDIA's aiperf against ``url`` and read its per-request records.
+
+    Returns:
+        The figures of :func:`replay` that aiperf's records give (hit rate from their
+        ``usage_prompt_cache_read_tokens`` over ``usage_prompt_tokens``, TTFT, throughput).
+    """
+    tag = time.monotonic_ns()
+    trace = scratch / f"aiperf-window-{tag}.jsonl"
+    aiperf_trace(window, trace)
+    tokenizer, env = aiperf_tokenizer(scratch)
+    artifacts = scratch / f"aiperf-{tag}"
+    args = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat"]
+    args += ["--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace"]
+    args += ["--tokenizer", tokenizer, "--fixed-schedule", "--ui-type", "none"]
+    args += ["--artifact-dir", str(artifacts)]
+    done = subprocess.run(
+        _pinned(CLIENT_CPU, args),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=False,
+        timeout=span + 600.0,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    lines = (artifacts / "profile_export.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return aiperf_figures(records)
+
+
+def aiperf_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The figures of aiperf's per-request records (``profile_export.jsonl``)."""
+
+    def value(record: Mapping[str, Any], name: str) -> float | None:
+        metric = record.get("metrics", {}).get(name)
+        return None if metric is None else float(metric["value"])
+
+    ok = [r for r in records if not r.get("error")]
+    ttfts = sorted(v / 1e3 for r in ok if (v := value(r, "time_to_first_token")) is not None)
+    prompt = sum(value(r, "usage_prompt_tokens") or 0.0 for r in ok)
+    cached = sum(value(r, "usage_prompt_cache_read_tokens") or 0.0 for r in ok)
+    starts = [r["metadata"]["request_start_ns"] for r in records]
+    ends = [r["metadata"]["request_end_ns"] for r in records]
+    elapsed = (max(ends) - min(starts)) / 1e9 if records else 0.0
+    shed = sum(1 for r in records if (r.get("error") or {}).get("code") == 529)
+
+    def pick(fraction: float) -> float | None:
+        return ttfts[min(len(ttfts) - 1, int(fraction * len(ttfts)))] if ttfts else None
+
+    return {
+        "sent": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "hit_rate": cached / prompt if prompt else None,
+        "ttft_s": {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)},
+        "throughput_rps": len(ok) / elapsed if elapsed > 0 else 0.0,
+        "shed_rate": shed / len(records) if records else 0.0,
+        "usage_missing": sum(1 for r in ok if value(r, "usage_prompt_tokens") is None),
+    }
+
+
+def measure(
+    fleet: Fleet,
+    window: Window,
+    plan: Plan,
+    scratch: Path,
+    timeout: float,
+    max_in_flight: int,
+    aiperf: str | None = None,
+) -> dict[str, Any]:
+    """One replay (by our load generator, or by ``aiperf`` when given) and the share of its
+    requests each worker started."""
     before = started(fleet)
-    figures = replay(fleet.url, window, plan.span, scratch, timeout, max_in_flight)
+    if aiperf is None:
+        figures = replay(fleet.url, window, plan.span, scratch, timeout, max_in_flight)
+    else:
+        figures = replay_aiperf(aiperf, fleet.url, window, plan.span, scratch)
     after = started(fleet)
     counts = [b - a for a, b in zip(before, after, strict=True)]
     total = sum(counts)
@@ -522,6 +631,12 @@ def main(argv: list[str] | None = None) -> None:
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
+    parser.add_argument(
+        "--aiperf",
+        default=None,
+        help="replay with this aiperf executable instead of our load generator (Mooncake only;"
+        " aiperf scales no length: give --length-scale 1 so the caches are sized for it)",
+    )
     parser.add_argument("--logs", type=Path, default=None, help="keep logs and figures here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     options = parser.parse_args(argv)
@@ -576,8 +691,9 @@ def main(argv: list[str] | None = None) -> None:
                     )  # fmt: skip
                 with fleet as running:
                     figures = measure(
-                        running, window, plan, scratch, options.timeout, options.max_in_flight
-                    )
+                        running, window, plan, scratch, options.timeout, options.max_in_flight,
+                        options.aiperf,
+                    )  # fmt: skip
                 print(
                     json.dumps(
                         {

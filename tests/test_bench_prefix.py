@@ -129,3 +129,50 @@ def test_a_tiny_replay_through_our_frontend_and_two_mockers(tmp_path: Path) -> N
         assert len(figures["worker_shares"]) == 2
         assert figures["ttft_s"]["p50"] is not None
     assert results["round-robin"]["worker_shares"] == [0.5, 0.5]
+
+
+def test_the_aiperf_window_scales_time_only(tmp_path: Path) -> None:
+    window = bench_prefix.Window(_trace(tmp_path), start=0.3, duration=0.5, time_scale=0.5)
+    bench_prefix.aiperf_trace(window, tmp_path / "window.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "window.jsonl").read_text().splitlines()]
+    assert [row["timestamp"] for row in rows] == [0, 100]  # 400 and 600 ms, from 400, x 0.5
+    assert rows[1] == {**ROWS[3], "timestamp": 100}
+
+
+def test_the_aiperf_tokenizer_is_a_model_cache_entry(tmp_path: Path) -> None:
+    name, env = bench_prefix.aiperf_tokenizer(tmp_path)
+    entry = Path(env["HF_HUB_CACHE"]) / ("models--" + name.replace("/", "--"))
+    revision = (entry / "refs" / "main").read_text()
+    assert (entry / "snapshots" / revision / "tokenizer.json").is_file()
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def _record(start: int, end: int, ttft_ms: float, prompt: int, cached: int) -> dict[str, object]:
+    return {
+        "metadata": {"request_start_ns": start, "request_end_ns": end},
+        "metrics": {
+            "time_to_first_token": {"value": ttft_ms, "unit": "ms"},
+            "usage_prompt_tokens": {"value": prompt, "unit": "tokens"},
+            "usage_prompt_cache_read_tokens": {"value": cached, "unit": "tokens"},
+        },
+    }
+
+
+def test_aiperf_records_give_the_same_figures() -> None:
+    records: list[dict[str, object]] = [
+        _record(0, 1_000_000_000, 100.0, 1000, 500),
+        _record(500_000_000, 2_000_000_000, 300.0, 1000, 0),
+        _record(600_000_000, 1_000_000_000, 200.0, 2000, 1500),
+        {
+            "metadata": {"request_start_ns": 700_000_000, "request_end_ns": 800_000_000},
+            "metrics": {},
+            "error": {"code": 529, "type": "Overloaded", "message": "busy"},
+        },
+    ]
+    figures = bench_prefix.aiperf_figures(records)
+    assert figures["hit_rate"] == pytest.approx(2000 / 4000)
+    assert figures["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert figures["ttft_s"]["p90"] == pytest.approx(0.3)
+    assert figures["throughput_rps"] == pytest.approx(3 / 2.0)
+    assert figures["shed_rate"] == pytest.approx(0.25)
+    assert (figures["sent"], figures["ok"], figures["usage_missing"]) == (4, 3, 0)
