@@ -25,6 +25,7 @@ from frontend_shim._load import Fleet
 from frontend_shim._request_body import BadRequest, decode_json_body, quote, shorten
 from shim_common._access import bearer_matches
 from shim_common._busy import BusyThresholds, ThresholdError
+from shim_common._client_text import no_such_endpoint
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
 
 __all__ = ["AdminRoutes", "parse_threshold_update"]
@@ -63,7 +64,7 @@ class AdminRoutes:
 
     def _check_enabled(self) -> None:
         if self._disabled:
-            raise BadRequest(404, "no such endpoint: /busy_threshold")
+            raise BadRequest(404, no_such_endpoint("/busy_threshold"))
 
     async def _refused(self, request: HTTPRequest, responder: HTTPResponder) -> bool:
         """Answer 401 and return True when a token is required and not presented."""

@@ -88,6 +88,7 @@ from frontend_shim._router import (
 )
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
+from shim_common._client_text import no_such_endpoint, not_allowed
 from shim_common._httpserver import (
     BodyTooLarge,
     HTTPRequest,
@@ -183,7 +184,7 @@ class FrontendAPI:
             if endpoint is not None:
                 if request.method != "POST":
                     self._metrics.count_request(UNKNOWN_MODEL_LABEL, endpoint, 405)
-                    raise BadRequest(405, f"{request.path} accepts POST only", allow="POST")
+                    raise BadRequest(405, not_allowed(request.method, request.path), allow="POST")
                 await self._completion(request, responder, endpoint)
                 return
             if request.path in STATUS_PATHS:
@@ -193,9 +194,9 @@ class FrontendAPI:
             if route is None:
                 allowed = [method for method, path in self._routes if path == request.path]
                 if allowed:
-                    message = f"{shorten(request.method)} is not allowed on {request.path}"
+                    message = not_allowed(request.method, request.path)
                     raise BadRequest(405, message, allow=", ".join(allowed))
-                raise BadRequest(404, f"no such endpoint: {shorten(request.path)}")
+                raise BadRequest(404, no_such_endpoint(request.path))
             await route(request, responder)
         except BadRequest as exc:
             if responder.started:

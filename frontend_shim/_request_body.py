@@ -19,7 +19,7 @@ into the answer of its status. Rules of a JSON request body (both APIs):
    bound); for embeddings, an ``input`` array of at most :data:`MAX_EMBEDDING_INPUTS` items (the
    OpenAI bound). The rest goes to the worker as it came, which checks what its engine reads.
 4. An error message quotes client input by a short prefix only (:func:`shorten`,
-   :func:`quote`), however long the input.
+   :func:`quote`: the one rule of :mod:`shim_common._client_text`), however long the input.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Final
 import msgspec
 
 from shim_common import wire
+from shim_common._client_text import QUOTE_CHARS, quote, shorten
 
 __all__ = [
     "MAX_BODY_DEPTH",
@@ -53,7 +54,7 @@ MAX_CHOICES: Final = 128
 #: ``input`` items of one embeddings request, as the OpenAI API bounds it.
 MAX_EMBEDDING_INPUTS: Final = 2048
 #: Characters of client input an error message quotes (rule 4).
-QUOTE_LIMIT: Final = 64
+QUOTE_LIMIT: Final = QUOTE_CHARS
 
 _INT_MIN: Final = -(2**63)
 _INT_MAX: Final = 2**63 - 1
@@ -76,16 +77,6 @@ class BadRequest(Exception):
         self.allow = allow
 
 
-def shorten(text: str) -> str:
-    """Client text for an error message: as it is, or cut to a short prefix (rule 4)."""
-    if len(text) <= QUOTE_LIMIT:
-        return text
-    return f"{text[:QUOTE_LIMIT]}... ({len(text)} characters)"
-
-
-def quote(value: object) -> str:
-    """A client value for an error message: its ``repr``, cut to a short prefix (rule 4)."""
-    return shorten(repr(value))
 
 
 def decode_json_body(raw: bytes, *, admin: bool = False) -> Any:

@@ -37,7 +37,7 @@ import msgspec
 from frontend_shim._request_body import MAX_CHOICES, MAX_EMBEDDING_INPUTS
 from frontend_shim._request_plane import RequestStream
 from shim_common import wire
-from shim_common._httpserver import HTTPResponder, error_body, json_headers
+from shim_common._httpserver import HTTPResponder, error_body, json_headers, openai_error_type
 from shim_common._status import REJECT_REASON_HEADER
 
 __all__ = [
@@ -79,10 +79,8 @@ def overload_body(status: int) -> bytes:
 
 
 def error_type(status: int) -> str:
-    """The OpenAI error type of a refusal with this status."""
-    return {404: "not_found_error", 405: "invalid_request_error"}.get(
-        status, "invalid_request_error"
-    )
+    """The OpenAI error type of a refusal with this status (the server's one map)."""
+    return openai_error_type(status)
 
 
 class Tally(Protocol):
@@ -173,12 +171,12 @@ async def _send_events(responder: HTTPResponder, events: list[bytes]) -> None:
 
 
 async def _end_stream_with_error(
-    responder: HTTPResponder, tally: Tally, message: str, kind: str = "internal_server_error"
+    responder: HTTPResponder, tally: Tally, message: str, kind: str | None = None
 ) -> None:
     _log.warning("request failed after it started: %s", message)
     # The head said 200, but for the counters this request failed.
     tally.status = 500
-    error = {"error": {"message": message, "type": kind, "code": 500}}
+    error = {"error": {"message": message, "type": kind or openai_error_type(500), "code": 500}}
     await responder.send_chunk(b"event: error\ndata: " + _json_encode(error) + b"\n\n")
     await responder.end_stream()
 
@@ -287,15 +285,15 @@ async def send_unavailable(
 async def send_failure(responder: HTTPResponder, tally: Tally, failed: wire.Failed) -> None:
     """Answer a request the worker failed before it started."""
     if failed.kind == "bad_request":
-        status, kind = 400, "invalid_request_error"
+        status = 400
     elif failed.kind == "unavailable":
         await send_unavailable(responder, tally, "draining")
         return
     else:
         _log.warning("worker request failed: %s: %s", failed.kind, failed.message)
-        status, kind = 500, "internal_server_error"
+        status = 500
     tally.status = status
-    await responder.send(status, json_headers(), error_body(failed.message, status, kind))
+    await responder.send(status, json_headers(), error_body(failed.message, status))
 
 
 # Response ids: unique per process start (random prefix) and cheap per request (a counter);

@@ -470,8 +470,7 @@ class Connection:
         await self._close_gracefully()
 
     async def _send_error(self, status: int, message: str) -> None:
-        error_type = "server_error" if status >= 500 else "invalid_request_error"
-        body = error_body(message, status, error_type)
+        body = error_body(message, status)
         content_type = b"%s: %s\r\n" % JSON_CONTENT_TYPE
         head = status_line(status) + content_type + b"content-length: %d\r\n" % len(body)
         self._cycle.refuse()

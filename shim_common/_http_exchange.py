@@ -31,6 +31,7 @@ __all__ = [
     "RequestTimeout",
     "error_body",
     "json_headers",
+    "openai_error_type",
 ]
 
 
@@ -142,18 +143,32 @@ def json_headers(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     return [JSON_CONTENT_TYPE, *extra]
 
 
-def error_body(message: str, status: int, error_type: str = "invalid_request_error") -> bytes:
+def openai_error_type(status: int) -> str:
+    """The OpenAI error type of an error answer with this status: the one map of both sides.
+
+    ``server_error`` for a 5xx (what OpenAI answers), ``not_found_error`` for a 404,
+    ``invalid_request_error`` for any other refusal.
+    """
+    if status >= 500:
+        return "server_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error"
+
+
+def error_body(message: str, status: int, error_type: str | None = None) -> bytes:
     """An error body in the OpenAI shape: ``{"error": {"message", "type", "code"}}``.
 
     Args:
         message: what went wrong, for a human.
         status: the HTTP status, repeated as ``code``.
-        error_type: the OpenAI error type.
+        error_type: the OpenAI error type; by default :func:`openai_error_type` of ``status``.
 
     Returns:
         The JSON encoded body.
     """
-    error = {"message": message, "type": error_type, "code": status}
+    kind = openai_error_type(status) if error_type is None else error_type
+    error = {"message": message, "type": kind, "code": status}
     return json.dumps({"error": error}, separators=(",", ":")).encode()
 
 

@@ -47,6 +47,7 @@ from shim_common._http_exchange import (
     RequestTimeout,
     error_body,
     json_headers,
+    openai_error_type,
 )
 from shim_common._net import (
     CLOSE_BATCH,
@@ -69,6 +70,7 @@ __all__ = [
     "RequestTimeout",
     "error_body",
     "json_headers",
+    "openai_error_type",
     "Shutdown",
     "serve_connection",
     "serve_http",

@@ -1,10 +1,13 @@
 """The kinds of number that enter a process from outside, each with one range and one check.
 
-Every number taken from outside (a flag, a ``DYN_*`` variable, the admin API, a message on a plane)
-is one of these kinds, and is checked by the kind's one rule before anything computes with it:
-finite, and inside a range that every piece of code downstream can compute with and that msgpack
-and JSON can carry. Out of range is refused at the edge, in the edge's own way (exit 2 naming the
-flag or variable, 400 on HTTP, close 1007 on a plane), and touches nothing else.
+Every number a process is set or steered with from outside (a flag, a ``DYN_*`` variable, the
+admin API, a message on a plane, a request's priority) is one of these kinds, and is checked by
+the kind's one rule before anything computes with it: finite, and inside a range that every piece
+of code downstream can compute with and that msgpack and JSON can carry. Out of range is refused
+at the edge, in the edge's own way (exit 2 naming the flag or variable, 400 on HTTP, close 1007 on
+a plane), and touches nothing else. (The fields of a completion body are the OpenAI API's, with
+the API's own ranges: ``frontend_shim._request_body`` checks them, every integer within the signed
+64 bits the worker's protocol carries and every number finite.)
 
 The kinds and why their ranges are what they are:
 
@@ -35,6 +38,8 @@ import math
 from typing import Annotated, Final, Generic, TypeVar
 
 import msgspec
+
+from shim_common._client_text import quote
 
 __all__ = [
     "COUNT",
@@ -132,11 +137,8 @@ class Kind(Generic[_T]):
 
 def shown(value: object) -> str:
     """A value for a message: never more than a short prefix of it, and never a conversion that
-    can fail (Python refuses to print an integer of more than 4,300 digits)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 14_000:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 48 else f"{text[:32]}... ({len(text)} characters)"
+    can fail (the one quoting rule, :func:`shim_common._client_text.quote`)."""
+    return quote(value)
 
 
 COUNT: Final = Kind(int, MAX_COUNT, "a whole number from 0 to 2**53")

@@ -29,6 +29,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from shim_common._client_text import no_such_endpoint, not_allowed
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
 
 __all__ = [
@@ -100,10 +101,10 @@ class StatusRoutes:
         """Answer one request; see the rules at the top of the module."""
         path = request.path
         if path not in STATUS_PATHS:
-            await responder.send(404, json_headers(), error_body(f"no route for {path}", 404))
+            await responder.send(404, json_headers(), error_body(no_such_endpoint(path), 404))
             return
         if request.method not in ("GET", "HEAD"):
-            body = error_body(f"method {request.method} not allowed on {path}", 405)
+            body = error_body(not_allowed(request.method, path), 405)
             await responder.send(405, json_headers(_ALLOW), body)
             return
         if path == "/live":

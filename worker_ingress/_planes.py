@@ -61,6 +61,7 @@ import msgspec
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from shim_common._client_text import CLOSE_REASON_BYTES, cut_utf8
 from shim_common.wire import (
     CLOSE_DRAINING,
     CLOSE_DUPLICATE_REQUEST_ID,
@@ -455,8 +456,8 @@ class RequestConnection:
     async def _protocol_error(self, code: int, reason: str) -> None:
         logger.info("closing %s with %d: %s", self._ws.remote, code, reason)
         self._host.count_connection_error()
-        # A close reason must fit a control frame (125 bytes, code included).
-        self._close = (code, reason[:120])
+        # A close reason must fit a control frame (125 bytes, code included): cut by bytes.
+        self._close = (code, cut_utf8(reason, CLOSE_REASON_BYTES))
         await trio.lowlevel.checkpoint()
 
     async def _run_request(
@@ -658,7 +659,10 @@ class EventConnection:
                 try:
                     message = decode_subscriber_message(data)
                 except msgspec.DecodeError as exc:
-                    await self._ws.aclose(CLOSE_UNDECODABLE, f"undecodable message: {exc}"[:120])
+                    await self._ws.aclose(
+                        CLOSE_UNDECODABLE,
+                        cut_utf8(f"undecodable message: {exc}", CLOSE_REASON_BYTES),
+                    )
                     break
                 subscription.set_thresholds(message.thresholds)
                 subscription.set_publish_interval(message.publish_interval)

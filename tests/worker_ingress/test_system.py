@@ -177,6 +177,17 @@ async def test_unknown_paths_and_methods(method: str, path: str, code: int) -> N
         assert header(head, b"allow") == b"GET, HEAD"
 
 
+async def test_a_404_quotes_a_long_path_by_a_short_prefix() -> None:
+    path = "/" + "p" * 16_000
+    with trio.fail_after(10):
+        async with system_port(no_metrics, Health()) as port:
+            head, body = await fetch(port, "GET", path)
+    assert head.status_code == 404
+    error = json.loads(body)["error"]
+    assert error["message"] == f"no such endpoint: {path[:64]}... (16001 characters)"
+    assert error["type"] == "not_found_error"
+
+
 async def test_head_gets_the_headers_without_a_body() -> None:
     with trio.fail_after(10):
         async with system_port(no_metrics, Health()) as port:

@@ -36,6 +36,7 @@ import msgspec
 import trio
 
 from shim_common import prefix
+from shim_common._client_text import quote
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._watch import ChangeSignal
 
@@ -167,9 +168,9 @@ def refuse_several_choices(endpoint: Endpoint, body: Mapping[str, Any]) -> None:
     """
     choices = body.get("n")
     if endpoint != "embeddings" and choices is not None and choices != 1:
-        shown = repr(choices)
-        shown = shown if len(shown) <= 64 else f"{shown[:64]}... ({len(shown)} characters)"
-        raise EngineInputError(f"this engine generates one choice per request: 'n' is {shown}")
+        raise EngineInputError(
+            f"this engine generates one choice per request: 'n' is {quote(choices)}"
+        )
 
 
 def requested_max_tokens(
