@@ -19,6 +19,9 @@ Prints medians over several rounds of:
   shared radix tree over the same names (a node per distinct block, its children and holders),
   on the same caches, distinct per rank and sharing half their blocks: bytes per block held
   and microseconds per prefix lookup;
+- KV events decoded and applied per second (the link's decode of a ``kv`` message and the
+  index's apply), as a full cache churns: each event stores a chain of 4 new blocks or removes 4
+  old ones, 16 events a message;
 - what ``kv`` adds to each request before its pick: the chat body's prompt read as token ids
   (the mocker's word tokeniser, or ``--tokenizer``'s ``tokenizer.json``) and cut into named
   blocks of 16 tokens, in microseconds per request at 1,000 and 12,000 tokens.
@@ -309,6 +312,41 @@ def compare_tree(ranks: int, blocks: int, rounds: int, rng: random.Random) -> No
         )
 
 
+def bench_kv_events(rounds: int) -> None:
+    config = build_fleet(1, 4).worker("worker-0")
+    assert config is not None
+    batches = []
+    seq = 0
+    for n in range(2_000):
+        events: list[wire.KvEvent] = []
+        for k in range(8):
+            base = (n * 8 + k) * 4
+            seq += 1
+            events.append(
+                wire.KvStored(
+                    seq=seq, dp_rank=k % 4, parent=None, blocks=list(range(base, base + 4))
+                )
+            )
+            seq += 1
+            old = base - 4000
+            events.append(wire.KvRemoved(seq=seq, dp_rank=k % 4, blocks=list(range(old, old + 4))))
+        batches.append(wire.encode(wire.KvBatch(events=events)))
+    rates = []
+    for _ in range(rounds):
+        index = KvIndex()
+        index.add_worker(config.config, 0.0, events=True)
+        start = time.perf_counter()
+        for data in batches:
+            message = wire.decode_event_message(data)
+            assert isinstance(message, wire.KvBatch)
+            index.apply("worker-0", message.events, 0.0)
+        rates.append(seq / (time.perf_counter() - start))
+    print(
+        f"KV events decoded and applied: {statistics.median(rates):,.0f} /s "
+        f"({1e6 / statistics.median(rates):.1f} us each; 16 a message, 4 blocks each)"
+    )
+
+
 def bench_tokenise(tokenizer: PromptTokenizer, rounds: int, rng: random.Random) -> None:
     words = [f"w{rng.randrange(30_000)}" for _ in range(12_000)]
     for count in (1_000, 12_000):
@@ -413,6 +451,7 @@ def main() -> None:
     )
     if args.compare_tree:
         compare_tree(256, 4096, args.rounds, rng)
+    bench_kv_events(args.rounds)
     bench_tokenise(WordTokenizer(), args.rounds, rng)
     if args.tokenizer:
         bench_tokenise(FileTokenizer(args.tokenizer), args.rounds, rng)
