@@ -217,8 +217,7 @@ def test_client_decoder_rejects_what_is_not_a_client_message(data: bytes) -> Non
 DEEP_MAP = b"\x81\xa1a" * 200_000 + b"\xc0"
 DEEP_MESSAGES = [
     DEEP_MAP,
-    b"\x84\xa4type\xa8generate\xaarequest_id\x01\xa8endpoint\xabcompletions\xa4body"
-    + DEEP_MAP,
+    b"\x84\xa4type\xa8generate\xaarequest_id\x01\xa8endpoint\xabcompletions\xa4body" + DEEP_MAP,
     b"\x82\xa4type\xa9subscribe\xaathresholds" + DEEP_MAP,
     b"\x82\xa4type\xa5batch\xa6events" + b"\x91" * 200_000 + b"\xc0",
 ]
@@ -278,3 +277,29 @@ def test_load_events_round_trip(seq: int, ts: float, counts: list[int]) -> None:
         events=[LoadEvent(seq=seq, ts=ts, load=load, engine_requests=1, queued_requests=2)]
     )
     assert wire.decode_event_message(msgpack.packb(msgspec.to_builtins(batch))) == batch
+
+
+def test_rejection_reasons_keep_their_wire_texts_and_classify_in_one_place() -> None:
+    texts = {
+        wire.RejectReason.OVERLOADED: "Server overloaded: worker at capacity",
+        wire.RejectReason.QUEUE_TIMEOUT: "Server overloaded: queue timeout",
+        wire.RejectReason.DISPLACED_PRIORITY: (
+            "Server overloaded: displaced by a higher-priority request"
+        ),
+        wire.RejectReason.DISPLACED_SHARE: "Server overloaded: displaced by a fairer share",
+        wire.RejectReason.SLO: "Server overloaded: would miss the TTFT objective",
+        wire.RejectReason.DRAINING: "Server unavailable: draining",
+    }
+    for reason, text in texts.items():
+        message = wire.Rejected.of(7, reason)
+        assert message.reason == text
+        assert type(message.reason) is str
+        assert wire.RejectReason.parse(text) is reason
+    keys = [reason.key for reason in texts]
+    assert keys == ["queue_full", "queue_timeout", "displaced", "displaced", "slo", "draining"]
+    # A text this version does not know, by its prefix.
+    newer = wire.RejectReason.parse("Server overloaded: something new")
+    assert (newer.kind, newer.key) == (wire.RejectionKind.OVERLOADED, "queue_full")
+    going = wire.RejectReason.parse("Server unavailable: rebooting")
+    assert (going.kind, going.key) == (wire.RejectionKind.UNAVAILABLE, "draining")
+    assert wire.RejectReason.parse("Unknown endpoint: x").kind is wire.RejectionKind.OTHER
