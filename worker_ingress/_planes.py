@@ -524,10 +524,10 @@ class RequestConnection:
                 )
                 async with contextlib.aclosing(host.engine.generate(prepared)) as outputs:
                     async for output in outputs:
-                        # The first output (of the mocker after its prefill, of the openai
-                        # engine its first upstream chunk) gives the waiting place back.
-                        lease.first_output()
                         if not output_seen:
+                            # The first output (of the mocker after its prefill, of the openai
+                            # engine its first upstream chunk) gives the waiting place back.
+                            lease.first_output()
                             output_seen = True
                             self._seqs[request_id] = (started_seq, host.event_seq)
                         if output is FIRST_OUTPUT:
