@@ -2,10 +2,10 @@
 
 A :class:`WorkerLink` owns the two websocket connections to one worker, ``/v1/events`` and
 ``/v1/requests``, opened and lost together (a *session*). It reports the worker to a
-:class:`FleetListener`: ``worker_up`` on each new session's hello, ``worker_events`` for every
-event batch, ``worker_lagging`` when its event stream falls behind or catches up, and
-``worker_down`` when the session ends. It reconnects forever with capped exponential backoff and
-jitter. :meth:`WorkerLink.request` runs one request on the request plane
+:class:`~frontend_shim._fleet_listener.FleetListener`: ``worker_up`` on each new session's hello,
+``worker_events`` for every event batch, ``worker_lagging`` when its event stream falls behind or
+catches up, and ``worker_down`` when the session ends. It reconnects forever with capped
+exponential backoff and jitter. :meth:`WorkerLink.request` runs one request on the request plane
 (:mod:`frontend_shim._request_plane`).
 
 Rules of a session (the state machine of a link):
@@ -88,9 +88,9 @@ import random
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+from typing import Any, Final, TypeVar
 
 import msgspec
 import trio
@@ -104,6 +104,7 @@ from frontend_shim._connection import (
 )
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._event_budget import EventBudget, latest_wins
+from frontend_shim._fleet_listener import FleetListener, KvEventsListener
 from frontend_shim._lag import LagMeter
 from frontend_shim._link_errors import breaks_protocol, explain_failure, session_end_reason
 from frontend_shim._pacer import EventSlices, InPlaceReads, ReadPacer
@@ -120,8 +121,6 @@ from shim_common import wire
 from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
 __all__ = [
-    "FleetListener",
-    "KvEventsListener",
     "LinkSettings",
     "WorkerLink",
 ]
@@ -180,45 +179,6 @@ class LinkSettings:
             raise ValueError("backoff needs 0 < backoff_initial <= backoff_cap")
         if not self.max_event_lag > 0:
             raise ValueError(f"max_event_lag must be > 0, got {self.max_event_lag}")
-
-
-# ----------------------------------------------------------------------------- listener
-
-
-class FleetListener(Protocol):
-    """What a link tells about its worker (the frontend's load state glue).
-
-    Calls are synchronous and come from the links' reader tasks: keep them short and
-    non-blocking. For one key the order is always ``worker_up``, any number of
-    ``worker_events`` and ``worker_lagging``, ``worker_down``, and so on; ``now`` is
-    ``trio.current_time()``.
-    """
-
-    def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
-        """A session to the worker at ``key`` started; ``config`` is from its hello."""
-
-    def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
-        """One event batch from the worker at ``key``, oldest first."""
-
-    def worker_lagging(self, key: WorkerKey, lagging: bool, now: float) -> None:
-        """The worker's event stream fell behind by more than the bound, or caught up."""
-
-    def worker_down(self, key: WorkerKey, now: float) -> None:
-        """The session ended (lost, or the link was stopped); its open requests have failed."""
-
-    def thresholds(self, model: str) -> wire.BusyThresholds | None:
-        """The busy thresholds of ``model`` to send to a worker that takes them."""
-
-
-@runtime_checkable
-class KvEventsListener(Protocol):
-    """A :class:`FleetListener` that also takes KV events (rule 7); a link subscribes to them
-    only for a listener that does."""
-
-    def worker_kv_events(
-        self, key: WorkerKey, events: Sequence[wire.KvEvent], now: float
-    ) -> bool:
-        """KV events of a subscribed worker, in order; ``True`` asks for a fresh snapshot."""
 
 
 # ----------------------------------------------------------------------------- one worker

@@ -40,7 +40,8 @@ from frontend_shim._event_cost import (
     DEFAULT_MIN_WINDOW_MESSAGES,
     EventCostMeter,
 )
-from frontend_shim._links import FleetListener, LinkSettings, WorkerLink
+from frontend_shim._fleet_listener import FleetListener
+from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._pacer import DEFAULT_EVENTS_PER_SLICE, EventSlices, ReadPacer
 from shim_common import wire
 from shim_common._net import Backoff
