@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-from test_load import MODEL, Feed, config, fleet_with
+from load_feed import MODEL, Feed, config, fleet_with
 
 from frontend_shim._waiting import WaitingRoom
 from shim_common._busy import BusyThresholds
