@@ -2,7 +2,9 @@
 
 Run from the repository's root: ``python -m bench.bench_slo [--seconds 30] [--loads 0.5,1,2,4]
 [--objective 0.3] [--sweep 2,4,8,12,16,24,32,64] [--sweep-queues 2,8] [--plot slo.png]
-[--json slo.json]`` (``--plot`` needs ``pip install -e '.[plot]'``).
+[--json slo.json]`` (``--plot`` needs ``pip install -e '.[plot]'``). ``--mode e2e`` measures the
+same table through real worker and frontend processes at the client instead
+(:mod:`bench.slo_e2e`), e.g. ``--mode e2e --seconds 10 --loads 0.5,2 --sweep 8,16,32``.
 
 What runs: the worker's own admission gate (:class:`worker_ingress._admission.AdmissionGate`)
 in front of the mocker engine (:class:`worker_ingress.engines._mocker.MockerEngine`), in this
@@ -475,6 +477,95 @@ def configs_for(
     return configs
 
 
+# ----------------------------------------------------------------------------- end to end
+
+
+def e2e_records(raw: Sequence[Sequence[float]]) -> list[Record]:
+    """The load generator's ``[sent, ttft, status]`` as records (a 529 or 503 is refused)."""
+    return [
+        Record(
+            float(sent),
+            float(ttft),
+            completed=status == 200 and not math.isnan(ttft),
+            refused=status in (503, 529),
+        )
+        for sent, ttft, status in raw
+    ]
+
+
+async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> None:
+    """The table through real processes, TTFT at the client (module :mod:`bench.slo_e2e`)."""
+    from bench import slo_e2e
+
+    objective = args.objective
+    warmup = args.seconds * WARMUP_SHARE
+    loads = [float(v) for v in args.loads.split(",")]
+    sweep = [int(v) for v in args.sweep.split(",") if v]
+    print(
+        f"bench_slo end to end: S = {objective * 1e3:.0f} ms at the client, speedup "
+        f"{args.speedup:g}, {args.seconds:g} s per run ({warmup:g} s not counted); worker and "
+        "frontend on CPU 0, the load generator on CPU 1"
+    )
+    for workload in chosen:
+        shape = [
+            "--speedup-ratio", str(args.speedup),
+            "--max-num-seqs", str(workload.max_num_seqs),
+            "--max-num-batched-tokens", str(workload.max_num_batched_tokens),
+        ]  # fmt: skip
+        body = {
+            "model": "mock-model",
+            "prompt": " ".join(["word"] * workload.prompt_tokens),
+            "max_tokens": workload.max_tokens,
+            "stream": True,
+        }
+        probe = await slo_e2e.measure(
+            worker_flags=shape,
+            queue=workload.usual_queue,
+            body=body,
+            clients=workload.max_num_seqs,
+            seconds=args.seconds,
+        )
+        sent = [r for r in e2e_records(probe.records) if r.completed and r.arrived >= warmup]
+        cap = len(sent) / (args.seconds - warmup)
+        print(f"\n{workload.name}: {workload.describe()}; capacity {cap:.1f}/s (closed loop)")
+        configs = configs_for(workload, sweep, objective, (2,))
+        for load in loads:
+            arrivals = slo_e2e.arrivals_for(
+                load * cap, args.seconds, f"{args.seed}:{workload.name}:{load}"
+            )
+            rows: dict[str, Row] = {}
+            refusals: dict[str, tuple[float, float]] = {}
+            for config in configs:
+                flags = [*shape, "--engine-request-limit", str(config.limit)]
+                if config.objective is not None:
+                    flags += ["--ttft-slo", str(config.objective)]
+                result = await slo_e2e.measure(
+                    worker_flags=flags, queue=config.queue, body=body, arrivals=arrivals
+                )
+                records = e2e_records(result.records)
+                rows[config.label] = summarize(
+                    records, objective=objective, start=warmup, end=args.seconds
+                )
+                refusals[config.label] = (result.marked, result.worker_slo)
+            best = best_fixed(rows, configs)
+            print(f"\n {load:g}x ({load * cap:.0f}/s offered, {len(arrivals)} requests)")
+            print(TABLE_HEAD)
+            for line in format_rows(rows, [c.label for c in configs], best.label):
+                print(line)
+            adaptive, usual = configs[-1], configs[0]
+            ours = rows[adaptive.label]
+            marked, slo = refusals[adaptive.label]
+            best_goodput = rows[best.label].goodput
+            usual_goodput = rows[usual.label].goodput
+            of_best = ours.goodput / best_goodput if best_goodput else math.inf
+            of_usual = ours.goodput / usual_goodput if usual_goodput else math.inf
+            print(
+                f"  adaptive: {of_best:.2f} of the best fixed, {of_usual:.1f}x the usual; p90 "
+                f"TTFT {ours.p90_ms:.0f} ms (S {objective * 1e3:.0f}); refused "
+                f"{ours.refused:.1%}; frontend marked {marked:.0f} vs worker slo {slo:.0f}"
+            )
+
+
 # ----------------------------------------------------------------------------- llama.cpp
 
 
@@ -605,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workloads", default="short,long")
     parser.add_argument("--speedup", type=float, default=2.0, help="the mocker's speedup ratio")
     parser.add_argument("--clock", choices=("virtual", "real"), default="virtual")
+    parser.add_argument(
+        "--mode", choices=("gate", "e2e"), default="gate", help="e2e: real processes"
+    )
     parser.add_argument("--seed", default="bench_slo")
     parser.add_argument("--step-seconds", type=float, default=30.0, help="each half of the step")
     parser.add_argument("--plot", metavar="FILE", help="draw the figures into a PNG")
@@ -625,6 +719,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     objective = args.objective
     drain = 4 * objective + 60.0
     warmup = args.seconds * WARMUP_SHARE
+    if args.mode == "e2e":
+        trio.run(e2e_section, args, chosen)
+        return
 
     print(
         f"bench_slo: objective S = {objective * 1e3:.0f} ms, speedup {args.speedup:g}, "

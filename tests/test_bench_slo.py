@@ -19,6 +19,7 @@ from bench.bench_slo import (
     best_fixed,
     check_targets,
     configs_for,
+    e2e_records,
     every,
     mocker_for,
     play,
@@ -96,3 +97,57 @@ def test_a_short_adaptive_run_accounts_for_every_request() -> None:
     assert all(r.completed != r.refused for r in records)
     assert all(1 <= value <= 32 for _, value in limits)
     assert any(r.completed for r in records)
+
+
+def test_the_load_generators_records_become_the_tables_records() -> None:
+    raw = [[0.5, 0.12, 200], [0.6, math.nan, 529], [0.7, math.nan, 503], [0.8, math.nan, 500]]
+    records = e2e_records(raw)
+    assert [r.completed for r in records] == [True, False, False, False]
+    assert [r.refused for r in records] == [False, True, True, False]
+    assert records[0].ttft == pytest.approx(0.12)
+
+
+def test_a_metric_is_summed_over_the_samples_that_carry_the_labels() -> None:
+    from bench.slo_e2e import metric_sum
+
+    text = "\n".join(
+        [
+            "# TYPE dynamo_frontend_rejection_by_reason_total counter",
+            'dynamo_frontend_rejection_by_reason_total{model="m",reason="marked"} 3.0',
+            'dynamo_frontend_rejection_by_reason_total{model="n",reason="marked"} 2.0',
+            'dynamo_frontend_rejection_by_reason_total{model="m",reason="busy"} 7.0',
+        ]
+    )
+    name = "dynamo_frontend_rejection_by_reason_total"
+    assert metric_sum(text, name, reason="marked") == 5.0
+    assert metric_sum(text, name) == 12.0
+    assert metric_sum(text, name, reason="slo") == 0.0
+
+
+@pytest.mark.e2e
+def test_the_end_to_end_mode_measures_through_real_processes_at_the_client() -> None:
+    import trio
+
+    from bench.slo_e2e import measure
+
+    body = {"model": "mock-model", "prompt": "a b c d", "max_tokens": 4, "stream": True}
+
+    async def run() -> None:
+        with trio.fail_after(60):
+            closed = await measure(
+                worker_flags=["--speedup-ratio", "20"], queue=2, body=body, clients=2, seconds=1.0
+            )
+            opened = await measure(
+                worker_flags=["--speedup-ratio", "20", "--engine-request-limit", "1"],
+                queue=2,
+                body=body,
+                arrivals=[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5],
+            )
+        assert closed.records
+        assert all(status == 200 and ttft > 0 for _, ttft, status in closed.records)
+        statuses = sorted(status for _, _, status in opened.records)
+        assert len(statuses) == 7  # every request accounted for, served or refused
+        assert set(statuses) <= {200, 529}
+        assert 200 in statuses
+
+    trio.run(run)
