@@ -27,7 +27,7 @@ def test_parse_vllm_metrics() -> None:
 
 def test_parse_metrics_reads_escaped_labels_and_skips_broken_lines() -> None:
     text = (
-        "vllm:num_requests_running{engine=\"0\"} oops\n"  # not a wanted name: never parsed
+        'vllm:num_requests_running{engine="0"} oops\n'  # not a wanted name: never parsed
         'vllm:cache_config_info{note="a\\"b\\nc",block_size="32",num_gpu_blocks="10"} 1.0\n'
         'vllm:cache_config_info{block_size="32",num_gpu_blocks="5" 1.0\n'  # broken: skipped
         "sglang:token_usage 0.5\n"
