@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from frontend_shim._request_body import BadRequest, quote
+from shim_common._httpserver import header_value
 from shim_common._numbers import PRIORITY, NumberError
 from shim_common.wire import TENANT_MAX_CHARS
 
@@ -72,7 +73,7 @@ class ClassPolicy:
         token = self.gateway_token
         if token is None:
             return False
-        presented = _header(headers, GATEWAY_TOKEN_HEADER)
+        presented = header_value(headers, GATEWAY_TOKEN_HEADER)
         # Constant time, as every token comparison (shim_common/_access.py, rule 2).
         return presented is not None and hmac.compare_digest(presented.strip(), token)
 
@@ -87,13 +88,6 @@ class ClassPolicy:
 
 #: Every claim taken as it is (no flag, no variable): the default.
 OPEN_POLICY: Final = ClassPolicy()
-
-
-def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
 
 
 def _priority(value: object, where: str) -> int:
@@ -128,7 +122,7 @@ def header_priority(
     Raises:
         BadRequest: 400, the header is not an integer in range.
     """
-    raw = _header(headers, PRIORITY_HEADER)
+    raw = header_value(headers, PRIORITY_HEADER)
     if raw is None:
         return None
     return _allowed(_priority(raw, "header x-dynamo-priority"), policy.priority_floor(headers))
@@ -160,7 +154,7 @@ def request_class(
 
 
 def _tenant(headers: Sequence[tuple[bytes, bytes]], body: Mapping[str, Any]) -> str:
-    raw = _header(headers, TENANT_HEADER)
+    raw = header_value(headers, TENANT_HEADER)
     if raw is not None:
         tenant = raw.decode("utf-8", "replace")
         where = "header x-dynamo-tenant"

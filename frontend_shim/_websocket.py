@@ -37,6 +37,8 @@ from typing import Final
 
 import h11
 
+from shim_common._http_exchange import header_value
+
 __all__ = [
     "OP_BINARY",
     "OP_CLOSE",
@@ -201,14 +203,13 @@ class HandshakeReader:
         return bytes(data_after)
 
     def _check_upgrade(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
-        fields = {name.lower(): value for name, value in headers}
-        if fields.get(b"upgrade", b"").lower() != b"websocket":
+        if (header_value(headers, b"upgrade") or b"").lower() != b"websocket":
             raise HandshakeError("101 without Upgrade: websocket")
-        if fields.get(b"sec-websocket-accept") != self._accept:
+        if header_value(headers, b"sec-websocket-accept") != self._accept:
             raise HandshakeError("wrong Sec-WebSocket-Accept")
-        if b"sec-websocket-extensions" in fields:
+        if header_value(headers, b"sec-websocket-extensions") is not None:
             raise HandshakeError("the server chose an extension none was offered")
-        chosen = fields.get(b"sec-websocket-protocol")
+        chosen = header_value(headers, b"sec-websocket-protocol")
         if chosen is not None:
             if chosen not in self._offered:
                 raise HandshakeError(f"the server chose a subprotocol not offered: {chosen!r}")

@@ -12,7 +12,7 @@ the only code that drives the HTTP parser and serializer; this module does not i
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +30,7 @@ __all__ = [
     "MalformedRequest",
     "RequestTimeout",
     "error_body",
+    "header_value",
     "json_headers",
     "openai_error_type",
 ]
@@ -129,6 +130,18 @@ class InvalidResponse(ValueError):
 Handler = Callable[["HTTPRequest", "HTTPResponder"], Awaitable[None]]
 
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The value of the first header called ``name``, or ``None``: the one header reader.
+
+    Names are compared as they are: ``name`` lower-case, as the server's parser and h11 (hence
+    wsproto and trio-websocket) deliver every header name.
+    """
+    for header_name, value in headers:
+        if header_name == name:
+            return value
+    return None
 
 
 def json_headers(*extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
@@ -247,16 +260,14 @@ class HTTPRequest:
         self.http_version = http_version.decode("ascii")
 
     @property
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """The request headers, names lower-cased, in the order received."""
-        return list(self._headers)
+    def headers(self) -> Sequence[tuple[bytes, bytes]]:
+        """The request headers, names lower-cased, in the order received (the parser's own
+        list, not a copy: read it, do not change it)."""
+        return self._headers
 
     def header(self, name: bytes) -> bytes | None:
         """The value of the first header called ``name`` (lower-case), or ``None``."""
-        for header_name, value in self._headers:
-            if header_name == name:
-                return value
-        return None
+        return header_value(self._headers, name)
 
     async def read_body(self) -> bytes:
         """Read the whole request body (once; later calls return the same bytes).

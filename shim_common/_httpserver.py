@@ -46,6 +46,7 @@ from shim_common._http_exchange import (
     MalformedRequest,
     RequestTimeout,
     error_body,
+    header_value,
     json_headers,
     openai_error_type,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "MalformedRequest",
     "RequestTimeout",
     "error_body",
+    "header_value",
     "json_headers",
     "openai_error_type",
     "Shutdown",

@@ -57,6 +57,7 @@ from trio_websocket import (
 )
 
 from shim_common._access import HandshakeFirstListener, bearer_matches, server_context
+from shim_common._httpserver import header_value
 from shim_common._net import base_url
 from shim_common.wire import (
     EVENTS_PATH,
@@ -526,10 +527,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _authorized(request: WebSocketRequest, token: bytes) -> bool:
-    authorization = next(
-        (value for name, value in request.headers if name.lower() == b"authorization"), None
-    )
-    return bearer_matches(authorization, token)
+    return bearer_matches(header_value(request.headers, b"authorization"), token)
 
 
 class _RefusalLog:
