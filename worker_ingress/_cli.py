@@ -258,11 +258,12 @@ def _worker(
         Seconds a request may wait in the queue before it is rejected with
         "Server overloaded: queue timeout" (default: no limit).
     ttft_slo
-        Seconds: the time-to-first-token objective, from arrival at the worker to the first
-        output (needs --engine-request-limit). The worker then runs at an effective limit
-        between --adaptive-min-limit and N that it adapts so that the 90th percentile stays
-        within it, and refuses early, with "Server overloaded: would miss the TTFT objective",
-        a request that would wait past it (default: off).
+        Seconds: the time-to-first-token objective, from arrival (at the frontend, whose
+        share travels with the request) to the first output (needs --engine-request-limit).
+        The worker then runs at an effective limit between --adaptive-min-limit and N that it
+        adapts so that the 90th percentile stays within it, and refuses early, with "Server
+        overloaded: would miss the TTFT objective", a request that would wait past it (default:
+        off).
     adaptive_min_limit
         With --ttft-slo: the effective limit never goes below this (at most N).
     graceful_shutdown_timeout
