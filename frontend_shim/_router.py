@@ -547,7 +547,7 @@ class FrontendQueue(Generic[_W]):
         """Waiters that may go on now (rule 6), oldest first per model.
 
         The I/O side calls this after applying a batch of events and after a request ends,
-        wakes each returned waiter, and each then calls :meth:`Router.pick`.
+        wakes each returned waiter, and each then calls :meth:`Router.pick_class`.
 
         Args:
             fleet: the load state.

@@ -240,8 +240,9 @@ def _worker(
         Base URL of the upstream server for --engine openai, e.g. http://127.0.0.1:8001.
     engine_request_limit
         N: at most N requests run in the engine at once; setting it enables rejection. Unset: 10000
-        slots and 40000 queue places. Also read from DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT
-        (Dynamo 1.7), which wins over DYN_ENGINE_REQUEST_LIMIT.
+        slots, and 40000 queue places unless W is set. Also read from
+        DYN_BACKEND_ADMISSION_ENGINE_REQUEST_LIMIT (Dynamo 1.7), which wins over
+        DYN_ENGINE_REQUEST_LIMIT.
     engine_request_waiting_limit
         W: at most W requests in the engine that have not produced their first output yet; a
         queued request starts only when a slot and a waiting place are free. Setting it enables
