@@ -20,6 +20,7 @@ from typing import Final, TypeVar
 
 import msgspec
 
+from shim_common._client_text import quote
 from shim_common._numbers import (
     COUNT,
     FRACTION,
@@ -29,7 +30,6 @@ from shim_common._numbers import (
     Kind,
     NumberError,
     Ratio,
-    shown,
 )
 
 __all__ = [
@@ -119,7 +119,7 @@ def _checked(
             and (not isinstance(value, float) or math.isfinite(value))
             and kind.high < value <= dynamo_high
         )
-        message = f"{field} {exc}" if past_the_top else f"{field} {refusal}, got {shown(value)}"
+        message = f"{field} {exc}" if past_the_top else f"{field} {refusal}, got {quote(value)}"
         raise ThresholdError(field, value, message) from None
 
 

@@ -60,7 +60,6 @@ __all__ = [
     "Priority",
     "Ratio",
     "Seconds",
-    "shown",
 ]
 
 MAX_COUNT: Final = 2**53
@@ -112,14 +111,14 @@ class Kind(Generic[_T]):
                 below :attr:`low` or past :attr:`high`.
         """
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise NumberError(f"must be {self.text}, got {shown(value)}")
+            raise NumberError(f"must be {self.text}, got {quote(value)}")
         number: int | float = value
         if (
             (self.python_type is int and isinstance(number, float))
             or (isinstance(number, float) and not math.isfinite(number))
             or not self.low <= number <= self.high
         ):
-            raise NumberError(f"must be {self.text}, got {shown(value)}")
+            raise NumberError(f"must be {self.text}, got {quote(value)}")
         return self.python_type(number)
 
     def validator(self, value: object) -> None:
@@ -133,12 +132,6 @@ class Kind(Generic[_T]):
                 self.check(value)
             except NumberError:
                 raise ValueError(f"Must be {self.text}.") from None
-
-
-def shown(value: object) -> str:
-    """A value for a message: never more than a short prefix of it, and never a conversion that
-    can fail (the one quoting rule, :func:`shim_common._client_text.quote`)."""
-    return quote(value)
 
 
 COUNT: Final = Kind(int, MAX_COUNT, "a whole number from 0 to 2**53")
