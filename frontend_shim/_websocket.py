@@ -37,6 +37,7 @@ from typing import Final
 
 import h11
 
+from shim_common._client_text import CLOSE_REASON_BYTES, cut_utf8
 from shim_common._http_exchange import header_value
 
 __all__ = [
@@ -263,8 +264,10 @@ def encode_frame(opcode: int, payload: bytes = b"") -> bytes:
 
 
 def close_payload(code: int, reason: str = "") -> bytes:
-    """The payload of a close frame: the code and a reason of at most 123 bytes."""
-    return code.to_bytes(2, "big") + reason.encode("utf-8")[:123]
+    """The payload of a close frame: the code and a reason of at most 123 bytes, cut at a
+    character boundary (a cut through a character would be invalid UTF-8, which the peer must
+    fail the connection for)."""
+    return code.to_bytes(2, "big") + cut_utf8(reason, CLOSE_REASON_BYTES).encode("utf-8")
 
 
 def parse_close(payload: bytes) -> tuple[int, str]:

@@ -210,6 +210,16 @@ def test_text_and_close_frames_are_reported_for_the_caller_to_act_on() -> None:
     assert parse_close(b"") == (1005, "")
 
 
+def test_a_long_close_reason_is_cut_by_bytes_at_a_character_boundary() -> None:
+    reason = "é" * 200  # two bytes each: a cut at byte 123 would split one
+    payload = close_payload(1011, reason)
+    assert len(payload) <= 125  # a control frame's payload
+    code, text = int.from_bytes(payload[:2], "big"), payload[2:].decode("utf-8")  # strict
+    assert code == 1011
+    assert reason.startswith(text)
+    assert len(text) == 61
+
+
 def test_the_size_cap_is_enforced_from_the_header_before_the_payload_arrives() -> None:
     reader = FrameReader(100)
     with pytest.raises(MessageTooBig):
