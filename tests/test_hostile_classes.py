@@ -11,7 +11,16 @@ import sys
 
 import pytest
 import trio
-from test_classes import MODEL, Queue, _blocker, _worker, post
+from test_classes import (
+    MODEL,
+    Queue,
+    _blocker,
+    _worker,
+    completion,
+    post,
+    post_past_marks,
+    queue_through_frontend,
+)
 from test_e2e import (
     MOCKER_FLAGS,
     READY,
@@ -146,3 +155,37 @@ async def test_a_client_may_not_claim_a_class_only_the_gateway_may() -> None:
                         ("x-dynamo-gateway-token", "gw-token"),
                     )
                 assert queue.order == ["hand", "gateway", "plain", "client"]
+
+
+async def test_a_made_up_tenant_never_takes_another_tenants_only_place() -> None:
+    # A one-slot worker whose queue (the hand and three places) is full of one request each of
+    # three tenants: an arrival under a name the gate never saw is refused, not a displacement
+    # (the attack that turned every refusal into one); a tenant served before, now idle, still
+    # takes the place of a tenant holding two.
+    with trio.fail_after(TIMEOUT):
+        async with queue_through_frontend(4) as queue:
+            async with trio.open_nursery() as nursery:
+                await _blocker(queue, nursery)
+                for name in ("t0", "t1", "t2", "t3"):
+                    await queue.enqueue(nursery, name, ("x-dynamo-tenant", name))
+                status, headers, _ = await post_past_marks(
+                    queue.url, completion(), [("x-dynamo-tenant", "made-up-1")]
+                )
+                assert (status, headers[b"x-dynamo-reject-reason"]) == (529, b"queue_full")
+                assert (
+                    await queue.worker_metric(
+                        "dynamo_rejection_request_by_reason_total", reason="displaced"
+                    )
+                    == 0
+                )
+            # The blocker's tenant was served and left; back, it is no newcomer.
+            assert all(reply[0] == 200 for reply in queue.replies.values())
+            async with trio.open_nursery() as nursery:
+                await _blocker(queue, nursery)
+                queue.queued = 0
+                for label, name in (("t4", "t4"), ("t5a", "t5"), ("t5b", "t5"), ("t6", "t6")):
+                    await queue.enqueue(nursery, label, ("x-dynamo-tenant", name))
+                await queue.enqueue(nursery, "t0-again", ("x-dynamo-tenant", "t0"), displaces=True)
+            assert queue.replies["t5b"][0] == 529
+            assert queue.replies["t5b"][1][b"x-dynamo-reject-reason"] == b"displaced"
+            assert queue.replies["t0-again"][0] == 200
