@@ -2,8 +2,9 @@
 
 A pure policy object (no clock, no tasks, no knowledge of slots): :class:`FairQueue` holds the
 requests waiting in the gate's overflow channel and answers two questions, *which one starts
-next* and *whom does an arrival at a full queue displace*. :mod:`worker_ingress._admission`
-owns the slots, the dispatcher's hand and the counters, and asks this module only those two.
+next* and *whom does an arrival at a full queue displace*. The gate's state
+(:mod:`worker_ingress._admission_state`) owns the slots, the dispatcher's hand and the counters,
+and asks this module only those two.
 
 Rules of the discipline
 =======================
@@ -40,13 +41,11 @@ Rules of the discipline
    :meth:`FairQueue.is_new`) never takes another tenant's only place: it displaces only from a
    tenant holding two places or more. So names made up per request cannot turn a queue of one
    place per tenant into a displacement per arrival, while a tenant that comes back keeps its
-   right to a place. Otherwise nobody is displaced (the gate
-   rejects the arrival).
+   right to a place. Otherwise nobody is displaced (the gate rejects the arrival).
 6. **Tenant state is bounded.** A :class:`Tenant` record lives while its tenant has a request in
    the gate (queued or running) and is forgotten when the last one leaves (so idle tenants cost
    nothing). At most ``max_tenants`` records exist; tenants beyond that share one overflow record
    (they are treated as one tenant until records free up).
-
 7. **Every operation terminates.** Each loop here walks a finite structure and removes or
    refreshes one item of it per turn (the lazy deletions below, the refresh of a stale heap
    key, which happens at most once per item and look); the heap walk is written as a bounded

@@ -1,9 +1,11 @@
 """SLO-aware admission: the effective engine limit L and the early-refusal bound (sans-IO).
 
-:class:`SloController` is a plain object: the gate's shell feeds it observations and the time
-(Trio seconds, any monotonic clock) and reads two integers back: the effective limit L that the
-gate enforces in place of N, and the queue bound B past which an arrival is refused early. It
-owns no clock, no task and no lock, so it is tested synchronously with any timeline.
+:class:`SloController` is a plain object: the gate's sans-IO state
+(:class:`~worker_ingress._admission_state.AdmissionState`, which alone drives it) feeds it
+observations and the time (Trio seconds, any monotonic clock) and reads two integers back: the
+effective limit L that the gate enforces in place of N, and the queue bound B past which an
+arrival is refused early. It owns no clock, no task and no lock, so it is tested synchronously
+with any timeline.
 
 Rules
 =====
@@ -91,8 +93,8 @@ Rules
    refused: the deadline is S minus the engine's median time to first token (of the last closed
    window; S itself before the first), so a request that has waited S is refused at the latest.
    Starting it would spend a slot on a request that is late anyway, and under overload another
-   request, queued later, can use that slot in time. The shell arms the deadline when a request
-   joins the queue (:attr:`SloController.queue_deadline`).
+   request, queued later, can use that slot in time. The gate's state names the deadline when a
+   request joins the queue (:attr:`SloController.queue_deadline`), and its Trio shell arms it.
 
 Theory of operation
 -------------------
@@ -353,7 +355,8 @@ class SloController:
     def update(self, now: float) -> bool:
         """Close the window if it is due (rule 3) and apply the law (rule 4).
 
-        Cheap when no window is due (two comparisons), so the shell may call it on every event.
+        Cheap when no window is due (two comparisons), so the gate's state may call it on every
+        event (:meth:`~worker_ingress._admission_state.AdmissionState.tick`).
 
         Args:
             now: The current time, on the clock of the other calls.
