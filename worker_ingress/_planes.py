@@ -16,9 +16,12 @@ serves which plane, access, and the drain that closes the connections are in
 
 Rules of a request-plane connection:
 
-1. One receive loop does nothing but decode and dispatch, so trio-websocket's reader never stalls
-   (a full receive queue would stop it answering pings). Each ``Generate`` runs in its own task in
-   the connection's nursery, under its own cancel scope.
+1. One receive loop decodes and dispatches, and nothing slow, so trio-websocket's reader never
+   stalls (a full receive queue would stop it answering pings): for a ``Generate`` it asks the
+   gate for a certain refusal and has the engine prepare the request (both synchronous, rule 3)
+   and answers there what needs no task (a rejection, bad input); it waits only to hand over
+   that answer. Every other ``Generate`` runs in its own task in the connection's nursery, under
+   its own cancel scope.
 2. One sender task writes the frames of running requests; request tasks hand it their frames
    through a bounded queue, so a slow client slows only its own requests (backpressure reaches
    the engine's stream through the queue). A frame handed over while there is room costs no
