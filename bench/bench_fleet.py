@@ -61,20 +61,37 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
-import resource
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Final
 
 import h11
 import trio
+
+if not __package__:
+    # Run as ``python bench/bench_fleet.py``: the package ``bench`` is in the folder above, as it
+    # is for ``python -m bench.bench_fleet``.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.fleet_figures import HEADER, SizeResult, event_metrics, table_row
+from bench.fleet_processes import (
+    Child,
+    HttpClient,
+    Simulator,
+    cpu_seconds,
+    fleet_stats,
+    flip_acks,
+    flip_fleet,
+    pin,
+    raise_fd_limit,
+    rss_mb,
+    unread_bytes,
+    wait_seconds,
+)
 
 FRONTEND_CPU: Final = 0
 SIM_CPU: Final = 1
@@ -90,380 +107,8 @@ COMPLETION: Final = b'{"model":"mock-model","prompt":"ping","max_tokens":1}'
 LIVE_PERIOD: Final = 0.010
 COMPLETION_PERIOD: Final = 0.020
 HEALTH_PERIOD: Final = 0.050
-CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 DEFAULT_SIZES: Final = "64,256,1024,2048,4096"
 PROTOCOLS: Final = ("new", "current", "v1")
-BUDGET_METRIC: Final = "dynamo_frontend_event_budget_messages_per_second"
-INTERVAL_METRIC: Final = "dynamo_frontend_event_interval_seconds"
-COST_METRIC: Final = "dynamo_frontend_event_message_cost_seconds"
-
-
-def _pin(pid: int, cpu: int) -> None:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(pid, {cpu})
-
-
-def _raise_fd_limit() -> None:
-    # Children inherit it: the frontend holds two sockets per worker.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-# ----------------------------------------------------------------------------- /proc readers
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds of a process, all its threads."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def wait_seconds(pid: int) -> float:
-    """Seconds the process's main thread spent runnable but waiting for a CPU.
-
-    On a machine shared with other work this says how much of a window a process lost to them.
-    """
-    with open(f"/proc/{pid}/schedstat") as schedstat:
-        return int(schedstat.read().split()[1]) / 1e9
-
-
-def rss_mb(pid: int) -> tuple[float, float]:
-    """Resident and peak resident memory of a process, in MiB."""
-    values: dict[str, float] = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) / 1024
-    return values.get("VmRSS", math.nan), values.get("VmHWM", math.nan)
-
-
-def unread_bytes(remote_ports: set[int]) -> int:
-    """Bytes received but not yet read on established IPv4 sockets to ``remote_ports``.
-
-    The frontend's sockets to the workers are the only ones whose remote port is a worker's, so
-    this is what the frontend has not read yet of what the workers sent.
-    """
-    total = 0
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if fields[3] != "01":
-                continue
-            if int(fields[2].rsplit(":", 1)[1], 16) in remote_ports:
-                total += int(fields[4].split(":")[1], 16)
-    return total
-
-
-# ----------------------------------------------------------------------------- HTTP client
-
-
-class HttpClient:
-    """One keep-alive HTTP/1.1 connection (h11 over a Trio socket), reopened when closed."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self._host = host
-        self._port = port
-        self._stream: trio.SocketStream | None = None
-        self._conn = h11.Connection(h11.CLIENT)
-
-    async def aclose(self) -> None:
-        if self._stream is not None:
-            await self._stream.aclose()
-            self._stream = None
-
-    async def request(self, method: str, target: str, body: bytes = b"") -> tuple[int, bytes]:
-        """Send one request and read its whole response.
-
-        Raises:
-            OSError, trio.BrokenResourceError, h11.ProtocolError: the connection failed (the
-                next request opens a new one).
-        """
-        if self._stream is None:
-            self._stream = await trio.open_tcp_stream(self._host, self._port)
-            self._conn = h11.Connection(h11.CLIENT)
-        try:
-            return await self._exchange(method, target, body)
-        except BaseException:
-            stream, self._stream = self._stream, None
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            raise
-
-    async def _exchange(self, method: str, target: str, body: bytes) -> tuple[int, bytes]:
-        assert self._stream is not None
-        conn = self._conn
-        headers = [("host", f"{self._host}:{self._port}"), ("content-length", str(len(body)))]
-        if body:
-            headers.append(("content-type", "application/json"))
-        data = conn.send(h11.Request(method=method, target=target, headers=headers))
-        if body:
-            data = (data or b"") + (conn.send(h11.Data(data=body)) or b"")
-        data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
-        await self._stream.send_all(data)
-        status = 0
-        chunks: list[bytes] = []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                received = await self._stream.receive_some(65536)
-                conn.receive_data(received)
-                continue
-            if isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()
-        else:
-            await self.aclose()
-        return status, b"".join(chunks)
-
-
-# ----------------------------------------------------------------------------- child processes
-
-
-class Child:
-    """A child process whose stdout is read line by line and whose stdin takes commands."""
-
-    def __init__(self, process: trio.Process, name: str) -> None:
-        self.process = process
-        self.name = name
-        self._buffer = b""
-
-    @classmethod
-    async def start(cls, args: Sequence[str], *, cpu: int, stderr: IO[bytes], name: str) -> Child:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-        process = await trio.lowlevel.open_process(
-            list(args),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=env,
-        )
-        _pin(process.pid, cpu)
-        return cls(process, name)
-
-    async def readline(self) -> str:
-        stdout = self.process.stdout
-        assert stdout is not None
-        while b"\n" not in self._buffer:
-            data = await stdout.receive_some(65536)
-            if not data:
-                raise EOFError(f"{self.name} exited (code {self.process.poll()})")
-            self._buffer += data
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line.decode()
-
-    async def send(self, line: str) -> None:
-        assert self.process.stdin is not None
-        await self.process.stdin.send_all(line.encode() + b"\n")
-
-    async def stop(self) -> None:
-        """Terminate, wait up to 10 s, then kill (shielded: always reaps)."""
-        with trio.CancelScope(shield=True):
-            if self.process.returncode is None:
-                self.process.terminate()
-                with trio.move_on_after(10):
-                    await self.process.wait()
-                if self.process.returncode is None:
-                    self.process.kill()
-                    await self.process.wait()
-
-
-class Simulator:
-    """One ``fleet_sim.py`` process."""
-
-    def __init__(self, child: Child) -> None:
-        self.child = child
-        self.ports: list[int] = []
-
-    async def ready(self) -> None:
-        while True:
-            line = await self.child.readline()
-            if line.startswith("fleet-sim ready "):
-                ports = line.split("ports=", 1)[1]
-                self.ports = [int(port) for port in ports.split(",") if port]
-                return
-
-    async def answer(self, prefix: str) -> str:
-        line = await self.child.readline()
-        if not line.startswith(prefix):
-            raise RuntimeError(f"{self.child.name}: expected {prefix!r}, got {line!r}")
-        return line
-
-    async def stats(self) -> dict[str, float]:
-        await self.child.send("stats")
-        line = await self.answer("stats ")
-        stats: dict[str, float] = json.loads(line.split(" ", 1)[1])
-        return stats
-
-
-async def fleet_stats(sims: Sequence[Simulator]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for sim in sims:
-        for key, value in (await sim.stats()).items():
-            total[key] = total.get(key, 0.0) + value
-    return total
-
-
-async def flip_fleet(sims: Sequence[Simulator], mode: str) -> None:
-    for sim in sims:
-        await sim.child.send(mode)
-
-
-async def flip_acks(sims: Sequence[Simulator], mode: str) -> float:
-    """Read every simulator's answer to a flip; return the latest ``time.monotonic()`` at which
-    one of them had applied it."""
-    applied = 0.0
-    for sim in sims:
-        line = await sim.answer(f"ok {mode}")
-        applied = max(applied, float(line.split()[2]))
-    return applied
-
-
-# ----------------------------------------------------------------------------- figures
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile; ``None`` for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-@dataclasses.dataclass
-class EventMetrics:
-    """What the frontend's ``/metrics`` says about the events it follows (``None``: absent)."""
-
-    #: The sum of ``dynamo_frontend_*event*_total`` samples.
-    applied: float | None = None
-    #: The largest ``*_lag_seconds`` gauge sample (or a histogram's mean).
-    lag: float | None = None
-    #: :data:`BUDGET_METRIC`.
-    budget: float | None = None
-    #: The largest :data:`INTERVAL_METRIC` sample.
-    interval: float | None = None
-    #: :data:`COST_METRIC` (CPU seconds per event message, as the frontend measured it).
-    cost: float | None = None
-
-
-def event_metrics(text: str) -> EventMetrics:
-    """The event figures of a Prometheus text exposition (see :class:`EventMetrics`)."""
-    found = EventMetrics()
-    applied: float | None = None
-    lag: float | None = None
-    lag_sum: float | None = None
-    lag_count: float | None = None
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value_part = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        try:
-            value = float(value_part)
-        except ValueError:
-            continue
-        if name == BUDGET_METRIC:
-            found.budget = value
-        elif name == COST_METRIC:
-            found.cost = value
-        elif name == INTERVAL_METRIC:
-            found.interval = value if found.interval is None else max(found.interval, value)
-        elif name.startswith("dynamo_frontend_") and "event" in name and name.endswith("_total"):
-            applied = (applied or 0.0) + value
-        elif "lag_seconds" in name:
-            if name.endswith("_sum"):
-                lag_sum = (lag_sum or 0.0) + value
-            elif name.endswith("_count"):
-                lag_count = (lag_count or 0.0) + value
-            elif not name.endswith(("_bucket", "_created")):
-                lag = value if lag is None else max(lag, value)
-    if lag is None and lag_sum is not None and lag_count:
-        lag = lag_sum / lag_count
-    found.applied, found.lag = applied, lag
-    return found
-
-
-@dataclasses.dataclass
-class SizeResult:
-    """Everything measured for one fleet size (``None``: not measured or not reached)."""
-
-    workers: int
-    ranks: int
-    simulators: int
-    rate: float
-    protocol: str = "new"
-    #: Which simulator ran the fleet (a key of :data:`SIMULATORS`).
-    simulator: str = "lean"
-    error: str | None = None
-    sims_ready_s: float | None = None
-    ready_line_s: float | None = None
-    http_first_s: float | None = None
-    all_up_s: float | None = None
-    connected_after: int | None = None
-    window_s: float | None = None
-    generated_per_s: float | None = None
-    offered_events_per_s: float | None = None
-    offered_messages_per_s: float | None = None
-    #: With ``--kv-blocks``: KV events the simulators sent per second, and their messages.
-    kv_events_per_s: float | None = None
-    kv_messages_per_s: float | None = None
-    applied_events_per_s: float | None = None
-    frontend_cpu: float | None = None
-    #: Share of the window the frontend was runnable but waited for its CPU (other work on it).
-    frontend_wait: float | None = None
-    simulator_cpu: float | None = None
-    simulator_wait: float | None = None
-    frontend_rss_mb: float | None = None
-    frontend_peak_rss_mb: float | None = None
-    simulator_rss_mb: float | None = None
-    unread_kb_start: float | None = None
-    unread_kb_end: float | None = None
-    live_ms: list[float] = dataclasses.field(default_factory=list)
-    live_errors: int = 0
-    #: Completions answered 200 during the steady window, and the others.
-    completion_ms: list[float] = dataclasses.field(default_factory=list)
-    completion_errors: int = 0
-    #: ``(seconds since the frontend started, workers connected)`` while it came up.
-    up_curve: list[tuple[float, int]] = dataclasses.field(default_factory=list)
-    busy_ms: list[float] = dataclasses.field(default_factory=list)
-    #: Per flip: from the command until every simulator had given its engines the new load.
-    sim_apply_ms: list[float] = dataclasses.field(default_factory=list)
-    free_ms: list[float] = dataclasses.field(default_factory=list)
-    flip_timeouts: int = 0
-    saw_529: bool = False
-    saw_200: bool = False
-    metrics_scrape_ms: float | None = None
-    lag_s: float | None = None
-    budget: float | None = None
-    interval_s: float | None = None
-    cost_s: float | None = None
-    #: What was being done last (names the phase a timeout interrupted).
-    phase: str = "starting the simulators"
-
-    @property
-    def target_events_per_s(self) -> float:
-        return self.workers * self.ranks * self.rate
-
-    def summary(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        for name in ("live_ms", "completion_ms", "busy_ms", "free_ms", "sim_apply_ms"):
-            values = data.pop(name)
-            data[name] = {
-                "n": len(values),
-                "p50": quantile(values, 0.5),
-                "p99": quantile(values, 0.99),
-            }
-        data["target_events_per_s"] = self.target_events_per_s
-        return data
-
 
 # ----------------------------------------------------------------------------- one size
 
@@ -870,64 +515,6 @@ async def _measure_frontend(
     result.phase = "done"
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _ms(values: Sequence[float]) -> str:
-    p50, p99 = quantile(values, 0.5), quantile(values, 0.99)
-    if p50 is None or p99 is None:
-        return "n/a"
-    return f"{p50:.0f} / {p99:.0f}"
-
-
-def _num(value: float | None, spec: str, scale: float = 1.0) -> str:
-    return "n/a" if value is None else format(value * scale, spec)
-
-
-HEADER: Final = (
-    "| workers x ranks | protocol | simulator | target ev/s | offered ev/s (msg/s) | applied msg/s "
-    "| budget msg/s (interval s; measured us/msg) "
-    "| frontend CPU (run-queue wait) | sim CPU (wait) | frontend RSS MB "
-    "| ready line / HTTP up / all up s | busy->529 ms p50/p99 "
-    "| free->200 ms p50/p99 | sim's share of a flip ms p50/p99 | /live ms p50/p99 "
-    "| completions ms p50/p99 | unread KB start->end | max lag | note |"
-)
-
-
-def table_row(r: SizeResult) -> str:
-    if r.all_up_s is None:
-        return (
-            f"| {r.workers} x {r.ranks} | {r.protocol} | {r.simulator} "
-            f"| {r.target_events_per_s:.0f} | {r.error or 'not up'} |" + " |" * 14
-        )
-    lag = "n/a (no lag metric)" if r.lag_s is None else f"{r.lag_s * 1000:.0f} ms"
-    applied = (
-        "n/a (no counter)" if r.applied_events_per_s is None else f"{r.applied_events_per_s:.0f}"
-    )
-    busy = _ms(r.busy_ms) + (f" ({r.flip_timeouts} timed out)" if r.flip_timeouts else "")
-    completions = _ms(r.completion_ms) + (
-        f" ({r.completion_errors} not 200)" if r.completion_errors else ""
-    )
-    kv = ""
-    if r.kv_events_per_s is not None:
-        kv = f" + kv {r.kv_events_per_s:.0f} ({_num(r.kv_messages_per_s, '.0f')})"
-    return (
-        f"| {r.workers} x {r.ranks} | {r.protocol} | {r.simulator} "
-        f"| {r.target_events_per_s:.0f} "
-        f"| {_num(r.offered_events_per_s, '.0f')} ({_num(r.offered_messages_per_s, '.0f')}){kv} "
-        f"| {applied} | {_num(r.budget, '.0f')} ({_num(r.interval_s, '.2f')}; "
-        f"{_num(r.cost_s, '.0f', 1e6)}) "
-        f"| {_num(r.frontend_cpu, '.0f', 100)}% ({_num(r.frontend_wait, '.0f', 100)}%) "
-        f"| {_num(r.simulator_cpu, '.0f', 100)}% ({_num(r.simulator_wait, '.0f', 100)}%) "
-        f"| {_num(r.frontend_rss_mb, '.0f')} "
-        f"| {_num(r.ready_line_s, '.2f')} / {_num(r.http_first_s, '.2f')} "
-        f"/ {_num(r.all_up_s, '.1f')} | {busy} | {_ms(r.free_ms)} | {_ms(r.sim_apply_ms)} "
-        f"| {_ms(r.live_ms)} | {completions} "
-        f"| {_num(r.unread_kb_start, '.0f')} -> {_num(r.unread_kb_end, '.0f')} | {lag} "
-        f"| {r.error or ''} |"
-    )
-
-
 def _protocols(text: str) -> list[str]:
     protocols = [part.strip() for part in text.split(",") if part.strip()]
     unknown = sorted(set(protocols) - set(PROTOCOLS))
@@ -1055,8 +642,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.kv_blocks and args.simulator != "lean":
         parser.error("--kv-blocks needs --simulator lean")
-    _pin(0, SIM_CPU)
-    _raise_fd_limit()
+    pin(0, SIM_CPU)
+    raise_fd_limit()
     options = Options(
         seconds=args.seconds,
         flips=args.flips,

@@ -15,14 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench.bench_fleet import (
-    HEADER,
-    SizeResult,
-    _protocols,
-    event_metrics,
-    quantile,
-    table_row,
-)
+from bench.bench_fleet import _protocols
+from bench.fleet_figures import HEADER, SizeResult, event_metrics, quantile, table_row
 
 pytestmark = pytest.mark.e2e
 

@@ -21,7 +21,8 @@ import pytest
 import trio
 
 from bench import fleet_sim, lean_sim
-from bench.bench_fleet import COMPLETION, FRONTEND_CPU, SIM_CPU, Child, HttpClient
+from bench.bench_fleet import COMPLETION, FRONTEND_CPU, SIM_CPU
+from bench.fleet_processes import Child, HttpClient
 from bench.fleet_sim import Fleet as WorkerFleet
 from frontend_shim._connection import PlaneClosed, PlaneConnection, open_plane
 from frontend_shim._websocket import OP_BINARY, OP_PING, FrameReader, encode_frame
