@@ -70,11 +70,7 @@ class AdminRoutes:
         """Answer 401 and return True when a token is required and not presented."""
         if self._token is None or bearer_matches(request.header(b"authorization"), self._token):
             return False
-        body = error_body(
-            "/busy_threshold needs Authorization: Bearer <DYN_ADMIN_TOKEN>",
-            401,
-            "invalid_request_error",
-        )
+        body = error_body("/busy_threshold needs Authorization: Bearer <DYN_ADMIN_TOKEN>", 401)
         await responder.send(401, json_headers((b"www-authenticate", b"Bearer")), body)
         return True
 

@@ -71,7 +71,6 @@ from frontend_shim._request_class import (
 )
 from frontend_shim._responses import (
     REJECT_REASON_HEADER,
-    error_type,
     overload_body,
     send_failure,
     send_unavailable,
@@ -204,7 +203,7 @@ class FrontendAPI:
             body = (
                 _json_encode({"error": str(exc)})
                 if exc.admin
-                else error_body(str(exc), exc.status, error_type(exc.status))
+                else error_body(str(exc), exc.status)
             )
             headers = json_headers()
             if exc.allow is not None:

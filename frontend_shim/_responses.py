@@ -48,7 +48,6 @@ __all__ = [
     "OutputTally",
     "ResponseShape",
     "Tally",
-    "error_type",
     "overload_body",
     "send_failure",
     "send_unavailable",
@@ -76,11 +75,6 @@ _json_encode = msgspec.json.Encoder().encode
 def overload_body(status: int) -> bytes:
     """The overload answer's body, byte for byte; ``code`` follows the configured status."""
     return b'{"message":"Service temporarily overloaded","type":"Overloaded","code":%d}' % status
-
-
-def error_type(status: int) -> str:
-    """The OpenAI error type of a refusal with this status (the server's one map)."""
-    return openai_error_type(status)
 
 
 class Tally(Protocol):
