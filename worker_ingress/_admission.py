@@ -191,7 +191,7 @@ class AdmissionGate:
 
     @property
     def rejected_total(self) -> int:
-        """Requests rejected for overload, queue timeouts included (draining excluded)."""
+        """Rejections: queue full, displaced, queue timeout, objective (draining excluded)."""
         return self._state.rejected_total
 
     @property

@@ -7,7 +7,8 @@ count is a plain integer too (no lock, no ``_created`` series: everything runs o
 Stable names (the first table of docs/metrics.md: dashboards and alerts rely on them, so never
 change them; only add new ones):
 
-- ``dynamo_rejection_request_total`` (counter): overload rejections plus queue timeouts.
+- ``dynamo_rejection_request_total`` (counter): overload rejections plus queue timeouts,
+  displacements and objective refusals (draining excluded).
 - ``dynamo_engine_request`` (gauge): requests running in the engine.
 - ``dynamo_request_queue`` (gauge): requests waiting, the dispatcher's hand included (peaks at Q).
 - ``dynamo_engine_request_limit``, ``dynamo_request_queue_limit`` (gauges): N and Q in force
