@@ -51,8 +51,9 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    O(1) per event, the sum of L and of requests running over the workers that report it:
    :meth:`Fleet.slot_share` (below 1 right after L fell, while more run than L allows).
 
-Router-own accounting. The frontend does not know which DP rank a worker gives a request, so
-:meth:`Fleet.request_sent` charges it to the rank with the fewest own blocks (ties: lowest rank).
+Router-own accounting. :meth:`Fleet.request_sent` charges a request to the DP rank the ``kv``
+router chose for it; in the other modes the frontend does not know which rank a worker gives a
+request, so it charges the rank with the fewest own blocks (ties: lowest rank).
 The returned :class:`~frontend_shim._free_sets.InFlight` is the handle for
 :meth:`Fleet.request_output` and :meth:`Fleet.request_finished`, which undo exactly what was
 charged.
