@@ -75,6 +75,8 @@ CLIENT_CPU: Final = "1"
 OURS: Final = "dynamo-shim"
 MODES: Final = ("round-robin", "kv", "kv-nocache")
 DYNAMO_MODES: Final = ("round-robin", "kv")
+#: The mockers' own default ``--num-gpu-blocks``, for a window with no block to share.
+DEFAULT_BLOCKS: Final = 16384
 #: A chat of one word: the probe that a deployment answers before it is measured.
 PROBE: Final = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
@@ -155,10 +157,13 @@ def blocks_per_worker(distinct: int, workers: int, largest: int, share: float) -
     """Blocks per mocker so that all together hold ``share`` of ``distinct`` blocks.
 
     Never fewer than ``largest`` + 1 (a request must fit one rank's cache, or the mocker refuses
-    it; the one more leaves room for its first generated token).
+    it; the one more leaves room for its first generated token). A window without block names
+    (Azure: nothing to share) gets the mockers' default of :data:`DEFAULT_BLOCKS`.
     """
     if workers < 1 or not share > 0:
         raise ValueError("workers and share must be positive")
+    if distinct == 0:
+        return max(largest + 1, DEFAULT_BLOCKS)
     return max(largest + 1, math.ceil(distinct * share / workers))
 
 

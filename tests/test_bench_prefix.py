@@ -60,6 +60,8 @@ def test_caches_together_hold_the_share_asked_for() -> None:
     assert bench_prefix.blocks_per_worker(12_000, 4, largest=100, share=1 / 3) == 1000
     assert bench_prefix.blocks_per_worker(12_001, 4, largest=100, share=1 / 3) == 1001
     assert bench_prefix.blocks_per_worker(300, 4, largest=100, share=1 / 3) == 101
+    # Nothing to share (an Azure window): the mockers' default, not a cache of one request.
+    assert bench_prefix.blocks_per_worker(0, 4, largest=20, share=1 / 3) == 16384
     with pytest.raises(ValueError, match="positive"):
         bench_prefix.blocks_per_worker(300, 0, largest=1, share=1 / 3)
 
