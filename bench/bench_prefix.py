@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -138,6 +139,8 @@ class Plan:
         block_tokens: Tokens per block (the mockers' ``--block-size``).
         distinct_blocks: Distinct full blocks of the window's prompts.
         unbounded_hit_rate: Prompt tokens an unbounded single cache would find.
+        pooled_hit_rate: Prompt tokens one LRU cache of all the workers' blocks together would
+            find: the ceiling for caches that size, wherever the router sends a prompt.
         largest_blocks: Blocks the largest request holds at its peak.
         blocks_per_worker: The mockers' ``--num-gpu-blocks``.
         workers: Mockers.
@@ -148,6 +151,7 @@ class Plan:
     block_tokens: int
     distinct_blocks: int
     unbounded_hit_rate: float
+    pooled_hit_rate: float
     largest_blocks: int
     blocks_per_worker: int
     workers: int
@@ -165,6 +169,30 @@ def blocks_per_worker(distinct: int, workers: int, largest: int, share: float) -
     if distinct == 0:
         return max(largest + 1, DEFAULT_BLOCKS)
     return max(largest + 1, math.ceil(distinct * share / workers))
+
+
+def lru_hit_rate(items: Sequence[Any], capacity: int) -> float:
+    """The share of prompt tokens one LRU cache of ``capacity`` blocks finds, in arrival order.
+
+    As :func:`unbounded_hit_rate` of the load generator, but a prompt's full blocks, once looked
+    up, become the most recent, and the least recent leave when more than ``capacity`` are held
+    (a running request's blocks are not pinned here: an upper bound, not a mocker).
+    """
+    cache: OrderedDict[int, None] = OrderedDict()
+    cached = total = 0
+    for item in items:
+        total += item.prompt_tokens
+        full = item.hash_ids[: item.prompt_tokens // item.block_tokens]
+        hits = 0
+        while hits < len(full) and full[hits] in cache:
+            hits += 1
+        cached += hits * item.block_tokens
+        for name in full:
+            cache[name] = None
+            cache.move_to_end(name)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return cached / total if total else 0.0
 
 
 def make_plan(
@@ -186,14 +214,16 @@ def make_plan(
     block = items[0].block_tokens
     largest = max(math.ceil((i.prompt_tokens + i.max_tokens) / block) for i in items)
     distinct = generator.distinct_blocks(items)
+    per_worker = blocks or blocks_per_worker(distinct, workers, largest, share)
     return Plan(
         requests=len(items),
         span=items[-1].arrival,
         block_tokens=block,
         distinct_blocks=distinct,
         unbounded_hit_rate=generator.unbounded_hit_rate(items),
+        pooled_hit_rate=lru_hit_rate(items, per_worker * workers),
         largest_blocks=largest,
-        blocks_per_worker=blocks or blocks_per_worker(distinct, workers, largest, share),
+        blocks_per_worker=per_worker,
         workers=workers,
     )
 
@@ -563,7 +593,8 @@ def report(plan: Plan, results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -
         f" {plan.workers} workers x {plan.blocks_per_worker} blocks"
         f" ({plan.workers * plan.blocks_per_worker / max(1, plan.distinct_blocks):.0%}"
         " of the distinct blocks)",
-        f"unbounded single cache: hit rate {plan.unbounded_hit_rate:.3f}",
+        f"unbounded single cache: hit rate {plan.unbounded_hit_rate:.3f}; one LRU cache of all"
+        f" {plan.workers * plan.blocks_per_worker} blocks: {plan.pooled_hit_rate:.3f}",
         "",
         "| system | mode | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | throughput (req/s)"
         " | shed | busiest worker | requests per worker |",

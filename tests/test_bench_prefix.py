@@ -46,6 +46,21 @@ def test_the_plan_reads_the_window_as_the_load_generator_replays_it(tmp_path: Pa
     assert plan.blocks_per_worker == 6
     sized = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=40)
     assert sized.blocks_per_worker == 40
+    assert sized.pooled_hit_rate == pytest.approx(plan.unbounded_hit_rate)  # 80 blocks: no miss
+
+
+def test_a_pooled_lru_cache_loses_what_it_evicted(tmp_path: Path) -> None:
+    window = bench_prefix.Window(_trace(tmp_path), length_scale=1 / 32)
+    items = generator.scale_requests(generator.read_trace(window.trace), length_scale=1 / 32)
+    unbounded = generator.unbounded_hit_rate(items)
+    assert bench_prefix.lru_hit_rate(items, 100) == pytest.approx(unbounded)
+    prompts = 34 + 50 + 19 + 66 + 9 + 34
+    # Two blocks: r1 finds 0 1 and keeps 1 3; r2 misses 0; r3 finds 0 (r2's) but not 1; r5
+    # misses 0, pushed out by r3's 1 3 6.
+    assert bench_prefix.lru_hit_rate(items, 2) == pytest.approx((32 + 16) / prompts)
+    # Three: r1 finds 0 1; r2 finds 0; r3 finds 0 1 3; r5 misses 0, the least recent at r3's 6.
+    assert bench_prefix.lru_hit_rate(items, 3) == pytest.approx((32 + 16 + 48) / prompts)
+    assert unbounded == pytest.approx((32 + 16 + 48 + 16) / prompts)
 
 
 def test_window_flags_are_the_load_generators(tmp_path: Path) -> None:
@@ -86,7 +101,8 @@ def _run(hit: float, ttft: float, rps: float, shares: list[float]) -> dict[str, 
 def test_report_rows_and_each_systems_kv_over_its_own_round_robin(tmp_path: Path) -> None:
     plan = bench_prefix.Plan(
         requests=100, span=60.0, block_tokens=16, distinct_blocks=3000,
-        unbounded_hit_rate=0.4, largest_blocks=50, blocks_per_worker=250, workers=4,
+        unbounded_hit_rate=0.4, pooled_hit_rate=0.3, largest_blocks=50, blocks_per_worker=250,
+        workers=4,
     )  # fmt: skip
     ours = {
         "round-robin": bench_prefix.median_run([_run(0.1, 0.2, 5.0, [0.25] * 4)]),
@@ -105,7 +121,9 @@ def test_report_rows_and_each_systems_kv_over_its_own_round_robin(tmp_path: Path
     }
     table = bench_prefix.report(plan, {"ours": ours, "theirs": theirs})
     assert "4 workers x 250 blocks (33% of the distinct blocks)" in table
-    assert "unbounded single cache: hit rate 0.400" in table
+    assert (
+        "unbounded single cache: hit rate 0.400; one LRU cache of all 1000 blocks: 0.300" in table
+    )
     assert (
         "| ours | kv | 0.320 | 120.0 | 240.0 | 5.50 | 1.0% | 30% | 30% / 25% / 20% / 20% |" in table
     )
