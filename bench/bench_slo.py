@@ -534,7 +534,7 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
                 load * cap, args.seconds, f"{args.seed}:{workload.name}:{load}"
             )
             rows: dict[str, Row] = {}
-            refusals: dict[str, tuple[float, float]] = {}
+            refusals: dict[str, tuple[float, float, float]] = {}
             for config in configs:
                 flags = [*shape, "--engine-request-limit", str(config.limit)]
                 if config.objective is not None:
@@ -546,7 +546,7 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
                 rows[config.label] = summarize(
                     records, objective=objective, start=warmup, end=args.seconds
                 )
-                refusals[config.label] = (result.marked, result.worker_slo)
+                refusals[config.label] = (result.marked, result.worker_refused, result.worker_slo)
             best = best_fixed(rows, configs)
             print(f"\n {load:g}x ({load * cap:.0f}/s offered, {len(arrivals)} requests)")
             print(TABLE_HEAD)
@@ -554,7 +554,7 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
                 print(line)
             adaptive, usual = configs[-1], configs[0]
             ours = rows[adaptive.label]
-            marked, slo = refusals[adaptive.label]
+            marked, refused, slo = refusals[adaptive.label]
             best_goodput = rows[best.label].goodput
             usual_goodput = rows[usual.label].goodput
             of_best = ours.goodput / best_goodput if best_goodput else math.inf
@@ -562,7 +562,8 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
             print(
                 f"  adaptive: {of_best:.2f} of the best fixed, {of_usual:.1f}x the usual; p90 "
                 f"TTFT {ours.p90_ms:.0f} ms (S {objective * 1e3:.0f}); refused "
-                f"{ours.refused:.1%}; frontend marked {marked:.0f} vs worker slo {slo:.0f}"
+                f"{ours.refused:.1%}; frontend marked {marked:.0f} vs worker refusals "
+                f"{refused:.0f} (slo {slo:.0f})"
             )
 
 

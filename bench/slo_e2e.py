@@ -206,12 +206,16 @@ async def _wait_connected(frontend: str) -> None:
 class LoadResult:
     """One run: the client's records and the refusal counts of both processes."""
 
-    def __init__(self, records: list[list[Any]], marked: float, worker_slo: float) -> None:
+    def __init__(
+        self, records: list[list[Any]], marked: float, worker_slo: float, worker_refused: float
+    ) -> None:
         #: ``[sent offset, ttft (NaN unless a token came), status]`` per request.
         self.records = records
-        #: The frontend's 529s answered ``marked``, and the worker's ``slo`` refusals.
+        #: The frontend's 529s answered ``marked``, the worker's ``slo`` refusals, and all of
+        #: the worker's refusals (queue full, displaced, queue timeout, slo).
         self.marked = marked
         self.worker_slo = worker_slo
+        self.worker_refused = worker_refused
 
 
 async def measure(
@@ -244,7 +248,8 @@ async def measure(
             back = await _get(system, "/metrics")
     marked = metric_sum(front, "dynamo_frontend_rejection_by_reason_total", reason="marked")
     slo = metric_sum(back, "dynamo_rejection_request_by_reason_total", reason="slo")
-    return LoadResult(records, marked, slo)
+    refused = metric_sum(back, "dynamo_rejection_request_by_reason_total")
+    return LoadResult(records, marked, slo, refused)
 
 
 def arrivals_for(rate: float, seconds: float, seed: str) -> list[float]:
