@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench import fleet_sim, lean_sim
+from bench import fleet_sim, lean_sim_frames, lean_sim_workers
 from bench.bench_fleet import COMPLETION, FRONTEND_CPU, SIM_CPU
 from bench.fleet_processes import Child, HttpClient
 from bench.fleet_sim import Fleet as WorkerFleet
@@ -38,10 +38,10 @@ WORKERS = 3
 # ----------------------------------------------------------------------------- pieces
 
 
-@pytest.mark.parametrize("protocol", lean_sim.PROTOCOLS)
-def test_the_hello_is_the_real_workers_byte_for_byte(protocol: lean_sim.Protocol) -> None:
+@pytest.mark.parametrize("protocol", lean_sim_workers.PROTOCOLS)
+def test_the_hello_is_the_real_workers_byte_for_byte(protocol: lean_sim_workers.Protocol) -> None:
     real = WorkerFleet(1, 4, 20.0, "sim", True, protocol).workers[0].hello
-    assert wire.encode(lean_sim.hello_of("sim-0", 4, protocol)) == wire.encode(real)
+    assert wire.encode(lean_sim_workers.hello_of("sim-0", 4, protocol)) == wire.encode(real)
 
 
 def test_the_load_model_is_fleet_sims() -> None:
@@ -50,11 +50,11 @@ def test_the_load_model_is_fleet_sims() -> None:
         "PROTOCOLS", "CURRENT_FEATURES", "MODEL", "KV_TOTAL_BLOCKS", "FREE_RANGE", "BUSY_RANGE",
         "SLOTS",
     ):  # fmt: skip
-        assert getattr(lean_sim, name) == getattr(fleet_sim, name), name
+        assert getattr(lean_sim_workers, name) == getattr(fleet_sim, name), name
 
 
 def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
-    parser = lean_sim.FrameParser()
+    parser = lean_sim_frames.FrameParser()
     first = encode_frame(OP_BINARY, b"a" * 300)
     # A fragmented message: a first frame without FIN, then a final continuation.
     fragment = bytearray(encode_frame(OP_BINARY, b"hello "))
@@ -68,23 +68,23 @@ def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
 
 
 def test_an_unmasked_client_frame_is_a_protocol_error() -> None:
-    with pytest.raises(lean_sim.FrameError) as caught:
-        lean_sim.FrameParser().receive(lean_sim.server_frame(OP_BINARY, b"x"))
+    with pytest.raises(lean_sim_frames.FrameError) as caught:
+        lean_sim_frames.FrameParser().receive(lean_sim_frames.server_frame(OP_BINARY, b"x"))
     assert caught.value.code == wire.CLOSE_PROTOCOL_ERROR
 
 
 def test_server_frames_read_as_the_frontend_reads_them() -> None:
     reader = FrameReader(wire.MAX_MESSAGE_BYTES)
     payloads = [b"", b"s" * 125, b"m" * 126, b"l" * 70_000]
-    data = b"".join(lean_sim.server_frame(OP_BINARY, payload) for payload in payloads)
+    data = b"".join(lean_sim_frames.server_frame(OP_BINARY, payload) for payload in payloads)
     assert reader.receive(data) == [(OP_BINARY, payload) for payload in payloads]
 
 
 def test_busy_from_follows_the_shared_rule() -> None:
     # 501 of 1,000 blocks is the first count over 0.5 (strict >).
-    assert lean_sim.busy_from(wire.BusyThresholds(active_decode_blocks=0.5)) == 501
+    assert lean_sim_workers.busy_from(wire.BusyThresholds(active_decode_blocks=0.5)) == 501
     # No check set: never busy.
-    assert lean_sim.busy_from(wire.BusyThresholds()) == lean_sim.KV_TOTAL_BLOCKS + 1
+    assert lean_sim_workers.busy_from(wire.BusyThresholds()) == lean_sim_workers.KV_TOTAL_BLOCKS + 1
 
 
 # ----------------------------------------------------------------------------- processes
@@ -129,7 +129,7 @@ async def _until_status(client: HttpClient, want: int, bound: float) -> bytes:
             await trio.sleep(0.01)
 
 
-@pytest.mark.parametrize("protocol", lean_sim.PROTOCOLS)
+@pytest.mark.parametrize("protocol", lean_sim_workers.PROTOCOLS)
 async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
     with trio.fail_after(90):
         async with _simulator(protocol) as (sim, ports):
@@ -279,7 +279,7 @@ async def test_the_event_plane_honours_the_asked_interval_but_sends_edges_at_onc
                 messages += await plane.messages()
             hello = wire.decode_event_message(messages[0])
             assert isinstance(hello, wire.Hello)
-            assert hello.features == list(lean_sim.NEW_FEATURES)
+            assert hello.features == list(lean_sim_workers.NEW_FEATURES)
             first = wire.decode_event_message(messages[1])
             assert isinstance(first, wire.EventBatch)
             [heartbeat] = first.events  # whole at once: the state of every rank
@@ -348,7 +348,9 @@ async def test_kv_events_a_snapshot_then_every_event_in_order_and_a_fresh_snapsh
                             assert set(event.blocks) <= cached[event.dp_rank]
                             cached[event.dp_rank].difference_update(event.blocks)
                             evictions += 1
-                    assert all(len(names) <= lean_sim.KV_TOTAL_BLOCKS for names in cached.values())
+                    assert all(
+                        len(names) <= lean_sim_workers.KV_TOTAL_BLOCKS for names in cached.values()
+                    )
                 if evictions and not asked:
                     fresh = wire.Subscribe(
                         thresholds=ask.thresholds, kv_events=True, kv_snapshot=True
@@ -359,10 +361,12 @@ async def test_kv_events_a_snapshot_then_every_event_in_order_and_a_fresh_snapsh
                     break
             assert len(snapshots) == 2
             # The fresh snapshot is the full cache of each rank, and events went on from it.
-            assert [len(names) for names in snapshots[1].ranks] == [lean_sim.KV_TOTAL_BLOCKS] * 2
+            assert [len(names) for names in snapshots[1].ranks] == [
+                lean_sim_workers.KV_TOTAL_BLOCKS
+            ] * 2
             assert seq is not None
             assert seq > snapshots[1].seq
-            assert all(len(names) == lean_sim.KV_TOTAL_BLOCKS for names in cached.values())
+            assert all(len(names) == lean_sim_workers.KV_TOTAL_BLOCKS for names in cached.values())
             stats = json.loads((await _command(sim, "stats")).partition(" ")[2])
             assert stats["kv_snapshots"] == 2
             assert stats["kv_events"] >= seq - snapshots[1].seq
