@@ -67,8 +67,8 @@ Rules of one connection (a loop of request/response cycles):
    reads slowly but steadily is kept. The same timer task as rule 1 watches this deadline.
 8. While a connection waits for a request it has received nothing of (the first one, or the
    next on a keep-alive connection), it is listed in the server's :class:`IdleConnections`; a
-   server out of file descriptors closes the longest idle of them first
-   (:mod:`shim_common._httpserver`). So is a connection waiting for more of a body that has
+   server out of file descriptors closes the longest idle of them first, each idle for at
+   least ``MIN_IDLE_SECONDS`` (:mod:`shim_common._httpserver`). So is a connection waiting for more of a body that has
    fallen behind ``min_body_rate`` bytes per second once ``min_body_rate_grace`` has passed
    since its head: a slow upload holds a descriptor the server needs no longer than an idle
    connection does (its handler is cancelled as if the client had left).
@@ -84,7 +84,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
+from typing import Final
 
 import trio
 
@@ -138,6 +140,10 @@ __all__ = [
     "RequestParser",
 ]
 
+#: How long a connection must have been idle to be closed for its descriptor (see
+#: :class:`IdleConnections`).
+MIN_IDLE_SECONDS: Final = 0.5
+
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
 
@@ -152,29 +158,35 @@ class IdleConnections:
     When the process runs out of file descriptors, closing the longest idle of these frees
     descriptors at the least cost: no request is lost, and a keep-alive client opens a new
     connection when it needs one (RFC 9112 9.3 lets a server close an idle connection); an
-    upload that slow would hold its descriptor for minutes.
+    upload that slow would hold its descriptor for minutes. A connection idle for less than
+    :data:`MIN_IDLE_SECONDS` is not closed: one just accepted is idle until its reader has fed
+    the request it carries, and closing it would turn away the very client the room was for.
     """
 
     def __init__(self) -> None:
-        # Insertion-ordered: the longest idle first.
-        self._idle: dict[Connection, None] = {}
+        # Insertion-ordered, with when each went idle: the longest idle first.
+        self._idle: dict[Connection, float] = {}
 
     def __len__(self) -> int:
         return len(self._idle)
 
     def add(self, connection: Connection) -> None:
         """Record that ``connection`` went idle."""
-        self._idle[connection] = None
+        self._idle[connection] = time.monotonic()
 
     def discard(self, connection: Connection) -> None:
         """Record that ``connection`` is busy again (or gone)."""
         self._idle.pop(connection, None)
 
     def close_oldest(self, count: int) -> int:
-        """Close up to ``count`` of the longest idle connections; returns how many."""
+        """Close up to ``count`` of the longest idle connections, idle for at least
+        :data:`MIN_IDLE_SECONDS`; returns how many."""
         closed = 0
+        since = time.monotonic() - MIN_IDLE_SECONDS
         while self._idle and closed < count:
-            connection = next(iter(self._idle))
+            connection, idle_since = next(iter(self._idle.items()))
+            if idle_since > since:
+                break  # this one and every later one went idle too recently
             del self._idle[connection]
             connection.close_idle()
             closed += 1
@@ -578,7 +590,10 @@ class Connection:
         events = self._events
         started = self._request_started
         whole_body_due = started + limits.body_total_timeout
-        last_data = trio.current_time()
+        # Data arrived since the last wait: the next wait starts a fresh per-piece deadline (the
+        # clock is read only when waiting, as most bodies arrive with their head).
+        fresh = True
+        piece_due = math.inf
         parts: list[bytes] = []
         size = 0
         # Every pass consumes at least one byte of a body capped at max_body_bytes, or ends,
@@ -595,13 +610,16 @@ class Connection:
                     if size > limits.max_body_bytes:
                         raise BodyTooLarge(f"body over {limits.max_body_bytes} bytes")
                     parts.append(event)
-                    last_data = trio.current_time()
+                    fresh = True
                     continue
                 assert isinstance(event, ParseFailure), event
                 raise MalformedRequest(event.reason, event.status)
             if cycle.theirs == GONE:
                 raise ClientDisconnected("the client left during the request body")
-            piece_due = last_data + limits.body_timeout
+            now = trio.current_time()
+            if fresh:
+                piece_due = now + limits.body_timeout
+                fresh = False
             due = min(piece_due, whole_body_due)
             # When this upload falls behind the minimum rate (rule 8); never without a registry
             # of idle connections to be listed in.
@@ -610,7 +628,7 @@ class Connection:
                 if self._idle is None
                 else started + limits.min_body_rate_grace + size / limits.min_body_rate
             )
-            if self._idle is not None and trio.current_time() >= behind:
+            if self._idle is not None and now >= behind:
                 self._idle.add(self)
                 try:
                     with trio.move_on_at(due) as scope:
