@@ -25,6 +25,9 @@ Rules:
    ``exp(-x / T)`` (all equal: uniformly).
 4. A prompt that could not be read as token ids (the worker will judge it) counts 0 blocks: the
    choice is then by load alone, as it is for embeddings.
+5. Only a prompt's first :data:`MAX_PROMPT_BLOCKS` blocks are named and matched (``C`` counts
+   at most those), so that one huge prompt costs the frontend a bounded hash; ``P`` counts all
+   its tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from shim_common.prefix import block_names
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "MAX_PROMPT_BLOCKS",
     "NO_PROMPT",
     "CostWeights",
     "KvChoice",
@@ -70,6 +74,8 @@ class CostWeights:
 
 
 DEFAULT_WEIGHTS: Final = CostWeights()
+#: The most blocks of one prompt named and matched (rule 5): 131,072 tokens at 16 a block.
+MAX_PROMPT_BLOCKS: Final = 8192
 
 
 class Prompt:
@@ -89,7 +95,10 @@ class Prompt:
         """The names of the prompt's full blocks of ``block_size`` tokens (computed once)."""
         names = self._names.get(block_size)
         if names is None:
-            names = block_names(self.tokens, max(1, block_size)) if self.tokens else []
+            size = max(1, block_size)
+            names = (
+                block_names(self.tokens[: MAX_PROMPT_BLOCKS * size], size) if self.tokens else []
+            )
             self._names[block_size] = names
         return names
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from frontend_shim._kv_cost import CostWeights, KvScorer, Prompt
+from frontend_shim._kv_cost import MAX_PROMPT_BLOCKS, CostWeights, KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
@@ -195,6 +195,11 @@ def test_names_are_computed_once_per_block_size() -> None:
     assert prompt.names(BLOCK) is prompt.names(BLOCK)
     assert prompt.names(BLOCK) == block_names(prompt.tokens, BLOCK)
     assert len(prompt.names(16)) == 2
+
+
+def test_a_huge_prompt_is_named_only_as_far_as_the_bound() -> None:
+    prompt = Prompt([7] * ((MAX_PROMPT_BLOCKS + 3) * BLOCK))
+    assert len(prompt.names(BLOCK)) == MAX_PROMPT_BLOCKS
 
 
 def test_bad_weights_are_refused() -> None:
