@@ -70,8 +70,9 @@ Rules of one connection (a loop of request/response cycles):
    server out of file descriptors closes the longest idle of them first, each idle for at
    least ``MIN_IDLE_SECONDS`` (:mod:`shim_common._httpserver`). So is a connection waiting for
    more of a body that has fallen behind ``min_body_rate`` bytes per second once
-   ``min_body_rate_grace`` has passed since its head: a slow upload holds a descriptor the server needs no longer than an idle
-   connection does (its handler is cancelled as if the client had left).
+   ``min_body_rate_grace`` has passed since its head: a slow upload holds a descriptor the
+   server needs no longer than an idle connection does (its handler is cancelled as if the
+   client had left).
 9. A server that stops winds its connections down (:meth:`Connection.wind_down`): each one
    answers the request it has begun to receive, or the first one of a connection that has sent
    nothing yet (it was accepted, so it is owed an answer), with ``Connection: close``, then
