@@ -267,7 +267,8 @@ class AdmissionGate:
         """
         state = self._state
         now = trio.current_time()
-        self._wake_all(state.tick(now))
+        if state.slo is not None:  # the only part of the state that time moves
+            self._wake_all(state.tick(now))
         if not state.would_reject(priority, tenant, now=now, already_waited=already_waited):
             return None
         decision = state.arrive(priority, tenant, now=now, already_waited=already_waited)
@@ -318,7 +319,9 @@ class AdmissionGate:
     def _after(self, started: Ticket | None, now: float) -> None:
         # An event freed a slot or a waiting place (``started`` took it), and time passed.
         self._wake(started)
-        self._wake_all(self._state.tick(now))
+        state = self._state
+        if state.slo is not None:
+            self._wake_all(state.tick(now))
         self._changed()
 
     def _withdraw(self, ticket: Ticket) -> None:
@@ -409,7 +412,8 @@ class SlotLease:
         gate = self._gate
         state = gate._state
         now = trio.current_time()
-        gate._wake_all(state.tick(now))
+        if state.slo is not None:
+            gate._wake_all(state.tick(now))
         decision = state.arrive(
             self._priority,
             self._tenant,
