@@ -1,4 +1,5 @@
-"""The pure parts of ``bench/bench_slo.py``, and one short run of its driver on a virtual clock.
+"""The pure parts of ``bench/bench_slo.py`` (``bench/slo_figures.py``), and one short run of its
+driver on a virtual clock.
 
 No figure of a real run is asserted: the arithmetic is checked on made-up records, and the driver
 only for what must hold whatever the figures (every request accounted for, L within its bounds).
@@ -12,19 +13,15 @@ import random
 import pytest
 
 from bench.bench_goodput import poisson_arrivals
-from bench.bench_slo import (
+from bench.bench_slo import configs_for, e2e_records, mocker_for, play, run_async
+from bench.slo_figures import (
     WORKLOADS,
     Config,
     Record,
     best_fixed,
     check_targets,
-    configs_for,
-    e2e_records,
     every,
-    mocker_for,
-    play,
     recovery_seconds,
-    run_async,
     summarize,
 )
 
