@@ -24,10 +24,11 @@ a new handshake takes the place of the oldest subscriber that has not sent a ``S
 squatters never lock a frontend out. With no such subscriber the handshake gets 503 (counted).
 Only a token keeps out clients that speak the protocol as a frontend does.
 
-Drain (:meth:`Worker.drain`, or SIGTERM/SIGINT in :func:`run_worker`): the gate rejects new
-requests with ``Server unavailable: draining``, ``/health`` answers 503 ``draining`` and heartbeats
-carry ``status="draining"``; running and queued requests get ``settings.drain_grace`` seconds to
-finish and have every reply frame written, after which what is left is cancelled with
+Drain (:meth:`Worker.drain`: in :func:`run_worker` on SIGTERM/SIGINT, and on EOF of stdin with
+``--stop-on-stdin-eof``): the gate rejects new requests with ``Server unavailable: draining``,
+``/health`` answers 503 ``draining`` and heartbeats carry ``status="draining"``; running and
+queued requests get ``settings.drain_grace`` seconds to finish and have every reply frame
+written, after which what is left is cancelled with
 ``Failed(unavailable)`` (and gets :data:`~worker_ingress._planes.CLOSE_FLUSH_SECONDS` to write
 that). The request-plane connections close with 1001 only once they have written everything they
 hold (rule 4 of :mod:`worker_ingress._planes`), and the event-plane connections only after every
