@@ -62,7 +62,7 @@ from frontend_shim._kv_routing import KvRouting
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
-from frontend_shim._request_body import BadRequest, parse_completion_body, shorten
+from frontend_shim._request_body import BadRequest, parse_completion_body
 from frontend_shim._request_class import (
     OPEN_POLICY,
     ClassPolicy,
@@ -87,7 +87,7 @@ from frontend_shim._router import (
 )
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
-from shim_common._client_text import no_such_endpoint, not_allowed
+from shim_common._client_text import no_such_endpoint, not_allowed, shorten
 from shim_common._httpserver import (
     BodyTooLarge,
     HTTPRequest,

@@ -18,8 +18,8 @@ into the answer of its status. Rules of a JSON request body (both APIs):
    ``messages`` array; ``n``, when given, an integer in ``[1, MAX_CHOICES]`` (the OpenAI
    bound); for embeddings, an ``input`` array of at most :data:`MAX_EMBEDDING_INPUTS` items (the
    OpenAI bound). The rest goes to the worker as it came, which checks what its engine reads.
-4. An error message quotes client input by a short prefix only (:func:`shorten`,
-   :func:`quote`: the one rule of :mod:`shim_common._client_text`), however long the input.
+4. An error message quotes client input by a short prefix only (the one rule of
+   :mod:`shim_common._client_text`), however long the input.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Final
 import msgspec
 
 from shim_common import wire
-from shim_common._client_text import QUOTE_CHARS, quote, shorten
+from shim_common._client_text import quote
 
 __all__ = [
     "MAX_BODY_DEPTH",
@@ -40,8 +40,6 @@ __all__ = [
     "BadRequest",
     "decode_json_body",
     "parse_completion_body",
-    "quote",
-    "shorten",
 ]
 
 #: JSON values (object members and array elements) one request body may hold (rule 1): 2**17,
@@ -53,8 +51,6 @@ MAX_BODY_DEPTH: Final = 64
 MAX_CHOICES: Final = 128
 #: ``input`` items of one embeddings request, as the OpenAI API bounds it.
 MAX_EMBEDDING_INPUTS: Final = 2048
-#: Characters of client input an error message quotes (rule 4).
-QUOTE_LIMIT: Final = QUOTE_CHARS
 
 _INT_MIN: Final = -(2**63)
 _INT_MAX: Final = 2**63 - 1

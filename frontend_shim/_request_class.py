@@ -29,7 +29,8 @@ import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from frontend_shim._request_body import BadRequest, quote
+from frontend_shim._request_body import BadRequest
+from shim_common._client_text import quote
 from shim_common._httpserver import header_value
 from shim_common._numbers import PRIORITY, NumberError
 from shim_common.wire import TENANT_MAX_CHARS

@@ -17,9 +17,8 @@ from frontend_shim._request_body import (
     MAX_EMBEDDING_INPUTS,
     BadRequest,
     parse_completion_body,
-    quote,
-    shorten,
 )
+from shim_common._client_text import quote, shorten
 
 
 def test_a_well_formed_body_comes_back_whole() -> None:
