@@ -32,6 +32,7 @@ from shim_common._cli import (
     strict_int,
     valid_port,
 )
+from shim_common._client_text import shorten
 from shim_common._numbers import COUNT, RANKS, RATIO, SECONDS
 from worker_ingress._config import (
     DEFAULT_MAX_TRACKED_TENANTS,
@@ -413,7 +414,7 @@ def _queue_limit_from_env() -> int:
         value = COUNT.check(int(raw.strip()))
     except ValueError:
         raise CliError(
-            f'Invalid value for {name} from env: "{raw[:40]}" is not a whole number '
+            f'Invalid value for {name} from env: "{shorten(raw)}" is not a whole number '
             "from 2 to 2**53."
         ) from None
     if value < 2:
@@ -437,13 +438,13 @@ def _tenant_weights(raw: str | None) -> dict[str, float]:
             weight = float("nan")
         if not sep or not name or not MIN_TENANT_WEIGHT <= weight <= MAX_TENANT_WEIGHT:
             raise CliError(
-                f'Invalid value "{raw[:80]}" for --tenant-weights (DYN_TENANT_WEIGHTS): '
-                f'"{item[:80]}" is not name=weight with a number from 1e-6 to 1e6.'
+                f'Invalid value "{shorten(raw)}" for --tenant-weights (DYN_TENANT_WEIGHTS): '
+                f'"{shorten(item)}" is not name=weight with a number from 1e-6 to 1e6.'
             )
         if name in weights:
             raise CliError(
-                f'Invalid value "{raw[:80]}" for --tenant-weights (DYN_TENANT_WEIGHTS): tenant '
-                f'"{name[:80]}" is given twice.'
+                f'Invalid value "{shorten(raw)}" for --tenant-weights (DYN_TENANT_WEIGHTS): tenant '
+                f'"{shorten(name)}" is given twice.'
             )
         weights[name] = weight
     return weights
