@@ -28,7 +28,8 @@ class TenantAccount:
         admitted: Requests that started in the engine.
         rejected: Requests turned away (queue full, displaced, timed out, SLO, draining).
         cancelled: Requests withdrawn while queued.
-        service_tokens: Prompt tokens plus two per generated token, unweighted.
+        service_tokens: Service attained, unweighted, by the one rule of
+            :func:`~worker_ingress._fair_queue.service_tokens`.
     """
 
     __slots__ = ("admitted", "cancelled", "rejected", "service_tokens")
