@@ -52,8 +52,9 @@ class HTTPLimits:
         body_total_timeout: seconds from the end of the head for the whole body to arrive
             (408 past it), however steadily it dribbles in.
         receive_bytes: how much one ``receive_some`` call asks for.
-        pipeline_buffer_bytes: how many bytes of a pipelined next request the disconnect watcher
-            reads and keeps while a handler runs, before it stops reading.
+        pipeline_buffer_bytes: how many bytes the connection's reader task reads ahead of what
+            the handler took (a pipelined next request, a body not asked for yet) before it
+            stops reading.
         linger_timeout: seconds to drain the client's bytes after our EOF when closing.
         linger_bytes: at most this many bytes are drained when closing.
         discard_body_bytes: a request body the handler did not read is read and dropped after
