@@ -4,8 +4,9 @@ Task tree of :func:`run_frontend` (one nursery, everything owned)::
 
     run_frontend
     ├── run_local_workers     child worker processes (--local-workers), stopped last
+    ├── serve_http            the OpenAI API, admin and metrics endpoints (FrontendAPI),
+    │                         listening before any link starts
     ├── WorkerPool.run        one link per worker address; events -> FleetBridge -> Fleet
-    ├── serve_http            the OpenAI API, admin and metrics endpoints (FrontendAPI)
     └── _tick                 periodic expiry: staleness, mark leases, frontend-queue release
 
 Construction follows the dependencies, so nothing is wired up after the fact: the fleet, then
