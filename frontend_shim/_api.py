@@ -92,6 +92,7 @@ from shim_common._httpserver import (
     BodyTooLarge,
     HTTPRequest,
     HTTPResponder,
+    complete_response,
     error_body,
     json_headers,
 )
@@ -209,6 +210,28 @@ class FrontendAPI:
             if exc.allow is not None:
                 headers.append((b"allow", exc.allow.encode("ascii")))
             await responder.send(exc.status, headers, body)
+
+    def answer_at_once(self, request: HTTPRequest) -> bytes | None:
+        """The whole answer to a request that needs neither its body nor an await, the same as
+        :meth:`handle` gives (an :data:`~shim_common._httpserver.AnswerAtOnce`): ``GET /live``
+        and ``/health``, and a completion shed before its body is read; ``None`` for the rest.
+        """
+        endpoint = _ENDPOINTS.get(request.path)
+        if endpoint is None:
+            return self._status.answer_at_once(request) if request.path in STATUS_PATHS else None
+        if request.method != "POST" or self._draining:
+            return None
+        arrival = trio.current_time()
+        if not self._fleet.may_shed_unread(arrival) or self._may_be_exempt(request):
+            return None
+        exchange = Exchange(endpoint, self._shed_label(), arrival)
+        try:
+            reason = "marked" if self._fleet.every_worker_marked() else "busy"
+            return complete_response(
+                self._overload_status, self._overloaded(exchange, reason), self._overload_body
+            )
+        finally:
+            self._count(exchange)
 
     def begin_drain(self) -> None:
         """Stop taking completions (503, ``Connection: close``); requests in flight go on.
@@ -404,6 +427,11 @@ class FrontendAPI:
     async def _send_overloaded(
         self, responder: HTTPResponder, exchange: Exchange, reason: str
     ) -> None:
+        headers = self._overloaded(exchange, reason)
+        await responder.send(self._overload_status, headers, self._overload_body)
+
+    def _overloaded(self, exchange: Exchange, reason: str) -> list[tuple[bytes, bytes]]:
+        # Counts the refusal; the headers of its answer.
         exchange.status = self._overload_status
         self._metrics.count_rejection(exchange.label, exchange.endpoint)
         self._metrics.count_rejection_reason(exchange.label, reason)
@@ -412,10 +440,9 @@ class FrontendAPI:
             self._completions.rate(trio.current_time()),
             slot_share=self._fleet.slot_share(),
         )
-        headers = json_headers(
+        return json_headers(
             (b"retry-after", b"%d" % retry_after), (REJECT_REASON_HEADER, reason.encode())
         )
-        await responder.send(self._overload_status, headers, self._overload_body)
 
     async def _send_unavailable(
         self, responder: HTTPResponder, exchange: Exchange, reason: str, *, close: bool = False

@@ -217,6 +217,7 @@ async def run_frontend(
                 on_tls_failure=metrics.count_tls_failure,
                 idle=idle_http,
                 shutdown=http_shutdown,
+                answer_at_once=api.answer_at_once,
                 task_status=task_status,
             )
         )

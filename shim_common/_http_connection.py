@@ -79,15 +79,24 @@ Rules of one connection (a loop of request/response cycles):
    closes; one that waits for a next request on a kept connection closes at once. (A client
    that sends a next request at that very moment finds the connection closed, the race every
    keep-alive client must retry, RFC 9112 9.3.1.)
+10. A request the handler can answer from its head alone (an
+    :data:`~shim_common._http_exchange.AnswerAtOnce`: ``GET /live``, a shed decided before the
+    body) is answered by the reader task itself, without waking the main task, when the main task
+    waits for a next request and the whole request (body and end included) is in: a kept
+    connection (no ``Connection: close``, no ``Upgrade``, no ``100 Continue``, not ``HEAD``, the
+    server not winding down). Its body is dropped unread, its cycle runs by the same rules, and
+    the answers to every such request that arrived together leave in one write; the first request
+    that does not qualify, or that the handler leaves to itself, goes to the main task with
+    everything after it, in order. An exception of the answer is reported as in rule 5 and the
+    request goes to the handler. While the reader writes, the connection is not idle (rule 8)
+    and a wind-down waits for the write (rule 9); the write is bounded as in rule 7.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
-from typing import Final
 
 import trio
 
@@ -97,6 +106,7 @@ from shim_common._http_cycle import (
     DISCARD_BODY,
     DONE,
     GONE,
+    IDLE,
     NEXT_CYCLE,
     SEND_BODY,
     SEND_RESPONSE,
@@ -104,6 +114,7 @@ from shim_common._http_cycle import (
 )
 from shim_common._http_exchange import (
     JSON_CONTENT_TYPE,
+    AnswerAtOnce,
     BodyTooLarge,
     ClientDisconnected,
     Handler,
@@ -122,12 +133,14 @@ from shim_common._http_head_writer import (
     header_lines,
     status_line,
 )
+from shim_common._http_idle import MIN_IDLE_SECONDS, IdleConnections
 from shim_common._http_parser import (
     END,
     EndOfRequest,
     ParseFailure,
     RequestHead,
     RequestParser,
+    end_of_request,
 )
 
 # The parser's names are re-exported: this module was their home before the parser had one.
@@ -136,62 +149,18 @@ __all__ = [
     "Connection",
     "EndOfRequest",
     "IdleConnections",
+    "MIN_IDLE_SECONDS",
     "ParseFailure",
     "RequestHead",
     "RequestParser",
 ]
 
-#: How long a connection must have been idle to be closed for its descriptor (see
-#: :class:`IdleConnections`).
-MIN_IDLE_SECONDS: Final = 0.5
-
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
 
-
-# -- the connection ---------------------------------------------------------------------------
-
-
-class IdleConnections:
-    """The connections of a server that wait for a request with none of it received yet, and
-    those whose upload has fallen behind the minimum rate (rule 8).
-
-    When the process runs out of file descriptors, closing the longest idle of these frees
-    descriptors at the least cost: no request is lost, and a keep-alive client opens a new
-    connection when it needs one (RFC 9112 9.3 lets a server close an idle connection); an
-    upload that slow would hold its descriptor for minutes. A connection idle for less than
-    :data:`MIN_IDLE_SECONDS` is not closed: one just accepted is idle until its reader has fed
-    the request it carries, and closing it would turn away the very client the room was for.
-    """
-
-    def __init__(self) -> None:
-        # Insertion-ordered, with when each went idle: the longest idle first.
-        self._idle: dict[Connection, float] = {}
-
-    def __len__(self) -> int:
-        return len(self._idle)
-
-    def add(self, connection: Connection) -> None:
-        """Record that ``connection`` went idle."""
-        self._idle[connection] = time.monotonic()
-
-    def discard(self, connection: Connection) -> None:
-        """Record that ``connection`` is busy again (or gone)."""
-        self._idle.pop(connection, None)
-
-    def close_oldest(self, count: int) -> int:
-        """Close up to ``count`` of the longest idle connections, idle for at least
-        :data:`MIN_IDLE_SECONDS`; returns how many."""
-        closed = 0
-        since = time.monotonic() - MIN_IDLE_SECONDS
-        while self._idle and closed < count:
-            connection, idle_since = next(iter(self._idle.items()))
-            if idle_since > since:
-                break  # this one and every later one went idle too recently
-            del self._idle[connection]
-            connection.close_idle()
-            closed += 1
-        return closed
+# The most answers given at once in one write (rule 10): what a burst of pipelined requests may
+# make the reader hold before it writes.
+_MOST_ANSWERS_PER_WRITE = 64
 
 
 class Connection:
@@ -213,9 +182,18 @@ class Connection:
         on_error: Callable[[BaseException], None] | None,
         on_send_stall: Callable[[], None] | None = None,
         idle: IdleConnections | None = None,
+        answer_at_once: AnswerAtOnce | None = None,
     ) -> None:
         self._stream = stream
         self._idle = idle
+        self._answer_at_once = answer_at_once
+        # The main task waits for a next request with every event taken (the reader may answer
+        # at once, rule 10), and whether it is listed as idle meanwhile (rule 8).
+        self._awaiting_head = False
+        self._listed_idle = False
+        # The reader is writing answers given at once; how many writes it has made.
+        self._writing_at_once = False
+        self._writes_at_once = 0
         self._parser = RequestParser(
             limits.max_head_bytes,
             max_headers=limits.max_headers,
@@ -353,11 +331,103 @@ class Connection:
                 continue
             parser.feed(received)
             self._unconsumed += len(received)
-            self._data_arrived.unpark_all()
+            if self._awaiting_head and self._answer_at_once is not None:
+                if not await self._answer_ready_requests():
+                    break  # the client left
+                if self._awaiting_head:
+                    continue  # all answered: the main task waits on
+            self._wake_main_task()
         cycle.client_gone()
         # The client left: stop whatever the main task does, a running handler included.
         self._scope.cancel()
         self._data_arrived.unpark_all()
+
+    def _wake_main_task(self) -> None:
+        self._awaiting_head = False  # what is in the parser is the main task's now
+        self._data_arrived.unpark_all()
+
+    async def _answer_ready_requests(self) -> bool:
+        """Answer at once the requests at the front of the parser's events that qualify (rule
+        10), in one write per batch; ``False`` when the client left meanwhile.
+
+        The main task stays asleep while nothing is left for it (a partial head, a request the
+        handler leaves to itself, a wind-down); otherwise it is woken as the reader would.
+        """
+        events = self._events
+        parser = self._parser
+        limits = self._limits
+        # Bounded: each batch takes at least one whole request out of the events.
+        while True:
+            answers = self._take_answers()
+            if not answers:
+                break
+            if not events and not parser.mid_request:
+                self._unconsumed = 0  # every byte fed is consumed (see _wait_for_data)
+            self._writes_at_once += 1
+            if self._listed_idle and self._idle is not None:
+                self._idle.discard(self)  # busy while it writes (rule 8)
+            self._head_deadline = math.inf  # the write has its own deadline (rule 7)
+            self._writing_at_once = True
+            try:
+                await self._send_all(b"".join(answers))
+            except ClientDisconnected:
+                return False
+            finally:
+                self._writing_at_once = False
+            waits_for_more = bool(events) or parser.mid_request
+            self._head_deadline = trio.current_time() + (
+                limits.header_timeout if waits_for_more else limits.keepalive_timeout
+            )
+            if waits_for_more or self._winding_down:
+                break
+            if self._listed_idle and self._idle is not None:
+                self._idle.add(self)
+            return True
+        if events or parser.mid_request or self._winding_down:
+            self._wake_main_task()
+        return True
+
+    def _take_answers(self) -> list[bytes]:
+        """The answers given at once to the whole requests at the front of the events, each
+        request's events taken and its cycle run (rule 10)."""
+        events = self._events
+        cycle = self._cycle
+        answer = self._answer_at_once
+        answers: list[bytes] = []
+        # Bounded by the answers per write and by the events (each pass takes a request's).
+        while events and answer is not None and len(answers) < _MOST_ANSWERS_PER_WRITE:
+            head = events[0]
+            if not (
+                isinstance(head, RequestHead)
+                and head.keep_alive
+                and not head.upgrade
+                and not head.expects_continue
+                and head.method != b"HEAD"
+                and not self._winding_down
+                and cycle.ours == IDLE
+                and cycle.theirs == IDLE
+            ):
+                break
+            ends_at = end_of_request(events)
+            if ends_at < 0:
+                break  # its body is not all in (or its framing broke): the main task's
+            request = HTTPRequest(self, head.method, head.target, head.headers, head.http_version)
+            try:
+                response = answer(request)
+            except Exception as exc:
+                self.report(exc)
+                response = None
+            if response is None:
+                break
+            for _ in range(ends_at + 1):
+                events.popleft()
+            # The cycle of a request taken whole and answered whole on a kept connection: its
+            # after_response is NEXT_CYCLE.
+            cycle.request_received(True, False, False, True)
+            cycle.start_response(False, False, False)
+            cycle.start_next_cycle()
+            answers.append(response)
+        return answers
 
     async def _wait_for_data(self) -> None:
         """Wait until the reader fed the parser more bytes (or saw EOF); every event is taken."""
@@ -391,7 +461,7 @@ class Connection:
         """End the connection after the request it answers or awaits first (rule 9)."""
         self._winding_down = True
         self._cycle.keep_alive = False
-        self._data_arrived.unpark_all()  # a wait for a next request ends (see _read_head)
+        self._wake_main_task()  # a wait for a next request ends (see _read_head)
 
     async def _run_cycles(self) -> None:
         cycle = self._cycle
@@ -434,18 +504,36 @@ class Connection:
                 return None  # pragma: no cover - a head always comes first
             if self._cycle.theirs == GONE:
                 return None  # a clean close between requests, or a partial head at EOF
-            if self._winding_down and not first and not self._parser.mid_request:
+            if (
+                self._winding_down
+                and not first
+                and not self._parser.mid_request
+                and not self._writing_at_once  # a wind-down waits for the reader's write
+            ):
                 return None  # no next request is awaited (rule 9)
-            if self._idle is None or events or self._parser.mid_request:
-                await self._wait_for_data()
-            else:
-                # Nothing of a request yet: closable when the process runs out of descriptors.
-                self._idle.add(self)
-                try:
+            writes_at_once = self._writes_at_once
+            # Every event is taken: the reader may answer what comes next itself (rule 10).
+            self._awaiting_head = True
+            try:
+                if self._idle is None or self._parser.mid_request:
                     await self._wait_for_data()
-                finally:
-                    self._idle.discard(self)
-            if idle:
+                else:
+                    # Nothing of a request yet: closable when the process runs out of
+                    # descriptors.
+                    self._idle.add(self)
+                    self._listed_idle = True
+                    try:
+                        await self._wait_for_data()
+                    finally:
+                        self._listed_idle = False
+                        self._idle.discard(self)
+            finally:
+                self._awaiting_head = False
+            if writes_at_once != self._writes_at_once:
+                # The reader answered requests meanwhile: this is the wait for the one after.
+                first = False
+                idle = True
+            if idle and (events or self._parser.mid_request):
                 idle = False
                 self._head_deadline = trio.current_time() + limits.header_timeout
 

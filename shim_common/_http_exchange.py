@@ -18,6 +18,7 @@ from typing import Protocol
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "AnswerAtOnce",
     "JSON_CONTENT_TYPE",
     "BodyTooLarge",
     "ClientDisconnected",
@@ -129,6 +130,13 @@ class InvalidResponse(ValueError):
 
 
 Handler = Callable[["HTTPRequest", "HTTPResponder"], Awaitable[None]]
+
+#: A handler's answer to a request it can answer from the head alone, without its body and
+#: without waiting (``GET /live``, a shed decided before the body): the whole response's bytes
+#: (:func:`~shim_common._http_head_writer.complete_response`), or ``None`` to leave the request
+#: to the :data:`Handler`. Called in the connection's reader task, once the whole request has
+#: arrived; it must not block, and its answer keeps the connection open.
+AnswerAtOnce = Callable[["HTTPRequest"], "bytes | None"]
 
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 

@@ -21,6 +21,7 @@ __all__ = [
     "CLOSE_LINE",
     "CONTINUE",
     "LAST_CHUNK",
+    "complete_response",
     "header_lines",
     "status_line",
 ]
@@ -74,6 +75,20 @@ def header_lines(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
         lines += cached[0]
         says_close = says_close or cached[1]
     return lines, says_close
+
+
+def complete_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A whole response kept open, head and ``Content-Length`` body, written ahead of time: what
+    an answer given at once (:data:`~shim_common._http_exchange.AnswerAtOnce`) returns.
+
+    Raises:
+        InvalidResponse: an invalid status or header, or headers that say ``Connection: close``
+            (an answer given at once keeps the connection; one that closes it is the handler's).
+    """
+    lines, says_close = header_lines(headers)
+    if says_close:
+        raise InvalidResponse("an answer given at once keeps the connection open")
+    return status_line(status) + lines + b"content-length: %d\r\n\r\n" % len(body) + body
 
 
 def _header_line(header: tuple[bytes, bytes]) -> tuple[bytes, bool]:

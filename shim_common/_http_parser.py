@@ -44,6 +44,7 @@ __all__ = [
     "RequestHead",
     "RequestParser",
     "comma_tokens",
+    "end_of_request",
 ]
 
 
@@ -391,3 +392,15 @@ class RequestParser:
 def comma_tokens(value: bytes) -> list[bytes]:
     """The tokens of a comma-separated header value, lower-cased, empty ones left out."""
     return [token for part in value.lower().split(b",") if (token := part.strip(b" \t"))]
+
+
+def end_of_request(events: deque[ParserEvent]) -> int:
+    """Where the request whose head is ``events[0]`` ends in ``events``; ``-1`` when its end is
+    not there yet or its body's framing broke first."""
+    # Bounded by the events, which the reader's budget bounds.
+    for index, event in enumerate(events):
+        if event is END:
+            return index
+        if index and not isinstance(event, bytes):
+            return -1
+    return -1

@@ -36,6 +36,7 @@ from shim_common._access import accept_tls
 from shim_common._http_connection import Connection, IdleConnections
 from shim_common._http_exchange import (
     DEFAULT_LIMITS,
+    AnswerAtOnce,
     BodyTooLarge,
     ClientDisconnected,
     Handler,
@@ -50,6 +51,7 @@ from shim_common._http_exchange import (
     json_headers,
     openai_error_type,
 )
+from shim_common._http_head_writer import complete_response
 from shim_common._net import (
     CLOSE_BATCH,
     RELEASE_SECONDS,
@@ -59,6 +61,7 @@ from shim_common._net import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "AnswerAtOnce",
     "BodyTooLarge",
     "ClientDisconnected",
     "HTTPLimits",
@@ -69,6 +72,7 @@ __all__ = [
     "InvalidResponse",
     "MalformedRequest",
     "RequestTimeout",
+    "complete_response",
     "error_body",
     "header_value",
     "json_headers",
@@ -139,6 +143,7 @@ async def serve_connection(
     on_send_stall: Callable[[], None] | None = None,
     idle: IdleConnections | None = None,
     shutdown: Shutdown | None = None,
+    answer_at_once: AnswerAtOnce | None = None,
 ) -> None:
     """Serve HTTP/1.1 on one connection until either side ends it; never raises ``Exception``.
 
@@ -152,8 +157,10 @@ async def serve_connection(
         idle: where the connection is listed while it is idle (closable at the descriptor
             limit).
         shutdown: the server's :class:`Shutdown`, which winds the connection down.
+        answer_at_once: answers the requests the handler can answer from their heads alone,
+            without a task hand-off (rule 10 of :mod:`shim_common._http_connection`).
     """
-    connection = Connection(stream, handler, limits, on_error, on_send_stall, idle)
+    connection = Connection(stream, handler, limits, on_error, on_send_stall, idle, answer_at_once)
     if shutdown is not None:
         shutdown._add(connection)
     try:
@@ -178,6 +185,7 @@ async def serve_http_listeners(
     on_tls_failure: Callable[[BaseException], None] | None = None,
     idle: IdleConnections | None = None,
     shutdown: Shutdown | None = None,
+    answer_at_once: AnswerAtOnce | None = None,
 ) -> None:
     """Serve HTTP on listeners the caller opened, until cancelled.
 
@@ -195,6 +203,8 @@ async def serve_http_listeners(
             descriptors, to close some when it runs out); a fresh one by default.
         shutdown: how the server is to stop in order; without one, cancelling it ends every
             connection where it stands.
+        answer_at_once: answers the requests the handler can answer from their heads alone
+            (see :func:`serve_connection`).
     """
 
     def tls_failed(exc: BaseException) -> None:
@@ -217,6 +227,7 @@ async def serve_http_listeners(
                 on_send_stall=on_send_stall,
                 idle=idle_connections,
                 shutdown=shutdown,
+                answer_at_once=answer_at_once,
             )
         finally:
             await trio.aclose_forcefully(stream)
@@ -317,6 +328,7 @@ async def serve_http(
     on_tls_failure: Callable[[BaseException], None] | None = None,
     idle: IdleConnections | None = None,
     shutdown: Shutdown | None = None,
+    answer_at_once: AnswerAtOnce | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Bind ``host:port`` and serve HTTP (HTTPS with ``ssl_context``) until cancelled.
@@ -332,6 +344,8 @@ async def serve_http(
         on_tls_failure: called for each failed or late TLS handshake.
         idle: the registry of idle connections (see :func:`serve_http_listeners`).
         shutdown: how the server is to stop in order (see :func:`serve_http_listeners`).
+        answer_at_once: answers given from a request's head alone (see
+            :func:`serve_connection`).
         task_status: receives the bound port once listening (use with ``nursery.start``).
 
     Raises:
@@ -350,4 +364,5 @@ async def serve_http(
         on_tls_failure=on_tls_failure,
         idle=idle,
         shutdown=shutdown,
+        answer_at_once=answer_at_once,
     )

@@ -16,6 +16,8 @@ rules are the same on both:
   error shape.
 - ``/health`` and ``/live`` carry ``Cache-Control: no-store``: a cached answer would hide the
   very change a probe looks for.
+- A ``GET /live`` or ``GET /health`` needs no await: :meth:`StatusRoutes.answer_at_once` gives the
+  same answer as the handler, for the server to send without a task hand-off.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from shim_common._client_text import no_such_endpoint, not_allowed
-from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
+from shim_common._httpserver import (
+    HTTPRequest,
+    HTTPResponder,
+    complete_response,
+    error_body,
+    json_headers,
+)
 
 __all__ = [
     "READY",
@@ -57,6 +65,8 @@ _LIVE_BODY: Final = b'{"status":"live"}'
 _ALLOW: Final = (b"allow", b"GET, HEAD")
 _NO_STORE: Final = (b"cache-control", b"no-store")
 _json_encode = msgspec.json.Encoder().encode
+# The whole answer to a GET /live, written once.
+_LIVE_RESPONSE: Final = complete_response(200, json_headers(_NO_STORE), _LIVE_BODY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,6 +107,25 @@ class StatusRoutes:
         self._render_metrics = render_metrics
         self._health = health
 
+    def answer_at_once(self, request: HTTPRequest) -> bytes | None:
+        """The whole answer to a ``GET /live`` or ``GET /health``, the same as the handler's (an
+        :data:`~shim_common._httpserver.AnswerAtOnce`); ``None`` for any other request."""
+        if request.method != "GET":
+            return None
+        if request.path == "/live":
+            return _LIVE_RESPONSE
+        if request.path == "/health":
+            return complete_response(*self._health_answer())
+        return None
+
+    def _health_answer(self) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        report = self._health()
+        body = _json_encode({"status": report.status, **report.details})
+        if report.status == READY:
+            return 200, json_headers(_NO_STORE), body
+        reason = (REJECT_REASON_HEADER, report.status.encode("latin-1", "replace"))
+        return 503, json_headers(_NO_STORE, reason), body
+
     async def __call__(self, request: HTTPRequest, responder: HTTPResponder) -> None:
         """Answer one request; see the rules at the top of the module."""
         path = request.path
@@ -110,13 +139,7 @@ class StatusRoutes:
         if path == "/live":
             await responder.send(200, json_headers(_NO_STORE), _LIVE_BODY)
         elif path == "/health":
-            report = self._health()
-            body = _json_encode({"status": report.status, **report.details})
-            if report.status == READY:
-                await responder.send(200, json_headers(_NO_STORE), body)
-            else:
-                reason = (REJECT_REASON_HEADER, report.status.encode("latin-1", "replace"))
-                await responder.send(503, json_headers(_NO_STORE, reason), body)
+            await responder.send(*self._health_answer())
         else:
             accept = request.header(b"accept")
             rendered = self._render_metrics(None if accept is None else accept.decode("latin-1"))

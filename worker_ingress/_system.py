@@ -57,5 +57,6 @@ async def serve_system(
         on_error=on_error,
         ssl_context=ssl_context,
         on_tls_failure=on_tls_failure,
+        answer_at_once=routes.answer_at_once,
         task_status=task_status,
     )
