@@ -99,11 +99,13 @@ EngineFactory = Callable[[], Engine]
 
 
 def mocker_for(workload: Workload, speedup: float) -> EngineFactory:
-    """The mocker shaped as the workload says, at the speedup ratio."""
+    """The mocker shaped as the workload says, at the speedup ratio, without its prefix cache
+    (every request of a workload has the same prompt: cached, it would cost no prefill)."""
     settings = MockerSettings(
         max_num_seqs=workload.max_num_seqs,
         max_num_batched_tokens=workload.max_num_batched_tokens,
         speedup_ratio=speedup,
+        enable_prefix_caching=False,
     )
     return functools.partial(MockerEngine, settings)
 
@@ -263,6 +265,7 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
             "--speedup-ratio", str(args.speedup),
             "--max-num-seqs", str(workload.max_num_seqs),
             "--max-num-batched-tokens", str(workload.max_num_batched_tokens),
+            "--no-enable-prefix-caching",  # one prompt for all: cached, it costs no prefill
         ]  # fmt: skip
         body = {
             "model": "mock-model",
