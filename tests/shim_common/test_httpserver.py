@@ -25,6 +25,8 @@ from shim_common._httpserver import (
     HTTPLimits,
     HTTPRequest,
     HTTPResponder,
+    Shutdown,
+    serve_http,
 )
 
 # -- serving on sockets -----------------------------------------------------------------------
@@ -175,3 +177,45 @@ async def test_at_the_descriptor_limit_idle_connections_make_room_for_new_client
     # Many accepts failed, yet the log says so once per interval (the run takes seconds).
     assert 1 <= len(lines) <= 2, log.decode()
     assert "closed" in lines[0]
+
+
+# -- stopping in order (rule 9 of _http_connection) -------------------------------------------
+
+
+async def test_a_shutdown_answers_what_was_accepted_then_refuses_new_connections() -> None:
+    shutdown = Shutdown()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                partial(serve_http, hello, "127.0.0.1", 0, shutdown=shutdown)
+            )
+            kept = await trio.open_tcp_stream("127.0.0.1", port)
+            head, _ = await Client(kept).request("GET", "/first")
+            assert head.status_code == 200  # kept alive: now idle, waiting for a next request
+            silent = await trio.open_tcp_stream("127.0.0.1", port)  # accepted, sends nothing yet
+            await trio.sleep(0.1)  # both accepted
+            closing = trio.Event()
+
+            async def close() -> None:
+                await shutdown.close(5.0)
+                closing.set()
+
+            nursery.start_soon(close)
+            # The kept connection waiting for a next request is closed at once.
+            assert await read_until_eof(kept) == b""
+            # The silent one was accepted, so it is owed an answer: with Connection: close.
+            await silent.send_all(b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await read_until_eof(silent)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            assert b"connection: close" in answer.lower()
+            await closing.wait()  # every connection ended, the listener closed
+            try:
+                refused = await trio.open_tcp_stream("127.0.0.1", port)
+            except OSError:
+                pass
+            else:  # pragma: no cover - the port was taken again meanwhile
+                await refused.aclose()
+                raise AssertionError("a connection was accepted after the shutdown")
+            await kept.aclose()
+            await silent.aclose()
+            nursery.cancel_scope.cancel()
