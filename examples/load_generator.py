@@ -12,6 +12,18 @@ the achieved rate and the latency percentiles of the 200s::
 It needs the ``examples`` extra for the progress bar and the table: ``pip install -e '.[examples]'``
 (rich).
 
+With ``--trace FILE`` it replays a request trace instead (Mooncake JSONL with block hashes, or
+Azure CSV), scaled in time (``--time-scale``) and length (``--length-scale``: a 512-token block
+becomes ``round(512 x F)`` words, so shared prefixes stay shared block for block), over a window
+(``--trace-start``, ``--trace-duration``, ``--trace-requests``), open loop at the arrival times or
+``--closed-loop`` with ``--clients`` clients. Every request is streamed; the table gives TTFT and
+ITL percentiles, the hit rate (``usage.prompt_tokens_details.cached_tokens`` over the prompt
+tokens), the shed rate (529s) and goodput within ``--ttft-objective`` and ``--itl-objective``;
+``--json`` writes the figures, ``--plot`` draws them (matplotlib)::
+
+    python examples/load_generator.py --trace mooncake_conversation.jsonl --trace-duration 300 \
+        --time-scale 0.5 --length-scale 0.03125
+
 Bounds, so a run always ends and never floods anything by mistake:
 
 - time: no request starts after ``--duration`` seconds, and the run is cut at
