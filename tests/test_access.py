@@ -1,4 +1,4 @@
-"""Access: the worker token, the admin token, and TLS on every listener (CONTRACT section 4).
+"""Access: the worker token, the admin token, and TLS on every listener.
 
 Certificates come from a CA made at test time (``trustme``), for 127.0.0.1. Workers and frontends
 run in-process on loopback with port 0; every test runs under ``trio.fail_after``.
