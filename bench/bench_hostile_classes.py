@@ -39,6 +39,8 @@ from typing import Final
 import h11
 import trio
 
+from bench.trio_servers import http_get, started
+
 SLOTS: Final = 4
 SERVICE_SECONDS: Final = 0.1
 QUEUE_LIMIT: Final = 8
@@ -70,31 +72,6 @@ def _env(tree: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-async def _start(args: Sequence[str], env: dict[str, str], cwd: Path) -> tuple[trio.Process, str]:
-    process = await trio.lowlevel.open_process(
-        list(args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=str(cwd)
-    )
-    assert process.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while not line.endswith(b"\n"):
-            chunk = await process.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError(f"{args[2]} exited before it was ready")
-            line += chunk
-    return process, line.decode()
-
-
-async def _stop(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        process.terminate()
-        with trio.move_on_after(5):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
-
 async def _post(url: str, headers: Sequence[tuple[str, str]]) -> int:
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname is not None
@@ -122,54 +99,16 @@ async def _post(url: str, headers: Sequence[tuple[str, str]]) -> int:
     return status
 
 
-async def _get(url: str, path: str) -> bytes:
-    parts = urllib.parse.urlsplit(url)
-    assert parts.hostname is not None
-    assert parts.port is not None
-    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
-    async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        request = h11.Request(method="GET", target=path, headers=[("host", "bench")])
-        await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-        body = b""
-        for _ in range(100_000):
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Data):
-                body += event.data
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
-    return body
-
-
-def _displaced(metrics: bytes) -> float:
-    for line in metrics.decode().splitlines():
+def _displaced(metrics: str) -> float:
+    for line in metrics.splitlines():
         if line.startswith('dynamo_rejection_request_by_reason_total{reason="displaced"} '):
             return float(line.split()[-1])
     return 0.0
 
 
 async def _wait_connected(url: str) -> None:
-    parts = urllib.parse.urlsplit(url)
-    assert parts.hostname is not None
-    assert parts.port is not None
     for _ in range(300):
-        stream = await trio.open_tcp_stream(parts.hostname, parts.port)
-        async with stream:
-            conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(method="GET", target="/health", headers=[("host", "bench")])
-            await stream.send_all(conn.send(request) + conn.send(h11.EndOfMessage()))
-            body = b""
-            for _ in range(1000):
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(65536))
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                    break
-        if json.loads(body or b"{}").get("workers_connected") == 1:
+        if json.loads(await http_get(url, "/health") or "{}").get("workers_connected") == 1:
             return
         await trio.sleep(0.05)
     raise RuntimeError("the frontend never connected to its worker")
@@ -225,17 +164,13 @@ async def _phase(
         *("--engine-request-limit", str(SLOTS), "--port", "0", "--system-port", "0"),
         *("--log-level", "error"),
     ]
-    worker, ready_worker = await _start(worker_args, worker_env, tree)
-    try:
-        ws = next(part for part in ready_worker.split() if part.startswith("ws="))[3:]
+    async with started(worker_args, worker_env, cwd=tree) as (ws, system):
         frontend_args = [
             *(sys.executable, "-m", "frontend_shim", "--http-port", "0", "--worker", ws),
             *("--log-level", "error", *frontend_flags),
         ]
         frontend_env = _env(tree, **({"DYN_GATEWAY_TOKEN": GATEWAY_TOKEN} if gateway else {}))
-        frontend, ready = await _start(frontend_args, frontend_env, tree)
-        try:
-            url = next(part for part in ready.split() if part.startswith("http="))[5:]
+        async with started(frontend_args, frontend_env, cwd=tree) as (url,):
             await _wait_connected(url)
             good, bad = Tally(), Tally()
 
@@ -256,12 +191,7 @@ async def _phase(
                 nursery.start_soon(
                     _client, url, ATTACK_RATE, seconds, bad_headers, bad, random.Random(seed + 1)
                 )
-            system = next(part for part in ready_worker.split() if part.startswith("system="))[7:]
-            return good, bad, _displaced(await _get(system, "/metrics"))
-        finally:
-            await _stop(frontend)
-    finally:
-        await _stop(worker)
+            return good, bad, _displaced(await http_get(system, "/metrics"))
 
 
 def _knows_flag(tree: Path, flag: str) -> bool:

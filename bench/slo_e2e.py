@@ -26,22 +26,19 @@ import math
 import os
 import random
 import re
-import shutil
-import subprocess
 import sys
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any, Final
 
 import h11
 import trio
 
 from bench.bench_goodput import poisson_arrivals
+from bench.trio_servers import http_get, pinned, started
 
 __all__ = ["LoadResult", "main", "measure", "metric_sum"]
 
-READY: Final = re.compile(rb"\w+=(\S+)")
 #: Seconds a request may take at the client before it counts as failed.
 REQUEST_TIMEOUT: Final = 30.0
 
@@ -126,61 +123,6 @@ def loadgen(argv: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------- the processes
 
 
-def _pinned(cpu: int, args: list[str]) -> list[str]:
-    taskset = shutil.which("taskset")
-    return [taskset, "-c", str(cpu), *args] if taskset else args
-
-
-@asynccontextmanager
-async def _started(args: list[str], env: dict[str, str]) -> AsyncIterator[list[str]]:
-    process = await trio.lowlevel.open_process(
-        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
-    )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n") and len(line) < 4096:
-                chunk = await process.stdout.receive_some(4096)
-                if not chunk:
-                    break
-                line += chunk
-        if b" ready " not in line:
-            raise RuntimeError(f"{args[-1]!r} did not start: {line!r}")
-        yield [url.decode() for url in READY.findall(line)]
-    finally:
-        with trio.CancelScope(shield=True):
-            process.terminate()
-            with trio.move_on_after(5):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-
-
-async def _get(url: str, path: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    assert parts.hostname is not None
-    assert parts.port is not None
-    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
-    async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        head = [("host", parts.netloc)]
-        await stream.send_all(
-            conn.send(h11.Request(method="GET", target=path, headers=head))
-            + conn.send(h11.EndOfMessage())
-        )
-        body = b""
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Data):
-                body += event.data
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return body.decode()
-
-
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of the samples of ``name`` whose labels include ``labels``."""
     total = 0.0
@@ -196,7 +138,7 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 async def _wait_connected(frontend: str) -> None:
     for _ in range(500):
-        health = json.loads(await _get(frontend, "/health"))
+        health = json.loads(await http_get(frontend, "/health"))
         if health.get("workers_connected") == 1:
             return
         await trio.sleep(0.02)
@@ -232,9 +174,9 @@ async def measure(
     env["DYN_DYNAMO_REQUEST_QUEUE_LIMIT"] = str(queue)
     python = sys.executable
     worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0", *worker_flags]
-    async with _started(_pinned(0, worker), env) as (ws, system):
+    async with started(pinned(0, worker), env) as (ws, system):
         frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--worker", ws]
-        async with _started(_pinned(0, frontend), env) as (url,):
+        async with started(pinned(0, frontend), env) as (url,):
             await _wait_connected(url)
             payload = json.dumps(body)
             gen = [python, "-m", "bench.slo_e2e", "loadgen", url, payload]
@@ -242,10 +184,10 @@ async def measure(
                 gen += ["open", json.dumps(list(arrivals))]
             else:
                 gen += ["closed", str(clients), str(seconds)]
-            done = await trio.run_process(_pinned(1, gen), capture_stdout=True, env=env)
+            done = await trio.run_process(pinned(1, gen), capture_stdout=True, env=env)
             records = json.loads(done.stdout)
-            front = await _get(url, "/metrics")
-            back = await _get(system, "/metrics")
+            front = await http_get(url, "/metrics")
+            back = await http_get(system, "/metrics")
     marked = metric_sum(front, "dynamo_frontend_rejection_by_reason_total", reason="marked")
     slo = metric_sum(back, "dynamo_rejection_request_by_reason_total", reason="slo")
     refused = metric_sum(back, "dynamo_rejection_request_by_reason_total")
