@@ -16,9 +16,26 @@ import trio
 from example_scripts import ScriptedServer, load_example
 from rich.console import Console
 
-from shim_common._httpserver import HTTPRequest, HTTPResponder, json_headers, serve_http
+from shim_common._httpserver import (
+    Handler,
+    HTTPRequest,
+    HTTPResponder,
+    json_headers,
+    serve_http,
+)
 
 loadgen = load_example("load_generator")
+
+
+async def _main_against(handler: Handler, *args: str) -> int:
+    """The script's exit code, run as from the command line against ``handler`` on loopback."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, handler, "127.0.0.1", 0)
+            argv = ["--url", f"http://127.0.0.1:{port}", *args]
+            code: int = await trio.to_thread.run_sync(loadgen.main, argv)
+            nursery.cancel_scope.cancel()
+    return code
 
 
 async def test_load_generator_counts_every_request_and_reconnects_after_a_shed() -> None:
@@ -139,15 +156,10 @@ async def test_load_generator_prints_plain_lines_when_not_on_a_terminal(
     for name in ("FORCE_COLOR", "TTY_INTERACTIVE", "TTY_COMPATIBLE"):
         monkeypatch.delenv(name, raising=False)
     server = ScriptedServer(shed_every=3)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
-            argv = [
-                *("--url", f"http://127.0.0.1:{port}", "--clients", "2"),
-                *("--duration", "15", "--max-requests", "30", "--timeout", "5"),
-            ]
-            code = await trio.to_thread.run_sync(loadgen.main, argv)
-            nursery.cancel_scope.cancel()
+    code = await _main_against(
+        server.handle,
+        *("--clients", "2", "--duration", "15", "--max-requests", "30", "--timeout", "5"),
+    )
     assert code == 0
     out, err = capsys.readouterr()
     assert "\x1b[" not in out + err  # no cursor movement or colour for a pipe
@@ -436,16 +448,12 @@ async def test_replay_from_the_command_line_writes_its_figures(
     trace = _write_mooncake(tmp_path / "t.jsonl")
     server = _PrefixCacheServer(block=16)
     figures = tmp_path / "figures.json"
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_http, server.handle, "127.0.0.1", 0)
-            argv = [
-                *("--url", f"http://127.0.0.1:{port}", "--trace", str(trace)),
-                *("--time-scale", "0.1", "--length-scale", "0.03125", "--trace-requests", "4"),
-                *("--closed-loop", "--clients", "1", "--timeout", "5", "--json", str(figures)),
-            ]
-            code = await trio.to_thread.run_sync(loadgen.main, argv)
-            nursery.cancel_scope.cancel()
+    code = await _main_against(
+        server.handle,
+        *("--trace", str(trace), "--time-scale", "0.1", "--length-scale", "0.03125"),
+        *("--trace-requests", "4", "--closed-loop", "--clients", "1", "--timeout", "5"),
+        *("--json", str(figures)),
+    )
     assert code == 0
     summary = json.loads(figures.read_text())
     assert summary["planned"] == summary["ok"] == 4
