@@ -15,12 +15,12 @@ the longest idle connections (those waiting for a request with nothing of it rec
 idle keep-alive connections pile up; only with none idle does it wait 0.1 s before the next try.
 It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts since the last line.
 
-A server stops in order with a :class:`Shutdown`: first it stops accepting (what already waits in
-the listen backlog is accepted, then the listeners close, so a later connection is refused by
-the kernel), then every connection answers the request it has begun, or the first one of a
-connection that has sent nothing yet, and closes (rule 9 of :mod:`shim_common._http_connection`).
-A client arriving at the exit thus gets a status line or a refused connection, never a
-connection that closes with no answer.
+A server stops in order with a :class:`Shutdown`: first it stops accepting (the listeners stop
+completing new handshakes, what already waits in the listen backlog is accepted, then the
+listeners close, so a later connection is refused by the kernel), then every connection answers
+the request it has begun, or the first one of a connection that has sent nothing yet, and closes
+(rule 9 of :mod:`shim_common._http_connection`). A client arriving at the exit thus gets a
+status line or a refused connection, never a connection that closes with no answer.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from shim_common._net import (
     RELEASE_SECONDS,
     DescriptorLimitLog,
     out_of_descriptors,
+    stop_completing_handshakes,
 )
 
 __all__ = [
@@ -289,7 +290,10 @@ async def _accept_forever(
                     nursery.start_soon(on_connection, stream)
             if shutdown is not None:
                 # The shutdown began: a connection the kernel has already completed is owed an
-                # answer (closing the listener would reset it), so the backlog is taken first.
+                # answer (closing the listener would reset it), so the backlog is taken first,
+                # once the kernel completes no more (one completed after the sweep would be
+                # reset with no answer).
+                stop_completing_handshakes(listener.socket)
                 await _sweep_backlog(listener, nursery, on_connection, shutdown)
         finally:
             if shutdown is not None:

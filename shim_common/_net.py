@@ -1,12 +1,16 @@
-"""Small network helpers both sides use: URL host formatting, reconnect backoff, and telling
-when the process has run out of descriptors."""
+"""Small network helpers both sides use: URL host formatting, reconnect backoff, telling when
+the process has run out of descriptors, and stopping a listener from completing handshakes."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
 import random
+import socket
+import struct
+import sys
 from typing import Final
 
 import trio
@@ -19,6 +23,7 @@ __all__ = [
     "base_url",
     "host_for_url",
     "out_of_descriptors",
+    "stop_completing_handshakes",
 ]
 
 # What accept() and connect() fail with when the process (or the system) has no descriptor or
@@ -29,6 +34,45 @@ _OUT_OF_DESCRIPTORS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM
 def out_of_descriptors(exc: OSError) -> bool:
     """Whether ``exc`` says the process ran out of file descriptors (or socket memory)."""
     return exc.errno in _OUT_OF_DESCRIPTORS
+
+
+# A classic BPF socket filter that drops every TCP segment with SYN set and ACK clear (a new
+# connection's first segment) and keeps every other. On a listening socket the kernel runs it
+# on each segment before the TCP state machine, with the TCP header at offset 0, so the
+# listener completes no new handshake while the ones under way (their final ACK) and the
+# connections already in its backlog are untouched.
+_TCP_FLAGS_OFFSET: Final = 13
+_SYN_ACK_MASK: Final = 0x12  # SYN | ACK
+_SYN_ALONE: Final = 0x02
+_DROP_NEW_CONNECTIONS: Final = (
+    (0x30, 0, 0, _TCP_FLAGS_OFFSET),  # ldb [13]
+    (0x54, 0, 0, _SYN_ACK_MASK),  # and #0x12
+    (0x15, 0, 1, _SYN_ALONE),  # jeq #0x02: drop, else keep
+    (0x06, 0, 0, 0),  # ret #0: drop
+    (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: keep the whole segment
+)
+_SO_ATTACH_FILTER: Final = getattr(socket, "SO_ATTACH_FILTER", 26)
+
+
+def stop_completing_handshakes(listening: trio.socket.SocketType) -> bool:
+    """Make ``listening`` ignore new connection attempts; ``False`` where that cannot be done.
+
+    Closing a listener resets every connection the kernel completed and nobody accepted yet: its
+    client saw the connection open, sent a request, and gets no answer. A server that stops
+    calls this, takes its backlog, then closes: a client that tried meanwhile had its opening
+    segment ignored, and its retry finds the port closed (a refused connection, which it can
+    take elsewhere). Linux only (a BPF socket filter); elsewhere the close keeps its small race.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    program = b"".join(struct.pack("HBBI", *op) for op in _DROP_NEW_CONNECTIONS)
+    buffer = ctypes.create_string_buffer(program)
+    fprog = struct.pack("HL", len(_DROP_NEW_CONNECTIONS), ctypes.addressof(buffer))
+    try:
+        listening.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+    except OSError:
+        return False
+    return True
 
 
 #: Idle connections closed at once to make room when the process is out of descriptors.
