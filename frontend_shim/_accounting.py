@@ -55,7 +55,15 @@ class Progress:
     ``finally``.
     """
 
-    __slots__ = ("_charge", "_fleet", "_metrics", "_waiting_first", "exchange", "worker_id")
+    __slots__ = (
+        "_charge",
+        "_first_unwritten",
+        "_fleet",
+        "_metrics",
+        "_waiting_first",
+        "exchange",
+        "worker_id",
+    )
 
     def __init__(
         self,
@@ -71,6 +79,7 @@ class Progress:
         self.worker_id = worker_id
         self._charge = charge
         self._waiting_first = True
+        self._first_unwritten = False
 
     @classmethod
     def start(
@@ -97,14 +106,23 @@ class Progress:
         self.exchange.status = status
 
     def output(self, reply: wire.Chunk) -> None:
-        """Account for one chunk of output: TTFT at the first, the router's own count."""
+        """Account for one chunk of output in the router's own count (the first ends the
+        request's prefill there at once)."""
         if self._waiting_first:
             self._waiting_first = False
+            self._first_unwritten = True
+        if self._charge is not None and reply.tokens:
+            self._fleet.request_output(self.worker_id, self._charge, reply.tokens)
+
+    def written(self) -> None:
+        """The output so far reached the client: the time to first token, at the first call
+        after the first output (from the request's arrival at the frontend to its first token
+        written, what the client sees)."""
+        if self._first_unwritten:
+            self._first_unwritten = False
             self._metrics.observe_ttft(
                 self.exchange.label, trio.current_time() - self.exchange.arrival
             )
-        if self._charge is not None and reply.tokens:
-            self._fleet.request_output(self.worker_id, self._charge, reply.tokens)
 
     def completed(self) -> None:
         """The response went out in full."""

@@ -93,6 +93,9 @@ class OutputTally(Tally, Protocol):
     def output(self, reply: wire.Chunk) -> None:
         """One chunk of output arrived from the worker."""
 
+    def written(self) -> None:
+        """The output that arrived so far was written to the client (a stream's events)."""
+
     def completed(self) -> None:
         """The answer went out in full."""
 
@@ -149,6 +152,7 @@ async def _serve_stream(
                     events.append(_sse(shape.usage_chunk(reply)))
                 events.append(_DONE)
                 await _send_events(responder, events)
+                tally.written()
                 await responder.end_stream()
                 tally.completed()
                 return
@@ -157,6 +161,7 @@ async def _serve_stream(
                 await _end_stream_with_error(responder, tally, reply.message, reply.kind)
                 return
         await _send_events(responder, events)
+        tally.written()
 
 
 async def _send_events(responder: HTTPResponder, events: list[bytes]) -> None:
@@ -200,6 +205,9 @@ async def _serve_whole(
     async for reply in stream:
         if isinstance(reply, wire.Chunk):
             tally.output(reply)
+            # A whole answer's first token waits for its last: its time to first token is
+            # when the worker's first output arrived, not when the body goes out.
+            tally.written()
             chars += len(reply.text)
             if not 0 <= reply.index < MAX_CHOICES:
                 await _send_worker_overrun(responder, tally, _bad_index(reply.index))

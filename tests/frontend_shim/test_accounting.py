@@ -42,6 +42,10 @@ async def test_progress_charges_the_worker_moves_the_charge_with_output_and_drop
     progress.output(_chunk(tokens=1))
     progress.output(_chunk(tokens=1))
     assert _own(fleet) == [(3, 0), (0, 0)]  # prefill is over at the first output
+    # The time to first token is taken when the first token is written, once.
+    assert _sample(metrics, "dynamo_frontend_time_to_first_token_seconds_count") == 0
+    progress.written()
+    progress.written()
     assert _sample(metrics, "dynamo_frontend_time_to_first_token_seconds_count") == 1
     progress.status = 200
     assert exchange.status == 200
@@ -57,7 +61,9 @@ async def test_progress_of_a_worker_gone_before_the_start_charges_nothing() -> N
     metrics = FrontendMetrics(lambda: ())
     exchange = Exchange("completions", "m", trio.current_time())
     progress = Progress.start(fleet, metrics, exchange, "w-gone", prompt_tokens=40)
+    progress.written()  # nothing was output yet: no time to first token
     progress.output(_chunk(tokens=3))
+    progress.written()
     progress.finished()
     assert _sample(metrics, "dynamo_frontend_time_to_first_token_seconds_count") == 1
 

@@ -226,13 +226,23 @@ class _RecordingChannel:
 
 
 class _Tally:
-    def __init__(self) -> None:
+    def __init__(self, channel: _RecordingChannel | None = None) -> None:
         self.status = 0
         self.outputs = 0
         self.done = False
+        self.unwritten = False
+        self.channel = channel
+        #: For each call of written() after new output: the writes the channel had by then.
+        self.written_at: list[int] = []
 
     def output(self, reply: wire.Chunk) -> None:
         self.outputs += 1
+        self.unwritten = True
+
+    def written(self) -> None:
+        if self.unwritten and self.channel is not None:
+            self.written_at.append(len(self.channel.writes))
+        self.unwritten = False
 
     def completed(self) -> None:
         self.done = True
@@ -246,7 +256,7 @@ async def test_replies_that_arrived_together_leave_in_one_write_later_ones_in_th
     for text in ("a", "b", "c"):
         buffer.push(wire.Chunk(request_id=1, text=text, tokens=1))
     channel = _RecordingChannel()
-    tally = _Tally()
+    tally = _Tally(channel)
     body = {"model": "m", "stream": True}
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
@@ -273,6 +283,9 @@ async def test_replies_that_arrived_together_leave_in_one_write_later_ones_in_th
     assert "role" not in deltas[1]
     assert channel.writes[0].count(b"data: ") == 3
     assert tally.outputs == 4
+    # Told after each write that carried output, so the time to first token is taken once
+    # the first token is written.
+    assert tally.written_at == [1, 2]
     assert tally.done
     assert tally.status == 200
     assert channel.response_finished
