@@ -57,6 +57,7 @@ import trio
 
 from frontend_shim._accounting import Exchange, Progress
 from frontend_shim._admin import AdminRoutes
+from frontend_shim._free_sets import InFlight
 from frontend_shim._kv_cost import NO_PROMPT
 from frontend_shim._kv_routing import KvRouting
 from frontend_shim._links import WorkerLink
@@ -366,52 +367,70 @@ class FrontendAPI:
                 await self._send_unavailable(responder, exchange, "draining")
                 return
             choice = outcome.kv
+            charge: InFlight | None = None
             if kv is not None and choice is not None:
                 kv.sent(choice, now)
+                if prompt.tokens:
+                    # Charged to the rank now, not at the worker's first reply: the picks
+                    # before that reply (a burst of arrivals) see this request there.
+                    charge = self._fleet.request_sent(
+                        worker_id, len(prompt.tokens), outcome.dp_rank
+                    )
             request = link.request(
                 exchange.endpoint, body, priority, tenant, outcome.dp_rank, exchange.arrival
             )
             queue_bound: int | None = None
-            async with request as stream:
-                # In the worker's queue, as this frontend pictures it, until its first reply.
-                self._fleet.request_pending(worker_id, now)
-                try:
-                    first = await stream.first()
-                finally:
-                    self._fleet.request_answered(worker_id, trio.current_time())
-                if isinstance(first, wire.Started):
-                    if kv is not None and choice is not None:
-                        kv.started(exchange.label, choice, prompt)
-                    progress = Progress.start(
-                        self._fleet,
-                        self._metrics,
-                        exchange,
-                        worker_id,
-                        first.prompt_tokens,
-                        outcome.dp_rank,
-                    )
-                    stream.on_final = progress.ended
+            started = False
+            try:
+                async with request as stream:
+                    # In the worker's queue, as this frontend pictures it, until its first reply.
+                    self._fleet.request_pending(worker_id, now)
                     try:
-                        await serve_started(
-                            responder,
-                            exchange.endpoint,
-                            stream,
-                            body,
-                            progress,
-                            first.queue_wait_ms,
-                        )
+                        first = await stream.first()
                     finally:
-                        progress.finished()
-                        self._completions.record(trio.current_time())
-                    return
-                if isinstance(first, wire.Rejected):
-                    reason = wire.RejectReason.parse(first.reason)
-                    queue_bound = first.queue_bound
-                elif first.kind == "unavailable":
-                    reason = wire.RejectReason.OTHER_UNAVAILABLE
-                else:
-                    await send_failure(responder, exchange, first)
-                    return
+                        self._fleet.request_answered(worker_id, trio.current_time())
+                    if isinstance(first, wire.Started):
+                        started = True
+                        if kv is not None and choice is not None:
+                            kv.started(exchange.label, choice, prompt)
+                        progress = (
+                            Progress.start(
+                                self._fleet,
+                                self._metrics,
+                                exchange,
+                                worker_id,
+                                first.prompt_tokens,
+                                outcome.dp_rank,
+                            )
+                            if charge is None
+                            else Progress(self._fleet, self._metrics, exchange, worker_id, charge)
+                        )
+                        stream.on_final = progress.ended
+                        try:
+                            await serve_started(
+                                responder,
+                                exchange.endpoint,
+                                stream,
+                                body,
+                                progress,
+                                first.queue_wait_ms,
+                            )
+                        finally:
+                            progress.finished()
+                            self._completions.record(trio.current_time())
+                        return
+                    if isinstance(first, wire.Rejected):
+                        reason = wire.RejectReason.parse(first.reason)
+                        queue_bound = first.queue_bound
+                    elif first.kind == "unavailable":
+                        reason = wire.RejectReason.OTHER_UNAVAILABLE
+                    else:
+                        await send_failure(responder, exchange, first)
+                        return
+            finally:
+                if charge is not None and not started:
+                    # Refused, failed or cancelled before it started: the worker never held it.
+                    self._fleet.request_finished(worker_id, charge, held=False)
             # The events the worker sent before it refused are applied already: the link
             # applies them before it hands a refusal over (frontend_shim._request_plane).
             if attempt.on_rejected(

@@ -52,7 +52,8 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    :meth:`Fleet.slot_share` (below 1 right after L fell, while more run than L allows).
 
 Router-own accounting. :meth:`Fleet.request_sent` charges a request to the DP rank the ``kv``
-router chose for it; in the other modes the frontend does not know which rank a worker gives a
+router chose for it, at the pick (so the next pick sees it), and ``held=False`` at its end undoes
+the charge of a request the worker never started; in the other modes the frontend does not know which rank a worker gives a
 request, so it charges the rank with the fewest own blocks (ties: lowest rank).
 The returned :class:`~frontend_shim._free_sets.InFlight` is the handle for
 :meth:`Fleet.request_output` and :meth:`Fleet.request_finished`, which undo exactly what was
@@ -664,7 +665,12 @@ class Fleet:
             self._sets.update_membership(worker)
 
     def request_finished(
-        self, worker_id: str, in_flight: InFlight, window: wire.End | wire.Failed | None = None
+        self,
+        worker_id: str,
+        in_flight: InFlight,
+        window: wire.End | wire.Failed | None = None,
+        *,
+        held: bool = True,
     ) -> None:
         """Remove a request from the worker's load at once (completed, failed or cancelled):
         its charge, and what reports of the worker produced while it ran still count of it
@@ -675,6 +681,8 @@ class Fleet:
             in_flight: the handle from :meth:`request_sent`.
             window: the worker's final frame, whose ``*_seq`` fields say which of its events
                 count the request; ``None``, or fields unset: the frontend's own view.
+            held: ``False`` for a request charged at the pick that the worker never started
+                (refused, failed or cancelled first): no report counted it, so none is released.
         """
         worker = self._workers.get(worker_id)
         if worker is None or in_flight.finished or in_flight not in worker.charges:
@@ -685,6 +693,9 @@ class Fleet:
         rank.own_blocks -= in_flight.blocks
         rank.own_prefill -= in_flight.prefill_tokens
         self._sets.recompute_rank(worker, rank)
+        if not held:
+            self._sets.update_membership(worker)
+            return
         if window is not None and window.ended_seq is not None:
             ended = window.ended_seq
             started = ended if window.started_seq is None else window.started_seq

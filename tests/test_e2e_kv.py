@@ -9,6 +9,7 @@ the test would fail for a router that ignored the cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from typing import Any
@@ -20,6 +21,7 @@ from test_e2e import (
     call,
     clean_env,
     frontend_cmd,
+    metric,
     started,
     wait_connected,
     wait_for_metric,
@@ -89,3 +91,45 @@ async def test_a_second_turn_lands_where_the_first_is_cached(events: str) -> Non
     assert [second for _, second in by_kv] == [40] * CONVERSATIONS
     # Round-robin alternates between the two workers: the second turn finds nothing.
     assert [second for _, second in by_rr] == [0] * CONVERSATIONS
+
+
+BURST_WORKERS = 4
+BURST = 8
+#: Rounds of the burst, each on a fresh fleet picture (the race is repeated, not run once).
+BURST_ROUNDS = 3
+
+
+async def test_a_burst_spreads_before_any_worker_has_answered() -> None:
+    # Requests that arrive together are routed before the first of them has its first reply
+    # from a worker. Each pick must see the ones before it on their ranks (the router's own
+    # charge is made at the pick), or the whole burst goes to the rank that looked emptiest.
+    # Equal prompts, nothing shared, long answers: each worker gets exactly its share.
+    env = clean_env()
+    flags = ("--speedup-ratio", "1", "--block-size", str(BLOCK), "--num-gpu-blocks", "4096")
+    with trio.fail_after(TIMEOUT):
+        async with contextlib.AsyncExitStack() as stack:
+            workers = [
+                await stack.enter_async_context(started(worker_cmd(*flags), env))
+                for _ in range(BURST_WORKERS)
+            ]
+            links = [arg for ws, _ in workers for arg in ("--worker", ws)]
+            (kv,) = await stack.enter_async_context(
+                started(frontend_cmd("--router-mode", "kv", *links), env)
+            )
+            await wait_connected(kv, BURST_WORKERS)
+            shares = []
+            for round_ in range(BURST_ROUNDS):
+                before = [await _started_requests(system) for _, system in workers]
+                async with trio.open_nursery() as nursery:
+                    for index in range(BURST):
+                        words = [f"b{round_}-{index}-{word}" for word in range(64)]
+                        body = {**chat(words), "max_tokens": 40}
+                        nursery.start_soon(call, kv, "POST", "/v1/chat/completions", body)
+                after = [await _started_requests(system) for _, system in workers]
+                shares.append([int(b - a) for a, b in zip(before, after, strict=True)])
+    assert shares == [[BURST // BURST_WORKERS] * BURST_WORKERS] * BURST_ROUNDS, shares
+
+
+async def _started_requests(system: str) -> float:
+    _, text = await call(system, "GET", "/metrics")
+    return metric(text, "dynamo_worker_started_request_total")

@@ -197,6 +197,23 @@ def test_a_finished_request_leaves_every_report_of_its_window() -> None:
     assert state(fleet).ranks[0].released_blocks == 0
 
 
+def test_a_request_the_worker_never_started_takes_nothing_off_its_reports() -> None:
+    # Charged at the pick, then refused: no report ever counted it, so the reports read since
+    # the pick are believed whole (a release would take its blocks off another's load).
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()  # seq 1: idle
+    in_flight = fleet.request_sent("w0", prompt_tokens=32)
+    assert in_flight is not None
+    assert state(fleet).ranks[0].effective_blocks == 2
+    feed.load(decode=2)  # seq 2: another frontend's request
+    fleet.request_finished("w0", in_flight, held=False)
+    assert state(fleet).releases == []
+    assert state(fleet).ranks[0].own_blocks == 0
+    assert state(fleet).ranks[0].effective_blocks == 2
+    assert not is_free(fleet)
+
+
 def test_a_report_from_before_the_request_keeps_what_it_says() -> None:
     fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=10))
     fleet.register(config(total=10, block_size=16), 0.0)
