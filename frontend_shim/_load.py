@@ -53,8 +53,9 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
 
 Router-own accounting. :meth:`Fleet.request_sent` charges a request to the DP rank the ``kv``
 router chose for it, at the pick (so the next pick sees it), and ``held=False`` at its end undoes
-the charge of a request the worker never started; in the other modes the frontend does not know which rank a worker gives a
-request, so it charges the rank with the fewest own blocks (ties: lowest rank).
+the charge of a request the worker never started; in the other modes the frontend does not
+know which rank a worker gives a request, so it charges the rank with the fewest own blocks
+(ties: lowest rank), at the worker's first reply.
 The returned :class:`~frontend_shim._free_sets.InFlight` is the handle for
 :meth:`Fleet.request_output` and :meth:`Fleet.request_finished`, which undo exactly what was
 charged.
