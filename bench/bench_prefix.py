@@ -2,9 +2,14 @@
 
 Run from the repository's root::
 
-    python -m bench.bench_prefix --trace ../shared/traces/mooncake_conversation.jsonl \\
+    python -m bench.bench_prefix --trace PATH/conversation_trace.jsonl \\
         --trace-duration 300 --time-scale 0.5 --length-scale 0.03125 \\
         [--workers 4] [--repeats 1] [--dynamo-python .venv-dynamo/bin/python]
+
+``--trace`` is required: the Mooncake conversation trace (``conversation_trace.jsonl`` of the
+``kvcache-ai/Mooncake`` repository's FAST25 release, ``FAST25-release/traces/``) or the Azure LLM
+inference trace 2023, conversation service (``data/AzureLLMInferenceTrace_conv.csv`` of
+``Azure/AzurePublicDataset``).
 
 A window of a trace (Mooncake: arrival times, lengths and 512-token block hashes; or Azure: times
 and lengths) is scaled in time and length by ``examples/load_generator.py`` (a block of 512
@@ -76,6 +81,12 @@ CLIENT_CPU: Final = "1"
 OURS: Final = "dynamo-shim"
 MODES: Final = ("round-robin", "kv", "kv-nocache")
 DYNAMO_MODES: Final = ("round-robin", "kv")
+#: What ``--trace`` names, said when it is missing: the two public traces this replays.
+TRACE_WANTED: Final = (
+    "a Mooncake (JSONL) or Azure (CSV) trace, e.g. conversation_trace.jsonl of the"
+    " kvcache-ai/Mooncake repository's FAST25 release (FAST25-release/traces/) or"
+    " data/AzureLLMInferenceTrace_conv.csv of Azure/AzurePublicDataset"
+)
 #: The mockers' own default ``--num-gpu-blocks``, for a window with no block to share.
 DEFAULT_BLOCKS: Final = 16384
 #: A chat of one word: the probe that a deployment answers before it is measured.
@@ -638,8 +649,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--trace",
         type=Path,
-        default=ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl",
-        help="a Mooncake (JSONL) or Azure (CSV) trace",
+        default=None,
+        help=f"required: {TRACE_WANTED}",
     )
     parser.add_argument("--trace-start", type=float, default=0.0)
     parser.add_argument("--trace-duration", type=float, default=300.0)
@@ -676,6 +687,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, default=None, help="keep logs and figures here")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     options = parser.parse_args(argv)
+    if options.trace is None:
+        parser.error(f"--trace is required: {TRACE_WANTED}")
+    if not options.trace.is_file():
+        parser.error(f"--trace {options.trace}: no such file; wanted {TRACE_WANTED}")
     window = Window(
         options.trace,
         options.trace_start,
