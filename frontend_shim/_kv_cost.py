@@ -56,7 +56,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostWeights:
-    """The cost rule's knobs (section "Routing" of docs/configuration.md)."""
+    """The cost rule's knobs (docs/configuration.md, section "Cache-aware routing")."""
 
     #: ``--router-kv-overlap-score-credit``: what a cached prompt block is worth (0: ignore).
     credit: float = 1.0
