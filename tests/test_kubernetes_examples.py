@@ -25,10 +25,11 @@ yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "examples" / "kubernetes"
 
-#: Variables of the contract's access section (worker planes' token, admin token). The manifests
-#: set them for the processes that read them; they count as known even where this checkout's
-#: code does not read them yet.
-CONTRACT_TOKEN_VARIABLES = frozenset({"DYN_WORKER_TOKEN", "DYN_ADMIN_TOKEN"})
+#: The tokens of docs/configuration.md's section "Access: tokens and TLS": the worker planes'
+#: token (read by the worker and the frontend) and the admin token (read by the frontend). A token
+#: comes from the environment only, so no flag declares it and the flag scan cannot see it: they
+#: are named here, so that the manifests may set them.
+ACCESS_TOKEN_VARIABLES = frozenset({"DYN_WORKER_TOKEN", "DYN_ADMIN_TOKEN"})
 
 
 def _documents() -> list[dict[str, Any]]:
@@ -141,7 +142,7 @@ def test_worker_variables_are_read_by_the_worker() -> None:
     known = (
         _flag_variables(worker_cli.app)
         | _variables_in_sources(exclude="frontend_shim")
-        | CONTRACT_TOKEN_VARIABLES
+        | ACCESS_TOKEN_VARIABLES
     )
     assert {"DYN_ENGINE_REQUEST_LIMIT", "DYN_DYNAMO_REQUEST_QUEUE_LIMIT", "DYN_LOG"} <= known
     unknown = {name for name in WORKER_ENV if name.startswith("DYN_")} - known
@@ -151,7 +152,7 @@ def test_worker_variables_are_read_by_the_worker() -> None:
 
 def test_frontend_variables_are_read_by_the_frontend() -> None:
     known = _flag_variables(frontend_cli.app) | _variables_in_sources(exclude=None)
-    known |= CONTRACT_TOKEN_VARIABLES
+    known |= ACCESS_TOKEN_VARIABLES
     assert {"DYN_WORKERS", "DYN_HTTP_OVERLOAD_STATUS_CODE", "DYN_LOG"} <= known
     unknown = {name for name in FRONTEND_ENV if name.startswith("DYN_")} - known
     assert not unknown, f"the frontend does not read {sorted(unknown)}"
