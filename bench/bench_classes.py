@@ -17,9 +17,9 @@ It prints, per phase and side by side, each group's share of its requests that c
 its p50/p99 time to first token (send to first chunk), and the rejections by reason; then the
 gate's own cost per decision, measured in this process on the gate alone, for FIFO requests
 (``bench/bench_admission.py``'s loops) and for requests with priorities and tenants: admitted
-at once, rejected at a full queue, and queued then started. Targets (issue 16): the light
-tenant completes >= 95% (FIFO about half) with p99 TTFT within 2x of idle; the interactive
-class's p99 TTFT within 2x of idle; the gate's cost per decision within 2x of FIFO's.
+at once, rejected at a full queue, and queued then started. Targets: the light tenant
+completes >= 95% (FIFO about half) with p99 TTFT within 2x of idle; the interactive class's p99
+TTFT within 2x of idle; the gate's cost per decision within 2x of FIFO's.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ figure printed is the median over repeats. Per row:
 The client is this process: Trio and h11 over a pool of keep-alive connections (32 opened before
 each run, more opened when all are busy, counted in the output). Its own floor is printed for
 each system, measured in the same run: p50/p99 of ``GET /live`` (Ray: ``GET /-/healthz``) sent the
-same way at the highest load's rate. The targets of the issue are checked at the end, as figures,
-not as asserts: at 4x, goodput >= 95% of capacity, p99 of the completed within 1.5x of its value
+same way at the highest load's rate. The targets are checked at the end, as figures, not as
+asserts: at 4x, goodput >= 95% of capacity, p99 of the completed within 1.5x of its value
 at 0.5x, rejections answered with p99 under 5 ms, and each ahead of Ray Serve.
 """
 
@@ -199,7 +199,7 @@ def median_row(rows: Sequence[Row]) -> Row:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """One target of the issue, as measured."""
+    """One target of the benchmark, as measured."""
 
     target: str
     figure: str
@@ -209,7 +209,9 @@ class Verdict:
 def check_targets(
     rows: Mapping[tuple[str, float], Row], ours: str, rival: str | None
 ) -> list[Verdict]:
-    """Compare the gated system's rows with the issue's targets (and with ``rival``'s rows).
+    """Compare the gated system's rows with the targets (and with ``rival``'s rows): at 4x,
+    goodput >= 95% of capacity, p99 of the completed within 1.5x of its value at 0.5x, rejections
+    answered with p99 under 5 ms, and each ahead of ``rival``.
 
     Args:
         rows: Median rows by (system, load multiple); the loads 0.5 and 4 must be present for

@@ -14,9 +14,9 @@ share and the worker's together) and its status. The capacity is measured the sa
 closed loop as many as the engine's batch and no limit.
 
 Beside the rows: the frontend's own 529s answered ``marked`` against the worker's ``slo``
-refusals (from both processes' ``/metrics``), the issue's measure of how much a refusal's mark
-costs. Figures on a shared 2-core machine are noisy: keep runs short, repeat them, compare
-ratios measured in one run.
+refusals (from both processes' ``/metrics``): how much a refusal's mark costs. Figures on a
+shared 2-core machine are noisy: keep runs short, repeat them, compare ratios measured in one
+run.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def best_fixed(rows: Mapping[str, Row], configs: Sequence[Config]) -> Config:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """One target of the issue, as measured."""
+    """One target of the SLO benchmark, as measured."""
 
     target: str
     figure: str
@@ -205,7 +205,9 @@ def check_targets(
     configs: Mapping[str, Sequence[Config]],
     recoveries: Mapping[str, tuple[float, float]],
 ) -> list[Verdict]:
-    """The issue's targets for each workload, from the rows of every load.
+    """The targets for each workload, from the rows of every load: at every load, adaptive
+    goodput >= 90% of the best fixed configuration's; from 2x on, >= 3x the usual setting's; at
+    0.5x, <= 1% refused; after the 4x -> 0.5x step, L within 10% of steady in under 10 s.
 
     Args:
         results: Rows by (workload, load multiple), then by configuration label.

@@ -48,7 +48,7 @@ def test_one_tenant_one_priority_is_fifo() -> None:
 
 
 def test_a_light_tenant_behind_a_heavy_one_is_interleaved() -> None:
-    # The operator story: six of a heavy tenant queued ahead of a light one's three.
+    # An operator's case: six of a heavy tenant queued ahead of a light one's three.
     queue = FairQueue()
     _queue(queue, [(0, "heavy", 10)] * 6 + [(0, "light", 10)] * 3)
     order = _drain(queue)
