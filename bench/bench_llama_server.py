@@ -10,8 +10,8 @@ from ``/proc`` (Linux), which unlike the rates does not depend on what else the 
 
 Usage::
 
-    python tests/tiny_gguf.py /tmp/tiny.gguf
-    python bench/bench_llama_server.py --model /tmp/tiny.gguf \\
+    python tests/tiny_gguf.py tiny.gguf
+    python bench/bench_llama_server.py --model tiny.gguf \\
         --llama-server "$(scripts/build-llama-server)" --runs 5 --max-tokens 1000
 """
 

@@ -14,9 +14,9 @@ the first tree.
 
 Usage::
 
-    git -C /path/to/repo archive <commit> | tar -x -C /tmp/old
-    python -m bench.bench_trees /tmp/old . --rounds 5 --seconds 3 --one
-    python -m bench.bench_trees /tmp/old . --engine instant      # the zero-work engine
+    mkdir old && git archive <commit> | tar -x -C old
+    python -m bench.bench_trees old . --rounds 5 --seconds 3 --one
+    python -m bench.bench_trees old . --engine instant      # the zero-work engine
 """
 
 from __future__ import annotations
