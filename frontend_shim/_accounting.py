@@ -10,11 +10,15 @@ One completion request leaves three traces, all kept here so that formatting the
    leaves during the answer is counted by what it was sent; a request whose client left before
    any answer is counted :data:`CLIENT_CLOSED`.
 3. The fleet's view of what this frontend sent a worker: a started request is charged to the
-   worker with its prompt tokens (:meth:`~frontend_shim._load.Fleet.request_sent`), each output
-   chunk moves that charge (:meth:`~frontend_shim._load.Fleet.request_output`), and the charge is
-   dropped when the request ends, however it ends (:meth:`Progress.finished`): as soon as the
-   worker's final frame is read (:meth:`Progress.ended`), before the answer's last bytes go
-   out, so a client that sends its next request on the last byte finds the worker free.
+   worker with its prompt tokens as the worker counted them
+   (:meth:`~frontend_shim._load.Fleet.request_sent`; a charge the ``kv`` router made at the pick
+   with its own count takes the worker's, :meth:`~frontend_shim._load.Fleet.request_started`),
+   each output chunk moves that charge (:meth:`~frontend_shim._load.Fleet.request_output`), and
+   the charge is dropped when the request ends, however it ends (:meth:`Progress.finished`): on
+   the worker's final frame (:meth:`Progress.ended`), once every chunk read before it, in the
+   same read too, is counted and before the answer's last bytes go out, so a client that sends
+   its next request on the last byte finds the worker free. The frame's own token counts size
+   what is taken off the worker's reports, whatever this frontend counted.
 """
 
 from __future__ import annotations
@@ -90,10 +94,15 @@ class Progress:
         worker_id: str,
         prompt_tokens: int,
         dp_rank: int | None = None,
+        charge: InFlight | None = None,
     ) -> Progress:
-        """The worker started the request: charge it (the rank ``dp_rank`` when the router chose
-        one) with the request's prompt tokens."""
-        charge = fleet.request_sent(worker_id, prompt_tokens, dp_rank)
+        """The worker started the request with ``prompt_tokens`` (its count): charge it (the
+        rank ``dp_rank`` when the router chose one), or bring the ``charge`` made at the pick
+        to that count."""
+        if charge is None:
+            charge = fleet.request_sent(worker_id, prompt_tokens, dp_rank)
+        else:
+            fleet.request_started(worker_id, charge, prompt_tokens)
         return cls(fleet, metrics, exchange, worker_id, charge)
 
     @property
@@ -133,7 +142,7 @@ class Progress:
     def ended(self, final: wire.End | wire.Failed) -> None:
         """The worker ended the request: it leaves the worker's load now, before the answer's
         last bytes are written (rule 3), with the worker's word on which of its events still
-        count it."""
+        count it and on how many tokens it held."""
         self.finished(final)
 
     def finished(self, final: wire.End | wire.Failed | None = None) -> None:

@@ -384,28 +384,24 @@ class FrontendAPI:
             try:
                 async with request as stream:
                     # In the worker's queue, as this frontend pictures it, until its first reply.
-                    self._fleet.request_pending(worker_id, now)
+                    self._fleet.request_pending(worker_id, now, priority)
                     try:
                         first = await stream.first()
                     finally:
-                        self._fleet.request_answered(worker_id, trio.current_time())
+                        self._fleet.request_answered(worker_id, trio.current_time(), priority)
                     if isinstance(first, wire.Started):
                         started = True
                         if kv is not None and choice is not None:
                             kv.started(exchange.label, choice, prompt)
-                        progress = (
-                            Progress.start(
-                                self._fleet,
-                                self._metrics,
-                                exchange,
-                                worker_id,
-                                first.prompt_tokens,
-                                outcome.dp_rank,
-                            )
-                            if charge is None
-                            else Progress(self._fleet, self._metrics, exchange, worker_id, charge)
+                        progress = Progress.start(
+                            self._fleet,
+                            self._metrics,
+                            exchange,
+                            worker_id,
+                            first.prompt_tokens,
+                            outcome.dp_rank,
+                            charge,
                         )
-                        stream.on_final = progress.ended
                         try:
                             await serve_started(
                                 responder,

@@ -408,14 +408,11 @@ class RequestStream:
     ``Failed(kind="unavailable")``.
     """
 
-    __slots__ = ("_buffer", "_done", "_first", "_held", "on_final", "request_id")
+    __slots__ = ("_buffer", "_done", "_first", "_held", "request_id")
 
     def __init__(self, request_id: int, buffer: ResponseBuffer) -> None:
         #: The id on this session's request plane (unique per session only).
         self.request_id = request_id
-        #: Called with the final ``End`` or ``Failed`` as it is handed out, before the caller
-        #: answers from it: the request is over for the worker from then on.
-        self.on_final: Callable[[wire.End | wire.Failed], None] | None = None
         self._buffer = buffer
         self._first: FirstReply | None = None
         # A chunk or end that came without a Started before it, handed out by the iterator.
@@ -504,8 +501,6 @@ class RequestStream:
             )
         if not isinstance(reply, wire.Chunk):
             self._done = True
-            if self.on_final is not None:
-                self.on_final(reply)
         return reply
 
 

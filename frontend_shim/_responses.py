@@ -19,9 +19,10 @@ A streamed chunk differs from the last only in its choice, so :class:`ResponseSh
 envelope around the choice once per request and each chunk encodes just its choice.
 
 This module formats; it keeps no books. What it answers is noted on a :class:`Tally` (the status,
-before the answer goes out) and, for a started request, an :class:`OutputTally` (each chunk, and
-the answer's completion): the request's accounting (:mod:`frontend_shim._accounting`) stands
-behind both, so formatting knows nothing of routing or metrics.
+before the answer goes out) and, for a started request, an :class:`OutputTally` (each chunk, what
+of it was written, the worker's final frame once the chunks read with it are counted, and the
+answer's completion): the request's accounting (:mod:`frontend_shim._accounting`) stands behind
+both, so formatting knows nothing of routing or metrics.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ class OutputTally(Tally, Protocol):
     def written(self) -> None:
         """The output that arrived so far was written to the client (a stream's events)."""
 
+    def ended(self, final: wire.End | wire.Failed) -> None:
+        """The worker's final frame, once every chunk read before it (in the same read too) has
+        gone through :meth:`output`, and before the answer's last bytes are written."""
+
     def completed(self) -> None:
         """The answer went out in full."""
 
@@ -142,12 +147,15 @@ async def _serve_stream(
                 tally.output(reply)
                 if not 0 <= reply.index < MAX_CHOICES:
                     await _send_events(responder, events)
+                    tally.written()
                     await _end_stream_with_error(responder, tally, _bad_index(reply.index))
                     return
                 first = reply.index not in started_choices
                 started_choices.add(reply.index)
                 events.append(shape.event(reply, first))
             elif isinstance(reply, wire.End):
+                # The chunks of this read are counted by now: the release sees all of them.
+                tally.ended(reply)
                 if shape.include_usage:
                     events.append(_sse(shape.usage_chunk(reply)))
                 events.append(_DONE)
@@ -157,7 +165,9 @@ async def _serve_stream(
                 tally.completed()
                 return
             else:
+                tally.ended(reply)
                 await _send_events(responder, events)
+                tally.written()
                 await _end_stream_with_error(responder, tally, reply.message, reply.kind)
                 return
         await _send_events(responder, events)
@@ -220,6 +230,7 @@ async def _serve_whole(
             if reply.finish_reason:
                 finish_reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, wire.End):
+            tally.ended(reply)
             tally.status = 200
             choices = {
                 index: ("".join(texts), finish_reasons.get(index))
@@ -230,6 +241,7 @@ async def _serve_whole(
             tally.completed()
             return
         else:
+            tally.ended(reply)
             await send_failure(responder, tally, reply)
             return
 
@@ -253,6 +265,7 @@ async def _serve_embeddings(
                     {"object": "embedding", "index": reply.index, "embedding": reply.embedding}
                 )
         elif isinstance(reply, wire.End):
+            tally.ended(reply)
             vectors.sort(key=lambda item: item["index"])
             tally.status = 200
             payload = {
@@ -268,6 +281,7 @@ async def _serve_embeddings(
             tally.completed()
             return
         else:
+            tally.ended(reply)
             await send_failure(responder, tally, reply)
             return
 

@@ -225,6 +225,13 @@ class _RecordingChannel:
         self.response_finished = True
 
 
+class _WholeChannel(_RecordingChannel):
+    """A channel that records a whole response as one write."""
+
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.writes.append(body)
+
+
 class _Tally:
     def __init__(self, channel: _RecordingChannel | None = None) -> None:
         self.status = 0
@@ -234,6 +241,7 @@ class _Tally:
         self.channel = channel
         #: For each call of written() after new output: the writes the channel had by then.
         self.written_at: list[int] = []
+        self.ends: list[tuple[wire.End | wire.Failed, int, list[bytes] | None]] = []
 
     def output(self, reply: wire.Chunk) -> None:
         self.outputs += 1
@@ -246,6 +254,12 @@ class _Tally:
 
     def completed(self) -> None:
         self.done = True
+
+    def ended(self, final: wire.End | wire.Failed) -> None:
+        #: What was counted when the final frame was noted, and the writes by then.
+        self.ends.append(
+            (final, self.outputs, None if self.channel is None else self.channel.writes[:])
+        )
 
 
 async def test_replies_that_arrived_together_leave_in_one_write_later_ones_in_their_own() -> None:
@@ -289,3 +303,53 @@ async def test_replies_that_arrived_together_leave_in_one_write_later_ones_in_th
     assert tally.done
     assert tally.status == 200
     assert channel.response_finished
+
+
+def _started_stream(buffer: ResponseBuffer) -> RequestStream:
+    buffer.push(wire.Started(request_id=1, prompt_tokens=2))
+    return RequestStream(1, buffer)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_the_end_is_noted_after_every_chunk_read_with_it_and_before_the_last_write(
+    streamed: bool,
+) -> None:
+    # The worker's last chunks and its End in one read: the release of the request must see
+    # the chunks (they size what is taken off the worker's load), and come before the client
+    # can have the answer's last byte.
+    buffer = ResponseBuffer(16)
+    stream = _started_stream(buffer)
+    await stream.first()
+    for text in ("a", "b", "c"):
+        buffer.push(wire.Chunk(request_id=1, text=text, tokens=1))
+    end = wire.End(request_id=1, prompt_tokens=2, completion_tokens=3)
+    buffer.push(end)
+    channel = _RecordingChannel()
+    tally = _Tally(channel)
+    body = {"model": "m", "stream": streamed}
+    channel = _WholeChannel() if not streamed else channel
+    tally.channel = channel
+    responder = HTTPResponder(channel)
+    with trio.fail_after(5):
+        await responses.serve_started(responder, "chat_completions", stream, body, tally)
+    assert tally.ends == [(end, 3, [])]
+    assert tally.done
+    assert len(channel.writes) == 1
+
+
+async def test_a_stream_that_fails_after_its_first_chunk_still_takes_its_first_token() -> None:
+    buffer = ResponseBuffer(16)
+    stream = _started_stream(buffer)
+    await stream.first()
+    buffer.push(wire.Chunk(request_id=1, text="a", tokens=1))
+    failed = wire.Failed(request_id=1, kind="engine", message="boom")
+    buffer.push(failed)
+    channel = _RecordingChannel()
+    tally = _Tally(channel)
+    with trio.fail_after(5):
+        await responses.serve_started(
+            HTTPResponder(channel), "completions", stream, {"model": "m", "stream": True}, tally
+        )
+    assert tally.written_at == [1]  # the chunk's write, before the error event
+    assert tally.ends == [(failed, 1, [])]
+    assert tally.status == 500
