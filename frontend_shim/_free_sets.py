@@ -155,6 +155,10 @@ class WorkerLoad:
         "effective_limit",
         "engine_requests",
         "free",
+        "hold_bound",
+        "hold_marks",
+        "hold_priority",
+        "hold_until",
         "lagging",
         "last_seen",
         "last_seq",
@@ -162,20 +166,18 @@ class WorkerLoad:
         "mark_priority",
         "mark_tenants",
         "mark_until",
+        "pending",
         "pool",
-        "queue_delta",
+        "queue_ahead",
         "queued_for_mark",
         "queued_for_stale",
         "queued_requests",
         "ranks",
+        "released_requests",
         "releases",
         "removed",
         "reported_ranks",
         "saturated_ranks",
-        "slo_bound",
-        "slo_holds",
-        "slo_priority",
-        "slo_until",
         "stale",
         "stale_after",
         "sum_blocks",
@@ -218,16 +220,18 @@ class WorkerLoad:
         self.mark_tenants: set[str] | None = None
         self.queued_for_mark = False
         self.queued_for_stale = False
-        #: Requests this frontend sent the worker since its last event and has not heard a
-        #: first reply from: with :attr:`queued_requests`, its picture of the worker's queue.
-        self.queue_delta = 0
-        #: The queue depth an objective's refusal said the worker refuses at (``None``: no such
-        #: refusal in force), until ``slo_until``, for priorities of ``slo_priority`` and worse;
-        #: ``slo_holds``: the mark in force is that refusal's, held while the queue is as long.
-        self.slo_bound: int | None = None
-        self.slo_until = 0.0
-        self.slo_priority = 0
-        self.slo_holds = False
+        #: The worker's last ``queue_ahead`` figures (``None``: it sends none), and by priority
+        #: the requests sent it since its last event, less the first replies heard since: this
+        #: frontend's picture of its queue (:mod:`frontend_shim._queue_hold`).
+        self.queue_ahead: list[tuple[int, int]] | None = None
+        self.pending: dict[int, int] = {}
+        #: The queue depth a refusal that proves only a long queue holds the worker at
+        #: (``None``: none in force), until ``hold_until``, for ``hold_priority`` and worse;
+        #: ``hold_marks``: the mark in force is that hold's (:mod:`frontend_shim._queue_hold`).
+        self.hold_bound: int | None = None
+        self.hold_until = 0.0
+        self.hold_priority = 0
+        self.hold_marks = False
         self.available = False
         self.free = False
         #: Counted in its pool's ``unsaturated_free`` (remembered: saturation changes later).
@@ -237,8 +241,10 @@ class WorkerLoad:
         self.removed = False
         #: The router's charges for the requests in flight to this worker.
         self.charges: set[InFlight] = set()
-        #: Finished requests its last reports may still count, oldest first (bounded).
+        #: Finished requests its last reports may still count, oldest first (bounded), and how
+        #: many of them its newest event's gauges count.
         self.releases: list[Release] = []
+        self.released_requests = 0
 
     @property
     def worker_id(self) -> str:
@@ -289,7 +295,7 @@ def load_cost(worker: WorkerLoad) -> float:
     cost /= len(worker.ranks)
     limit = worker.effective_limit
     if limit is not None and limit > 0:
-        reported = worker.engine_requests + worker.queued_requests - len(worker.releases)
+        reported = worker.engine_requests + worker.queued_requests - worker.released_requests
         held = max(reported, len(worker.charges))
         cost += held / limit
     return cost

@@ -16,11 +16,10 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    and it is taken off every report of its rank produced while it ran, which the frontend may
    read after the end (a :class:`~frontend_shim._free_sets.Release`): its blocks (prompt and
    output) from a report produced while it held its slot, its prompt tokens from one produced
-   before its first output. The worker's final frame names that window in its event ``seq``
-   (``started_seq``, ``first_output_seq``, ``ended_seq``); from a worker that names none, the
-   window is the reports applied after the request was sent (and, for the prompt, until its
-   first output arrived) up to the next report after its end. A report past the window ends the
-   release. At most :data:`MAX_RELEASES` are kept per worker (the oldest goes first).
+   before its first output, at the larger of this frontend's count and the worker's own. The
+   worker's final frame names that window in its event ``seq``; a report past the window ends
+   the release. The rules of the window, the size and the bound (:data:`MAX_RELEASES`) are in
+   :mod:`frontend_shim._releases`.
 2. Stale: no event or heartbeat for longer than ``stale_after_intervals * heartbeat_interval``.
    The next event makes it fresh again. Dynamo has no staleness: a silent worker keeps its last
    load forever; here a worker that stopped talking stops receiving requests. Likewise a worker
@@ -32,13 +31,13 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
    A mark can never stick (Dynamo issue #14213). The mark has the class of the request refused
    (:mod:`frontend_shim._free_sets` rule 4): a request of a better class may still be routed to a
    marked worker when none is free, and a refusal of it widens the mark.
-3b. An objective's refusal (``slo``) marks only what it proves: that this worker refuses while
-   its queue is at least B deep (the ``queue_bound`` of its refusal). For one lease, renewed by
-   each such refusal, the worker is marked, for the refused priority and worse, exactly while
-   this frontend's picture of its queue is at least B: the queue of the worker's last event
-   plus the requests sent since then that have no first reply yet (:meth:`Fleet.request_pending`,
-   :meth:`Fleet.request_answered`). Each event re-judges it with the new queue, so a worker
-   whose queue went down is routed to again at once, not after the lease.
+3b. A refusal that proves only a long queue (``slo``, ``queue_timeout``) marks only what it
+   proves (:meth:`Fleet.mark_long_queue`): for one lease, renewed by each such refusal, the
+   worker is marked, for the refused priority and worse, exactly while this frontend's picture
+   of what that priority would queue behind there is at least the depth it was refused at (the
+   rules are in :mod:`frontend_shim._queue_hold`; :meth:`Fleet.request_pending` and
+   :meth:`Fleet.request_answered` keep the picture). Each event re-judges it with the new
+   queue, so a worker whose queue went down is routed to again at once, not after the lease.
 4. A threshold change (:meth:`Fleet.set_thresholds`) recomputes every worker of that model at
    once (one scan per change), so it takes effect immediately: sooner than Dynamo's documented
    "next load event or within one second".
@@ -53,9 +52,10 @@ in :mod:`frontend_shim._free_sets`. This module adds what depends on events and 
 
 Router-own accounting. :meth:`Fleet.request_sent` charges a request to the DP rank the ``kv``
 router chose for it, at the pick (so the next pick sees it), and ``held=False`` at its end undoes
-the charge of a request the worker never started; in the other modes the frontend does not
-know which rank a worker gives a request, so it charges the rank with the fewest own blocks
-(ties: lowest rank), at the worker's first reply.
+the charge of a request the worker never started, while the worker's ``Started`` brings it to
+the worker's count of the prompt (:meth:`Fleet.request_started`); in the other modes the
+frontend does not know which rank a worker gives a request, so it charges the rank with the
+fewest own blocks (ties: lowest rank), at the worker's first reply, with the worker's count.
 The returned :class:`~frontend_shim._free_sets.InFlight` is the handle for
 :meth:`Fleet.request_output` and :meth:`Fleet.request_finished`, which undo exactly what was
 charged.
@@ -69,7 +69,9 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Final, NamedTuple
 
-from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, Release, WorkerLoad, load_cost
+from frontend_shim import _queue_hold, _releases
+from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad, load_cost
+from frontend_shim._releases import MAX_RELEASES, blocks_of
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -88,8 +90,6 @@ DEFAULT_MARK_LEASE: Final = 1.0
 DEFAULT_STALE_AFTER_INTERVALS: Final = 3.0
 #: Tenants a mark names at its priority; past that it covers every tenant of the priority.
 DEFAULT_MARK_TENANTS: Final = 8
-#: Finished requests per worker whose release waits for a newer report (rule 1).
-MAX_RELEASES: Final = 64
 
 
 class RankGauge(NamedTuple):
@@ -290,20 +290,21 @@ class Fleet:
                     self._report(worker, load, event.seq)
         if newest is None:
             return 0
-        if worker.releases:
-            self._fit_releases(worker)
         worker.last_seen = now
         worker.stale = False
         worker.mark_until = None
-        worker.slo_holds = False
-        worker.queue_delta = 0
+        worker.hold_marks = False
+        worker.pending.clear()
+        worker.queue_ahead = newest.queue_ahead
         if not worker.queued_for_stale:
             self._push_stale_deadline(worker)
         self._set_gauges(
             worker, newest.engine_requests, newest.queued_requests, newest.effective_limit
         )
-        if worker.slo_bound is not None:
-            self._hold_for_slo(worker, now)
+        if worker.releases:
+            _releases.fit(worker, self._sets)
+        if worker.hold_bound is not None:
+            self._judge_hold(worker, now)
         self._sets.update_membership(worker)
         return applied
 
@@ -341,30 +342,6 @@ class Fleet:
         rank.reported_prefill = load.active_prefill_tokens
         self._sets.recompute_rank(worker, rank)
 
-    def _fit_releases(self, worker: WorkerLoad) -> None:
-        # Rule 1: what each rank's report still counts of the finished requests, from the
-        # windows of the releases (at most MAX_RELEASES of them); a release whose rank was
-        # reported past its end is over. The ranks are recomputed (the gauges' term too).
-        ranks = worker.ranks
-        released = [[0, 0] for _ in ranks]
-        kept: list[Release] = []
-        for release in worker.releases:
-            seq = ranks[release.rank].report_seq
-            if seq > release.ended:
-                continue
-            kept.append(release)
-            if seq > release.started:
-                figures = released[release.rank]
-                figures[0] += release.blocks
-                if seq <= release.first_output:
-                    figures[1] += release.prefill
-        worker.releases = kept
-        for rank, (blocks, prefill) in zip(ranks, released, strict=True):
-            if (blocks, prefill) != (rank.released_blocks, rank.released_prefill):
-                rank.released_blocks, rank.released_prefill = blocks, prefill
-                self._sets.recompute_rank(worker, rank)
-        worker.load_cost = load_cost(worker)
-
     # ------------------------------------------------------------------ time
 
     def expire(self, now: float) -> None:
@@ -396,9 +373,9 @@ class Fleet:
                 continue
             if worker.mark_until <= now:
                 worker.mark_until = None
-                if worker.slo_holds:
-                    worker.slo_holds = False
-                    worker.slo_bound = None
+                if worker.hold_marks:
+                    worker.hold_marks = False
+                    worker.hold_bound = None
                 self._sets.update_membership(worker)
             else:
                 self._push(self._mark_heap, worker.mark_until, worker)
@@ -433,8 +410,8 @@ class Fleet:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
-        # A mark held for an objective's refusal is not a refusal of this kind: start afresh.
-        fresh = worker.mark_until is None or worker.mark_until <= now or worker.slo_holds
+        # A mark held for a long queue is not a refusal of this kind: start afresh.
+        fresh = worker.mark_until is None or worker.mark_until <= now or worker.hold_marks
         if priority is None:
             # Below every valid priority, with every tenant: nothing beats it.
             worker.mark_priority, worker.mark_tenants = wire.PRIORITY_MIN - 1, None
@@ -445,26 +422,27 @@ class Fleet:
             if len(worker.mark_tenants) > self.mark_tenants:
                 worker.mark_tenants = None
         worker.mark_until = now + self.mark_lease
-        worker.slo_holds = False
+        worker.hold_marks = False
         if not worker.queued_for_mark:
             self._push(self._mark_heap, worker.mark_until, worker)
             worker.queued_for_mark = True
         self._sets.update_membership(worker)
         return True
 
-    def mark_slo(
+    def mark_long_queue(
         self, worker_id: str, now: float, priority: int, queue_bound: int | None = None
     ) -> bool:
-        """Take note of an objective's refusal (rule 3b): the worker is held back, for the
-        refused priority and worse, only while its queue in this frontend's picture is at least
-        the depth it refuses at; for one lease, renewed by each such refusal.
+        """Take note of a refusal that proves only a long queue (``slo``, ``queue_timeout``;
+        rule 3b): the worker is held back, for the refused priority and worse, only while this
+        frontend's picture of its queue at that priority is at least the depth it refused at;
+        for one lease, renewed by each such refusal.
 
         Args:
             worker_id: the worker that refused.
             now: current time.
             priority: the refused request's priority.
-            queue_bound: the depth the worker said it refuses at (its ``Rejected``);
-                ``None`` (an older worker): the depth of this frontend's picture now.
+            queue_bound: the depth the worker said it refuses at (its ``Rejected``); ``None``
+                (a queue timeout, or an older worker): the depth of this frontend's picture now.
 
         Returns:
             Whether the worker is known.
@@ -472,65 +450,35 @@ class Fleet:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
-        bound = max(1, self._queue_picture(worker) if queue_bound is None else queue_bound)
-        if worker.slo_bound is None or worker.slo_until <= now:
-            worker.slo_priority = priority
-        else:
-            worker.slo_priority = min(worker.slo_priority, priority)
-        worker.slo_bound = bound
-        worker.slo_until = now + self.mark_lease
-        self._hold_for_slo(worker, now)
+        _queue_hold.note_refusal(worker, now, self.mark_lease, priority, queue_bound)
+        self._judge_hold(worker, now)
         self._sets.update_membership(worker)
         return True
 
-    def request_pending(self, worker_id: str, now: float) -> None:
-        """A request goes to the worker: it is in the worker's queue until its first reply."""
-        self._move_queue(worker_id, 1, now)
-
-    def request_answered(self, worker_id: str, now: float) -> None:
-        """The worker's first reply to a request (started, refused or failed) arrived."""
-        self._move_queue(worker_id, -1, now)
-
-    def _move_queue(self, worker_id: str, step: int, now: float) -> None:
+    def request_pending(self, worker_id: str, now: float, priority: int = 0) -> None:
+        """A request of ``priority`` goes to the worker: in its queue until its first reply."""
         worker = self._workers.get(worker_id)
-        if worker is None:
-            return
-        worker.queue_delta += step
-        if worker.slo_bound is not None:
-            self._hold_for_slo(worker, now)
+        if worker is not None:
+            _queue_hold.pending(worker, priority)
+            self._rejudge_hold(worker, now)
+
+    def request_answered(self, worker_id: str, now: float, priority: int = 0) -> None:
+        """The worker's first reply to a request of ``priority`` (started, refused or failed)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            _queue_hold.answered(worker, priority)
+            self._rejudge_hold(worker, now)
+
+    def _rejudge_hold(self, worker: WorkerLoad, now: float) -> None:
+        if worker.hold_bound is not None:
+            self._judge_hold(worker, now)
             self._sets.update_membership(worker)
 
-    @staticmethod
-    def _queue_picture(worker: WorkerLoad) -> int:
-        return max(0, worker.queued_requests + worker.queue_delta)
-
-    def _hold_for_slo(self, worker: WorkerLoad, now: float) -> None:
-        # Rule 3b: hold the worker back by a mark while its queue is at the bound, let it go
-        # when the queue is shorter; an ordinary mark in force is left as it is. The caller
-        # updates the membership.
-        bound = worker.slo_bound
-        if bound is None:
-            return
-        if worker.slo_until <= now:
-            worker.slo_bound = None
-            if worker.slo_holds:
-                worker.slo_holds = False
-                worker.mark_until = None
-            return
-        holds = self._queue_picture(worker) >= bound
-        if holds and worker.mark_until is None:
-            worker.slo_holds = True
-            worker.mark_until = worker.slo_until
-            worker.mark_priority, worker.mark_tenants = worker.slo_priority, None
-            if not worker.queued_for_mark:
-                self._push(self._mark_heap, worker.mark_until, worker)
-                worker.queued_for_mark = True
-        elif worker.slo_holds and not holds:
-            worker.slo_holds = False
-            worker.mark_until = None
-        elif worker.slo_holds:
-            worker.mark_until = worker.slo_until
-            worker.mark_priority = worker.slo_priority
+    def _judge_hold(self, worker: WorkerLoad, now: float) -> None:
+        # Rule 3b; the caller updates the membership.
+        if _queue_hold.judge(worker, now) and worker.mark_until is not None:
+            self._push(self._mark_heap, worker.mark_until, worker)
+            worker.queued_for_mark = True
 
     def set_lagging(self, worker_id: str, lagging: bool) -> bool:
         """Take a worker out of routing while its events are read too far behind, or back.
@@ -625,7 +573,7 @@ class Fleet:
         else:
             rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
         rank = worker.ranks[rank_index]
-        blocks = _blocks(prompt_tokens, worker.config)
+        blocks = blocks_of(prompt_tokens, worker.config)
         in_flight = InFlight(rank_index, prompt_tokens, blocks, rank.report_seq)
         worker.charges.add(in_flight)
         rank.own_blocks += in_flight.blocks
@@ -633,6 +581,32 @@ class Fleet:
         self._sets.recompute_rank(worker, rank)
         self._sets.update_membership(worker)
         return in_flight
+
+    def request_started(self, worker_id: str, in_flight: InFlight, prompt_tokens: int) -> None:
+        """The worker started a request charged at the pick: the charge takes the worker's count
+        of the prompt (``prompt_tokens``; 0, a worker that did not say: the estimate stays).
+
+        Args:
+            worker_id: the worker the request went to.
+            in_flight: the handle from :meth:`request_sent`.
+            prompt_tokens: the prompt's tokens as the worker counted them (its ``Started``).
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None or in_flight.finished or in_flight not in worker.charges:
+            return
+        if prompt_tokens <= 0 or prompt_tokens == in_flight.prompt_tokens:
+            return
+        rank = worker.ranks[in_flight.rank]
+        if in_flight.prefill_tokens:
+            rank.own_prefill += prompt_tokens - in_flight.prefill_tokens
+            in_flight.prefill_tokens = prompt_tokens
+        in_flight.prompt_tokens = prompt_tokens
+        output = in_flight.output_tokens if self.track_output_blocks else 0
+        blocks = blocks_of(prompt_tokens + output, worker.config)
+        rank.own_blocks += blocks - in_flight.blocks
+        in_flight.blocks = blocks
+        self._sets.recompute_rank(worker, rank)
+        self._sets.update_membership(worker)
 
     def request_output(self, worker_id: str, in_flight: InFlight, tokens: int) -> None:
         """Record generated tokens: ends the request's prefill charge, and with
@@ -656,7 +630,7 @@ class Fleet:
         rank.own_prefill -= in_flight.prefill_tokens
         in_flight.prefill_tokens = 0
         if self.track_output_blocks:
-            blocks = _blocks(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
+            blocks = blocks_of(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
             if blocks != in_flight.blocks:
                 rank.own_blocks += blocks - in_flight.blocks
                 in_flight.blocks = blocks
@@ -681,7 +655,9 @@ class Fleet:
             worker_id: the worker the request went to.
             in_flight: the handle from :meth:`request_sent`.
             window: the worker's final frame, whose ``*_seq`` fields say which of its events
-                count the request; ``None``, or fields unset: the frontend's own view.
+                count the request; ``None``, or fields unset: the frontend's own view. An
+                ``End``'s token counts size the release when they are larger than this
+                frontend's (rule 1).
             held: ``False`` for a request charged at the pick that the worker never started
                 (refused, failed or cancelled first): no report counted it, so none is released.
         """
@@ -697,20 +673,9 @@ class Fleet:
         if not held:
             self._sets.update_membership(worker)
             return
-        if window is not None and window.ended_seq is not None:
-            ended = window.ended_seq
-            started = ended if window.started_seq is None else window.started_seq
-            first = ended if window.first_output_seq is None else window.first_output_seq
-        else:
-            started, ended = in_flight.sent_seq, worker.last_seq
-            first = ended if in_flight.first_output_seq is None else in_flight.first_output_seq
-        if rank.reported and rank.report_seq <= ended:
-            blocks = _blocks(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
-            prompt = in_flight.prompt_tokens
-            worker.releases.append(Release(in_flight.rank, blocks, prompt, started, first, ended))
-            if len(worker.releases) > MAX_RELEASES:
-                del worker.releases[0]
-            self._fit_releases(worker)
+        release = _releases.release_of(worker, in_flight, window)
+        if release is not None:
+            _releases.add(worker, release, self._sets)
         self._sets.update_membership(worker)
 
     # ------------------------------------------------------------------ queries
@@ -787,9 +752,3 @@ class Fleet:
                     rank.effective_prefill,
                     worker.config.kv_total_blocks,
                 )
-
-
-def _blocks(tokens: int, config: wire.RuntimeConfig) -> int:
-    """KV blocks holding ``tokens`` tokens (a block size <= 0 counts as 1)."""
-    block_size = max(1, config.block_size)
-    return -(-tokens // block_size)

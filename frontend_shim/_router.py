@@ -32,9 +32,10 @@ Rules:
    the scan at the cursor so that ties rotate, and names the rank chosen in :class:`Routed`.
    ``kv`` is O(free ranks) per pick (see bench/bench_router.py).
 4. A rejection ``Server overloaded: ...`` marks the worker (lease, cleared by its next event)
-   for the refused request's class, but an objective's (``slo``) only while the worker's queue
-   is as deep as the one it refused at (:mod:`frontend_shim._load` rule 3b); ``Server
-   unavailable: ...`` takes it out until it reports ``ready``. Either way the request never
+   for the refused request's class, but one that proves only a long wait (an objective's
+   ``slo``, a ``queue_timeout``) only while the worker's queue, at the refused priority, is as
+   deep as the one it refused at (:mod:`frontend_shim._queue_hold`); ``Server unavailable:
+   ...`` takes it out until it reports ``ready``. Either way the request never
    started, so it may go to another worker while ``migration_limit`` allows, never to one that
    already rejected it.
 5. Class-aware marks (:meth:`Router.pick_class`; the mark's class is
@@ -102,6 +103,8 @@ __all__ = [
 DEFAULT_RETRY_AFTER_CAP: Final = 30
 #: Marked workers one request looks at, at most, for one whose mark its class beats (rule 5).
 MARKED_LOOK: Final = 16
+#: Refusals that prove only a long wait, held by the queue's depth (rule 4).
+_LONG_QUEUE: Final = frozenset({wire.RejectReason.SLO, wire.RejectReason.QUEUE_TIMEOUT})
 
 
 class RouterMode(enum.StrEnum):
@@ -385,16 +388,17 @@ class Router:
                 then covers every class).
             tenant: the rejected request's tenant.
             queue_bound: for an objective's refusal, the queue depth the worker refuses at
-                (:attr:`~shim_common.wire.Rejected.queue_bound`).
+                (:attr:`~shim_common.wire.Rejected.queue_bound`; ``None``: the depth of this
+                frontend's picture).
 
         Returns:
             The kind of rejection.
         """
         kind = classify_rejection(reason)
-        if wire.RejectReason.parse(reason) is wire.RejectReason.SLO:
+        if wire.RejectReason.parse(reason) in _LONG_QUEUE:
             # Rule 4: it proves only that the worker's queue is long; held while it is.
             refused = wire.PRIORITY_MIN - 1 if priority is None else priority
-            self.fleet.mark_slo(worker_id, now, refused, queue_bound)
+            self.fleet.mark_long_queue(worker_id, now, refused, queue_bound)
         elif kind is RejectionKind.OVERLOADED:
             self.fleet.mark_overloaded(worker_id, now, priority, tenant)
         elif kind is RejectionKind.UNAVAILABLE:

@@ -72,6 +72,7 @@ __all__ = [
     "FEATURE_CLASSES",
     "FEATURE_FRONTEND_TIME",
     "MAX_FRONTEND_MS",
+    "MAX_QUEUE_BANDS",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "REASON_DISPLACED_PRIORITY",
@@ -104,6 +105,8 @@ __all__ = [
     "KvSnapshot",
     "KvStored",
     "LoadEvent",
+    "QueueAhead",
+    "QueueBand",
     "RankLoad",
     "Reply",
     "Rejected",
@@ -152,6 +155,8 @@ TENANT_MAX_CHARS: Final = 256
 FEATURE_FRONTEND_TIME: Final = "frontend-time"
 #: The largest :attr:`Generate.frontend_ms` (an hour): far beyond any objective.
 MAX_FRONTEND_MS: Final = 3_600_000
+#: The most priorities a :attr:`LoadEvent.queue_ahead` lists (the best ones queued).
+MAX_QUEUE_BANDS: Final = 8
 
 #: Hello feature: the worker honours :attr:`Subscribe.publish_interval` (it reads
 #: :class:`Subscribe` even without :data:`FEATURE_BUSY_EDGES`).
@@ -320,6 +325,15 @@ class RankLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_used_blocks: int
 
 
+#: For one priority queued at a worker: ``(priority, requests queued ahead)``, how many queued
+#: requests an arrival of that priority would start behind (the one about to start, whatever its
+#: priority, and those of that priority or a better one).
+QueueBand = tuple[Priority, Annotated[int, msgspec.Meta(ge=0)]]
+#: :attr:`LoadEvent.queue_ahead`: one band per priority queued, best first, at most
+#: :data:`MAX_QUEUE_BANDS` (an empty list: nothing queued).
+QueueAhead = Annotated[list[QueueBand], msgspec.Meta(max_length=MAX_QUEUE_BANDS)]
+
+
 class LoadEvent(msgspec.Struct, frozen=True, kw_only=True, tag="load", tag_field="type"):
     """One rank's load changed. ``seq`` increases by one per event or heartbeat of a worker."""
 
@@ -333,6 +347,11 @@ class LoadEvent(msgspec.Struct, frozen=True, kw_only=True, tag="load", tag_field
     #: L, the engine limit in force, sent only by a worker with a time-to-first-token objective
     #: (``None`` from any other worker, and from workers that predate the field).
     effective_limit: int | None = None
+    #: The queue by priority (:data:`QueueAhead`), sent only by a worker that refuses by the
+    #: time a request would wait (a time-to-first-token objective or a queue timeout), which
+    #: compares the figure of a request's priority with its bound; ``None`` from any other
+    #: worker, and from workers that predate the field.
+    queue_ahead: QueueAhead | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_field="type"):
@@ -347,6 +366,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="heartbeat", tag_
     status: str = "ready"
     #: As in :class:`LoadEvent`.
     effective_limit: int | None = None
+    queue_ahead: QueueAhead | None = None
 
 
 WorkerEvent = LoadEvent | Heartbeat

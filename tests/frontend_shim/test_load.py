@@ -164,12 +164,14 @@ def test_router_own_blocks_beat_a_lower_report() -> None:
     assert state(fleet).ranks[0].own_blocks == 0
 
 
-def end(started: int, first: int, ended: int) -> wire.End:
-    """A worker's final frame with its event window."""
+def end(
+    started: int, first: int, ended: int, prompt: int = 16, completion: int = 20
+) -> wire.End:
+    """A worker's final frame with its event window and its token counts."""
     return wire.End(
         request_id=1,
-        prompt_tokens=16,
-        completion_tokens=20,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
         started_seq=started,
         first_output_seq=first,
         ended_seq=ended,
@@ -257,37 +259,149 @@ def test_no_release_once_an_event_after_the_end_was_applied() -> None:
 
 def test_releases_per_worker_are_bounded_and_the_oldest_goes_first() -> None:
     fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.5))
-    fleet.register(config(total=1000, block_size=1), 0.0)
-    feed.load(decode=1000)
+    total = 4 * MAX_RELEASES
+    fleet.register(config(total=total, block_size=1), 0.0)
+    feed.load(decode=total)
     for _ in range(MAX_RELEASES + 5):
         in_flight = fleet.request_sent("w0", prompt_tokens=1)
         assert in_flight is not None
-        fleet.request_finished("w0", in_flight, end(0, 0, 10**9))  # never passed
+        fleet.request_finished("w0", in_flight, end(0, 0, 10**9, 1, 0))  # never passed
     worker = state(fleet)
     assert len(worker.releases) == MAX_RELEASES
     assert worker.ranks[0].released_blocks == MAX_RELEASES
-    assert worker.ranks[0].effective_blocks == 1000 - MAX_RELEASES
+    assert worker.ranks[0].effective_blocks == total - MAX_RELEASES
 
 
-def queue_event(feed: Feed, queued: int, now: float = 0.0, worker_id: str = "w0") -> None:
-    """A load event of an idle rank whose worker queues ``queued`` requests."""
+def test_the_workers_token_counts_size_the_release_when_this_frontend_counted_fewer() -> None:
+    # The last chunks came with the End, uncounted; or the prompt was tokenised otherwise here:
+    # the worker's End says what it held, and its report is taken off in full.
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()  # seq 1: idle
+    in_flight = fleet.request_sent("w0", prompt_tokens=10)
+    assert in_flight is not None
+    fleet.request_output("w0", in_flight, tokens=1)
+    feed.load(decode=4)  # seq 2: 18 prompt tokens and 47 of output: 4 blocks
+    fleet.request_finished("w0", in_flight, end(1, 1, 3, prompt=18, completion=48))
+    assert state(fleet).ranks[0].effective_blocks == 0
+    assert is_free(fleet)
+
+
+def test_a_failed_request_is_released_by_this_frontends_count() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_decode_blocks=0.0))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=20)
+    assert in_flight is not None
+    feed.load(decode=2)
+    failed = wire.Failed(request_id=1, kind="engine", message="x", started_seq=1, ended_seq=3)
+    fleet.request_finished("w0", in_flight, failed)
+    assert is_free(fleet)
+
+
+def test_a_charge_made_at_the_pick_takes_the_workers_count_of_the_prompt() -> None:
+    fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=40))
+    fleet.register(config(total=10, block_size=16), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=30)  # this frontend's tokeniser
+    assert in_flight is not None
+    assert is_free(fleet)
+    fleet.request_started("w0", in_flight, 50)  # the worker's Started counts 50
+    rank = state(fleet).ranks[0]
+    assert (rank.own_prefill, rank.own_blocks) == (50, 4)
+    assert not is_free(fleet)
+    fleet.request_started("w0", in_flight, 0)  # a worker that does not say: unchanged
+    assert (rank.own_prefill, rank.own_blocks) == (50, 4)
+    fleet.request_output("w0", in_flight, 1)
+    fleet.request_started("w0", in_flight, 20)  # past its prefill: only the blocks move
+    assert (rank.own_prefill, rank.own_blocks) == (0, 2)
+    fleet.request_finished("w0", in_flight, held=False)
+    assert (rank.own_prefill, rank.own_blocks) == (0, 0)
+
+
+def test_the_share_of_l_leaves_out_only_the_releases_the_newest_event_counts() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(total=0), 0.0)
+    queue_event(feed, queued=0, engine=2, limit=4)  # seq 1: two running
+    assert state(fleet).load_cost == 0.5
+    first = fleet.request_sent("w0", prompt_tokens=0)
+    assert first is not None
+    fleet.request_finished("w0", first, end(0, 0, 5))  # seq 1 counts it: one running now
+    assert state(fleet).load_cost == 0.25
+    later = fleet.request_sent("w0", prompt_tokens=0)
+    assert later is not None
+    fleet.request_finished("w0", later, end(2, 2, 5))  # started after seq 1: not in it
+    assert state(fleet).load_cost == 0.25
+    assert len(state(fleet).releases) == 2
+
+
+def queue_event(
+    feed: Feed,
+    queued: int,
+    now: float = 0.0,
+    worker_id: str = "w0",
+    *,
+    ahead: list[tuple[int, int]] | None = None,
+    engine: int = 4,
+    limit: int | None = None,
+) -> None:
+    """A load event of an idle rank whose worker queues ``queued`` requests (``ahead``: its
+    figures by priority)."""
     event = wire.LoadEvent(
         seq=feed._next(worker_id),
         ts=0.0,
         load=wire.RankLoad(
             dp_rank=0, active_decode_blocks=0, active_prefill_tokens=0, kv_used_blocks=0
         ),
-        engine_requests=4,
+        engine_requests=engine,
         queued_requests=queued,
+        effective_limit=limit,
+        queue_ahead=ahead,
     )
     feed.fleet.apply(worker_id, event, now)
+
+
+def test_an_objectives_refusal_is_held_at_the_depth_of_its_priority_not_the_whole_queue() -> None:
+    # Ten queued, eight of them of a worse priority than the refused one: the worker would
+    # take the next request of priority 0 (2 ahead of it, B = 4), so the frontend must too.
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(), 0.0)
+    queue_event(feed, queued=10, ahead=[(0, 2), (5, 10)])
+    assert fleet.mark_long_queue("w0", 0.0, priority=0, queue_bound=4)
+    assert is_free(fleet)
+    fleet.request_pending("w0", 0.0, priority=5)  # a worse one: not ahead of priority 0
+    assert is_free(fleet)
+    fleet.request_pending("w0", 0.0, priority=-1)
+    fleet.request_pending("w0", 0.0, priority=0)  # 4 ahead of priority 0 now
+    assert not is_free(fleet)
+    assert not mark_admits(state(fleet), 5, "")
+    assert mark_admits(state(fleet), -1, "")
+    fleet.request_answered("w0", 0.01, priority=-1)
+    assert is_free(fleet)
+    queue_event(feed, queued=4, now=0.1, ahead=[(-3, 4)])  # four of a better priority
+    assert not is_free(fleet, now=0.1)
+    queue_event(feed, queued=1, now=0.2, ahead=[(7, 1)])  # one worse, about to start
+    assert is_free(fleet, now=0.2)
+
+
+def test_a_queue_timeout_is_held_at_the_depth_pictured_when_it_came() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(), 0.0)
+    queue_event(feed, queued=3, ahead=[(0, 3)])
+    fleet.mark_long_queue("w0", 0.0, priority=0)  # no depth named: 3, the picture's
+    assert not is_free(fleet)
+    queue_event(feed, queued=2, now=0.1, ahead=[(0, 2)])
+    assert is_free(fleet, now=0.1)
+    queue_event(feed, queued=3, now=0.2, ahead=[(0, 3)])
+    assert not is_free(fleet, now=0.2)
+    assert is_free(fleet, now=1.1)  # the lease ran out
 
 
 def test_an_objectives_refusal_holds_the_worker_only_while_its_queue_is_that_deep() -> None:
     fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(), 0.0)
     queue_event(feed, queued=3)
-    assert fleet.mark_slo("w0", 0.0, priority=0, queue_bound=4)
+    assert fleet.mark_long_queue("w0", 0.0, priority=0, queue_bound=4)
     assert is_free(fleet)  # 3 queued: an arrival would be the 4th, still admitted
     fleet.request_pending("w0", 0.0)  # on its way: 4 in the picture
     assert not is_free(fleet)
@@ -301,7 +415,7 @@ def test_an_objectives_refusal_holds_the_worker_only_while_its_queue_is_that_dee
     assert is_free(fleet, now=0.2)
     queue_event(feed, queued=9, now=1.5)  # the lease ran out: the refusal is forgotten
     assert is_free(fleet, now=1.5)
-    assert state(fleet).slo_bound is None
+    assert state(fleet).hold_bound is None
 
 
 def test_an_objectives_refusal_leaves_an_ordinary_mark_alone() -> None:
@@ -309,7 +423,7 @@ def test_an_objectives_refusal_leaves_an_ordinary_mark_alone() -> None:
     fleet.register(config(), 0.0)
     queue_event(feed, queued=0)
     fleet.mark_overloaded("w0", 0.0, 0, "")  # queue full: marked until the next event
-    fleet.mark_slo("w0", 0.1, priority=0, queue_bound=3)
+    fleet.mark_long_queue("w0", 0.1, priority=0, queue_bound=3)
     assert not is_free(fleet, now=0.1)
     queue_event(feed, queued=0, now=0.2)  # the event clears the mark; the queue is short
     assert is_free(fleet, now=0.2)
@@ -319,7 +433,7 @@ def test_an_older_workers_objective_refusal_holds_at_the_pictured_depth() -> Non
     fleet, feed = fleet_with(BusyThresholds())
     fleet.register(config(), 0.0)
     queue_event(feed, queued=2)
-    fleet.mark_slo("w0", 0.0, priority=0)  # no bound in the refusal: the depth pictured, 2
+    fleet.mark_long_queue("w0", 0.0, priority=0)  # no bound in the refusal: the depth pictured, 2
     assert not is_free(fleet)
     queue_event(feed, queued=1, now=0.1)
     assert is_free(fleet, now=0.1)

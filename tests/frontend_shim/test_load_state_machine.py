@@ -15,6 +15,7 @@ from load_feed import Feed, config, is_free, state
 
 from frontend_shim._free_sets import WorkerLoad, mark_admits
 from frontend_shim._load import Fleet
+from frontend_shim._queue_hold import picture
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -116,7 +117,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     def mark(self, worker_id: str, priority: int | None, tenant: str) -> None:
         worker = self.fleet.worker(worker_id)
         until = None if worker is None else worker.mark_until
-        if until is None or until <= self.now or (worker is not None and worker.slo_holds):
+        if until is None or until <= self.now or (worker is not None and worker.hold_marks):
             self.refusals[worker_id] = []  # a mark whose lease ran out starts afresh
         self.fleet.mark_overloaded(worker_id, self.now, priority, tenant)
         if worker is not None:
@@ -130,20 +131,23 @@ class FreeSetMachine(RuleBasedStateMachine):
         bound=st.none() | st.integers(1, 3),
     )
     def refuse_for_the_objective(self, worker_id: str, priority: int, bound: int | None) -> None:
-        self.fleet.mark_slo(worker_id, self.now, priority, bound)
+        self.fleet.mark_long_queue(worker_id, self.now, priority, bound)
 
-    @rule(worker_id=st.sampled_from(WORKERS), answered=st.booleans())
-    def pending_or_answered(self, worker_id: str, answered: bool) -> None:
+    @rule(
+        worker_id=st.sampled_from(WORKERS), answered=st.booleans(), priority=st.integers(-1, 1)
+    )
+    def pending_or_answered(self, worker_id: str, answered: bool, priority: int) -> None:
         if answered:
-            self.fleet.request_answered(worker_id, self.now)
+            self.fleet.request_answered(worker_id, self.now, priority)
         else:
-            self.fleet.request_pending(worker_id, self.now)
+            self.fleet.request_pending(worker_id, self.now, priority)
 
     @invariant()
     def an_objectives_mark_holds_exactly_while_the_queue_is_at_its_bound(self) -> None:
         for worker in self.fleet.workers():
-            if worker.slo_holds and worker.slo_bound is not None and worker.slo_until > self.now:
-                assert worker.queued_requests + worker.queue_delta >= worker.slo_bound
+            bound = worker.hold_bound
+            if worker.hold_marks and bound is not None and worker.hold_until > self.now:
+                assert picture(worker, worker.hold_priority) >= bound
 
     @rule(worker_id=st.sampled_from(WORKERS), prompt=st.integers(0, 30))
     def send(self, worker_id: str, prompt: int) -> None:
@@ -202,7 +206,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     @invariant()
     def a_mark_admits_a_class_iff_it_beats_every_refusal(self) -> None:
         for worker in self.fleet.workers():
-            if worker.mark_until is None or worker.mark_until <= self.now or worker.slo_holds:
+            if worker.mark_until is None or worker.mark_until <= self.now or worker.hold_marks:
                 continue
             refusals = self.refusals[worker.worker_id]
             best = min(p for p, _ in refusals)

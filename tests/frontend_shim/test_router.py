@@ -124,10 +124,25 @@ def test_all_marked_is_529_until_the_lease_ends() -> None:
     fleet, _ = fleet_of(2)
     router = Router(fleet)
     router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0)
-    router.on_rejected("w1", wire.REASON_QUEUE_TIMEOUT, 0.5)
+    router.on_rejected("w1", wire.REASON_DISPLACED_PRIORITY, 0.5)
     assert router.pick(MODEL, 0.9) == AllBusy()
     assert picked(router.pick(MODEL, 1.0)) == "w0"
     assert {picked(router.pick(MODEL, 1.5)) for _ in range(4)} == {"w0", "w1"}
+
+
+def test_a_queue_timeout_marks_the_worker_only_while_its_queue_is_as_deep() -> None:
+    # It shows a long wait, not a full worker: with nothing queued there any more, the next
+    # request of its class would start at once, so the worker stays free.
+    fleet, _ = fleet_of(1)
+    router = Router(fleet)
+    router.on_rejected("w0", wire.REASON_QUEUE_TIMEOUT, 0.0, priority=0)
+    assert picked(router.pick(MODEL, 0.1)) == "w0"
+    fleet.request_pending("w0", 0.1, 0)
+    fleet.request_pending("w0", 0.1, 0)
+    router.on_rejected("w0", wire.REASON_QUEUE_TIMEOUT, 0.2, priority=0)
+    assert router.pick(MODEL, 0.3) == AllBusy()  # two queued, as when it came
+    fleet.request_answered("w0", 0.4, 0)
+    assert picked(router.pick(MODEL, 0.5)) == "w0"
 
 
 def test_busy_and_marked_workers_are_skipped() -> None:
