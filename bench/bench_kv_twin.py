@@ -1,0 +1,156 @@
+"""Where cache-aware routing pays: a trace window replayed on a virtual clock (``bench/kv_twin.py``)
+at several rates and prompt lengths, in round-robin, ``kv`` and ``kv`` without prefix caching.
+
+Run from the repository's root::
+
+    python -m bench.bench_kv_twin --trace PATH/conversation_trace.jsonl \\
+        --trace-duration 600 --length-scales 0.125,0.5 --time-scales 0.25,0.2 \\
+        [--scales 1,4,16] [--workers 4] [--cache-share 0.333]
+
+The window is cut, scaled and sized as ``bench/bench_prefix.py`` does it (the same load generator
+functions, the caches of all workers together holding ``--cache-share`` of the window's distinct
+blocks), so a row here and the same row through real processes can be read side by side. Each
+``--scales`` value adds ``kv`` rows with that ``--router-prefill-load-scale``. The whole grid
+runs in seconds to minutes of one core, and gives the same figures on any machine.
+
+Per row: TTFT p50 / p90 (arrival at the frontend to first token there), the hit rate
+(``cached_tokens`` over prompt tokens), the busiest worker's share of requests, and ``kv``'s
+TTFT p50 over round-robin's and over ``kv`` without caching at the same scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from bench.bench_prefix import TRACE_WANTED, Window, load_generator, make_plan
+from bench.kv_twin import Request, TwinResult, replay
+from frontend_shim._kv_cost import CostWeights
+
+
+def requests_of(items: Sequence[Any]) -> list[Request]:
+    """The twin's requests for the load generator's replay items.
+
+    A block's name chains the trace's block ids as :func:`shim_common.prefix.block_names`
+    chains token ids: equal names mean equal prefixes, and a partial last block has none.
+    """
+    out = []
+    for item in items:
+        full = item.prompt_tokens // item.block_tokens
+        names: list[int] = []
+        parent = b"root"
+        for block in range(full):
+            block_id = item.hash_ids[block] if block < len(item.hash_ids) else -1 - item.index
+            digest = hashlib.blake2b(parent + block_id.to_bytes(8, "little", signed=True))
+            parent = digest.digest()[:8]
+            names.append(int.from_bytes(parent, "little") >> 1)
+        out.append(Request(item.arrival, item.prompt_tokens, item.max_tokens, tuple(names)))
+    return out
+
+
+def _row(label: str, result: TwinResult) -> str:
+    return (
+        f"| {label} | {result.hit_rate:.3f} | {result.ttft_p50 * 1000:.1f} |"
+        f" {result.ttft_p90 * 1000:.1f} | {result.busiest_share:.0%} |"
+    )
+
+
+def run_regime(
+    generator: ModuleType,
+    window: Window,
+    *,
+    workers: int,
+    share: float,
+    scales: Sequence[float],
+) -> list[str]:
+    """The table of one window and scale: round-robin, then ``kv`` at each prefill scale."""
+    plan = make_plan(generator, window, workers, share, None)
+    items = generator.scale_requests(
+        generator.select_window(
+            generator.read_trace(window.trace), start=window.start, duration=window.duration
+        ),
+        time_scale=window.time_scale,
+        length_scale=window.length_scale,
+    )
+    requests = requests_of(items)
+    run = functools.partial(
+        replay,
+        requests,
+        workers=workers,
+        block_size=plan.block_tokens,
+        num_blocks=plan.blocks_per_worker,
+    )
+    lines = [
+        f"length x {window.length_scale:g}, time x {window.time_scale:g}:"
+        f" {plan.requests} requests, {plan.requests / max(plan.span, 1e-9):.1f} req/s,"
+        f" {plan.block_tokens} tokens a block, {workers} workers x {plan.blocks_per_worker}"
+        f" blocks; unbounded cache {plan.unbounded_hit_rate:.3f}, one LRU cache of all"
+        f" {plan.pooled_hit_rate:.3f}",
+        "",
+        "| mode | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | busiest worker |",
+        "|---|---|---|---|---|",
+    ]
+    rr = run(mode="round-robin")
+    lines.append(_row("round-robin", rr))
+    ratios = []
+    for scale in scales:
+        weights = CostWeights(prefill_load_scale=scale)
+        kv = run(mode="kv", weights=weights)
+        off = run(mode="kv", weights=weights, prefix_caching=False)
+        lines.append(_row(f"kv, scale {scale:g}", kv))
+        lines.append(_row(f"kv, scale {scale:g}, no prefix caching", off))
+        ratios.append(
+            f"scale {scale:g}: kv TTFT p50 / round-robin's {kv.ttft_p50 / rr.ttft_p50:.2f},"
+            f" / kv without caching {kv.ttft_p50 / off.ttft_p50:.2f};"
+            f" hit rate / round-robin's {kv.hit_rate / max(rr.hit_rate, 1e-9):.2f},"
+            f" / unbounded {kv.hit_rate / max(plan.unbounded_hit_rate, 1e-9):.2f}"
+        )
+    return [*lines, "", *ratios, ""]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, required=True, help=TRACE_WANTED)
+    parser.add_argument("--trace-start", type=float, default=0.0)
+    parser.add_argument("--trace-duration", type=float, default=600.0)
+    parser.add_argument("--time-scales", default="0.25", help="comma-separated")
+    parser.add_argument("--length-scales", default="0.125", help="comma-separated")
+    parser.add_argument("--scales", default="1", help="kv's prefill load scales, comma-separated")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--cache-share", type=float, default=1.0 / 3)
+    options = parser.parse_args(argv)
+    if not options.trace.is_file():
+        parser.error(f"--trace {options.trace}: no such file; want {TRACE_WANTED}")
+    generator = load_generator()
+    for length_scale in _floats(options.length_scales):
+        for time_scale in _floats(options.time_scales):
+            window = Window(
+                options.trace,
+                start=options.trace_start,
+                duration=options.trace_duration,
+                time_scale=time_scale,
+                length_scale=length_scale,
+            )
+            lines = run_regime(
+                generator,
+                window,
+                workers=options.workers,
+                share=options.cache_share,
+                scales=_floats(options.scales),
+            )
+            print("\n".join(lines), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
