@@ -20,11 +20,24 @@ Rules:
    ``(OP_PING, payload)``, ``(OP_PONG, payload)``, ``(OP_CLOSE, payload)``. A fragmented message
    is returned once, whole. A partial frame waits for more bytes.
 4. Size cap: a data frame whose header declares more than ``max_message_bytes`` (counting the
-   fragments before it) raises :class:`MessageTooBig` (close 1009) before its payload is read,
-   so a peer cannot make the reader buffer more than the cap. Control frames are at most 125
-   bytes and never fragmented.
+   fragments before it, and the headers of its continuation frames) raises
+   :class:`MessageTooBig` (close 1009) before its payload is read, so a peer cannot make the
+   reader buffer more than the cap. Control frames are at most 125 bytes and never fragmented.
 5. Frames to the server are masked with a fresh random key (:func:`encode_frame`), taken from
    the operating system's random bytes, read for many keys at once.
+6. Frames per message: a message may come in at most :data:`MESSAGE_FRAMES` frames plus one per
+   :data:`MESSAGE_FRAME_BYTES` bytes of it received before (the bound the HTTP server puts on a
+   body's chunks); the frame past it is a :class:`WebSocketProtocolError` from its header.
+   Each fragment is held until the message ends, so endless empty fragments, under every size
+   cap, would otherwise grow the reader without bound.
+7. First message: with ``pause_after_first``, the reader stops at the end of the first data
+   message (a plane's hello, read under a small cap): what came after it in the same call is
+   held unparsed, and so is anything given to it later, until :meth:`FrameReader.limit` sets the
+   cap of the messages after it and gives those bytes back (the caller does so as soon as it has
+   accepted the first message, before it reads again). A peer thus cannot make the reader hold
+   more than the small cap, plus one read, before what it announced about itself is checked.
+8. The bytes of an incomplete frame are held in one buffer that grows in place: a frame dribbled
+   a byte per read costs its size, not an object per read.
 """
 
 from __future__ import annotations
@@ -51,6 +64,8 @@ __all__ = [
     "HandshakeError",
     "HandshakeReader",
     "HandshakeRejected",
+    "MESSAGE_FRAMES",
+    "MESSAGE_FRAME_BYTES",
     "MessageTooBig",
     "WebSocketProtocolError",
     "close_payload",
@@ -65,6 +80,11 @@ OP_BINARY: Final = 0x2
 OP_CLOSE: Final = 0x8
 OP_PING: Final = 0x9
 OP_PONG: Final = 0xA
+
+#: Frames any message may come in (rule 6) ...
+MESSAGE_FRAMES: Final = 1024
+#: ... and one more for every this many bytes of it received.
+MESSAGE_FRAME_BYTES: Final = 256
 
 _GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 #: Most of a rejected handshake's body kept for the error message.
@@ -278,61 +298,76 @@ def parse_close(payload: bytes) -> tuple[int, str]:
 
 
 class FrameReader:
-    """Turns bytes from the server into messages and control frames (rules 2-4).
+    """Turns bytes from the server into messages and control frames (rules 2-4, 6-8).
 
     Args:
-        max_message_bytes: The largest message accepted (rule 4).
+        max_message_bytes: The largest message accepted (rule 4), until :meth:`limit`.
+        pause_after_first: Stop after the first message until :meth:`limit` (rule 7).
     """
 
     __slots__ = (
+        "_first",
         "_fragment_opcode",
         "_fragments",
         "_fragments_size",
-        "_held",
+        "_frames",
         "_max",
         "_needed",
+        "_paused",
         "_pending",
     )
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, *, pause_after_first: bool = False) -> None:
         self._max = max_message_bytes
-        # The bytes of an incomplete frame, as they arrived: joined once, when they are enough
-        # for the frame (``_needed`` bytes), never copied piece by piece. Joining at every read
-        # would copy a large message once per read, quadratic in its size (the receive-buffer
-        # trap h11 fixed too).
-        self._pending: list[bytes] = []
-        self._held = 0
+        self._first = pause_after_first
+        self._paused = False
+        # The bytes of an incomplete frame (or, paused, everything after the first message), as
+        # they arrived, in one buffer that grows in place and is read once it holds enough for
+        # the frame (``_needed`` bytes). Joining at every read would copy a large message once
+        # per read, quadratic in its size (the receive-buffer trap h11 fixed too); a list of
+        # the reads would cost an object per read, 40 times a frame dribbled a byte at a time.
+        self._pending = bytearray()
         self._needed = 0
         self._fragments: list[bytes] = []
         self._fragment_opcode = 0
+        # The message's size so far (its fragments and their continuation headers) and frames.
         self._fragments_size = 0
+        self._frames = 0
 
-    def limit(self, max_message_bytes: int) -> None:
-        """Accept messages of at most ``max_message_bytes`` from now on (rule 4), the frame
-        under way included: its header, held with it, is read again at the next call."""
+    def limit(self, max_message_bytes: int) -> bytes:
+        """Accept messages of at most ``max_message_bytes`` from now on (rules 4 and 7).
+
+        Returns:
+            The bytes held unparsed (a frame under way, or what followed the first message),
+            given back and forgotten here: the caller passes them to :meth:`receive` first.
+        """
         self._max = max_message_bytes
+        self._first = self._paused = False
+        held = bytes(self._pending)
+        self._pending = bytearray()
         self._needed = 0
+        return held
 
     @property
     def buffered(self) -> int:
         """Bytes of an incomplete frame held for the next call."""
-        return self._held
+        return len(self._pending)
 
     def receive(self, data: bytes) -> list[tuple[int, bytes]]:
         """Every complete message and control frame in what arrived so far, in order.
 
         Raises:
-            WebSocketProtocolError: a masked frame, reserved bits, a bad opcode or sequence.
+            WebSocketProtocolError: a masked frame, reserved bits, a bad opcode or sequence, a
+                message in too many frames.
             MessageTooBig: a message over the cap.
         """
-        if self._pending:
-            self._pending.append(data)
-            self._held += len(data)
-            if self._held < self._needed:
-                return []  # the frame is still incomplete: nothing is copied
-            buffer = b"".join(self._pending)
-            self._pending = []
-            self._held = 0
+        pending = self._pending
+        if pending or self._paused:
+            pending += data
+            if self._paused or len(pending) < self._needed:
+                return []  # the frame is still incomplete (or paused: rule 7)
+            buffer = bytes(pending)
+            self._pending = bytearray()
         else:
             buffer = data
         out: list[tuple[int, bytes]] = []
@@ -359,43 +394,71 @@ class FrameReader:
                 length = int.from_bytes(buffer[position + 2 : position + 10], "big")
                 head = 10
             opcode = first & 0x0F
-            if opcode < OP_CLOSE and self._fragments_size + length > self._max:
-                raise MessageTooBig(f"a message over {self._max} bytes")
+            if opcode < OP_CLOSE and (
+                opcode == OP_CONTINUATION or self._fragments_size + length > self._max
+            ):
+                self._check_bounds(opcode, head, length)
             end = position + head + length
             if end > size:
                 needed = head + length
                 break
             payload = buffer[position + head : end]
             position = end
-            if first & 0x80 and opcode in (OP_BINARY, OP_TEXT) and not self._fragments:
+            if first & 0x80 and opcode in (OP_BINARY, OP_TEXT) and not self._frames:
                 out.append((opcode, payload))  # the common case: one whole message
-            else:
-                self._frame(first & 0x80, opcode, payload, out)
+            elif not self._frame(first & 0x80, opcode, head, payload, out):
+                continue
+            if self._first and opcode < OP_CLOSE:
+                self._paused = True  # rule 7: nothing more is parsed until limit()
+                break
         if position < size:
             # At most one read's worth: what came after the last complete frame.
-            self._pending = [buffer[position:]]
-            self._held = size - position
+            self._pending += memoryview(buffer)[position:]
             self._needed = needed
         return out
 
-    def _frame(self, fin: int, opcode: int, payload: bytes, out: list[tuple[int, bytes]]) -> None:
+    def _check_bounds(self, opcode: int, head: int, length: int) -> None:
+        """Rules 4 and 6 for the header of a data frame, before its payload is read."""
+        so_far = self._fragments_size
+        if opcode == OP_CONTINUATION:
+            bound = MESSAGE_FRAMES + so_far // MESSAGE_FRAME_BYTES
+            if self._frames >= bound:
+                raise WebSocketProtocolError(
+                    f"more than {bound} frames in one message of {so_far} bytes so far "
+                    f"({MESSAGE_FRAMES} and one per {MESSAGE_FRAME_BYTES} bytes accepted)"
+                )
+            length += head
+        if so_far + length > self._max:
+            raise MessageTooBig(f"a message over {self._max} bytes")
+
+    def _frame(
+        self, fin: int, opcode: int, head: int, payload: bytes, out: list[tuple[int, bytes]]
+    ) -> bool:
+        """Take a control frame or a fragment; True when it was a control frame or ended a
+        message (which is then in ``out``)."""
         if opcode >= OP_CLOSE:
             if opcode not in (OP_CLOSE, OP_PING, OP_PONG) or not fin or len(payload) > 125:
                 raise WebSocketProtocolError(f"a bad control frame (opcode {opcode})")
             out.append((opcode, payload))
-            return
+            return True
         if opcode == OP_CONTINUATION:
-            if not self._fragments:
+            if not self._frames:
                 raise WebSocketProtocolError("a continuation frame with nothing to continue")
+            # Its header counts toward the message's size (rule 4), as its payload does.
+            self._fragments_size += head + len(payload)
         elif opcode in (OP_BINARY, OP_TEXT):
-            if self._fragments:
+            if self._frames:
                 raise WebSocketProtocolError("a new message inside a fragmented one")
             self._fragment_opcode = opcode
+            self._fragments_size = len(payload)
         else:
             raise WebSocketProtocolError(f"an unknown opcode {opcode}")
         self._fragments.append(payload)
-        self._fragments_size += len(payload)
-        if fin:
-            out.append((self._fragment_opcode, b"".join(self._fragments)))
-            self._fragments = []
-            self._fragments_size = 0
+        self._frames += 1
+        if not fin:
+            return False
+        out.append((self._fragment_opcode, b"".join(self._fragments)))
+        self._fragments = []
+        self._fragments_size = 0
+        self._frames = 0
+        return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import tracemalloc
 
 import pytest
 from hypothesis import given
@@ -24,6 +25,7 @@ from wsproto.events import (
 )
 
 from frontend_shim._websocket import (
+    MESSAGE_FRAMES,
     OP_BINARY,
     OP_CLOSE,
     OP_CONTINUATION,
@@ -231,6 +233,75 @@ def test_fragments_count_together_against_the_cap() -> None:
     reader.receive(unmasked(OP_BINARY, b"x" * 60, fin=False))
     with pytest.raises(MessageTooBig):
         reader.receive(unmasked(OP_CONTINUATION, b"x" * 60))
+
+
+def test_continuation_headers_count_toward_the_cap() -> None:
+    reader = FrameReader(100)
+    reader.receive(unmasked(OP_BINARY, b"x" * 60, fin=False))
+    # 60 + 38 bytes of payload and a 2-byte header: exactly the cap.
+    assert reader.receive(unmasked(OP_CONTINUATION, b"x" * 38)) == [(OP_BINARY, b"x" * 98)]
+    reader.receive(unmasked(OP_BINARY, b"x" * 60, fin=False))
+    with pytest.raises(MessageTooBig):
+        reader.receive(unmasked(OP_CONTINUATION, b"x" * 39))
+
+
+def test_a_message_in_endless_empty_fragments_is_refused_within_its_frame_bound() -> None:
+    # Each empty fragment is under every size cap and no control frame; before, each was held
+    # (59 MB of them grew a frontend by 239 MB, the session never ended).
+    # The bound is 1,024 frames and one per 256 bytes: their 2-byte headers count, so 1,031
+    # frames in all pass and the next is refused from its header.
+    reader = FrameReader(CAP)
+    empty = unmasked(OP_CONTINUATION, b"", fin=False)
+    assert reader.receive(unmasked(OP_BINARY, b"", fin=False) + empty * (MESSAGE_FRAMES + 6)) == []
+    with pytest.raises(WebSocketProtocolError, match="more than 1032 frames in one message"):
+        reader.receive(empty * 100_000)
+
+
+def test_a_message_in_many_fragments_of_a_few_hundred_bytes_is_read_whole() -> None:
+    # 1,024 frames and one more per 256 bytes: 4,096 fragments of 256 bytes fit, as does a
+    # message of 1,024 empty fragments and a last one.
+    piece = b"y" * 256
+    data = unmasked(OP_BINARY, piece, fin=False)
+    data += unmasked(OP_CONTINUATION, piece, fin=False) * 4094 + unmasked(OP_CONTINUATION, piece)
+    assert FrameReader(CAP * 2).receive(data) == [(OP_BINARY, piece * 4096)]
+    empty = unmasked(OP_BINARY, b"", fin=False) + unmasked(OP_CONTINUATION, b"", fin=False) * 1022
+    assert FrameReader(CAP).receive(empty + unmasked(OP_CONTINUATION, b"z")) == [(OP_BINARY, b"z")]
+
+
+def test_a_frame_dribbled_a_byte_per_read_is_held_at_about_its_size() -> None:
+    # One object per read cost about 40 times the frame (a worker sending one byte per TCP
+    # segment); one buffer grown in place costs a small multiple of it.
+    size = 64 * 1024
+    message = os.urandom(size)
+    frame = unmasked(OP_BINARY, message)
+    reader = FrameReader(CAP)
+    pieces = [frame[at : at + 1] for at in range(len(frame))]
+    got: list[tuple[int, bytes]] = []
+    tracemalloc.start()
+    try:
+        for piece in pieces:
+            got = reader.receive(piece)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == [(OP_BINARY, message)]
+    assert peak < 8 * size, peak
+
+
+def test_the_first_message_is_read_under_its_cap_and_nothing_after_it_until_the_limit() -> None:
+    hello, batch = b"h" * 50, b"b" * 1000
+    data = unmasked(OP_PING, b"p") + unmasked(OP_BINARY, hello) + unmasked(OP_BINARY, batch)
+    reader = FrameReader(100, pause_after_first=True)
+    # The ping before it is answered as ever; what follows the hello is held, unparsed (the
+    # batch is over the first cap, and is no error before the caller sets the next one).
+    assert reader.receive(data[:30]) == [(OP_PING, b"p")]
+    assert reader.receive(data[30:]) == [(OP_BINARY, hello)]
+    assert reader.receive(unmasked(OP_BINARY, b"later")) == []
+    held = reader.limit(2000)
+    assert reader.receive(held) == [(OP_BINARY, batch), (OP_BINARY, b"later")]
+    # A first message over the first cap is refused from its header.
+    with pytest.raises(MessageTooBig):
+        FrameReader(100, pause_after_first=True).receive(unmasked(OP_BINARY, b"x" * 101)[:4])
 
 
 @pytest.mark.parametrize(
