@@ -32,10 +32,12 @@ Rules:
    ``control_frames_per_second`` (a worker pings each plane every few seconds and pongs only
    what it is pinged). One past the bound raises :class:`ProtocolError`: a worker flooding
    pings would otherwise have the frontend write a pong for each, at a core's worth of CPU.
-7. :meth:`PlaneConnection.limit_messages` lowers the size cap once the hello says how large the
+7. :meth:`PlaneConnection.limit_messages` sets the size cap once the hello says how large the
    worker's messages can be (the event plane's bound, :mod:`frontend_shim._worker_hello`): a
    frame announcing more raises :class:`ProtocolError` from its header, before its payload is
-   read or held.
+   read or held. A connection opened with ``pause_after_first`` reads its first message (the
+   hello) under the cap it was opened with, and nothing after it until then (rule 7 of
+   :mod:`frontend_shim._websocket`); what came with the hello is read first afterwards.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class PlaneConnection:
         *,
         control_frames_per_second: float = CONTROL_FRAMES_PER_SECOND,
         control_burst: int = CONTROL_BURST,
+        pause_after_first: bool = False,
     ) -> None:
         self.path = path
         #: The subprotocol the worker accepted, if any.
@@ -167,7 +170,7 @@ class PlaneConnection:
         self.ping_sent_at: float | None = None
         self.send_started_at: float | None = None
         self._stream = stream
-        self._reader = FrameReader(max_message_bytes)
+        self._reader = FrameReader(max_message_bytes, pause_after_first=pause_after_first)
         self._control_rate = ControlFrameRate(
             control_frames_per_second, control_burst, self.last_received
         )
@@ -185,7 +188,8 @@ class PlaneConnection:
 
     def limit_messages(self, max_message_bytes: int) -> None:
         """Accept messages of at most ``max_message_bytes`` from now on (rule 7)."""
-        self._reader.limit(max_message_bytes)
+        # What the reader held (a frame under way, what came with the hello) is read first.
+        self._first_bytes = self._reader.limit(max_message_bytes) + self._first_bytes
 
     @property
     def reads_in_place(self) -> bool:
@@ -358,6 +362,7 @@ async def open_plane(
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
     max_message_bytes: int,
+    pause_after_first: bool = False,
     receive_buffer: int | None = None,
 ) -> PlaneConnection:
     """Connect to ``host:port``, upgrade ``path`` and return the open connection.
@@ -372,7 +377,10 @@ async def open_plane(
         subprotocols: Subprotocols offered (the chosen one is the connection's ``subprotocol``).
         ssl_context: TLS for ``wss://``; ``None`` for plain ``ws://``.
         server_hostname: The name the certificate must carry (default: ``host``).
-        max_message_bytes: The size cap of one message.
+        max_message_bytes: The size cap of one message, until
+            :meth:`~PlaneConnection.limit_messages`.
+        pause_after_first: Read nothing after the first message until
+            :meth:`~PlaneConnection.limit_messages` (rule 7).
         receive_buffer: ``SO_RCVBUF`` to ask of the kernel (``None``: the default).
 
     Raises:
@@ -400,7 +408,12 @@ async def open_plane(
             first_bytes = answer.receive(bytes(await stream.receive_some(RECEIVE_BYTES)))
             if first_bytes is not None:
                 return PlaneConnection(
-                    stream, path, first_bytes, max_message_bytes, answer.subprotocol
+                    stream,
+                    path,
+                    first_bytes,
+                    max_message_bytes,
+                    answer.subprotocol,
+                    pause_after_first=pause_after_first,
                 )
     except BaseException:
         await trio.aclose_forcefully(stream)

@@ -16,9 +16,12 @@ Rules of a session (the state machine of a link):
    a link waiting its turn behind 2,000 others has not been slow); the protocol versions must be
    :data:`wire.PROTOCOL_VERSION`, the announced sizes within the bounds of
    :mod:`frontend_shim._worker_hello`, and the worker ids must agree -> ``up`` (``worker_up``).
-   From then on the worker's event messages may be at most the size its hello implies
-   (:func:`~frontend_shim._worker_hello.event_message_bound`), and its control frames come at
-   a bounded rate (:mod:`frontend_shim._connection`, rule 6). A worker that lists
+   Each hello, and anything before it, is read under
+   :data:`~frontend_shim._worker_hello.MAX_HELLO_BYTES`, and nothing after it until it is
+   accepted. From then on the worker's event messages may be at most the size its hello implies
+   (:func:`~frontend_shim._worker_hello.event_message_bound`), its request-plane messages the
+   protocol's cap, and its control frames come at a bounded rate
+   (:mod:`frontend_shim._connection`, rule 6). A worker that lists
    :data:`wire.FEATURE_BUSY_EDGES` is sent a :class:`wire.Subscribe` at once (even with no
    thresholds to send: the worker keeps its event-plane places for subscribers that subscribed)
    and the thresholds of its model in it, again whenever they change; one that lists
@@ -116,7 +119,7 @@ from frontend_shim._request_plane import (
     unavailable,
 )
 from frontend_shim._websocket import HandshakeError
-from frontend_shim._worker_hello import event_message_bound, refusal
+from frontend_shim._worker_hello import MAX_HELLO_BYTES, event_message_bound, refusal
 from shim_common import wire
 from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
@@ -499,7 +502,9 @@ class WorkerLink:
             subprotocols=subprotocols,
             ssl_context=ssl_context,
             server_hostname=self._server_hostname,
-            max_message_bytes=wire.MAX_MESSAGE_BYTES,
+            # Rule 1: the hello under a small cap; _serve raises it once the hello is accepted.
+            max_message_bytes=MAX_HELLO_BYTES,
+            pause_after_first=True,
             receive_buffer=receive_buffer,
         )
 
@@ -518,8 +523,6 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
-        # Rule 1: the hello bounds the size of the worker's event messages from now on.
-        events.limit_messages(event_message_bound(config, hello.features))
         self._kv_listener = (
             self._listener
             if self._settings.kv_events
@@ -528,6 +531,10 @@ class WorkerLink:
             else None
         )
         self.kv_events = self._kv_listener is not None
+        # Rule 1: the hello bounds the size of the worker's event messages from now on (with
+        # room for KV events only when this link asks for them).
+        events.limit_messages(event_message_bound(config, kv_events=self.kv_events))
+        requests.limit_messages(wire.MAX_MESSAGE_BYTES)
         self._events = events
         self.lag = self._new_lag_meter()
         self._up(config, plane)
@@ -728,8 +735,8 @@ class WorkerLink:
 
 
 async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:
+    # The hello comes alone: what followed it waits in the reader until its cap is raised.
     messages = await connection.messages()
-    # What came with the hello in the same read is the reader's.
     connection.unread(messages[1:])
     try:
         message = decode(messages[0])

@@ -13,7 +13,11 @@ and nothing of the worker reaches the load state.
   whatever it claims.
 - Counts (``kv_total_blocks``, ``block_size``, ``max_num_batched_tokens``, ``max_num_seqs``,
   ``request_queue_limit``, ``engine_request_limit`` when set): of the kind
-  :data:`~shim_common._numbers.COUNT` (0 to 2**53), as the worker's own flags are.
+  :data:`~shim_common._numbers.COUNT` (0 to 2**53), as the worker's own flags are; and
+  ``kv_total_blocks`` at most :data:`MAX_KV_BLOCKS` (64 Mi) a rank, more than any engine's
+  cache holds: at one token a block (SGLang's pages) that is some 400 GB of the smallest
+  models' cache in FP8 (6 KB a token), more than a GPU has. What a worker claims of its cache
+  sizes what the frontend lets it send and keeps for it.
 - ``heartbeat_interval``: more than 0 and at most :data:`MAX_HEARTBEAT_INTERVAL` (60 s), the
   range of the worker's own ``--heartbeat-interval``. A hello outside it is refused, not
   clamped: the link judges a worker gone after three heartbeat intervals of silence, and the
@@ -23,19 +27,24 @@ and nothing of the worker reaches the load state.
 - ``load_publish_interval``: of the kind :data:`~shim_common._numbers.SECONDS`, at most
   :data:`MAX_INTERVAL` (it spaces the worker's batches, not its heartbeats).
 
+The hello itself, and anything a peer sends before it, is read under :data:`MAX_HELLO_BYTES`
+(16 KiB; the largest hello these bounds accept is about 3.5 KB, with every name at its longest
+in four-byte characters; a typical one is 400 bytes, however many ranks it announces).
+
 Once accepted, the hello also bounds the size of the worker's event messages
 (:func:`event_message_bound`): the largest batch of its load (one load event per rank and a
 heartbeat repeating every rank, about 310 bytes a rank at the widest integers) with room to
-spare, and, for a worker that lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`, the largest
-batch of KV events besides (a snapshot of every block of every rank, or the backlog the worker
-lets pile up before it sends a snapshot instead: an event per block). A message over it ends
-the session from its frame's header (the link backs off), so a peer that claims to be a worker
-cannot make the frontend read, hold and decode megabytes at a time.
+spare, and, when this frontend subscribed to the worker's KV events (it asked for them, in
+``kv`` router mode, and the worker lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`), the
+largest batch of KV events besides (a snapshot of every block of every rank, or the backlog the
+worker lets pile up before it sends a snapshot instead: an event per block). A worker sends no
+KV events to a frontend that did not ask, so listing the feature earns it nothing there. A
+message over the bound ends the session from its frame's header (the link backs off), so a peer
+that claims to be a worker cannot make the frontend read, hold and decode megabytes at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Final
 
 from shim_common import wire
@@ -43,6 +52,8 @@ from shim_common._numbers import COUNT, RANKS, SECONDS, Kind, NumberError
 
 __all__ = [
     "MAX_COUNT",
+    "MAX_HELLO_BYTES",
+    "MAX_KV_BLOCKS",
     "MAX_DATA_PARALLEL_SIZE",
     "MAX_HEARTBEAT_INTERVAL",
     "MAX_INTERVAL",
@@ -56,6 +67,10 @@ __all__ = [
 MAX_DATA_PARALLEL_SIZE: Final = RANKS.high
 #: Largest announced count (blocks, tokens, sequences, queue places): the kind's bound.
 MAX_COUNT: Final = COUNT.high
+#: Largest announced cache, in blocks a rank.
+MAX_KV_BLOCKS: Final = 2**26
+#: Largest first message of either plane (the hello), before it is accepted.
+MAX_HELLO_BYTES: Final = 16 * 1024
 #: Longest announced publish interval, in seconds.
 MAX_INTERVAL: Final = 3600.0
 #: Longest announced heartbeat interval, in seconds: where the worker's own flag stops.
@@ -96,6 +111,8 @@ def refusal(config: wire.RuntimeConfig) -> str | None:
     for name, count in counts.items():
         if count is not None and not _of_kind(COUNT, count):
             return f"{name} {count} (0 to {MAX_COUNT} accepted)"
+    if config.kv_total_blocks > MAX_KV_BLOCKS:
+        return f"kv_total_blocks {config.kv_total_blocks} (0 to {MAX_KV_BLOCKS} accepted)"
     heartbeat = config.heartbeat_interval
     if not (_of_kind(SECONDS, heartbeat) and 0 < heartbeat <= MAX_HEARTBEAT_INTERVAL):
         return (
@@ -116,11 +133,12 @@ def _of_kind(kind: Kind[int] | Kind[float], value: object) -> bool:
     return True
 
 
-def event_message_bound(config: wire.RuntimeConfig, features: Sequence[str]) -> int:
-    """The largest event message accepted from a worker whose accepted hello is ``config`` and
-    ``features`` (bytes, at most :data:`~shim_common.wire.MAX_MESSAGE_BYTES`)."""
+def event_message_bound(config: wire.RuntimeConfig, *, kv_events: bool = False) -> int:
+    """The largest event message accepted from a worker whose accepted hello is ``config``
+    (bytes, at most :data:`~shim_common.wire.MAX_MESSAGE_BYTES`); ``kv_events``: this frontend
+    subscribed to the worker's KV events."""
     ranks = config.data_parallel_size
     bound = EVENT_MESSAGE_BASE_BYTES + EVENT_MESSAGE_RANK_BYTES * ranks
-    if wire.FEATURE_KV_EVENTS in features:
+    if kv_events:
         bound += EVENT_MESSAGE_BLOCK_BYTES * config.kv_total_blocks * ranks
     return min(bound, wire.MAX_MESSAGE_BYTES)

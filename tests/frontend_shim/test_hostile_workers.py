@@ -1,9 +1,10 @@
 """A peer that claims to be a worker and then misbehaves, played by hand against a real frontend.
 
 After a valid hello on both planes the peer breaks the protocol on its event plane: a message
-that does not decode, one far over the size its hello implies, a flood of pings. Each time the
-frontend ends the session, keeps serving, and redials at a doubling delay (one warning line for
-the streak), not every 50 ms.
+that does not decode, one far over the size its hello implies (whatever cache it claims), a
+flood of pings, a message in endless empty fragments; or its hello itself is far too large. Each
+time the frontend ends the session (without reading what is too large), keeps serving, and
+redials at a doubling delay (one warning line for the streak), not every 50 ms.
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ from worker_configs import runtime_config
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._connection import CONTROL_BURST
-from frontend_shim._worker_hello import event_message_bound
+from frontend_shim._websocket import MESSAGE_FRAMES
+from frontend_shim._worker_hello import MAX_HELLO_BYTES, event_message_bound
 from shim_common import wire
 
 #: Seconds the frontend is watched redialling the peer.
 WATCH = 3.0
 HELLO = wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=runtime_config())
+#: A hello listing KV events with a cache of 262,144 blocks: 64 bytes a block would allow a
+#: 16 MiB message, but a frontend that did not ask for KV events (round-robin) allows none.
+KV_HELLO = wire.Hello(
+    protocol_version=wire.PROTOCOL_VERSION,
+    config=runtime_config(kv_total_blocks=1 << 18),
+    features=[wire.FEATURE_KV_EVENTS],
+)
 #: 14 MiB: under the protocol's general cap, far over what a one-rank worker's events need.
 HUGE = 14 * 1024 * 1024
 
@@ -54,6 +63,29 @@ async def huge_batch(stream: trio.SocketStream) -> None:
     await trio.sleep_forever()
 
 
+async def huge_hello(stream: trio.SocketStream) -> None:
+    # A first message of 1 MiB: the frontend must close from its header, under the hello's cap.
+    size = 1 << 20
+    await stream.send_all(bytes([0x82, 127]) + struct.pack("!Q", size))
+    with contextlib.suppress(trio.BrokenResourceError):
+        for _ in range(size >> 16):
+            await stream.send_all(b"x" * (1 << 16))
+        raise AssertionError("the frontend read a 1 MiB hello")
+    await trio.sleep_forever()
+
+
+async def empty_fragments(stream: trio.SocketStream) -> None:
+    # A message opened, then continued by empty fragments forever: each is under every size cap
+    # and no control frame, and before, every one was held (59 MB sent grew the frontend by
+    # 239 MB). The frontend must end the session within its bound of frames per message.
+    await stream.send_all(bytes([0x02, 0]))
+    with contextlib.suppress(trio.BrokenResourceError):
+        for _ in range(1000):
+            await stream.send_all(bytes([0x00, 0]) * 1000)
+        raise AssertionError("a million empty fragments taken")
+    await trio.sleep_forever()
+
+
 async def ping_flood(stream: trio.SocketStream) -> None:
     with contextlib.suppress(trio.BrokenResourceError):
         for seq in range(10_000):
@@ -64,10 +96,19 @@ async def ping_flood(stream: trio.SocketStream) -> None:
     await trio.sleep_forever()
 
 
-CASES: dict[str, tuple[Behaviour, str]] = {
-    "undecodable": (undecodable, "undecodable message"),
-    "huge-batch": (huge_batch, f"a message over {event_message_bound(HELLO.config, [])} bytes"),
-    "ping-flood": (ping_flood, "control frames past"),
+#: Each case: what the peer does on its event plane, what the log must say, and the hello it
+#: sends first on both planes (``None``: its behaviour stands in for the event plane's hello).
+CASES: dict[str, tuple[Behaviour, str, wire.Hello | None]] = {
+    "undecodable": (undecodable, "undecodable message", HELLO),
+    "huge-batch": (huge_batch, f"a message over {event_message_bound(HELLO.config)} bytes", HELLO),
+    "kv-claim-huge-batch": (
+        huge_batch,
+        f"a message over {event_message_bound(KV_HELLO.config)} bytes",
+        KV_HELLO,
+    ),
+    "huge-hello": (huge_hello, f"a message over {MAX_HELLO_BYTES} bytes", None),
+    "empty-fragments": (empty_fragments, f"more than {MESSAGE_FRAMES + 8} frames", HELLO),
+    "ping-flood": (ping_flood, "control frames past", HELLO),
 }
 
 
@@ -75,7 +116,7 @@ CASES: dict[str, tuple[Behaviour, str]] = {
 async def test_a_worker_breaking_the_protocol_after_its_hello_is_closed_and_backed_off(
     case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    behaviour, logged = CASES[case]
+    behaviour, logged, hello = CASES[case]
     sessions = 0
     pongs = 0
 
@@ -90,7 +131,8 @@ async def test_a_worker_breaking_the_protocol_after_its_hello_is_closed_and_back
 
         with contextlib.suppress(trio.BrokenResourceError):
             path = await accept_upgrade(stream)
-            await stream.send_all(frame(wire.encode(HELLO)))
+            if hello is not None or path != wire.EVENTS_PATH:
+                await stream.send_all(frame(wire.encode(hello or HELLO)))
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(record)
                 if path == wire.EVENTS_PATH:

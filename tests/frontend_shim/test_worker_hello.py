@@ -15,8 +15,9 @@ from worker_configs import runtime_config
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._worker_hello import (
-    MAX_COUNT,
     MAX_DATA_PARALLEL_SIZE,
+    MAX_HELLO_BYTES,
+    MAX_KV_BLOCKS,
     event_message_bound,
     refusal,
 )
@@ -26,7 +27,7 @@ from shim_common import wire
 def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
     assert refusal(runtime_config()) is None
     assert refusal(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE)) is None
-    assert refusal(runtime_config(kv_total_blocks=MAX_COUNT, engine_request_limit=0)) is None
+    assert refusal(runtime_config(kv_total_blocks=MAX_KV_BLOCKS, engine_request_limit=0)) is None
     assert refusal(runtime_config(heartbeat_interval=60.0, load_publish_interval=3600.0)) is None
     assert refusal(runtime_config(heartbeat_interval=0.001, load_publish_interval=0.0)) is None
 
@@ -37,6 +38,7 @@ def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
         ({"data_parallel_size": 2_000_000}, "data_parallel_size 2000000"),
         ({"data_parallel_size": 0}, "data_parallel_size 0"),
         ({"kv_total_blocks": 2**64 - 1}, "kv_total_blocks"),
+        ({"kv_total_blocks": MAX_KV_BLOCKS + 1}, f"kv_total_blocks {MAX_KV_BLOCKS + 1} (0 to"),
         ({"block_size": -1}, "block_size"),
         ({"max_num_batched_tokens": 2**63}, "max_num_batched_tokens"),
         ({"max_num_seqs": -5}, "max_num_seqs"),
@@ -112,9 +114,9 @@ async def test_a_worker_claiming_too_much_is_refused_and_metrics_stay_small(
 
 
 def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
-    one_rank = event_message_bound(runtime_config(), [])
+    one_rank = event_message_bound(runtime_config())
     assert 64 * 1024 < one_rank < 128 * 1024  # far under the protocol's 16 MiB
-    wide = event_message_bound(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE), [])
+    wide = event_message_bound(runtime_config(data_parallel_size=MAX_DATA_PARALLEL_SIZE))
     assert wide > one_rank
     # The widest batch a 1,024-rank worker can send (a load event per rank and a heartbeat,
     # every integer at its widest) fits.
@@ -140,9 +142,10 @@ def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
         wire.Heartbeat(seq=big, ts=1e9, loads=loads, engine_requests=big, queued_requests=big)
     )
     assert len(wire.encode(wire.EventBatch(events=events, sent=1e9))) < wide
-    # With KV events, a snapshot of every block of every rank fits too.
+    # With KV events (this frontend asked for them), a snapshot of every block of every rank
+    # fits too.
     config = runtime_config(kv_total_blocks=16384, data_parallel_size=2)
-    with_kv = event_message_bound(config, [wire.FEATURE_KV_EVENTS])
+    with_kv = event_message_bound(config, kv_events=True)
     snapshot = wire.KvSnapshot(seq=big, ranks=[[big] * 16384, [big] * 16384])
     assert len(wire.encode(wire.KvBatch(events=[snapshot]))) < with_kv
     # And so does the backlog the worker lets pile up before it sends a snapshot instead: up to
@@ -151,5 +154,35 @@ def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
         wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(16384)
     ]
     assert len(wire.encode(wire.KvBatch(events=backlog))) < with_kv
-    huge = runtime_config(kv_total_blocks=MAX_COUNT)
-    assert event_message_bound(huge, [wire.FEATURE_KV_EVENTS]) == wire.MAX_MESSAGE_BYTES
+    huge = runtime_config(kv_total_blocks=MAX_KV_BLOCKS)
+    assert event_message_bound(huge, kv_events=True) == wire.MAX_MESSAGE_BYTES
+
+
+def test_a_cache_claim_earns_room_only_from_a_frontend_that_asked_for_kv_events() -> None:
+    # 262,144 blocks at 64 bytes: 16 MiB, had the claim counted without the subscription.
+    claim = runtime_config(kv_total_blocks=1 << 18)
+    assert event_message_bound(claim) == event_message_bound(runtime_config())
+    assert event_message_bound(claim, kv_events=True) == wire.MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize("features", [[], [wire.FEATURE_KV_EVENTS, *[f"f{n}" for n in range(30)]]])
+def test_the_largest_hello_these_bounds_accept_fits_the_hello_cap_with_room(
+    features: list[str],
+) -> None:
+    # Every name at its longest, in four-byte characters, every count at its widest.
+    widest = runtime_config(
+        worker_id="\U0001f600" * 256,
+        model="\U0001f600" * 512,
+        kv_total_blocks=MAX_KV_BLOCKS,
+        block_size=2**53,
+        max_num_batched_tokens=2**53,
+        max_num_seqs=2**53,
+        data_parallel_size=MAX_DATA_PARALLEL_SIZE,
+        engine_request_limit=2**53,
+        request_queue_limit=2**53,
+        heartbeat_interval=0.123456789,
+        load_publish_interval=3600.0,
+    )
+    assert refusal(widest) is None
+    hello = wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=widest, features=features)
+    assert len(wire.encode(hello)) * 3 < MAX_HELLO_BYTES
