@@ -96,11 +96,7 @@ from collections.abc import Iterator, Mapping
 from typing import Final, cast
 
 from shim_common.wire import RejectReason
-from worker_ingress._fair_queue import (
-    DISPLACED_BY_PRIORITY,
-    FairQueue,
-    service_tokens,
-)
+from worker_ingress._fair_queue import DISPLACED_BY_PRIORITY, FairQueue, service_tokens
 from worker_ingress._slo import SloController
 from worker_ingress._tenant_ledger import TenantAccount, TenantLedger
 from worker_ingress._tickets import (
@@ -360,14 +356,13 @@ class AdmissionState:
     def queued_ahead(self, priority: int) -> int:
         """Queued tickets an arrival of this priority would start behind: the hand, and those of
         its priority or a better one. O(priorities queued), never a scan of the queue."""
-        if self._hand is None:
-            return 0
-        ahead = 1
-        for band, size in self._queue.sizes_by_priority():
-            if band > priority:
-                break
-            ahead += size
-        return ahead
+        return 0 if self._hand is None else 1 + self._queue.ahead(priority)
+
+    def queue_ahead(self, limit: int) -> list[tuple[int, int]]:
+        """``(priority, queued_ahead(priority))`` for each priority queued, best first, at most
+        ``limit`` of them (what the load events carry)."""
+        hand = self._hand
+        return self._queue.ahead_by_priority(None if hand is None else hand.priority, limit)
 
     # -- the decision ---------------------------------------------------------------------------
 
@@ -377,10 +372,12 @@ class AdmissionState:
         """What :meth:`arrive` would do with this arrival now; nothing changes (rule 1).
 
         In this order: draining refuses (``DRAINING``); a slot and a waiting place free with
-        nobody queued start it (:data:`~worker_ingress._tickets.START`); a full queue with
-        nobody this arrival may displace refuses it (``OVERLOADED``); with an objective, an
-        arrival that would queue behind the controller's bound B or more is refused (``SLO``);
-        else it queues, displacing the queue policy's victim when the queue is full.
+        nobody queued start it (:data:`~worker_ingress._tickets.START`); a full queue that
+        refused this class last and is unchanged refuses it (``OVERLOADED``); with an objective,
+        an arrival with no room left for its wait, or that would queue behind the B of what is
+        left of S or more, is refused (``SLO``), before anyone is displaced for it; a full queue
+        with nobody to displace refuses it (``OVERLOADED``); else it queues, displacing the
+        policy's victim when the queue is full.
 
         Args:
             priority: Lower starts first.
@@ -402,14 +399,30 @@ class AdmissionState:
             return START
         victim: Ticket | None = None
         victim_reason: RejectReason | None = None
-        if self._queued >= self.queue_limit:
-            queue = self._queue
-            if (
-                queue.version == self._refused_version
-                and priority == self._refused_priority
-                and tenant == self._refused_tenant
-            ):
-                return _REFUSED_OVERLOADED
+        full = self._queued >= self.queue_limit
+        queue = self._queue
+        if (
+            full
+            and queue.version == self._refused_version
+            and priority == self._refused_priority
+            and tenant == self._refused_tenant
+        ):
+            return _REFUSED_OVERLOADED
+        slo = self.slo
+        timeout = self.queue_timeout
+        ends = _QUEUE_TIMEOUT
+        if slo is not None:
+            # worker_ingress/_slo.py, rule 6: an arrival that would queue behind B has no room
+            # for its first token within what is left of S. Rule 7: a queued request is refused
+            # once its wait leaves no room (at once: no room now), unless the queue timeout
+            # comes first. Judged before a victim: a hopeless arrival displaces nobody.
+            room = slo.queue_deadline - already_waited
+            if room <= 0 or self.queued_ahead(priority) >= slo.queue_bound_after(already_waited):
+                return _REFUSED_SLO
+            if timeout is None or room < timeout:
+                timeout = room
+                ends = _SLO
+        if full:
             record = queue.tenants.get(tenant)
             new = record is None and queue.is_new(tenant)
             found = queue.victim(priority, record, new=new) if queue.size else None
@@ -422,19 +435,6 @@ class AdmissionState:
                 if why == DISPLACED_BY_PRIORITY
                 else RejectReason.DISPLACED_SHARE
             )
-        slo = self.slo
-        timeout = self.queue_timeout
-        ends = _QUEUE_TIMEOUT
-        if slo is not None:
-            # worker_ingress/_slo.py, rule 6: an arrival that would queue behind B has no room
-            # for its first token within S. Rule 7: a queued request is refused once its wait
-            # leaves no room, unless the queue timeout comes first.
-            if self.queued_ahead(priority) >= slo.queue_bound:
-                return _REFUSED_SLO
-            room = max(0.0, slo.queue_deadline - already_waited)
-            if timeout is None or room < timeout:
-                timeout = room
-                ends = _SLO
         deadline = None if timeout is None else now + timeout
         return QueueDecision(deadline, ends, victim, victim_reason)
 
@@ -474,14 +474,14 @@ class AdmissionState:
         """
         decision = self.decide(priority, tenant, now=now, already_waited=already_waited)
         self.received_total += 1
-        if isinstance(decision, StartDecision):
-            return self._start_now(priority, tenant, prompt_tokens, now)
-        slo = self.slo
         if isinstance(decision, GateRefusal):
             return self._refuse_arrival(decision, priority, tenant)
-        if slo is not None:
-            slo.observe_backlog()
-        return self._enqueue(decision, priority, tenant, prompt_tokens, now)
+        if isinstance(decision, StartDecision):
+            ticket = self._start_now(priority, tenant, prompt_tokens, now)
+        else:
+            ticket = self._enqueue(decision, priority, tenant, prompt_tokens, now)
+        ticket.waited = already_waited
+        return ticket
 
     def tick(self, now: float) -> list[Ticket]:
         """Time passed: with an objective, the controller closes its window if one is due and a
@@ -512,8 +512,10 @@ class AdmissionState:
             return None
         slo = self.slo
         if slo is not None and ticket.status is _RUNNING:
+            # The client's time to first token: from its arrival at the frontend, when known.
+            arrived = ticket.arrived - ticket.waited
             slo.observe_first_output(
-                ticket, arrived=ticket.arrived, started=ticket.started, first_output=now
+                ticket, arrived=arrived, started=ticket.started, first_output=now
             )
         ticket.waiting = False
         self._waiting -= 1
@@ -710,6 +712,8 @@ class AdmissionState:
         prompt_tokens: int,
         now: float,
     ) -> Ticket:
+        if self.slo is not None:
+            self.slo.observe_backlog()
         queue = self._queue
         victim = decision.victim
         if victim is None:

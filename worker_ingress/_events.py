@@ -4,9 +4,10 @@ Rules:
 
 1. One :class:`LoadTracker` per worker owns the sequence counter. Every :class:`~wire.LoadEvent`
    and every :class:`~wire.Heartbeat` takes the next ``seq``; ``ts`` is wall-clock seconds.
-2. A load event is produced for a rank when its load or the ingress gauges (running, queued)
-   differ from what was last published; the gauges belong to the whole worker, so a gauge change
-   produces one event per rank. Publishing the same state twice produces nothing.
+2. A load event is produced for a rank when its load or the ingress gauges (running, queued, L,
+   the queue by priority) differ from what was last published; the gauges belong to the whole
+   worker, so a gauge change produces one event per rank. Publishing the same state twice
+   produces nothing.
 3. A heartbeat is produced every ``heartbeat_interval`` seconds whatever happens, and at once
    when the worker's status changes (``ready`` -> ``draining``). It repeats the latest load of
    every rank.
@@ -58,7 +59,15 @@ from typing import Final, Literal
 import trio
 
 from shim_common._busy import rank_busy
-from shim_common.wire import BusyThresholds, Heartbeat, LoadEvent, Mailbox, RankLoad, WorkerEvent
+from shim_common.wire import (
+    BusyThresholds,
+    Heartbeat,
+    LoadEvent,
+    Mailbox,
+    QueueAhead,
+    RankLoad,
+    WorkerEvent,
+)
 from worker_ingress._watch import ChangeSignal
 
 __all__ = [
@@ -99,8 +108,9 @@ class LoadTracker:
         self._engine_requests = 0
         self._queued_requests = 0
         self._effective_limit: int | None = None
+        self._queue_ahead: QueueAhead | None = None
         # What was last published per rank, loads and gauges together.
-        self._published: dict[int, tuple[RankLoad, int, int, int | None]] = {}
+        self._published: dict[int, tuple[RankLoad, int, int, int | None, QueueAhead | None]] = {}
 
     @property
     def seq(self) -> int:
@@ -113,6 +123,7 @@ class LoadTracker:
         engine_requests: int,
         queued_requests: int,
         effective_limit: int | None = None,
+        queue_ahead: QueueAhead | None = None,
     ) -> list[LoadEvent]:
         """Record the current state and return a load event for every rank that changed.
 
@@ -121,6 +132,8 @@ class LoadTracker:
             engine_requests: Requests running in the engine now.
             queued_requests: Requests waiting in the ingress now.
             effective_limit: L in force, with a TTFT objective; ``None`` without one.
+            queue_ahead: The queue by priority (:attr:`~shim_common.wire.LoadEvent.queue_ahead`),
+                from a gate that refuses by the time a request would wait; ``None`` otherwise.
 
         Returns:
             The new events, in rank order; empty when nothing changed.
@@ -129,10 +142,11 @@ class LoadTracker:
         self._engine_requests = engine_requests
         self._queued_requests = queued_requests
         self._effective_limit = effective_limit
+        self._queue_ahead = queue_ahead
         events: list[LoadEvent] = []
         now = self._wall_clock()
         for load in loads:
-            state = (load, engine_requests, queued_requests, effective_limit)
+            state = (load, engine_requests, queued_requests, effective_limit, queue_ahead)
             if self._published.get(load.dp_rank) == state:
                 continue
             self._published[load.dp_rank] = state
@@ -145,6 +159,7 @@ class LoadTracker:
                     engine_requests=engine_requests,
                     queued_requests=queued_requests,
                     effective_limit=effective_limit,
+                    queue_ahead=queue_ahead,
                 )
             )
         return events
@@ -167,6 +182,7 @@ class LoadTracker:
             queued_requests=self._queued_requests,
             status=status,
             effective_limit=self._effective_limit,
+            queue_ahead=self._queue_ahead,
         )
 
 
@@ -316,6 +332,8 @@ class EventPublisher:
         gauges: Returns ``(engine_requests, queued_requests)`` of the ingress now.
         effective_limit: Returns L in force when the worker has a TTFT objective (``None``
             without one: the events then do not carry it).
+        queue_ahead: Returns the queue by priority when the gate refuses by the time a request
+            would wait (``None`` otherwise: the events then do not carry it).
         heartbeat_interval: Seconds between heartbeats.
         publish_interval: Seconds between two batches to one subscriber at most (rule 7).
         limits: Returns the rank limits for busy/free edge detection (read at each subscribe,
@@ -332,6 +350,7 @@ class EventPublisher:
         gauges: Callable[[], tuple[int, int]],
         heartbeat_interval: float,
         effective_limit: Callable[[], int | None] = lambda: None,
+        queue_ahead: Callable[[], QueueAhead | None] = lambda: None,
         publish_interval: float = DEFAULT_PUBLISH_INTERVAL,
         limits: Callable[[], RankLimits] = lambda: (0, 0),
         coalesce_interval: float = DEFAULT_COALESCE_INTERVAL,
@@ -343,6 +362,7 @@ class EventPublisher:
         self._engine_changed = load_changed
         self._gauges = gauges
         self._effective_limit = effective_limit
+        self._queue_ahead = queue_ahead
         if publish_interval < 0:
             raise ValueError(f"publish_interval must be >= 0, got {publish_interval!r}")
         self._heartbeat_interval = heartbeat_interval
@@ -434,7 +454,9 @@ class EventPublisher:
     def _observe(self) -> None:
         engine_requests, queued_requests = self._gauges()
         limit = self._effective_limit()
-        for event in self._tracker.observe(self._load(), engine_requests, queued_requests, limit):
+        ahead = self._queue_ahead()
+        tracker = self._tracker
+        for event in tracker.observe(self._load(), engine_requests, queued_requests, limit, ahead):
             self._publish(event)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

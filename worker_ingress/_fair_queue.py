@@ -420,6 +420,31 @@ class FairQueue:
         for priority in sorted(self._bands):
             yield priority, self._bands[priority].size
 
+    def ahead(self, priority: int) -> int:
+        """Entries an arrival of ``priority`` would start behind: those of it or a better one.
+        O(priorities queued), never a scan of the entries."""
+        ahead = 0
+        for band, size in self.sizes_by_priority():
+            if band > priority:
+                break
+            ahead += size
+        return ahead
+
+    def ahead_by_priority(self, hand: int | None, limit: int) -> list[tuple[int, int]]:
+        """For each priority waiting, best first (the best ``limit``): what an arrival of it
+        would start behind, counting also an entry held apart to start next, whatever its
+        priority (``hand``: that entry's priority; ``None``: none, and then nothing waits)."""
+        if hand is None:
+            return []
+        sizes = dict(self.sizes_by_priority())
+        sizes.setdefault(hand, 0)
+        ahead = 1
+        figures: list[tuple[int, int]] = []
+        for priority in sorted(sizes)[:limit]:
+            ahead += sizes[priority]
+            figures.append((priority, ahead))
+        return figures
+
     def entries(self) -> list[QueueEntry]:
         """Every queued entry, by priority then arrival (for tests and debugging).
 

@@ -68,6 +68,7 @@ from shim_common.wire import (
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
     MAX_MESSAGE_BYTES,
+    MAX_QUEUE_BANDS,
     PROTOCOL_VERSION,
     REQUESTS_PATH,
     SUBPROTOCOL_BATCH,
@@ -169,6 +170,7 @@ class Worker:
             load_changed=engine.load_changed,
             gauges=self._gauges,
             effective_limit=self._effective_limit,
+            queue_ahead=self._queue_ahead,
             heartbeat_interval=settings.heartbeat_interval,
             publish_interval=settings.load_publish_interval,
             limits=self._rank_limits,
@@ -264,6 +266,14 @@ class Worker:
     def _effective_limit(self) -> int | None:
         # Carried in the load events only when an objective moves L (an optional field).
         return self.gate.effective_limit if self.gate.slo is not None else None
+
+    def _queue_ahead(self) -> list[tuple[int, int]] | None:
+        # What a frontend holds a refusal for a long wait at (slo, queue_timeout): sent only by
+        # a gate that gives those refusals (an optional field).
+        gate = self.gate
+        if gate.slo is None and gate.queue_timeout is None:
+            return None
+        return gate.state.queue_ahead(MAX_QUEUE_BANDS)
 
     def _gate_changed(self) -> None:
         self.publisher.notify()

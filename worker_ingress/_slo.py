@@ -14,11 +14,13 @@ Rules
    starts at N: until the worker has evidence that N serves requests late, it behaves as without
    an objective.
 2. Samples. Only a request that produced a first output is a sample, with three timestamps:
-   arrival at the gate, start in the engine, first output. Rejected, displaced, cancelled and
-   timed-out requests never report one, so they cannot mislead the law. The law reads the
-   **in-engine** time to first token (start to first output); the queue wait is governed by the
-   early refusal (rules 6 and 7), and reacting to it with L would be backwards: a long queue
-   wait calls for refusing earlier, not for starting fewer requests. A request that started
+   arrival (at the frontend, when the frontend said how long the request spent there before
+   the gate; else at the gate), start in the engine, first output. Rejected, displaced,
+   cancelled and timed-out requests never report one, so they cannot mislead the law. The law
+   reads the **in-engine** time to first token (start to first output); the queue wait, and the
+   time in the frontend, are governed by the early refusal (rules 6 and 7), and reacting to
+   them with L would be backwards: a long wait calls for refusing earlier, not for starting
+   fewer requests. A request that started
    before L last changed is not a sample of the new L (it was admitted under the old one, and
    its time in the engine says nothing about the new level), so it is left out.
 3. Windows. Samples collect in a window. A window closes at the first :meth:`~SloController.update`
@@ -82,13 +84,16 @@ Rules
    ``(x + z * sqrt(x)) / r + e <= S`` with ``x = k + 1`` and ``z = 1.28``. The largest such ``x``
    is the queue bound ``B = floor(((sqrt(z^2 + 4 R) - z) / 2)^2)`` with ``R = (S - e) * r``, and
    the gate refuses an arrival that would queue behind B or more requests
-   (:attr:`SloController.queue_bound`, refreshed when a window closes). Under a sustained
-   overload the queue stays full, so every admitted request is admitted at position B: the bound
-   must serve the percentile of the objective, not its mean. B is at least 1 while the engine's
-   p90 leaves any room (``e < S``): one request waiting in the dispatcher's hand keeps the engine
-   from idling between a finish and the next arrival, and rule 7 refuses it if its wait runs
-   out; with no room at all B is 0. Before the first hold time B is unbounded (no evidence, no
-   refusal).
+   (:attr:`SloController.queue_bound`, refreshed when a window closes). The objective is the
+   client's: an arrival that already spent ``w`` of S in a frontend is judged against the bound
+   of ``S - w`` (:meth:`SloController.queue_bound_after`, from the same ``r`` and ``e``), and
+   one with no room left for its wait at all (rule 7) is refused whatever the queue. Under a
+   sustained overload the queue stays full, so every admitted request is admitted at position
+   B: the bound must serve the percentile of the objective, not its mean. B is at least 1 while
+   the engine's p90 leaves any room (``e < S``): one request waiting in the dispatcher's hand
+   keeps the engine from idling between a finish and the next arrival, and rule 7 refuses it
+   if its wait runs out; with no room at all B is 0. Before the first hold time B is unbounded
+   (no evidence, no refusal).
 7. Deadline. A queued request whose wait leaves no more room for its first token within S is
    refused: the deadline is S minus the engine's median time to first token (of the last closed
    window; S itself before the first), so a request that has waited S is refused at the latest.
@@ -215,6 +220,7 @@ class SloController:
         "_peak_running",
         "_pending",
         "_raised_from",
+        "_start_rate",
         "_total_samples",
         "_window_start",
         "engine_ttft_p50",
@@ -278,6 +284,8 @@ class SloController:
         self._pending: dict[object, float] = {}
         #: L before the last window's increase; None when the last window did not raise it.
         self._raised_from: int | None = None
+        # r = L / hold when the last window closed (rule 6; None before the first hold).
+        self._start_rate: float | None = None
 
     # -- observations ---------------------------------------------------------------------------
 
@@ -491,12 +499,23 @@ class SloController:
             ages.append(now - started)
         return ages
 
-    def _bound(self) -> int:
-        hold = self._hold
-        if hold is None or hold <= 0:
+    def queue_bound_after(self, waited: float) -> int:
+        """B for an arrival that already spent ``waited`` seconds of S before the gate (rule 6
+        with ``S - waited``, on the ``r`` and ``e`` of the last closed window); at most B."""
+        if waited <= 0:
+            return self.queue_bound
+        return self._bound(self.objective - waited)
+
+    def _bound(self, objective: float | None = None) -> int:
+        if objective is None:
+            hold = self._hold
+            self._start_rate = None if hold is None or hold <= 0 else self.limit / hold
+            objective = self.objective
+        rate = self._start_rate
+        if rate is None:
             return UNBOUNDED_QUEUE
         engine = 0.0 if math.isnan(self.engine_ttft_p90) else self.engine_ttft_p90
-        room = (self.objective - engine) * self.limit / hold
+        room = (objective - engine) * rate
         if room <= 0:
             return 0
         z = _Z90

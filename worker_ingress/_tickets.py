@@ -53,6 +53,7 @@ class Ticket(QueueEntry):
         account: The tenant's account in the state's ledger (for per-tenant metrics).
         waiting: Whether it holds a waiting place (running, no first output yet).
         arrived: When it reached the gate (the ``now`` of its arrival).
+        waited: Seconds it spent before the gate (in a frontend), as its arrival said.
         started: When it entered the engine (``now`` of the event that started it).
         deadline: While queued: when its wait runs out (on the clock of ``now``); ``None``:
             never.
@@ -73,6 +74,7 @@ class Ticket(QueueEntry):
         "reason",
         "started",
         "status",
+        "waited",
         "waiting",
         "wake",
     )
@@ -96,6 +98,7 @@ class Ticket(QueueEntry):
         self.account = _NO_ACCOUNT
         self.waiting = False
         self.arrived = 0.0
+        self.waited = 0.0
         self.started = 0.0
         self.deadline: float | None = None
         self.ends = RejectReason.QUEUE_TIMEOUT

@@ -164,9 +164,7 @@ def test_router_own_blocks_beat_a_lower_report() -> None:
     assert state(fleet).ranks[0].own_blocks == 0
 
 
-def end(
-    started: int, first: int, ended: int, prompt: int = 16, completion: int = 20
-) -> wire.End:
+def end(started: int, first: int, ended: int, prompt: int = 16, completion: int = 20) -> wire.End:
     """A worker's final frame with its event window and its token counts."""
     return wire.End(
         request_id=1,

@@ -133,9 +133,7 @@ class FreeSetMachine(RuleBasedStateMachine):
     def refuse_for_the_objective(self, worker_id: str, priority: int, bound: int | None) -> None:
         self.fleet.mark_long_queue(worker_id, self.now, priority, bound)
 
-    @rule(
-        worker_id=st.sampled_from(WORKERS), answered=st.booleans(), priority=st.integers(-1, 1)
-    )
+    @rule(worker_id=st.sampled_from(WORKERS), answered=st.booleans(), priority=st.integers(-1, 1))
     def pending_or_answered(self, worker_id: str, answered: bool, priority: int) -> None:
         if answered:
             self.fleet.request_answered(worker_id, self.now, priority)

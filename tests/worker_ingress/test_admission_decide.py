@@ -114,14 +114,112 @@ def test_time_already_spent_upstream_shortens_the_objectives_deadline() -> None:
     _ticket(state.arrive(now=now))
     fresh = state.decide(now=now)
     late = state.decide(now=now, already_waited=0.5)
-    hopeless = state.decide(now=now, already_waited=5.0)
     assert isinstance(fresh, QueueDecision)
     assert isinstance(late, QueueDecision)
-    assert isinstance(hopeless, QueueDecision)
     assert fresh.deadline is not None
     assert late.deadline is not None
     assert abs((fresh.deadline - late.deadline) - 0.5) < 1e-9
-    assert hopeless.deadline == now
+    # No room left for its wait (0.9 s, S less the engine's median): refused, not queued.
+    for waited in (0.9, 5.0):
+        hopeless = state.decide(now=now, already_waited=waited)
+        assert isinstance(hopeless, GateRefusal)
+        assert hopeless.reason is RejectReason.SLO
+
+
+def _state_with_room(objective: float) -> tuple[AdmissionState, float]:
+    """As _state_with_evidence, with an objective of ``objective`` seconds and room to queue."""
+    state = AdmissionState(engine_slots=1, queue_limit=40, ttft_objective=objective)
+    now = 0.0
+    for _ in range(16):
+        ticket = _ticket(state.arrive(now=now))
+        state.first_output(ticket, now=now + 0.1)
+        state.finish(ticket, now=now + 0.5)
+        now += 0.5
+    state.tick(now)
+    return state, now
+
+
+def test_the_bound_of_an_arrival_is_that_of_what_is_left_of_the_objective() -> None:
+    # S = 10 s, starts at 2 a second: B = 14 for a fresh arrival, 1 for one that spent 8 s of
+    # S in a frontend. Two queued: the fresh one queues, the late one is refused.
+    state, now = _state_with_room(10.0)
+    slo = state.slo
+    assert slo is not None
+    assert slo.queue_bound == 14
+    assert slo.queue_bound_after(0.0) == 14
+    assert slo.queue_bound_after(8.0) == 1
+    for _ in range(3):
+        _ticket(state.arrive(now=now))
+    assert state.queued_ahead(0) == 2
+    assert isinstance(state.decide(now=now, already_waited=1.0), QueueDecision)
+    late = state.decide(now=now, already_waited=8.0)
+    assert isinstance(late, GateRefusal)
+    assert late.reason is RejectReason.SLO
+
+
+def test_a_hopeless_arrival_displaces_nobody() -> None:
+    # A full queue of worse requests: a better one may displace one of them, but not when it
+    # has no room left for its own wait; it would be refused right after, for nothing.
+    # Before any evidence the room is the whole objective, 10 s.
+    state, now = AdmissionState(engine_slots=1, queue_limit=2, ttft_objective=10.0), 0.0
+    for _ in range(3):
+        _ticket(state.arrive(5, now=now))
+    viable = state.decide(-1, now=now, already_waited=1.0)
+    assert isinstance(viable, QueueDecision)
+    assert viable.victim is not None
+    refused = state.arrive(-1, now=now, already_waited=10.0)
+    assert isinstance(refused, GateRefusal)
+    assert refused.reason is RejectReason.SLO
+    assert state.displaced_total == 0
+    assert state.queued == 2
+
+
+def test_the_time_to_first_token_counts_from_the_arrival_at_the_frontend() -> None:
+    # Each request spent 0.3 s in a frontend and got its first token 0.1 s after its start:
+    # the client's time is 0.4 s; the law's in-engine figure is still 0.1 s, so L is as before.
+    state = AdmissionState(engine_slots=1, queue_limit=4, ttft_objective=1.0)
+    now = 0.0
+    for _ in range(16):
+        ticket = _ticket(state.arrive(now=now, already_waited=0.3))
+        state.first_output(ticket, now=now + 0.1)
+        state.finish(ticket, now=now + 0.5)
+        now += 0.5
+    state.tick(now)
+    slo = state.slo
+    assert slo is not None
+    assert abs(slo.ttft_p90 - 0.4) < 1e-9
+    assert abs(slo.engine_ttft_p90 - 0.1) < 1e-9
+    assert slo.limit == 1
+
+
+def _from_figures(figures: list[tuple[int, int]], priority: int) -> int:
+    """What an arrival of ``priority`` would start behind, read back from the event's figures
+    as a frontend reads them (frontend_shim/_queue_hold.py, rule 2)."""
+    ahead = 1 if figures else 0
+    for band, figure in figures:
+        if band > priority:
+            break
+        ahead = figure
+    return ahead
+
+
+@settings(max_examples=200, deadline=None)
+@given(priorities=st.lists(st.integers(-3, 3), max_size=12))
+def test_the_queue_by_priority_gives_back_what_each_priority_would_start_behind(
+    priorities: list[int],
+) -> None:
+    state = AdmissionState(engine_slots=1, queue_limit=40)
+    assert state.queue_ahead(8) == []
+    _ticket(state.arrive(now=0.0))
+    for priority in priorities:
+        _ticket(state.arrive(priority, now=0.0))
+    figures = state.queue_ahead(8)
+    assert [band for band, _ in figures] == sorted({band for band, _ in figures})
+    for priority in range(-4, 5):
+        assert _from_figures(figures, priority) == state.queued_ahead(priority)
+    # Cut to the best bands: past them the figure read back is no more than the truth.
+    for priority in range(-4, 5):
+        assert _from_figures(state.queue_ahead(2), priority) <= state.queued_ahead(priority)
 
 
 def test_a_queue_timeout_shorter_than_the_objectives_deadline_wins() -> None:

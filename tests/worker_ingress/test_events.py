@@ -69,6 +69,15 @@ def test_tracker_carries_the_effective_limit_and_a_change_of_it_is_an_event() ->
     assert tracker.heartbeat("ready").effective_limit == 8
 
 
+def test_tracker_carries_the_queue_by_priority_and_a_change_of_it_is_an_event() -> None:
+    tracker = LoadTracker(wall_clock=lambda: 0.0)
+    assert [e.queue_ahead for e in tracker.observe([rank(0)], 1, 2, 1, [(0, 2)])] == [[(0, 2)]]
+    assert tracker.observe([rank(0)], 1, 2, 1, [(0, 2)]) == []
+    # Same total, other classes (a better arrival displaced a worse one): an event.
+    assert [e.queue_ahead for e in tracker.observe([rank(0)], 1, 2, 1, [(-1, 2)])] == [[(-1, 2)]]
+    assert tracker.heartbeat("ready").queue_ahead == [(-1, 2)]
+
+
 def test_heartbeat_repeats_latest_state_and_takes_a_sequence_number() -> None:
     tracker = LoadTracker(wall_clock=fixed_clock)
     tracker.observe([rank(0, blocks=4)], 1, 0)

@@ -107,6 +107,30 @@ async def test_event_subscribers_past_the_cap_are_refused_and_counted() -> None:
                 assert await read_events(events)
 
 
+async def test_a_worker_that_refuses_by_the_wait_publishes_its_queue_by_priority() -> None:
+    # A frontend holds an slo or queue_timeout refusal at the depth of the refused priority,
+    # so a worker that gives those refusals says what each priority would start behind.
+    for changes, sent in (({"queue_timeout": 30.0}, True), ({}, False)):
+        settings = make_settings(engine_request_limit=1, request_queue_limit=4, **changes)
+        engine = HeldEngine(settings)
+        worker = new_worker(settings, engine)
+        with trio.fail_after(TIMEOUT):
+            async with running(worker) as address, request_plane(address) as ws:
+                async with event_plane(address) as events:
+                    await send(ws, completion(1))
+                    await send(ws, completion(2))
+                    await wait_for(lambda: worker.gate.queued == 1, "one queued")  # noqa: B023
+                    for _ in range(100):
+                        last = (await read_events(events))[-1]
+                        if last.queued_requests == 1:
+                            break
+                    else:
+                        raise AssertionError("no event with the queued request")
+                    assert last.queue_ahead == ([(0, 1)] if sent else None)
+                engine.release.set()
+                await collect_until_final(ws, {1, 2})
+
+
 # ----------------------------------------------------------------------------- drain
 
 

@@ -271,6 +271,22 @@ def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
     assert controller.engine_ttft_p90 == pytest.approx(0.1)
 
 
+def test_the_bound_of_an_arrival_that_spent_time_upstream_is_that_of_the_rest_of_s() -> None:
+    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    assert controller.queue_bound_after(0.1) == controller.queue_bound  # no evidence: none
+    controller.observe_finish(object(), started=0.0, finished=0.5)
+    feed_window(controller, 0.0, engine_ttft=0.1)
+    assert controller.queue_bound_after(0.0) == controller.queue_bound == 2
+    # R = (0.3 - 0.1 - 0.1) * 20 = 2 starts: x + 1.28 sqrt(x) <= 2 for x = 0.5 at most.
+    assert controller.queue_bound_after(0.1) == 1
+    assert controller.queue_bound_after(0.2) == 0  # nothing left past the engine's p90
+    # A later finish moves the hold but not the bound, fresh or not, until the next window.
+    controller.observe_finish(object(), started=1.0, finished=1.05)
+    assert controller.queue_bound_after(1e-9) == 2
+    bounds = [controller.queue_bound_after(waited / 100) for waited in range(40)]
+    assert bounds == sorted(bounds, reverse=True)
+
+
 def test_a_little_room_still_keeps_one_request_ready() -> None:
     controller = SloController(objective=OBJECTIVE, max_limit=1)
     controller.observe_finish(object(), started=0.0, finished=2.0)
