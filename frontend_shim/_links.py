@@ -51,11 +51,13 @@ Rules of a session (the state machine of a link):
    on the session then ends at once with ``Failed(kind="unavailable")``; nothing is left hanging.
    ``worker_down`` is called, then the link sleeps out its backoff and goes to 1. The backoff
    (capped, exponential, with jitter) starts again from its first delay only after a session
-   that came up and ended without a breach of the protocol by the worker (an undecodable or
-   oversized message, a control-frame flood, a second hello, a reply to nothing: the
-   :class:`ProtocolError` family): a worker that breaks the protocol right after its hello is
-   redialled at a doubling delay up to the cap, not every ``backoff_initial``, and the log has
-   the first of such a streak at WARNING and the repeats at DEBUG, as for failed connections.
+   that came up, stayed up ``healthy_session`` seconds, and ended without a breach of the
+   protocol by the worker (an undecodable or oversized message, a control-frame flood, a second
+   hello, a reply to nothing: the :class:`ProtocolError` family). Any other session counts as a
+   failed attempt: a worker that breaks the protocol right after its hello, or closes cleanly
+   just after it, is redialled at a doubling delay up to the cap, not every
+   ``backoff_initial``, and the log has the first of such a streak at WARNING and the repeats
+   at DEBUG (its ``up`` lines too), as for failed connections.
 5. The event budget (:mod:`frontend_shim._event_budget`): a worker that does not list
    :data:`wire.FEATURE_PUBLISH_INTERVAL` is read at most once per budget interval; whatever one
    read brings, however many batches, is applied as one batch of its latest state
@@ -154,6 +156,10 @@ class LinkSettings:
     backoff_cap: float = 2.0
     #: Each delay is drawn uniformly from ``[(1 - jitter) * d, d]``.
     backoff_jitter: float = 0.5
+    #: Seconds a session must stay up for the backoff to start again (rule 4): ten heartbeats
+    #: of the default interval, so a worker that closes each session soon after its hello is
+    #: redialled at the capped delay, not ten times a second.
+    healthy_session: float = 10.0
     #: Messages buffered per request before text chunks are merged.
     request_buffer: int = 256
     #: ``Generate`` messages waiting for the sender before ``request()`` waits.
@@ -182,6 +188,8 @@ class LinkSettings:
             raise ValueError("backoff needs 0 < backoff_initial <= backoff_cap")
         if not self.max_event_lag > 0:
             raise ValueError(f"max_event_lag must be > 0, got {self.max_event_lag}")
+        if not self.healthy_session >= 0:
+            raise ValueError(f"healthy_session must be >= 0, got {self.healthy_session}")
 
 
 # ----------------------------------------------------------------------------- one worker
@@ -288,6 +296,10 @@ class WorkerLink:
         self._thresholds: wire.BusyThresholds | None = None
         self._up_event = trio.Event()
         self._reached_up = False
+        #: When the current (or last) session came up, and whether the last one failed after
+        #: it came up (rule 4: its successor's ``up`` line is then a repeat, at DEBUG).
+        self._up_at = -math.inf
+        self._flapping = False
 
     def __repr__(self) -> str:
         state = "up" if self.connected else "down"
@@ -410,23 +422,28 @@ class WorkerLink:
         # down for an hour must not fill the log with a line every two seconds.
         quiet = False
         while True:
-            broke_protocol = False
+            healthy = False
             try:
                 await self._session()
             except* _SESSION_ERRORS as group:
                 if not self._reached_up:
                     self.stats.connect_failures += 1
-                broke_protocol = self._reached_up and breaks_protocol(group)
-                failed = broke_protocol or not self._reached_up
+                # Rule 4: only a session that stayed up, and that the worker kept to the
+                # protocol, resets the backoff; any other is a failed attempt.
+                lasted = trio.current_time() - self._up_at
+                healthy = (
+                    self._reached_up
+                    and lasted >= self._settings.healthy_session
+                    and not breaks_protocol(group)
+                )
                 logger.log(
-                    logging.DEBUG if quiet and failed else logging.WARNING,
+                    logging.DEBUG if quiet and not healthy else logging.WARNING,
                     "worker %s: %s; reconnecting",
                     self.key,
                     explain_failure(group, tls=self._tls, connecting=not self._reached_up),
                 )
-            # Rule 4: only a session the worker kept to the protocol resets the backoff.
-            healthy = self._reached_up and not broke_protocol
             quiet = not healthy
+            self._flapping = self._reached_up and not healthy
             if healthy:
                 self._backoff.reset()
             await trio.sleep(self._backoff.next_delay())
@@ -561,9 +578,16 @@ class WorkerLink:
         self.connected = True
         self._plane = plane
         self._reached_up = True
+        self._up_at = trio.current_time()
         self.stats.sessions += 1
         self._up_event.set()
-        logger.info("worker %s up: id=%s model=%s", self.key, config.worker_id, config.model)
+        logger.log(
+            logging.DEBUG if self._flapping else logging.INFO,
+            "worker %s up: id=%s model=%s",
+            self.key,
+            config.worker_id,
+            config.model,
+        )
         self._listener.worker_up(self.key, config, trio.current_time())
 
     def _down(self, plane: RequestPlane, reason: str) -> None:

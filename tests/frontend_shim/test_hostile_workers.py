@@ -2,9 +2,10 @@
 
 After a valid hello on both planes the peer breaks the protocol on its event plane: a message
 that does not decode, one far over the size its hello implies (whatever cache it claims), a
-flood of pings, a message in endless empty fragments; or its hello itself is far too large. Each
-time the frontend ends the session (without reading what is too large), keeps serving, and
-redials at a doubling delay (one warning line for the streak), not every 50 ms.
+flood of pings, a message in endless empty fragments; or it closes cleanly just after its hello;
+or its hello itself is far too large. Each time the frontend ends the session (without reading
+what is too large), keeps serving, and redials at a doubling delay (one warning line for the
+streak), not every 50 ms.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ async def empty_fragments(stream: trio.SocketStream) -> None:
     await trio.sleep_forever()
 
 
+async def close_soon(stream: trio.SocketStream) -> None:
+    # A clean close 50 ms after the hello: no rule broken, but no session that lasts either.
+    await trio.sleep(0.05)
+    await stream.send_all(bytes([0x88, 2]) + (1000).to_bytes(2, "big"))
+    await trio.sleep_forever()
+
+
 async def ping_flood(stream: trio.SocketStream) -> None:
     with contextlib.suppress(trio.BrokenResourceError):
         for seq in range(10_000):
@@ -108,6 +116,7 @@ CASES: dict[str, tuple[Behaviour, str, wire.Hello | None]] = {
     ),
     "huge-hello": (huge_hello, f"a message over {MAX_HELLO_BYTES} bytes", None),
     "empty-fragments": (empty_fragments, f"more than {MESSAGE_FRAMES + 8} frames", HELLO),
+    "close-soon": (close_soon, "connection closed (1000", HELLO),
     "ping-flood": (ping_flood, "control frames past", HELLO),
 }
 
@@ -186,7 +195,7 @@ async def test_a_worker_announcing_a_new_model_each_session_leaves_one_known() -
             config = runtime_config(model=f"model-{announced}")
             hello = wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=config)
             await stream.send_all(frame(wire.encode(hello)))
-            await trio.sleep(0.05)  # then the session ends: a clean close, redialled at once
+            await trio.sleep(0.05)  # then the session ends: a clean close
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
@@ -196,11 +205,12 @@ async def test_a_worker_announcing_a_new_model_each_session_leaves_one_known() -
             settings = FrontendSettings(http_port=0, workers=(f"ws://127.0.0.1:{port}",))
             url: str = await nursery.start(run_frontend, settings)
             async with httpx.AsyncClient(base_url=url) as client:
+                # Sessions this short back off as failed ones: six take about a second.
                 for _ in range(300):
-                    if announced >= 10:
+                    if announced >= 6:
                         break
                     await trio.sleep(0.05)
-                assert announced >= 10
+                assert announced >= 6
                 models = [
                     entry["model"]
                     for entry in (await client.get("/busy_threshold")).json()["thresholds"]
