@@ -16,7 +16,10 @@ Rules (one request-plane connection per worker session):
 - Outgoing messages go through one sender task. ``Generate`` waits for room in the outbox
   (``send_queue`` places: backpressure to the caller); ``Cancel`` never waits, so leaving a
   request is cancel-safe and synchronous. A request cancelled before its ``Generate`` was
-  written is simply dropped from the outbox.
+  written is simply dropped from the outbox. The time a request spent in the frontend
+  (``Generate.frontend_ms``, to a worker that reads it) is taken as the sender takes the
+  message to write it, its wait in the outbox included: it is stamped on the encoded message
+  (:func:`shim_common.wire.with_frontend_ms`), the body is not encoded again.
 - When the session ends, every open request ends at once with ``Failed(kind="unavailable")``.
 - A refusal from the worker (``Rejected``, or ``Failed(kind="unavailable")``: it is draining)
   reaches its request only after the plane's ``before_refusal`` has run: the link applies there
@@ -199,9 +202,12 @@ class RequestPlane:
         self._stats = stats
         self._next_id = 1
         self._open: dict[int, ResponseBuffer] = {}
-        # (request id, encoded message, is a Generate). Generates are bounded by send_queue;
-        # Cancels by the number of open requests (at most one each).
-        self._outbox: collections.deque[tuple[int, bytes, bool]] = collections.deque()
+        # (request id, encoded message, is a Generate, the request's arrival when its time in
+        # the frontend is to be stamped). Generates are bounded by send_queue; Cancels by the
+        # number of open requests (at most one each).
+        self._outbox: collections.deque[tuple[int, bytes, bool, float | None]] = (
+            collections.deque()
+        )
         self._generates_queued = 0
         self._unsent: set[int] = set()
         self._outbox_changed: trio.Event = trio.Event()
@@ -230,7 +236,8 @@ class RequestPlane:
         """Register a request and queue its ``Generate``; waits while the outbox is full.
 
         ``priority``, ``tenant`` and ``dp_rank`` are sent only to a worker that speaks them, and
-        so is the time since ``arrival`` (the request's arrival at the frontend, Trio time).
+        so is the time since ``arrival`` (the request's arrival at the frontend, Trio time),
+        taken when the message is taken to be written.
         """
         while self._closed_reason is None and self._generates_queued >= self._send_queue:
             await self._room.wait()
@@ -244,10 +251,8 @@ class RequestPlane:
             priority, tenant = 0, ""
         if not self._ranks:
             dp_rank = None
-        frontend_ms = 0
-        if self._frontend_time and arrival is not None:
-            spent = round((trio.current_time() - arrival) * 1000)
-            frontend_ms = min(wire.MAX_FRONTEND_MS, max(0, spent))
+        if not self._frontend_time:
+            arrival = None
         data = wire.encode(
             wire.Generate(
                 request_id=request_id,
@@ -256,10 +261,10 @@ class RequestPlane:
                 priority=priority,
                 tenant=tenant,
                 dp_rank=dp_rank,
-                frontend_ms=frontend_ms,
             )
         )
-        if len(data) > wire.MAX_MESSAGE_BYTES:
+        room = 0 if arrival is None else wire.FRONTEND_MS_ROOM
+        if len(data) + room > wire.MAX_MESSAGE_BYTES:
             buffer.finish(
                 wire.Failed(
                     request_id=request_id,
@@ -271,7 +276,7 @@ class RequestPlane:
             return request_id, buffer
         self._open[request_id] = buffer
         self._unsent.add(request_id)
-        self._outbox.append((request_id, data, True))
+        self._outbox.append((request_id, data, True, arrival))
         self._generates_queued += 1
         self._signal_outbox()
         return request_id, buffer
@@ -288,9 +293,8 @@ class RequestPlane:
             # The worker never heard of it: dropping the Generate is the whole cancel.
             self._unsent.discard(request_id)
             return
-        self._outbox.append(
-            (request_id, wire.encode(wire.Cancel(request_id=request_id, reason=reason)), False)
-        )
+        cancel = wire.encode(wire.Cancel(request_id=request_id, reason=reason))
+        self._outbox.append((request_id, cancel, False, None))
         self._signal_outbox()
 
     def deliver(self, message: wire.WorkerMessage) -> None:
@@ -361,16 +365,20 @@ class RequestPlane:
         return taken
 
     def _pop_outgoing(self) -> bytes | None:
-        request_id, data, is_generate = self._outbox.popleft()
+        request_id, data, is_generate, arrival = self._outbox.popleft()
         if not is_generate:
             return data
         self._generates_queued -= 1
         self._room.set()
         self._room = trio.Event()
-        if request_id in self._unsent:
-            self._unsent.discard(request_id)
-            return data
-        return None  # cancelled before it was sent: skipped
+        if request_id not in self._unsent:
+            return None  # cancelled before it was sent: skipped
+        self._unsent.discard(request_id)
+        if arrival is not None:
+            # Taken now, as the message leaves for the worker: the objective is the client's.
+            spent = round((trio.current_time() - arrival) * 1000)
+            data = wire.with_frontend_ms(data, min(wire.MAX_FRONTEND_MS, max(0, spent)))
+        return data
 
     def close(self, reason: str) -> int:
         """End the session: every open request fails with ``unavailable``.

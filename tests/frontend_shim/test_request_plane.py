@@ -196,6 +196,26 @@ async def test_generate_tells_a_worker_that_counts_it_the_time_spent_in_the_fron
         assert spent == [0, 0]  # an older worker is sent what it always was
 
 
+async def test_the_time_in_the_frontend_counts_the_wait_in_the_outbox(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Taken as the sender takes the message, not as the request queues it: a link whose writes
+    # are behind holds requests here, and that time is the client's too.
+    plane = RequestPlane(request_buffer=256, send_queue=4, stats=LinkStats(), frontend_time=True)
+    arrival = trio.current_time()
+    await plane.open("completions", {"prompt": "x"}, priority=1, tenant="t", arrival=arrival)
+    await trio.sleep(1.5)
+    sent = wire.decode_client_message(await plane.next_outgoing())
+    assert sent == wire.Generate(
+        request_id=1,
+        endpoint="completions",
+        body={"prompt": "x"},
+        priority=0,
+        tenant="",
+        frontend_ms=1500,
+    )
+
+
 async def test_stream_hands_out_replies_in_order() -> None:
     buffer = ResponseBuffer(8)
     for reply in (

@@ -191,6 +191,49 @@ def test_effective_limit_is_optional_on_load_events_and_heartbeats() -> None:
     assert [e.effective_limit for e in decoded.events] == [7, 7]
 
 
+def test_the_queue_by_priority_is_optional_and_bounded() -> None:
+    # From an older worker, or one that refuses by no wait: None. Past MAX_QUEUE_BANDS
+    # priorities, or a negative count, the message does not decode.
+    event = LoadEvent(seq=1, ts=1.0, load=LOAD, engine_requests=1, queued_requests=3)
+    assert event.queue_ahead is None
+    listed = msgspec.structs.replace(event, queue_ahead=[(-2, 1), (0, 3)])
+    assert msgpack.unpackb(wire.encode(listed))["queue_ahead"] == [[-2, 1], [0, 3]]
+    decoded = wire.decode_event_message(wire.encode(EventBatch(events=[listed])))
+    assert isinstance(decoded, EventBatch)
+    assert decoded.events[0].queue_ahead == [(-2, 1), (0, 3)]
+    for bad in ([(p, 1) for p in range(wire.MAX_QUEUE_BANDS + 1)], [(0, -1)], [(5000, 1)]):
+        raw = msgpack.unpackb(wire.encode(EventBatch(events=[event])))
+        raw["events"][0]["queue_ahead"] = bad
+        with pytest.raises(msgspec.ValidationError):
+            wire.decode_event_message(msgpack.packb(raw))
+
+
+@given(
+    priority=st.integers(-1000, 1000),
+    tenant=st.sampled_from(["", "a", "frontend_ms"]),
+    dp_rank=st.none() | st.integers(0, 7),
+    frontend_ms=st.integers(0, wire.MAX_FRONTEND_MS),
+)
+def test_a_generate_stamped_with_its_frontend_time_reads_as_one_encoded_with_it(
+    priority: int, tenant: str, dp_rank: int | None, frontend_ms: int
+) -> None:
+    fields: dict[str, Any] = {"request_id": 3, "endpoint": "completions", "body": {"p": "x"}}
+    plain = Generate(**fields, priority=priority, tenant=tenant, dp_rank=dp_rank)
+    stamped = wire.with_frontend_ms(wire.encode(plain), frontend_ms)
+    assert len(stamped) <= len(wire.encode(plain)) + wire.FRONTEND_MS_ROOM
+    assert wire.decode_client_message(stamped) == msgspec.structs.replace(
+        plain, frontend_ms=frontend_ms
+    )
+    assert msgpack.unpackb(stamped)["request_id"] == 3  # plain msgpack too
+
+
+def test_only_a_generate_without_its_frontend_time_is_stamped() -> None:
+    with pytest.raises(ValueError, match="range"):
+        wire.with_frontend_ms(b"\x80", wire.MAX_FRONTEND_MS + 1)
+    with pytest.raises(ValueError, match="Generate"):
+        wire.with_frontend_ms(msgpack.packb([1, 2]), 5)
+
+
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
     data = msgpack.packb({"type": "started", "request_id": 1, "prompt_tokens": 5, "future": [1]})
     assert wire.decode_worker_message(data) == Started(request_id=1, prompt_tokens=5)
