@@ -67,7 +67,12 @@ flight; it reacts at once) and the upstream's own numbers, polled every second (
 of other clients, prefix-cache sharing and preemption): the KV usage gauge of its ``/metrics``
 (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, ``sglang:token_usage``) times
 the total blocks, or for llama.cpp, whose ``/metrics`` has no such gauge, the tokens its busy
-slots hold according to ``GET /slots``, in blocks.
+slots hold according to ``GET /slots``, in blocks. A request that ends is taken off the polled
+figure at once (its blocks, as the estimate counted them) when that reading may count it (it
+came in after the request started), until the next reading: the reading would otherwise
+count it for up to a poll interval after its end, and the worker's first event after the end
+would still show it (a frontend routing on a decode threshold of 0 would see the worker busy).
+A request that ended while a reading was under way is taken off that reading too.
 """
 
 from __future__ import annotations
@@ -269,6 +274,12 @@ class OpenAIUpstreamEngine:
         self._in_flight = InFlightLoad(fallback.block_size)
         self._hits = CacheHitCounter(1)
         self._upstream_used_blocks = 0
+        # Readings taken so far; blocks of the requests the reading in force may count that
+        # ended since (taken off it); blocks of every request that ended (to tell which ended
+        # while a reading was under way).
+        self._readings = 0
+        self._ended_since_reading = 0
+        self._ended_blocks = 0
         self._load_changed = ChangeSignal()
         self._published = self._snapshot()
 
@@ -301,7 +312,8 @@ class OpenAIUpstreamEngine:
         return self._hits.stats(trio.current_time())
 
     def _snapshot(self) -> RankLoad:
-        blocks = max(self._in_flight.blocks, self._upstream_used_blocks)
+        polled = self._upstream_used_blocks - self._ended_since_reading
+        blocks = max(self._in_flight.blocks, polled)
         return RankLoad(
             dp_rank=0,
             active_decode_blocks=blocks,
@@ -376,6 +388,7 @@ class OpenAIUpstreamEngine:
         call = request.payload
         assert isinstance(call, _UpstreamCall), "generate() takes what prepare() returned"
         key = self._in_flight.start(request.prompt_tokens)
+        readings_before = self._readings
         self._refresh()
         try:
             headers = _JSON_HEADERS if request.endpoint == "embeddings" else _STREAM_HEADERS
@@ -396,7 +409,10 @@ class OpenAIUpstreamEngine:
         except UpstreamConnectionError as exc:
             raise UpstreamError(f"upstream {self._origin}: {exc}") from exc
         finally:
-            self._in_flight.finish(key)
+            ended = self._in_flight.finish(key)
+            self._ended_blocks += ended
+            if readings_before < self._readings:  # the reading in force came in after its start
+                self._ended_since_reading += ended
             self._refresh()
 
     async def _check_status(self, response: httpx.Response) -> None:
@@ -526,8 +542,9 @@ class OpenAIUpstreamEngine:
             while True:
                 await trio.sleep(self._metrics_poll_interval)
                 # Stale numbers are worse than none: without a fresh reading, the estimate counts.
+                ended_before = self._ended_blocks
                 used = await self._discovery.used_blocks(self._config)
-                self._set_upstream_used_blocks(used or 0)
+                self._set_upstream_used_blocks(used or 0, self._ended_blocks - ended_before)
         finally:
             await self._client.aclose()
             await self._discovery.aclose()
@@ -564,8 +581,12 @@ class OpenAIUpstreamEngine:
         )
         self._set_upstream_used_blocks(await self._discovery.used_blocks(self._config) or 0)
 
-    def _set_upstream_used_blocks(self, blocks: int) -> None:
+    def _set_upstream_used_blocks(self, blocks: int, ended_meanwhile: int = 0) -> None:
+        # A new reading: what ended before it was asked for is out of it; what ended while it
+        # was under way may not be, and stays taken off.
         self._upstream_used_blocks = blocks
+        self._ended_since_reading = ended_meanwhile
+        self._readings += 1
         self._refresh()
 
 

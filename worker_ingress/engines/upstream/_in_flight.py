@@ -87,13 +87,18 @@ class InFlightLoad:
         self.blocks += after - before
         return after != before
 
-    def finish(self, key: int) -> None:
+    def finish(self, key: int) -> int:
         """The request ended (completed, failed or cancelled): release everything it held.
 
         Args:
             key: From :meth:`start`.
+
+        Returns:
+            The blocks it held.
         """
         entry = self._requests.pop(key)
         if entry[2]:
             self.prefill_tokens -= entry[0]
-        self.blocks -= self._blocks_of(entry)
+        blocks = self._blocks_of(entry)
+        self.blocks -= blocks
+        return blocks

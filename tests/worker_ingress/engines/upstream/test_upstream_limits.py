@@ -8,13 +8,17 @@ from __future__ import annotations
 import pytest
 import trio
 from fake_upstream import (
+    CHAT,
     FALLBACK,
     TIMEOUT,
     Exchange,
     FakeUpstream,
     assert_idle,
+    chat_chunk,
+    collect,
     make_engine,
     models_m,
+    usage_chunk,
 )
 from fake_upstream import (
     upstream_fixture as upstream_fixture,
@@ -57,6 +61,69 @@ async def test_run_waits_for_the_upstream_then_reads_its_limits_and_usage(
                 await engine.load_changed.wait_past(engine.load_changed.version)
             nursery.cancel_scope.cancel()
     assert_idle(engine)
+
+
+async def test_a_request_that_ended_leaves_the_polled_usage_at_once(
+    upstream: FakeUpstream,
+) -> None:
+    # A reading taken while the request ran counts it; until the next reading, the request's
+    # end takes it off, so the worker's first event after the end does not count it.
+    usage = [0.0]
+    held_back = [False]
+    hold_readings = trio.Event()
+    answer = trio.Event()
+
+    async def metrics(exchange: Exchange) -> None:
+        if held_back[0]:
+            await hold_readings.wait()  # no fresher reading until the test is done
+        text = (
+            'vllm:cache_config_info{block_size="4",num_gpu_blocks="400"} 1.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {usage[0]}\n'
+        )
+        await exchange.send_raw(200, text.encode())
+
+    async def chat(exchange: Exchange) -> None:
+        await exchange.start_sse()
+        await exchange.event(chat_chunk("one"))
+        await answer.wait()
+        await exchange.event(chat_chunk(" two", finish="stop"))
+        await exchange.event(usage_chunk(5, 2))
+        await exchange.end_sse()
+
+    upstream.routes["GET /v1/models"] = models_m
+    upstream.routes["GET /metrics"] = metrics
+    upstream.routes["POST /v1/chat/completions"] = chat
+    engine = make_engine(upstream, metrics_poll_interval=0.01)
+
+    async def wait_for_load(blocks: int) -> None:
+        while engine.load()[0].kv_used_blocks != blocks:
+            await engine.load_changed.wait_past(engine.load_changed.version)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)  # the first reading: 0 blocks
+            ended = trio.Event()
+
+            async def request() -> None:
+                await collect(engine, engine.prepare("chat_completions", CHAT))
+                ended.set()
+
+            nursery.start_soon(request)
+            while engine.load()[0].kv_used_blocks == 0:
+                await engine.load_changed.wait_past(engine.load_changed.version)
+            held = engine.load()[0].kv_used_blocks  # the estimate of the request
+            usage[0] = 2 * held / 400  # the request, and as much of another client's
+            await wait_for_load(2 * held)  # a reading came while it ran
+            held_back[0] = True
+            answer.set()
+            await ended.wait()
+            assert engine.load()[0].kv_used_blocks == held  # the other client's blocks only
+            # A request that started after that reading was never in it: its end takes
+            # nothing off it.
+            await collect(engine, engine.prepare("chat_completions", CHAT))
+            assert engine.load()[0].kv_used_blocks == held
+            hold_readings.set()
+            nursery.cancel_scope.cancel()
 
 
 async def test_run_without_metrics_keeps_the_fallback(upstream: FakeUpstream) -> None:
