@@ -256,6 +256,11 @@ class _HandshakeFirst(trio.abc.Stream):
         self._ready = False
         self._failed: BaseException | None = None
 
+    @property
+    def transport_stream(self) -> trio.SocketStream:
+        """The TCP stream under the TLS layer (as :class:`trio.SSLStream` names it)."""
+        return self._tls.transport_stream
+
     def __repr__(self) -> str:
         try:
             host, port, *_ = self._tls.transport_stream.socket.getpeername()

@@ -24,6 +24,10 @@ a new handshake takes the place of the oldest subscriber that has not sent a ``S
 squatters never lock a frontend out. With no such subscriber the handshake gets 503 (counted).
 Only a token keeps out clients that speak the protocol as a frontend does.
 
+Frames: every connection's stream goes through
+:class:`~worker_ingress._frame_bound.FrameBoundStream`, which closes a client with 1002 once one
+message passes its bound of frames (counted, logged).
+
 Drain (:meth:`Worker.drain`: in :func:`run_worker` on SIGTERM/SIGINT, and on EOF of stdin with
 ``--stop-on-stdin-eof``): the gate rejects new requests with ``Server unavailable: draining``,
 ``/health`` answers 503 ``draining`` and heartbeats carry ``status="draining"``; running and
@@ -78,6 +82,7 @@ from shim_common.wire import (
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._config import WorkerSettings
 from worker_ingress._events import EventPublisher, Subscription
+from worker_ingress._frame_bound import FrameBoundListener, FrameBoundStream
 from worker_ingress._kv_events import KvEventLog
 from worker_ingress._metrics import WorkerMetrics
 from worker_ingress._planes import (
@@ -368,6 +373,7 @@ class Worker:
                 )
                 for listener in tcp_listeners
             ]
+        listeners = [FrameBoundListener(listener, self._too_many_frames) for listener in listeners]
         server = WebSocketServer(
             self._handle,
             # Typed for trio's own listeners; it only ever calls accept() and aclose().
@@ -487,6 +493,11 @@ class Worker:
         self._event_subscribers += change
         self.metrics.set_event_subscribers(self._event_subscribers)
 
+    def _too_many_frames(self, stream: FrameBoundStream, reason: str) -> None:
+        """A client passed the bound of frames in one message: it is closed with 1002."""
+        logger.info("closing %r with 1002: %s", stream, reason)
+        self.metrics.count_connection_error()
+
     async def _accept_and_serve(
         self,
         request: WebSocketRequest,
@@ -496,7 +507,10 @@ class Worker:
         batching = factory is RequestConnection and SUBPROTOCOL_BATCH in (
             request.proposed_subprotocols or ()
         )
-        ws = await request.accept(subprotocol=SUBPROTOCOL_BATCH if batching else None)
+        try:
+            ws = await request.accept(subprotocol=SUBPROTOCOL_BATCH if batching else None)
+        except ConnectionClosed:
+            return  # the client left (or was cut off) before its handshake was answered
         connection = factory(self, ws)
         self._connections.add(connection)
         try:

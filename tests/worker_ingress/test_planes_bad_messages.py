@@ -7,6 +7,7 @@ protocol's ranges, gets its final frame or its close, and the worker survives.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import msgpack
@@ -155,6 +156,78 @@ async def test_silent_peer_is_dropped_by_keepalive() -> None:
             # Dropped for the missed pong, and counted as a connection the peer broke.
             assert (connection_errors() or 0) >= 1
             await stream.aclose()
+
+
+def _close_sent(received: bytes) -> tuple[int, str]:
+    """The code and reason of the close frame among the frames a worker sent after its 101."""
+    position = received.index(b"\r\n\r\n") + 4
+    while position + 2 <= len(received):
+        opcode, length = received[position] & 0x0F, received[position + 1] & 0x7F
+        head = 2
+        if length == 126:
+            length, head = int.from_bytes(received[position + 2 : position + 4], "big"), 4
+        elif length == 127:
+            length, head = int.from_bytes(received[position + 2 : position + 10], "big"), 10
+        payload = received[position + head : position + head + length]
+        if opcode == 0x8:
+            return int.from_bytes(payload[:2], "big"), payload[2:].decode()
+        position += head + length
+    raise AssertionError("no close frame")
+
+
+#: A masked frame header announcing 2**62 bytes: what a client sends with its request, before its
+#: handshake is answered, is read as frames from its first byte, as the library reads it.
+HUGE_FRAME_HEADER = b"\x82\xff" + (2**62).to_bytes(8, "big") + bytes(4)
+
+
+@pytest.mark.parametrize("pipelined", [b"", HUGE_FRAME_HEADER], ids=["after-101", "pipelined"])
+@pytest.mark.parametrize("path", [REQUESTS_PATH, EVENTS_PATH])
+async def test_a_message_in_endless_empty_fragments_is_closed(
+    path: str, pipelined: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Opened, then continued by empty fragments forever: under the size cap, no control frame;
+    # the library held a part for each. The worker closes it with 1002 past 1,024 frames (or,
+    # behind a frame header sent with the request, with 1009 once that frame passes the cap).
+    caplog.set_level(logging.INFO, logger="worker_ingress")
+    worker = new_worker(make_settings())
+    errors = worker.metrics.registry.get_sample_value
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
+            received = bytearray()
+            closed = trio.Event()
+
+            async def read_all() -> None:
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while data := await stream.receive_some(65536):
+                        received.extend(data)
+                closed.set()
+
+            async with stream, trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                await stream.send_all(upgrade_request(path) + pipelined)
+                await wait_for(lambda: b"\r\n\r\n" in received, "the 101")
+                await stream.send_all(b"\x02\x80" + bytes(4))  # opened, empty, not final
+                with contextlib.suppress(trio.BrokenResourceError):
+                    for _ in range(200):  # 200,000 frames: far past the bound
+                        await stream.send_all((b"\x00\x80" + bytes(4)) * 1000)
+                        if closed.is_set():
+                            break
+                with trio.move_on_after(5):
+                    await closed.wait()
+                assert closed.is_set(), "the worker took 200,000 empty fragments"
+                nursery.cancel_scope.cancel()
+            code, reason = _close_sent(bytes(received))
+            if pipelined:
+                assert code == 1009  # the library's own cap, on the one huge frame
+            else:
+                assert code == 1002
+                assert reason.startswith("more than 1024 frames in one message")
+                assert "frames in one message" in caplog.text
+                assert (errors("dynamo_worker_connection_errors_total") or 0) >= 1
+            async with request_plane(address) as ws:
+                await send(ws, completion(1))
+                assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
 
 
 # ----------------------------------------------------------------------------- absurd messages
