@@ -4,7 +4,8 @@ Access: with a token set (``DYN_WORKER_TOKEN``), a handshake on any path without
 ``Authorization: Bearer <token>`` is refused with HTTP 401 before anything else is looked at, and
 counted (``dynamo_worker_unauthorized_total``); the comparison is constant-time and the token is
 never logged. Without a token (the default, meant for loopback) any client that reaches the port
-may use both planes: the worker says so in a warning at start-up.
+may use both planes: the worker says so at start-up, at WARNING when it listens on an address
+other than loopback (INFO on loopback).
 With ``--tls-cert-path``/``--tls-key-path`` the port speaks TLS (``wss://``); each
 handshake runs in its connection's task, bounded, and a failure is counted and closes that
 connection only.
@@ -17,12 +18,15 @@ exception escaping a connection is logged and counted
 (:meth:`~worker_ingress._metrics.WorkerMetrics.count_connection_error`); it never reaches the
 listener, because ``serve_websocket`` would crash entirely.
 
-Event-plane places: at most ``max_event_subscribers`` subscribers are served at once. At the cap
-a new handshake takes the place of the oldest subscriber that has not sent a ``Subscribe`` within
-``squatter_grace`` seconds of being accepted (what a frontend sends first, rule 9 of
-:mod:`worker_ingress._events`): that connection is closed and the new one served, so idle
-squatters never lock a frontend out. With no such subscriber the handshake gets 503 (counted).
-Only a token keeps out clients that speak the protocol as a frontend does.
+Event-plane places: at most ``max_event_subscribers`` subscribers are served at once, at most
+``max_subscribers_per_address`` of one client address. Past either bound a new handshake takes
+the place of another subscriber by the rules of :mod:`worker_ingress._subscriber_places` (a
+squatter that sent no ``Subscribe`` within ``squatter_grace`` seconds, what a frontend sends
+first, rule 9 of :mod:`worker_ingress._events`; else the oldest subscriber of the address
+holding the most places): that connection is closed and the new one served, so squatters never
+lock a frontend out, whether they subscribe or not, as long as their address holds more places
+than the frontend's. With nothing to take the handshake gets 503 (counted). Only a token keeps
+out clients of the frontend's own address that speak the protocol as a frontend does.
 
 Frames: every connection's stream goes through
 :class:`~worker_ingress._frame_bound.FrameBoundStream`, which closes a client with 1002 once one
@@ -92,6 +96,7 @@ from worker_ingress._planes import (
     RequestConnection,
     WorkerPlaneConnection,
 )
+from worker_ingress._subscriber_places import Place, SubscriberPlaces
 from worker_ingress._system import serve_system
 from worker_ingress.engines._base import Engine
 
@@ -114,6 +119,9 @@ REFUSAL_LOG_INTERVAL: Final = 10.0
 #: Event-plane subscribers a worker serves at once; a handshake beyond them gets 503 (counted).
 #: Each frontend is one subscriber of each of its workers.
 MAX_EVENT_SUBSCRIBERS: Final = 128
+#: Event-plane subscribers of one client address: a host may run several frontends, and one
+#: address cannot hold more than a quarter of the places.
+MAX_SUBSCRIBERS_PER_ADDRESS: Final = 32
 #: Seconds a subscriber has to send its ``Subscribe`` before, at the cap, a newcomer may take
 #: its place: a frontend sends it as soon as it has read the hello.
 SQUATTER_GRACE: Final = 5.0
@@ -139,9 +147,10 @@ class Worker:
         ping_interval: Seconds between keepalive pings on every connection.
         ping_timeout: Seconds a pong may take before the peer is dropped.
         close_timeout: Seconds a closing handshake may take before the socket is closed anyway.
-        max_event_subscribers: Event-plane connections served at once; more are refused.
-        squatter_grace: Seconds after which, at the cap, a subscriber that sent no
-            ``Subscribe`` gives its place to a new handshake.
+        max_event_subscribers: Event-plane connections served at once.
+        max_subscribers_per_address: Event-plane connections of one client address.
+        squatter_grace: Seconds after which a subscriber that sent no ``Subscribe`` is the
+            first to give its place to a new handshake.
     """
 
     def __init__(
@@ -155,6 +164,7 @@ class Worker:
         ping_timeout: float = 20.0,
         close_timeout: float = 5.0,
         max_event_subscribers: int = MAX_EVENT_SUBSCRIBERS,
+        max_subscribers_per_address: int = MAX_SUBSCRIBERS_PER_ADDRESS,
         squatter_grace: float = SQUATTER_GRACE,
     ) -> None:
         self.settings = settings
@@ -163,9 +173,9 @@ class Worker:
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
         self.close_timeout = close_timeout
-        self.max_event_subscribers = max_event_subscribers
-        self.squatter_grace = squatter_grace
-        self._event_subscribers = 0
+        self._places: SubscriberPlaces[EventConnection] = SubscriberPlaces(
+            max_event_subscribers, max_subscribers_per_address, squatter_grace
+        )
         # An engine with a prefix cache offers its KV events (the mocker's ``kv_events``).
         kv_events = getattr(engine, "kv_events", None)
         self._kv_events = kv_events if isinstance(kv_events, KvEventLog) else None
@@ -190,9 +200,10 @@ class Worker:
         self._subscriber_refusals = _RefusalLog(
             f"on the event plane: already {max_event_subscribers} subscribers"
         )
-        self._squatter_evictions = _RefusalLog(
-            f"that sent no subscribe within {squatter_grace:g} s, to serve new handshakes",
-            what="closed %d event-plane subscriber(s) at the cap",
+        self._evictions = _RefusalLog(
+            "to serve new handshakes (first those that sent no subscribe within "
+            f"{squatter_grace:g} s, else the oldest of the address holding the most places)",
+            what="closed %d event-plane subscriber(s)",
         )
 
     @property
@@ -455,43 +466,27 @@ class Worker:
         if self._status == "draining":
             await _refuse(request, 503, b"worker draining\n")
             return
+        place: Place[EventConnection] | None = None
         if factory is EventConnection:
-            if self._event_subscribers >= self.max_event_subscribers and not self._evict_squatter():
+            # Claimed before the handshake's awaits, so concurrent handshakes cannot overshoot.
+            place, taken = self._places.claim(_peer_host(request), trio.current_time())
+            if place is None:
                 self.metrics.count_subscriber_refused()
                 self._subscriber_refusals.note(request.remote)
                 await _refuse(request, 503, b"too many event-plane subscribers\n")
                 return
-            # Taken before the handshake's awaits, so concurrent handshakes cannot overshoot.
-            self._count_event_subscriber(+1)
+            if taken is not None and taken.connection is not None:
+                # Its task unwinds at its next checkpoint; its place counts no more already.
+                self._connections.discard(taken.connection)
+                taken.connection.abort()
+                self._evictions.note(taken.connection.remote)
+            self.metrics.set_event_subscribers(self._places.held)
         try:
-            await self._accept_and_serve(request, factory)
+            await self._accept_and_serve(request, factory, place)
         finally:
-            if factory is EventConnection:
-                self._count_event_subscriber(-1)
-
-    def _evict_squatter(self) -> bool:
-        """At the cap: close the oldest subscriber that sent no ``Subscribe`` within the grace;
-        False when there is none."""
-        now = trio.current_time()
-        squatters = [
-            connection
-            for connection in self._connections
-            if isinstance(connection, EventConnection)
-            and connection.squatting(now, self.squatter_grace)
-        ]
-        if not squatters:
-            return False
-        oldest = min(squatters, key=lambda connection: connection.opened_at)
-        # Out of the set at once, so that concurrent handshakes pick other squatters; its task
-        # unwinds at its next checkpoint and gives its place back then.
-        self._connections.discard(oldest)
-        oldest.abort()
-        self._squatter_evictions.note(oldest.remote)
-        return True
-
-    def _count_event_subscriber(self, change: int) -> None:
-        self._event_subscribers += change
-        self.metrics.set_event_subscribers(self._event_subscribers)
+            if place is not None:
+                self._places.release(place)
+                self.metrics.set_event_subscribers(self._places.held)
 
     def _too_many_frames(self, stream: FrameBoundStream, reason: str) -> None:
         """A client passed the bound of frames in one message: it is closed with 1002."""
@@ -502,6 +497,7 @@ class Worker:
         self,
         request: WebSocketRequest,
         factory: Callable[[PlaneHost, WebSocketConnection], WorkerPlaneConnection],
+        place: Place[EventConnection] | None,
     ) -> None:
         # A client that reads batches says so with a subprotocol (request plane only).
         batching = factory is RequestConnection and SUBPROTOCOL_BATCH in (
@@ -512,6 +508,9 @@ class Worker:
         except ConnectionClosed:
             return  # the client left (or was cut off) before its handshake was answered
         connection = factory(self, ws)
+        if place is not None:
+            assert isinstance(connection, EventConnection)
+            place.connection = connection
         self._connections.add(connection)
         try:
             with contextlib.suppress(ConnectionClosed):
@@ -532,7 +531,20 @@ async def _refuse(
     stays would hold a descriptor and two tasks of the worker for as long as it likes.
     """
     await request.reject(status, extra_headers=extra_headers, body=body)
-    await trio.aclose_forcefully(request._connection._stream)
+    await trio.aclose_forcefully(_stream_of(request))
+
+
+def _stream_of(request: WebSocketRequest) -> trio.abc.Stream:
+    """The stream under a handshake (trio-websocket names it only in a private attribute)."""
+    return request._connection._stream
+
+
+def _peer_host(request: WebSocketRequest) -> str:
+    """The client's address, as its connection's socket names it."""
+    stream = _stream_of(request)
+    if isinstance(stream, FrameBoundStream):
+        return stream.peer_host
+    return str(request.remote)
 
 
 async def _close_all(connections: Sequence[WorkerPlaneConnection]) -> None:

@@ -88,16 +88,24 @@ async def test_unknown_path_is_rejected_with_404() -> None:
     assert status.startswith(b"HTTP/1.1 404 ")
 
 
-async def test_event_subscribers_past_the_cap_are_refused_and_counted() -> None:
+async def test_event_subscribers_past_the_cap_take_the_oldest_place_of_their_address() -> None:
+    # At the cap, a newcomer of the address holding the most places takes the place of its
+    # oldest subscriber (the places rules are kept by test_subscriber_places.py); the count
+    # stays at the cap, and nothing is refused while there is a place to take.
     worker = new_worker(make_settings(), max_event_subscribers=2)
     samples = worker.metrics.registry.get_sample_value
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address:
-            async with event_plane(address), event_plane(address):
+            async with event_plane(address) as oldest, event_plane(address):
                 assert samples("dynamo_worker_event_subscribers") == 2
-                status = await upgrade_status(address, EVENTS_PATH)
-                assert status.startswith(b"HTTP/1.1 503 ")
-                assert samples("dynamo_worker_event_subscribers_refused_total") == 1
+                async with await trio.open_tcp_stream("127.0.0.1", port_of(address)) as newcomer:
+                    await newcomer.send_all(upgrade_request(EVENTS_PATH))
+                    assert (await newcomer.receive_some()).startswith(b"HTTP/1.1 101 ")
+                    assert await closed_code(oldest) == 1000
+                await wait_for(
+                    lambda: samples("dynamo_worker_event_subscribers") == 2, "the place taken"
+                )
+                assert samples("dynamo_worker_event_subscribers_refused_total") == 0
                 # The request plane is not capped by it.
                 async with request_plane(address) as ws:
                     await send(ws, completion(1))

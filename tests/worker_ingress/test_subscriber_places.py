@@ -1,15 +1,18 @@
 """Squatters on a worker's event plane never lock a frontend out (without a worker token).
 
 A real worker with a small subscriber cap, its places taken by event-plane clients played by the
-test that never subscribe, then a real frontend: it links all the same (the oldest squatter past
-the grace gives its place up). Clients that subscribe as a frontend does keep their places: only
-a worker token keeps those out.
+test, then a real frontend: it links all the same, whether the squatters never subscribe (the
+oldest past the grace gives its place up), subscribe as a frontend does, or are all younger than
+the grace (the oldest of the address holding the most places gives it up). Then the rules of the
+places themselves (``worker_ingress._subscriber_places``, pure): per address, at the cap, with
+squatters coming back, and with a fleet of several frontends on one host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 
 import httpx
 import pytest
@@ -20,7 +23,8 @@ from worker_harness import make_settings, new_worker, port_of, running, upgrade_
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from shim_common import wire
-from worker_ingress._server import WorkerAddress
+from worker_ingress._server import WorkerAddress, _is_loopback
+from worker_ingress._subscriber_places import Place, SubscriberPlaces
 
 CAP = 8
 GRACE = 0.3
@@ -65,8 +69,11 @@ async def test_idle_squatters_give_their_places_to_a_frontend(
     samples = worker.metrics.registry.get_sample_value
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address, contextlib.AsyncExitStack() as stack:
-            # Said plainly at start-up: without a token, anyone who reaches the port may use it.
-            assert "no worker token (DYN_WORKER_TOKEN unset)" in caplog.text
+            # Said plainly at start-up: without a token, anyone who reaches the port may use it
+            # (at INFO on loopback, at WARNING on any other address).
+            (line,) = [r for r in caplog.records if "no worker token" in r.getMessage()]
+            assert "(DYN_WORKER_TOKEN unset)" in line.getMessage()
+            assert line.levelno == logging.INFO
             squatters = await _squat(stack, address, CAP)
             assert samples("dynamo_worker_event_subscribers") == CAP
             await trio.sleep(GRACE)
@@ -90,22 +97,184 @@ async def test_idle_squatters_give_their_places_to_a_frontend(
             # The oldest squatter was closed for it, and no handshake was refused.
             assert await _closed_by_worker(squatters[0])
             assert samples("dynamo_worker_event_subscribers_refused_total") == 0
-            assert "closed 1 event-plane subscriber(s) at the cap" in caplog.text
+            assert "closed 1 event-plane subscriber(s) to serve new handshakes" in caplog.text
 
 
-async def test_subscribed_clients_keep_their_places_and_the_cap_refuses() -> None:
-    # Clients that subscribe, as a frontend does, are not squatters: at the cap the newcomer
-    # gets 503 as before (a worker token is what keeps out clients that speak the protocol).
-    worker = new_worker(make_settings(), max_event_subscribers=CAP, squatter_grace=GRACE)
+@pytest.mark.parametrize("subscribed", [True, False], ids=["subscribed", "young"])
+async def test_squatters_that_subscribe_or_are_young_do_not_lock_a_frontend_out(
+    subscribed: bool,
+) -> None:
+    # Every place held by clients that subscribed as a frontend does, or that are younger than
+    # the grace (one that reconnects every 4.9 s always is): before, the frontend got 503
+    # forever. Now it takes the place of the oldest subscriber of the address holding the most.
+    worker = new_worker(
+        make_settings(), max_event_subscribers=CAP, squatter_grace=60.0, close_timeout=0.5
+    )
     samples = worker.metrics.registry.get_sample_value
     subscribe = wire.encode(wire.Subscribe(thresholds=wire.BusyThresholds()))
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address, contextlib.AsyncExitStack() as stack:
-            clients = await _squat(stack, address, CAP)
-            for stream in clients:
-                await stream.send_all(client_frame(subscribe))
-            await trio.sleep(GRACE + 0.1)
-            with pytest.raises(ConnectionRefusedError, match="503"):
-                await _squat(stack, address, 1)
-            assert samples("dynamo_worker_event_subscribers_refused_total") == 1
-            assert samples("dynamo_worker_event_subscribers") == CAP
+            squatters = await _squat(stack, address, CAP)
+            if subscribed:
+                for stream in squatters:
+                    await stream.send_all(client_frame(subscribe))
+            async with trio.open_nursery() as nursery:
+                settings = FrontendSettings(http_port=0, workers=(address.ws_url,))
+                url: str = await nursery.start(run_frontend, settings)
+                async with httpx.AsyncClient(base_url=url) as client:
+                    for _ in range(400):
+                        if (await client.get("/health")).json()["workers_connected"] == 1:
+                            break
+                        await trio.sleep(0.02)
+                    body = {"model": "mock-model", "prompt": "a b", "max_tokens": 2}
+                    assert (await client.post("/v1/completions", json=body)).status_code == 200
+                nursery.cancel_scope.cancel()
+            assert await _closed_by_worker(squatters[0])
+            assert samples("dynamo_worker_event_subscribers_refused_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("worker.example", False),
+    ],
+)
+def test_the_open_planes_are_announced_at_warning_off_loopback(host: str, loopback: bool) -> None:
+    assert _is_loopback(host) is loopback
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+class Client:
+    """A subscriber as the places see it: subscribed or not, accepted at a time."""
+
+    def __init__(self, accepted_at: float, subscribed: bool = True) -> None:
+        self.accepted_at = accepted_at
+        self.subscribed = subscribed
+
+    def squatting(self, now: float, grace: float) -> bool:
+        return not self.subscribed and now - self.accepted_at >= grace
+
+
+def join(
+    places: SubscriberPlaces[Client], address: str, now: float, subscribed: bool = True
+) -> tuple[Place[Client] | None, Place[Client] | None]:
+    """A handshake from ``address``, answered at once when it gets a place."""
+    place, taken = places.claim(address, now)
+    if place is not None:
+        place.connection = Client(now, subscribed)
+    return place, taken
+
+
+def test_one_address_holds_at_most_its_share_and_its_newcomers_take_its_oldest() -> None:
+    places: SubscriberPlaces[Client] = SubscriberPlaces(cap=8, per_address=3, grace=5.0)
+    held = [join(places, "a", now=n)[0] for n in range(3)]
+    frontend, _ = join(places, "f", now=3)
+    for n in range(4, 20):
+        place, taken = join(places, "a", now=n)
+        assert place is not None
+        assert taken is held[0]  # its own oldest, whatever its age, never the frontend's
+        held = [*held[1:], place]
+    assert places.held_by("a") == 3
+    assert places.held == 4
+    assert frontend is not None
+    assert not frontend.taken
+
+
+def test_at_the_cap_a_squatter_goes_first_then_the_oldest_of_the_largest_address() -> None:
+    places: SubscriberPlaces[Client] = SubscriberPlaces(cap=4, per_address=4, grace=5.0)
+    join(places, "a", now=0)
+    join(places, "a", now=1)
+    idle, _ = join(places, "b", now=2, subscribed=False)
+    join(places, "c", now=3)
+    # The one that sent no subscribe within the grace goes first, wherever it is.
+    assert join(places, "d", now=10)[1] is idle
+    # With no squatter: the oldest of the address holding the most ("a", two places).
+    oldest_of_a = places._places["a"][0]
+    assert join(places, "e", now=11)[1] is oldest_of_a
+    # A newcomer counts with its own address: "d" then holds two ("d" and it) against one of
+    # every other, so it takes its own address's oldest.
+    place, taken = join(places, "d", now=12)
+    assert place is not None
+    assert taken is not None
+    assert taken.address == "d"
+    assert places.held == 4
+
+
+def test_squatters_coming_back_never_take_a_frontends_place() -> None:
+    # 127 places of squatters from three addresses, coming back in a random order, subscribed
+    # and young, for a long while: the frontend on an address of its own keeps its place, and
+    # a second frontend arriving meanwhile gets one too.
+    rng = random.Random(7)
+    places: SubscriberPlaces[Client] = SubscriberPlaces(cap=128, per_address=64, grace=5.0)
+    squatters: dict[str, list[Place[Client]]] = {"s1": [], "s2": [], "s3": []}
+    frontend, _ = join(places, "f1", now=0)
+    now = 1.0
+    for n in range(127):
+        address = f"s{n % 3 + 1}"
+        place, _ = join(places, address, now)
+        assert place is not None
+        squatters[address].append(place)
+    second: Place[Client] | None = None
+    for step in range(5000):
+        now += 0.01
+        address = rng.choice(list(squatters))
+        if squatters[address] and rng.random() < 0.5:
+            places.release(squatters[address].pop(rng.randrange(len(squatters[address]))))
+        place, taken = join(places, address, now)
+        assert place is not None
+        assert taken is None or taken.address.startswith("s")
+        squatters[address].append(place)
+        for held in squatters.values():
+            held[:] = [p for p in held if not p.taken]
+        if step == 2500:
+            second, _ = join(places, "f2", now)
+            assert second is not None
+    assert frontend is not None
+    assert not frontend.taken
+    assert second is not None
+    assert not second.taken
+    assert places.held <= 128
+
+
+def test_several_frontends_on_one_host_keep_their_places() -> None:
+    # Four frontends on one host (one address), a squatting address filling the rest: the
+    # squatters' comebacks take their own places; a fifth frontend on the host gets one.
+    places: SubscriberPlaces[Client] = SubscriberPlaces(cap=16, per_address=8, grace=5.0)
+    fleet = [join(places, "host", now=n)[0] for n in range(4)]
+    for n in range(8):
+        join(places, "squatter", now=10 + n)
+    for n in range(4):
+        join(places, "other", now=20 + n)
+    assert places.held == 16
+    for n in range(100):
+        assert join(places, "squatter", now=30 + n)[1] is not None
+    fifth, taken = join(places, "host", now=200)
+    assert fifth is not None
+    assert taken is not None
+    assert taken.address == "squatter"
+    assert all(place is not None and not place.taken for place in fleet)
+
+
+def test_a_newcomer_finding_nothing_to_take_is_refused_and_a_taken_place_is_released_once() -> None:
+    places: SubscriberPlaces[Client] = SubscriberPlaces(cap=2, per_address=2, grace=5.0)
+    first, _ = places.claim("a", 0)  # handshakes not answered yet: nothing to take
+    places.claim("b", 0)
+    assert places.claim("c", 1) == (None, None)
+    assert first is not None
+    first.connection = Client(0)
+    place, taken = places.claim("c", 2)
+    assert place is not None
+    assert taken is first
+    places.release(first)  # its connection ends later: a no-op
+    assert places.held == 2
+    places.release(place)
+    assert places.held == 1
