@@ -17,10 +17,15 @@ It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts sinc
 
 A server stops in order with a :class:`Shutdown`: first it stops accepting (the listeners stop
 completing new handshakes, what already waits in the listen backlog is accepted, then the
-listeners close, so a later connection is refused by the kernel), then every connection answers
+listeners close, so a later connection is refused by the kernel), while every connection answers
 the request it has begun, or the first one of a connection that has sent nothing yet, and closes
 (rule 9 of :mod:`shim_common._http_connection`). A client arriving at the exit thus gets a
-status line or a refused connection, never a connection that closes with no answer.
+status line or a refused connection, never a connection that closes with no answer. The sweep of
+the backlog goes on until nothing has been accepted for ``_BACKLOG_QUIET_SECONDS`` (50 ms), at
+most ``_BACKLOG_SWEEP_SECONDS`` (200 ms) in all: a handshake the kernel answered just before it
+stopped completing new ones completes when the client's last segment arrives, a round trip later,
+and is accepted rather than reset by the close. Stopping new handshakes is Linux only (a socket
+filter); elsewhere a client arriving in the last moment may still be reset.
 """
 
 from __future__ import annotations
@@ -110,12 +115,14 @@ class Shutdown:
         self._closing = True
         for scope in self._accepting:
             scope.cancel()
+        # The connections wind down while the backlog is swept (those the sweep accepts wind
+        # down as they start): the sweep's wait for late handshakes costs no time of their own.
+        for connection in list(self._connections):
+            connection.wind_down()
         with trio.move_on_after(answer_seconds):
             # Bounded: each accept loop ends after a bounded sweep of its backlog.
             while self._accept_loops:
                 await self._changed.park()
-            for connection in list(self._connections):
-                connection.wind_down()
             while self._open:
                 await self._changed.park()
 
@@ -252,10 +259,12 @@ _RETRY_SECONDS: Final = 0.1
 logger = logging.getLogger(__name__)
 
 
-# At a shutdown, the most connections taken from one listener's backlog, and how long an accept
-# may wait for one before the backlog counts as empty.
+# At a shutdown, the most connections taken from one listener's backlog; how long the sweep goes
+# on with nothing accepted (longer than a client's round trip: a handshake answered before the
+# listener stopped completing new ones completes one round trip later) and at most in all.
 _BACKLOG_SWEEP: Final = 1024
-_BACKLOG_WAIT_SECONDS: Final = 0.005
+_BACKLOG_QUIET_SECONDS: Final = 0.05
+_BACKLOG_SWEEP_SECONDS: Final = 0.2
 
 
 async def _accept_forever(
@@ -308,16 +317,17 @@ async def _sweep_backlog(
     on_connection: Callable[[trio.SocketStream], Awaitable[None]],
     shutdown: Shutdown,
 ) -> None:
-    for _ in range(_BACKLOG_SWEEP):
-        with trio.move_on_after(_BACKLOG_WAIT_SECONDS):
-            try:
-                stream = await listener.accept()
-            except OSError:
-                return  # out of descriptors: what is left is reset with the listener
-            shutdown._accepted()
-            nursery.start_soon(on_connection, stream)
-            continue
-        return
+    with trio.move_on_after(_BACKLOG_SWEEP_SECONDS):
+        for _ in range(_BACKLOG_SWEEP):
+            with trio.move_on_after(_BACKLOG_QUIET_SECONDS):
+                try:
+                    stream = await listener.accept()
+                except OSError:
+                    return  # out of descriptors: what is left is reset with the listener
+                shutdown._accepted()
+                nursery.start_soon(on_connection, stream)
+                continue
+            return
 
 
 async def serve_http(

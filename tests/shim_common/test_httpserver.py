@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 from functools import partial
+from typing import cast
 
+import pytest
 import trio
 import trio.testing
 from http_test_client import (
@@ -27,6 +29,7 @@ from shim_common._httpserver import (
     HTTPRequest,
     HTTPResponder,
     Shutdown,
+    _sweep_backlog,
     serve_http,
 )
 
@@ -221,6 +224,48 @@ async def test_a_shutdown_answers_what_was_accepted_then_refuses_new_connections
             await silent.aclose()
             nursery.cancel_scope.cancel()
 
+
+
+class _LateHandshakes:
+    """A listener whose connections complete at given times after the sweep begins, as
+    handshakes answered just before the listener stopped completing new ones do: one client
+    round trip later (a loopback peer cannot delay its last segment, so the test plays it)."""
+
+    def __init__(self, after: list[float]) -> None:
+        self._after = after
+        self._start = trio.current_time()
+
+    async def accept(self) -> object:
+        if not self._after:
+            await trio.sleep_forever()
+        await trio.sleep_until(self._start + self._after.pop(0))
+        return object()
+
+
+async def _sweep(after: list[float]) -> tuple[int, float]:
+    """How many connections a sweep of ``after`` takes, and how long it lasts."""
+    taken = 0
+
+    async def on_connection(_stream: trio.SocketStream) -> None:
+        nonlocal taken
+        taken += 1
+
+    listener = cast(trio.SocketListener, _LateHandshakes(after))
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await _sweep_backlog(listener, nursery, on_connection, Shutdown())
+    return taken, trio.current_time() - started
+
+
+async def test_the_backlog_sweep_waits_for_handshakes_a_round_trip_late(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Completed 1, 30 and 70 ms into the sweep: each is accepted (a sweep that gave up after
+    # 5 ms with nothing to accept took only the first, and the close reset the others).
+    assert await _sweep([0.001, 0.03, 0.07]) == (3, pytest.approx(0.07 + 0.05))
+    # With nothing to accept, the exit waits 50 ms; with arrivals that never stop, 200 ms.
+    assert await _sweep([]) == (0, pytest.approx(0.05))
+    assert await _sweep([0.04 * n for n in range(1, 100)]) == (4, pytest.approx(0.2))
 
 
 def _arrivals_during_a_shutdown(port: int, outcomes: list[str]) -> None:
