@@ -7,7 +7,9 @@ reason, and the client sees a 529 saying ``slo``; the worker exports L and count
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
+from collections import Counter
 from typing import Any
 
 import h11
@@ -30,13 +32,16 @@ from test_e2e import (
 pytestmark = pytest.mark.e2e
 
 
-async def post_with_headers(url: str, payload: Any) -> tuple[int, dict[bytes, bytes]]:
-    """POST a completion; the status and the response headers (the body is read and dropped)."""
+async def post_with_headers(
+    url: str, payload: Any, extra: dict[str, str] | None = None
+) -> tuple[int, dict[bytes, bytes]]:
+    """POST a completion (with the ``extra`` headers); the status and the response headers (the
+    body is read and dropped)."""
     parts = urllib.parse.urlsplit(url)
     assert parts.hostname is not None
     assert parts.port is not None
     data = json.dumps(payload).encode()
-    headers = [("host", parts.netloc), ("content-length", str(len(data)))]
+    headers = [("host", parts.netloc), ("content-length", str(len(data))), *(extra or {}).items()]
     stream = await trio.open_tcp_stream(parts.hostname, parts.port)
     async with stream:
         conn = h11.Connection(h11.CLIENT)
@@ -87,3 +92,66 @@ async def test_a_request_that_would_be_late_gets_a_529_that_says_slo() -> None:
             assert metric(text, 'dynamo_rejection_request_by_reason_total{reason="slo"}') == 1
             _, text = await call(url, "GET", "/metrics")
             assert "dynamo_frontend_rejection_by_reason_total" in text.decode()
+
+
+def labelled(text: bytes, name: str, label: str) -> float:
+    """The sum of the samples of ``name`` that carry ``label`` (``""``: every sample)."""
+    total = 0.0
+    for line in text.decode().splitlines():
+        match = re.fullmatch(rf"{name}(\{{[^}}]*\}})? (\S+)", line)
+        if match and label in (match[1] or ""):
+            total += float(match[2])
+    return total
+
+
+async def arrivals(url: str, *, every: float, seconds: float, classes: int) -> Counter[int]:
+    """An open loop: a streamed completion every ``every`` seconds for ``seconds``, each on its
+    own connection, of priority 0, 5, ... in turn (``classes`` of them); the statuses seen."""
+    statuses: Counter[int] = Counter()
+
+    async def one(priority: int) -> None:
+        status, _ = await post_with_headers(
+            url, completion(8, stream=True), {"x-dynamo-priority": str(priority)}
+        )
+        statuses[status] += 1
+
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for number in range(int(seconds / every)):
+            await trio.sleep_until(start + number * every)
+            nursery.start_soon(one, 5 * (number % classes))
+    return statuses
+
+
+async def test_under_an_objective_the_frontend_refuses_no_more_than_the_worker() -> None:
+    # Twice what the worker serves, in two classes, after a warm-up that gives the objective's
+    # controller its evidence. The worker refuses for its objective what would queue behind its
+    # bound, counting only what is queued of the request's priority or better; the frontend
+    # holds a refusal at that depth, of that class, so its own 529s on the worker's behalf
+    # (marked) stay at most the worker's refusals. Held at the depth of the whole queue, the
+    # frontend answered more of them than the worker refused.
+    env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT="32")
+    flags = ("--speedup-ratio", "2", "--num-gpu-blocks", "256", "--block-size", "4")
+    worker = worker_cmd("--engine-request-limit", "2", "--ttft-slo", "0.3", *flags)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            started(worker, env) as (ws, system),
+            started(frontend_cmd("--worker", ws), env) as (url,),
+        ):
+            await wait_connected(url)
+            await arrivals(url, every=0.01, seconds=2.0, classes=2)
+            _, front_before = await call(url, "GET", "/metrics")
+            _, back_before = await call(system, "GET", "/metrics")
+            statuses = await arrivals(url, every=0.01, seconds=4.0, classes=2)
+            _, front = await call(url, "GET", "/metrics")
+            _, back = await call(system, "GET", "/metrics")
+    by_reason = "dynamo_rejection_request_by_reason_total"
+    marked = labelled(front, "dynamo_frontend_rejection_by_reason_total", 'reason="marked"')
+    marked -= labelled(front_before, "dynamo_frontend_rejection_by_reason_total", 'reason="marked"')
+    refused = labelled(back, by_reason, "") - labelled(back_before, by_reason, "")
+    slo = labelled(back, by_reason, 'reason="slo"') - labelled(
+        back_before, by_reason, 'reason="slo"'
+    )
+    assert statuses[200] > 0
+    assert slo > 0, statuses  # the objective did refuse: the holds were put to the test
+    assert marked <= refused, (marked, refused, statuses)
