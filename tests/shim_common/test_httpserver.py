@@ -262,10 +262,16 @@ async def test_the_backlog_sweep_waits_for_handshakes_a_round_trip_late(
 ) -> None:
     # Completed 1, 30 and 70 ms into the sweep: each is accepted (a sweep that gave up after
     # 5 ms with nothing to accept took only the first, and the close reset the others).
-    assert await _sweep([0.001, 0.03, 0.07]) == (3, pytest.approx(0.07 + 0.05))
+    taken, lasted = await _sweep([0.001, 0.03, 0.07])
+    assert taken == 3
+    assert lasted == pytest.approx(0.07 + 0.05)
     # With nothing to accept, the exit waits 50 ms; with arrivals that never stop, 200 ms.
-    assert await _sweep([]) == (0, pytest.approx(0.05))
-    assert await _sweep([0.04 * n for n in range(1, 100)]) == (4, pytest.approx(0.2))
+    taken, lasted = await _sweep([])
+    assert taken == 0
+    assert lasted == pytest.approx(0.05)
+    taken, lasted = await _sweep([0.04 * n for n in range(1, 100)])
+    assert taken == 4
+    assert lasted == pytest.approx(0.2)
 
 
 def _arrivals_during_a_shutdown(port: int, outcomes: list[str]) -> None:
