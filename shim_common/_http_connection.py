@@ -35,8 +35,9 @@ Rules of one connection (a loop of request/response cycles):
    cancelled all the same, its ``finally:`` blocks run, and the connection closes without a
    response. The reader runs ahead of what the main task took from the parser by at most
    ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
-   has not asked for yet); then it stops reading, TCP flow control holds the client back, and
-   a disconnect is noticed at the next write instead.
+   has not asked for yet; a read counts at least 512 bytes, each being an object of its own);
+   then it stops reading, TCP flow control holds the client back, and a disconnect is noticed at
+   the next write instead.
 4. A handler answers exactly once: ``HTTPResponder.send`` (one complete response with
    ``Content-Length``, head and body in a single ``send_all``) or ``start_stream`` /
    ``send_chunk`` / ``end_stream`` (chunked, for server-sent events; an HTTP/1.0 client gets the
@@ -161,6 +162,10 @@ logger = logging.getLogger("shim_common._httpserver")
 # The most answers given at once in one write (rule 10): what a burst of pipelined requests may
 # make the reader hold before it writes.
 _MOST_ANSWERS_PER_WRITE = 64
+# The least a read counts toward the read-ahead budget (rule 3): a read is an event of its own,
+# some 40 bytes besides its data, and a client sending a byte per segment must not make the
+# reader hold 64 Ki of them.
+_LEAST_READ_BYTES = 512
 
 
 class Connection:
@@ -330,7 +335,7 @@ class Connection:
                     break
                 continue
             parser.feed(received)
-            self._unconsumed += len(received)
+            self._unconsumed += max(len(received), _LEAST_READ_BYTES)
             if self._awaiting_head and self._answer_at_once is not None:
                 if not await self._answer_ready_requests():
                     break  # the client left
@@ -683,7 +688,10 @@ class Connection:
         # clock is read only when waiting, as most bodies arrive with their head).
         fresh = True
         piece_due = math.inf
-        parts: list[bytes] = []
+        # The first piece as it came (the usual body, whole in one read, is never copied), then
+        # one buffer grown in place: a list of pieces cost an object per read, some 40 times a
+        # body that arrives a byte per TCP segment.
+        body: bytes | bytearray = b""
         size = 0
         # Every pass consumes at least one byte of a body capped at max_body_bytes, or ends,
         # or waits within the deadlines (at most once more when the upload falls behind the
@@ -693,12 +701,17 @@ class Connection:
                 event = events.popleft()
                 if event is END:
                     cycle.request_ended()
-                    return b"".join(parts)
+                    return body if isinstance(body, bytes) else bytes(body)
                 if isinstance(event, bytes):
                     size += len(event)
                     if size > limits.max_body_bytes:
                         raise BodyTooLarge(f"body over {limits.max_body_bytes} bytes")
-                    parts.append(event)
+                    if not body:
+                        body = event
+                    else:
+                        if isinstance(body, bytes):
+                            body = bytearray(body)
+                        body += event
                     fresh = True
                     continue
                 assert isinstance(event, ParseFailure), event
