@@ -237,7 +237,7 @@ class AdmissionGate:
             tenant: Whose request it is, for fair sharing (``""``: the shared tenant).
             prompt_tokens: The prompt's size (the service it costs the tenant).
             already_waited: Seconds the request spent before the gate (in a frontend), which
-                an objective counts against its room to wait.
+                an objective counts against its room to wait and its queue bound.
 
         Returns:
             An async context manager, to be used once; inside the block, tell it of the first

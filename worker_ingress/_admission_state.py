@@ -16,8 +16,8 @@ Rules of the state machine
    :meth:`AdmissionState.would_reject` is ``decide`` alone. The shell parks, wakes, arms the
    deadline a decision names and reads the clock; it decides nothing.
 2. Time comes in as ``now`` (seconds on any monotonic clock) with the events that need it; the
-   state never reads a clock. A request that already waited before it reached the gate says so
-   with ``already_waited`` (seconds), which shortens the room the objective leaves its wait.
+   state never reads a clock. A request that spent time before the gate says so with
+   ``already_waited`` (seconds): the objective judges it on what is left (bound and deadline).
 3. The order of the channel is :class:`~worker_ingress._fair_queue.FairQueue`'s; this module
    never reorders or scans it.
 4. With a time-to-first-token objective the state owns the sans-IO
