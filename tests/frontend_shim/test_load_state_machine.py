@@ -159,8 +159,8 @@ class FreeSetMachine(RuleBasedStateMachine):
             worker_id, in_flight = data.draw(st.sampled_from(self.in_flight))
             self.fleet.request_output(worker_id, in_flight, tokens)
 
-    @rule(data=st.data(), ahead=st.none() | st.integers(-1, 3))
-    def finish(self, data: st.DataObject, ahead: int | None) -> None:
+    @rule(data=st.data(), ahead=st.none() | st.integers(-1, 3), worker_tokens=st.integers(0, 60))
+    def finish(self, data: st.DataObject, ahead: int | None, worker_tokens: int) -> None:
         # ahead: where the worker's End puts its events, from the last one applied.
         if self.in_flight:
             index = data.draw(st.integers(0, len(self.in_flight) - 1))
@@ -168,10 +168,10 @@ class FreeSetMachine(RuleBasedStateMachine):
             window = None
             if ahead is not None:
                 seq = self.feed.seq.get(worker_id, 0)
-                window = wire.End(
+                window = wire.End(  # the worker's own count may be more than this frontend's
                     request_id=1,
-                    prompt_tokens=0,
-                    completion_tokens=0,
+                    prompt_tokens=worker_tokens // 2,
+                    completion_tokens=worker_tokens - worker_tokens // 2,
                     started_seq=seq - 2,
                     first_output_seq=seq - 1 + ahead // 2,
                     ended_seq=seq + ahead,
@@ -191,6 +191,13 @@ class FreeSetMachine(RuleBasedStateMachine):
         if self.fleet.is_known_model(model):
             update = BusyThresholds(active_decode_blocks=decode, active_prefill_tokens=prefill)
             self.fleet.set_thresholds(model, update)
+
+    @invariant()
+    def the_share_of_l_leaves_out_the_releases_the_newest_event_counts(self) -> None:
+        for worker in self.fleet.workers():
+            seq = worker.last_seq
+            counted = [r for r in worker.releases if r.started < seq <= r.ended]
+            assert worker.released_requests == len(counted)
 
     @invariant()
     def free_sets_match_recomputation(self) -> None:
