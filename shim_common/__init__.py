@@ -8,8 +8,9 @@
   ordered shutdown), ``_http_connection`` (one connection's tasks and rules), ``_http_parser``
   (llhttp, sans-IO), ``_http_cycle`` (the states of a request/response cycle, sans-IO),
   ``_http_head_writer`` (response heads), ``_http_idle`` (the idle connections and slow uploads,
-  closed first when the process runs out of descriptors) and ``_http_exchange`` (what a handler
-  sees: the request, the responder, the limits);
+  closed first when the process runs out of descriptors), ``_socket_io`` (a connection's reads
+  and writes with the system call tried first) and ``_http_exchange`` (what a handler sees: the
+  request, the responder, the limits);
 - its shared status routes (``_status``), the CLI helpers of both console scripts (``_cli``),
   small network helpers (``_net``), bearer tokens and TLS (``_access``), the kinds of number
   taken from outside with their one check each (``_numbers``), the one rule for quoting client

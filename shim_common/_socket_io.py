@@ -1,0 +1,108 @@
+"""A connection's reads and writes with the system call tried first, for the HTTP server.
+
+Trio's :class:`trio.SocketStream` puts two layers (the stream, then the socket's non-blocking
+helper) and a checkpoint around every ``recv`` and ``send``, so a request answered on a kept
+connection yields to the scheduler twice: once after its read, once after its write. For a
+small answer that is most of what a request costs above the system calls themselves.
+:class:`ConnectionIO` keeps the system calls and drops the rest where it safely can:
+
+1. Only a plain TCP :class:`trio.SocketStream` takes the direct path; any other stream (TLS)
+   is used through its own ``receive_some`` and ``send_all``, unchanged.
+2. A read is a checkpoint, as the stream's is: a cancelled task raises before it takes a byte.
+   It tries ``os.read`` at once. Nothing there: it waits until the socket is readable and tries
+   again. Data at once: it yields to the other tasks before returning (a client that keeps the
+   socket full never starves them), without raising a cancel that would lose the bytes. EOF is
+   ``b""``; a reset or any other error is :class:`trio.BrokenResourceError`, a closed socket
+   :class:`trio.ClosedResourceError`, as the stream would raise.
+3. A write tries ``os.write`` at once and returns without a checkpoint when the kernel took
+   every byte (the caller's next read, or whatever it awaits next, is the checkpoint). What the
+   kernel did not take is sent through the stream's ``send_all``, which waits for room and
+   honours cancellation. Two writes at once are a programming error, refused with
+   :class:`trio.BusyResourceError` as the stream refuses them, so bytes never interleave.
+4. The descriptor is asked of the socket before every system call (``-1`` once closed), never
+   remembered: a number freed by a close and reused by a new connection is never read from or
+   written to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+__all__ = ["ConnectionIO"]
+
+
+class ConnectionIO:
+    """``receive_some`` and ``send_all`` of one connection's stream (rules at the top).
+
+    Args:
+        stream: the connection's stream.
+    """
+
+    __slots__ = ("_sending", "_socket", "_stream")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._sending = False
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        """Up to ``max_bytes`` bytes, at least one; ``b""`` at EOF (rule 2)."""
+        sock = self._socket
+        if sock is None:
+            return bytes(await self._stream.receive_some(max_bytes))
+        # A cancelled task takes nothing off the socket: the cancel comes before the read.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
+        # Each pass either returns or waits until the socket is readable: bounded by the
+        # readiness reports, each a checkpoint.
+        while True:
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the connection is closed")
+            try:
+                data = os.read(fd, max_bytes)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"reading failed: {exc}") from exc
+            if not waited:
+                # Read at once: yield to the others all the same, but a cancel arriving now
+                # leaves these bytes with the caller.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
+
+    def send_now(self, data: bytes | bytearray | memoryview) -> int:
+        """Write what the kernel takes of ``data`` now, without waiting: the bytes taken (rule
+        3); 0 for a stream other than plain TCP, which :meth:`send_all` then sends whole."""
+        sock = self._socket
+        if sock is None:
+            return 0
+        if self._sending:
+            raise trio.BusyResourceError("another task is writing to this connection")
+        fd = sock.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("the connection is closed")
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"writing failed: {exc}") from exc
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Send every byte of ``data``, waiting for room as long as it takes (rule 3); a
+        checkpoint only when it has to wait."""
+        sent = self.send_now(data)
+        if sent >= len(data):
+            return
+        if self._sending:
+            raise trio.BusyResourceError("another task is writing to this connection")
+        self._sending = True
+        try:
+            await self._stream.send_all(memoryview(data)[sent:] if sent else data)
+        finally:
+            self._sending = False

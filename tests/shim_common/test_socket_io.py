@@ -1,0 +1,128 @@
+"""A connection's reads and writes with the system call first (shim_common._socket_io), on real
+loopback sockets."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+import trio.testing
+
+from shim_common._socket_io import ConnectionIO
+
+TIMEOUT = 10
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[trio.SocketStream, trio.SocketStream]]:
+    """A connected pair of TCP streams on loopback: (server side, client side)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    yield server, client
+    await server.aclose()
+    await client.aclose()
+    await listeners[0].aclose()
+
+
+async def test_a_read_returns_what_is_there_and_what_comes_later(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        await client.send_all(b"first")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await io.receive_some(100) == b"first"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, b"later")
+            assert await io.receive_some(100) == b"later"  # waited for it
+
+
+async def test_a_read_with_data_at_once_is_still_a_checkpoint(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        await client.send_all(b"ready")
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await io.receive_some(100)
+        assert scope.cancelled_caught
+        assert await io.receive_some(100) == b"ready"  # nothing was lost to the cancel
+
+
+async def test_eof_is_empty_and_a_reset_is_a_broken_connection(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        await client.send_eof()
+        assert await io.receive_some(100) == b""
+        # An abortive close (SO_LINGER 0) resets the connection.
+        client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()
+        await trio.sleep(0.05)
+        async def write_until_broken() -> None:
+            for _ in range(100):  # the first write may still be taken before the reset lands
+                await io.send_all(b"x" * 1000)
+                await trio.sleep(0.01)
+
+        with pytest.raises(trio.BrokenResourceError):
+            await write_until_broken()
+
+
+async def test_a_closed_socket_is_never_read_or_written(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, _client = pair
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        server.socket.close()
+        with pytest.raises(trio.ClosedResourceError):
+            await io.receive_some(100)
+        with pytest.raises(trio.ClosedResourceError):
+            await io.send_all(b"x")
+
+
+async def test_a_write_the_kernel_cannot_take_at_once_goes_out_whole_and_in_order(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    payload = bytes(range(256)) * 40_000  # 10 MB: far beyond the socket buffers
+    received = bytearray()
+
+    async def read_all() -> None:
+        while len(received) < len(payload):  # bounded: each read brings at least one byte
+            data = await client.receive_some(1 << 20)
+            assert data
+            received.extend(data)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(io.send_all, payload)
+            await trio.testing.wait_all_tasks_blocked()
+            # The writer waits for room: a second write now would interleave, and is refused.
+            with pytest.raises(trio.BusyResourceError):
+                await io.send_all(b"interleaved")
+            nursery.start_soon(read_all)
+    assert received == payload
+
+
+async def test_a_tls_stream_is_used_through_its_own_methods() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    io = ConnectionIO(left)
+    with trio.fail_after(TIMEOUT):
+        await io.send_all(b"through the stream")
+        assert await right.receive_some(100) == b"through the stream"
+        assert io.send_now(b"not taken") == 0  # no socket: the stream sends it whole
+        await right.send_all(b"back")
+        assert await io.receive_some(100) == b"back"
