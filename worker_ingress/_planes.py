@@ -30,9 +30,13 @@ Rules of a request-plane connection:
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: the gate's certain refusal first (``reject_now``: ``Rejected(reason)``, the
    prompt never prepared), then ``engine.prepare`` (bad input: ``Failed(bad_request)``, no
-   slot used), then ``gate.slot(priority, tenant, prompt_tokens)`` (full, displaced or draining:
-   ``Rejected(reason)``), then ``Started(prompt_tokens, queue_wait_ms)``,
-   the chunks, and ``End``. An engine exception: ``Failed(engine)``. A client ``Cancel``:
+   slot used), then ``gate.slot(priority, tenant, prompt_tokens)`` (queue full, displaced, queue
+   timeout, the objective's refusal with its queue bound, or draining: ``Rejected(reason)``),
+   then ``Started(prompt_tokens, queue_wait_ms)``, the chunks, and ``End``. A chunk is made from
+   an engine's output by :meth:`~worker_ingress.engines._base.EngineOutput.chunk` alone: a copy,
+   because the wire's chunk carries the request id an engine never sees, and an output carries
+   what is not sent (``cached_tokens``, reported in ``End``; :data:`FIRST_OUTPUT`, not
+   forwarded). An engine exception: ``Failed(engine)``. A client ``Cancel``:
    ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
    ``Failed(unavailable)``. Exactly one final frame per request id; the slot or queue place is
    freed before or as it is sent.
@@ -539,19 +543,14 @@ class RequestConnection:
                             cached_tokens = output.cached_tokens
                         lease.charge(output.tokens)
                         completion_tokens += output.tokens
-                        held.append(
-                            Chunk(
-                                request_id=request_id,
-                                text=output.text,
-                                tokens=output.tokens,
-                                finish_reason=output.finish_reason,
-                                embedding=output.embedding,
-                                index=output.index,
-                            )
-                        )
-                        if output.finish_reason is None:
-                            await self._sender.send(*held)
+                        chunk = output.chunk(request_id)
+                        if chunk.finish_reason is not None:
+                            held.append(chunk)
+                        elif held:
+                            await self._sender.send(*held, chunk)
                             held = []
+                        else:
+                            await self._sender.send(chunk)
         except Rejection as rejection:
             return [self._rejected(request_id, rejection.reason)]
         except Exception as error:

@@ -6,13 +6,14 @@ from typing import Any
 
 import pytest
 
-from shim_common.wire import Endpoint
+from shim_common.wire import Chunk, Endpoint
 from worker_ingress._config import MockerSettings
 from worker_ingress.engines._base import (
     DEFAULT_MAX_TOKENS,
     Engine,
     EngineConfig,
     EngineInputError,
+    EngineOutput,
     chat_texts,
     count_words,
     prompt_texts,
@@ -31,6 +32,23 @@ CONFIG = EngineConfig(
     max_num_seqs=8,
     data_parallel_size=1,
 )
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_an_output_becomes_the_wire_chunk_with_every_field_they_share() -> None:
+    # A field added to both and forgotten in EngineOutput.chunk would be lost on the wire.
+    output = EngineOutput(
+        text="a b", tokens=2, finish_reason="stop", embedding=[0.5], index=3, cached_tokens=4
+    )
+    chunk = output.chunk(7)
+    shared = set(EngineOutput.__struct_fields__) & set(Chunk.__struct_fields__)
+    assert shared == set(Chunk.__struct_fields__) - {"request_id"}
+    assert chunk.request_id == 7
+    assert {name: getattr(chunk, name) for name in shared} == {
+        name: getattr(output, name) for name in shared
+    }
+
 
 # ----------------------------------------------------------------------------- max tokens
 

@@ -11,7 +11,8 @@ Life of a request inside a worker:
    item it yields is the request's *first output*: the gate then gives back the request's
    waiting place (``--engine-request-waiting-limit``). An engine whose first sign of progress
    carries nothing to send (an upstream's role-only first chunk) yields :data:`FIRST_OUTPUT`,
-   which the worker does not forward.
+   which the worker does not forward; every other output goes to the client as
+   :meth:`EngineOutput.chunk`.
 
 Load reporting: the engine keeps :meth:`Engine.load` current for each data-parallel rank and bumps
 :attr:`Engine.load_changed` whenever a value there changes, so the event plane publishes on change.
@@ -37,7 +38,7 @@ import trio
 
 from shim_common import prefix
 from shim_common._client_text import quote
-from shim_common.wire import Endpoint, RankLoad
+from shim_common.wire import Chunk, Endpoint, RankLoad
 from worker_ingress._watch import ChangeSignal
 
 __all__ = [
@@ -91,7 +92,8 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
-    """One streamed piece of a response."""
+    """One streamed piece of a response: the fields of a :class:`~shim_common.wire.Chunk` but its
+    request id, and what the worker keeps for itself (``cached_tokens``)."""
 
     text: str = ""
     tokens: int = 0
@@ -101,6 +103,18 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompt tokens found in the engine's prefix cache, on any one output of the request (the
     #: worker reports the last it saw in ``End.cached_tokens``); ``None``: not said here.
     cached_tokens: int | None = None
+
+    def chunk(self, request_id: int) -> Chunk:
+        """The wire's chunk of this output for request ``request_id``: the one place an
+        engine's output becomes a wire message."""
+        return Chunk(
+            request_id=request_id,
+            text=self.text,
+            tokens=self.tokens,
+            finish_reason=self.finish_reason,
+            embedding=self.embedding,
+            index=self.index,
+        )
 
 
 #: Yielded by an engine to say "the request produced its first output" when that output has
