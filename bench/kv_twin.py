@@ -207,7 +207,10 @@ class _Twin:
         if not isinstance(routed, Routed):
             self.unrouted += 1
             return
-        in_flight = self.fleet.request_sent(routed.worker_id, request.prompt_tokens, routed.dp_rank)
+        names = routed.kv.names if routed.kv is not None else ()
+        in_flight = self.fleet.request_sent(
+            routed.worker_id, request.prompt_tokens, routed.dp_rank, names
+        )
         if routed.kv is not None:
             self.index.predict(routed.worker_id, routed.kv.dp_rank, routed.kv.names, now)
         replayed = Replayed(request, routed.worker_id, in_flight)

@@ -374,7 +374,7 @@ class FrontendAPI:
                     # Charged to the rank now, not at the worker's first reply: the picks
                     # before that reply (a burst of arrivals) see this request there.
                     charge = self._fleet.request_sent(
-                        worker_id, len(prompt.tokens), outcome.dp_rank
+                        worker_id, len(prompt.tokens), outcome.dp_rank, choice.names
                     )
             request = link.request(
                 exchange.endpoint, body, priority, tenant, outcome.dp_rank, exchange.arrival

@@ -33,7 +33,7 @@ Rules:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from frontend_shim._thresholds import max_batched, rank_busy
@@ -62,6 +62,7 @@ class RankState:
         "effective_blocks",
         "effective_prefill",
         "own_blocks",
+        "own_names",
         "own_prefill",
         "released_blocks",
         "released_prefill",
@@ -82,7 +83,13 @@ class RankState:
         #: event produced after they ended is applied (:class:`Release`).
         self.released_blocks = 0
         self.released_prefill = 0
+        #: The router's own count of blocks it sent here and not yet released: every named
+        #: prompt block once however many requests in flight hold it (the worker's cache shares
+        #: it), plus the blocks it could not name (a partial last block, output, a prompt
+        #: without names).
         self.own_blocks = 0
+        #: Of those, the named ones, each with the number of requests in flight holding it.
+        self.own_names: dict[int, int] = {}
         self.own_prefill = 0
         self.effective_blocks = 0
         self.effective_prefill = 0
@@ -90,14 +97,55 @@ class RankState:
         #: Prefill over the frontend-queue threshold (meaningful only when it is set).
         self.saturated = False
 
+    def hold_names(self, names: Sequence[int]) -> None:
+        """A request in flight holds ``names`` here: each counts once however many do."""
+        held = self.own_names
+        for name in names:
+            count = held.get(name, 0)
+            if not count:
+                self.own_blocks += 1
+            held[name] = count + 1
+
+    def release_names(self, names: Sequence[int]) -> None:
+        """A request holding ``names`` here left: a name no other holds stops counting."""
+        held = self.own_names
+        for name in names:
+            count = held.get(name, 0)
+            if count > 1:
+                held[name] = count - 1
+            elif count:
+                del held[name]
+                self.own_blocks -= 1
+
+    def charge_anonymous(self, in_flight: InFlight) -> None:
+        """Bring what ``in_flight`` charges here without a name to its blocks less its names."""
+        anonymous = max(0, in_flight.blocks - len(in_flight.names))
+        self.own_blocks += anonymous - in_flight.anonymous
+        in_flight.anonymous = anonymous
+
+    def held_run(self, names: Sequence[int]) -> int:
+        """How many of ``names``, from the first, requests in flight here already hold (a
+        chained name stands for its whole prefix, so the run stops at the first one missing)."""
+        held = self.own_names
+        if not names or names[0] not in held:
+            return 0
+        run = 1
+        for name in names[1:]:
+            if name not in held:
+                break
+            run += 1
+        return run
+
 
 class InFlight:
     """The router's own charge for one request sent to a worker (a handle, opaque to callers)."""
 
     __slots__ = (
+        "anonymous",
         "blocks",
         "finished",
         "first_output_seq",
+        "names",
         "output_tokens",
         "prefill_tokens",
         "prompt_tokens",
@@ -105,8 +153,19 @@ class InFlight:
         "sent_seq",
     )
 
-    def __init__(self, rank: int, prompt_tokens: int, blocks: int, sent_seq: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        prompt_tokens: int,
+        blocks: int,
+        sent_seq: int,
+        names: Sequence[int] = (),
+    ) -> None:
         self.rank = rank
+        #: The names of its prompt's full blocks (none when the router did not name them), and
+        #: how many of its :attr:`blocks` are charged without a name.
+        self.names = names
+        self.anonymous = 0
         #: The ``seq`` of the rank's report when the request was sent, and when its first
         #: output arrived (``None`` before): the window of a worker that names none.
         self.sent_seq = sent_seq

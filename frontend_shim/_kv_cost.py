@@ -13,9 +13,17 @@ Rules:
    ``P`` is the prompt's length in blocks), ``C`` the number of the prompt's first blocks the
    rank holds (:meth:`~frontend_shim._kv_index.KvIndex.depth`: the worker's cache as its
    events tell, and the router's own recent decisions) and ``D`` the rank's active blocks (the
-   larger of what the worker reports and what this router has sent it)::
+   larger of what the worker reports and what this router has sent it, a block that several of
+   its requests in flight there share counted once)::
 
-       cost = prefill_load_scale * max(0, P - credit * C) + D
+       cost = prefill_load_scale * max(0, P - credit * C) + D - A
+
+   ``A`` is the number of the prompt's first blocks that requests this router has in flight on
+   the rank already hold (:meth:`~frontend_shim._free_sets.RankState.held_run`): they are
+   among ``D`` and the worker shares them, so sending this prompt there adds only its other
+   blocks. ``D - A`` is thus the rank's active blocks once this request runs there, less the
+   prompt's length (the same for every rank): Dynamo's projected decode blocks. Under load it
+   keeps a conversation's next turn, queued behind the last, on the rank that holds both.
 
 3. Temperature 0: the lowest cost wins; among equal costs the worker of the lower
    :attr:`~frontend_shim._free_sets.WorkerLoad.load_cost` (which also weighs a worker's
@@ -170,13 +178,16 @@ def choose(
             if rank.busy:
                 continue
             cached = 0
-            cost = per_token * (tokens + rank.effective_prefill) + rank.effective_blocks
+            decode = rank.effective_blocks
+            if rank.own_names:
+                decode -= rank.held_run(names)
+            cost = per_token * (tokens + rank.effective_prefill) + decode
             if kept_ranks is not None:
                 held = kept_ranks[rank_index]
                 if held in holders:
                     cached = held.depth(names, now)
                     prefill = (tokens + rank.effective_prefill) / max(1, block_size)
-                    cost = scale * max(0.0, prefill - credit * cached) + rank.effective_blocks
+                    cost = scale * max(0.0, prefill - credit * cached) + decode
             if sampled:
                 scored.append((cost, worker, rank_index, cached, names))
             elif cost < best_cost or (cost == best_cost and worker.load_cost < best_load):

@@ -66,7 +66,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, NamedTuple
 
 from frontend_shim import _queue_hold, _releases
@@ -550,7 +550,11 @@ class Fleet:
     # ------------------------------------------------------------------ router's own count
 
     def request_sent(
-        self, worker_id: str, prompt_tokens: int, dp_rank: int | None = None
+        self,
+        worker_id: str,
+        prompt_tokens: int,
+        dp_rank: int | None = None,
+        names: Sequence[int] = (),
     ) -> InFlight | None:
         """Charge a request sent to a worker to the rank chosen for it, else to the rank with
         the fewest own blocks.
@@ -559,6 +563,9 @@ class Fleet:
             worker_id: the worker chosen.
             prompt_tokens: the request's prompt length in tokens (an estimate is fine).
             dp_rank: the rank the ``kv`` router chose (``None``, or out of range: the rule above).
+            names: the names of the prompt's full blocks (the ``kv`` router's): a block that
+                another request in flight on the rank holds is counted once, as the worker's
+                cache shares it.
 
         Returns:
             The handle to pass to :meth:`request_output` and :meth:`request_finished`, or
@@ -574,9 +581,10 @@ class Fleet:
             rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
         rank = worker.ranks[rank_index]
         blocks = blocks_of(prompt_tokens, worker.config)
-        in_flight = InFlight(rank_index, prompt_tokens, blocks, rank.report_seq)
+        in_flight = InFlight(rank_index, prompt_tokens, blocks, rank.report_seq, names[:blocks])
         worker.charges.add(in_flight)
-        rank.own_blocks += in_flight.blocks
+        rank.hold_names(in_flight.names)
+        rank.charge_anonymous(in_flight)
         rank.own_prefill += prompt_tokens
         self._sets.recompute_rank(worker, rank)
         self._sets.update_membership(worker)
@@ -602,9 +610,8 @@ class Fleet:
             in_flight.prefill_tokens = prompt_tokens
         in_flight.prompt_tokens = prompt_tokens
         output = in_flight.output_tokens if self.track_output_blocks else 0
-        blocks = blocks_of(prompt_tokens + output, worker.config)
-        rank.own_blocks += blocks - in_flight.blocks
-        in_flight.blocks = blocks
+        in_flight.blocks = blocks_of(prompt_tokens + output, worker.config)
+        rank.charge_anonymous(in_flight)
         self._sets.recompute_rank(worker, rank)
         self._sets.update_membership(worker)
 
@@ -632,8 +639,8 @@ class Fleet:
         if self.track_output_blocks:
             blocks = blocks_of(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
             if blocks != in_flight.blocks:
-                rank.own_blocks += blocks - in_flight.blocks
                 in_flight.blocks = blocks
+                rank.charge_anonymous(in_flight)
                 changed = True
         if changed:
             self._sets.recompute_rank(worker, rank)
@@ -667,7 +674,9 @@ class Fleet:
         in_flight.finished = True
         worker.charges.discard(in_flight)
         rank = worker.ranks[in_flight.rank]
-        rank.own_blocks -= in_flight.blocks
+        rank.own_blocks -= in_flight.anonymous
+        in_flight.anonymous = 0
+        rank.release_names(in_flight.names)
         rank.own_prefill -= in_flight.prefill_tokens
         self._sets.recompute_rank(worker, rank)
         if not held:

@@ -184,6 +184,28 @@ def test_the_routers_guess_keeps_a_burst_of_one_conversation_together() -> None:
         assert again.kv.cached_blocks == 20
 
 
+def test_a_prefix_its_requests_in_flight_hold_is_not_counted_again_on_that_rank() -> None:
+    # Under load a conversation's next turn arrives while the last is still queued there: the
+    # rank already holds the history for it, so it adds only the new blocks (Dynamo's projected
+    # decode blocks), where counting the history twice would send the turn away from it.
+    setup = Setup(2)
+    history = Prompt(tokens(12 * BLOCK, seed=3))
+    in_flight = setup.fleet.request_sent("w0", len(history.tokens), 0, history.names(BLOCK))
+    assert in_flight is not None
+    setup.fleet.request_output("w0", in_flight, 1)  # decoding: no prefill left to wait for
+    setup.load("w1", 0, 8)  # fewer active blocks than w0's 12
+    turn = Prompt([*history.tokens, *tokens(4 * BLOCK, seed=4)])
+    routed = setup.router(CostWeights(credit=0.0)).pick(MODEL, 0.0, prompt=turn)
+    assert isinstance(routed, Routed)
+    assert routed.kv is not None
+    # w0: 16 prompt blocks + its 12 active - the 12 of them this prompt shares = 16; w1: 24.
+    assert (routed.worker_id, routed.kv.cost) == ("w0", 16.0)
+    setup.fleet.request_finished("w0", in_flight)
+    alone = setup.router(CostWeights(credit=0.0)).pick(MODEL, 0.0, prompt=turn)
+    assert alone == Routed("w0")  # nothing in flight: 16 + 0 against 16 + 8
+    assert alone.kv is not None and alone.kv.cost == 16.0
+
+
 def test_a_prompt_the_router_could_not_read_is_chosen_by_load_alone() -> None:
     setup = Setup(2)
     setup.load("w0", 0, 5)

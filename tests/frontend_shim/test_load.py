@@ -461,6 +461,41 @@ def test_track_output_blocks(track: bool) -> None:
     assert state(fleet).ranks[0].own_blocks == 0
 
 
+@pytest.mark.parametrize("track", [False, True])
+def test_blocks_several_requests_in_flight_share_are_counted_once(track: bool) -> None:
+    fleet, feed = fleet_with(BusyThresholds(), track_output_blocks=track)
+    fleet.register(config(total=100, block_size=10), 0.0)
+    feed.load()
+    rank = state(fleet).ranks[0]
+    # Two turns of one conversation: the second resends the first's 3 blocks and adds 2, and
+    # its prompt ends in a partial block (6 blocks, 5 of them named).
+    first = fleet.request_sent("w0", prompt_tokens=30, names=[1, 2, 3])
+    second = fleet.request_sent("w0", prompt_tokens=55, names=[1, 2, 3, 4, 5])
+    assert first is not None and second is not None
+    assert rank.own_blocks == 5 + 1  # the shared three once, the partial block apart
+    fleet.request_output("w0", first, tokens=15)  # into a 5th block when output is tracked
+    assert rank.own_blocks == 6 + (2 if track else 0)
+    fleet.request_finished("w0", second)
+    assert rank.own_blocks == 3 + (2 if track else 0)  # the first still holds its own
+    assert sorted(rank.own_names) == [1, 2, 3]
+    fleet.request_finished("w0", first)
+    fleet.request_finished("w0", first)  # idempotent
+    assert (rank.own_blocks, rank.own_names) == (0, {})
+
+
+def test_a_worker_that_counts_fewer_tokens_than_the_names_charges_no_negative_block() -> None:
+    fleet, feed = fleet_with(BusyThresholds())
+    fleet.register(config(total=100, block_size=10), 0.0)
+    feed.load()
+    in_flight = fleet.request_sent("w0", prompt_tokens=40, names=[7, 8, 9, 10])
+    assert in_flight is not None
+    fleet.request_started("w0", in_flight, prompt_tokens=25)  # its own count: 3 blocks
+    rank = state(fleet).ranks[0]
+    assert rank.own_blocks == 4  # the names stand; nothing anonymous is owed
+    fleet.request_finished("w0", in_flight)
+    assert (rank.own_blocks, rank.own_names) == (0, {})
+
+
 def test_own_prefill_counts_until_first_output() -> None:
     fleet, feed = fleet_with(BusyThresholds(active_prefill_tokens=100))
     fleet.register(config(), 0.0)
