@@ -28,9 +28,10 @@ Rules of the state machine
    that would queue behind B (``SLO``) and by the deadline of a queued request (``SLO`` when it
    passes).
 5. Service is charged by one rule, :func:`~worker_ingress._fair_queue.service_tokens` (prompt
-   tokens, plus :data:`~worker_ingress._fair_queue.GENERATED_TOKEN_COST` per generated token):
-   to the fair queue's counter when the request is chosen to start (it enters the hand, or
-   starts at once), to the tenant ledger when it starts, and both as output is generated.
+   tokens, plus :data:`~worker_ingress._fair_queue.GENERATED_TOKEN_COST` per generated token).
+   A request's start cost is computed by it once, on arrival, and kept on its ticket; that one
+   amount goes to the fair queue's counter when the request is chosen to start (it enters the
+   hand, or starts at once) and to the tenant ledger when it starts; generated tokens to both.
 6. Reasons are :class:`~shim_common.wire.RejectReason` values; the state never spells a text.
 
 Theory of operation
@@ -111,9 +112,6 @@ from worker_ingress._tickets import (
 
 __all__ = ["REJECTION_KINDS", "AdmissionState"]
 
-#: The kinds of rejection the gate counts apart (the ``reason`` label of the metrics).
-REJECTION_KINDS: Final = ("queue_full", "displaced", "queue_timeout", "slo")
-
 # Module-level aliases: a global lookup is cheaper than an attribute lookup on the enum class.
 _CHANNEL: Final = TicketStatus.CHANNEL
 _HAND: Final = TicketStatus.HAND
@@ -128,6 +126,12 @@ _OVERLOADED: Final = RejectReason.OVERLOADED
 _DRAINING: Final = RejectReason.DRAINING
 _SLO: Final = RejectReason.SLO
 _QUEUE_TIMEOUT: Final = RejectReason.QUEUE_TIMEOUT
+
+#: The kinds of rejection the gate counts apart (the ``reason`` label of the metrics): the keys
+#: of its reasons (both displacements are ``displaced``), spelled by the wire alone.
+REJECTION_KINDS: Final = tuple(
+    reason.key for reason in (_OVERLOADED, RejectReason.DISPLACED_PRIORITY, _QUEUE_TIMEOUT, _SLO)
+)
 
 # Refusals carry no per-request data, so they are shared: a rejection allocates nothing here.
 _REFUSED_OVERLOADED: Final = GateRefusal(_OVERLOADED)
@@ -331,13 +335,9 @@ class AdmissionState:
         return self._queue
 
     def rejected_by_kind(self) -> dict[str, int]:
-        """``rejected_total`` split by :data:`REJECTION_KINDS`."""
-        return {
-            "queue_full": self.queue_full_total,
-            "displaced": self.displaced_total,
-            "queue_timeout": self.timed_out_total,
-            "slo": self.slo_rejected_total,
-        }
+        """``rejected_total`` split by :data:`REJECTION_KINDS`, in their order."""
+        counts = (self.queue_full_total, self.displaced_total, self.timed_out_total)
+        return dict(zip(REJECTION_KINDS, (*counts, self.slo_rejected_total), strict=True))
 
     def queued_tickets(self) -> list[Ticket]:
         """The waiting tickets, hand first, then by priority and arrival (see the policy)."""
@@ -462,7 +462,7 @@ class AdmissionState:
         Args:
             priority: Lower starts first.
             tenant: Whose request it is (``""``: the shared tenant).
-            prompt_tokens: Its prompt's size, the service it costs its tenant to start.
+            prompt_tokens: Its prompt's size, of which rule 5 makes its start cost.
             now: The time of the arrival.
             already_waited: As for :meth:`decide`.
 
@@ -476,10 +476,11 @@ class AdmissionState:
         self.received_total += 1
         if isinstance(decision, GateRefusal):
             return self._refuse_arrival(decision, priority, tenant)
+        start_cost = service_tokens(prompt_tokens=prompt_tokens)  # rule 5: once, here
         if isinstance(decision, StartDecision):
-            ticket = self._start_now(priority, tenant, prompt_tokens, now)
+            ticket = self._start_now(priority, tenant, start_cost, now)
         else:
-            ticket = self._enqueue(decision, priority, tenant, prompt_tokens, now)
+            ticket = self._enqueue(decision, priority, tenant, start_cost, now)
         ticket.waited = already_waited
         return ticket
 
@@ -656,20 +657,20 @@ class AdmissionState:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start_now(self, priority: int, tenant: str, prompt_tokens: int, now: float) -> Ticket:
+    def _start_now(self, priority: int, tenant: str, start_cost: int, now: float) -> Ticket:
         record = self._queue.tenant(tenant)
-        FairQueue.charge(record, prompt_tokens)
+        FairQueue.charge(record, start_cost)
         self._running += 1
         self._waiting += 1
         self.started_total += 1
         number = self._admitted_total
         self._admitted_total = number + 1
-        ticket = Ticket(number, _RUNNING, priority, record, prompt_tokens)
+        ticket = Ticket(number, _RUNNING, priority, record, start_cost)
         ticket.waiting = True
         ticket.arrived = ticket.started = now
         account = ticket.account = self.ledger.account(tenant)
         account.admitted += 1
-        account.service_tokens += prompt_tokens
+        account.service_tokens += start_cost
         slo = self.slo
         if slo is not None:
             slo.observe_start(ticket, started=now, running=self._running)
@@ -709,7 +710,7 @@ class AdmissionState:
         decision: QueueDecision,
         priority: int,
         tenant: str,
-        prompt_tokens: int,
+        start_cost: int,
         now: float,
     ) -> Ticket:
         if self.slo is not None:
@@ -724,11 +725,11 @@ class AdmissionState:
             if self._hand is None:
                 # Chosen to start next the moment it arrives: charged now, as the policy
                 # charges whatever it picks for the hand.
-                FairQueue.charge(record, prompt_tokens)
-                ticket = Ticket(number, _HAND, priority, record, prompt_tokens)
+                FairQueue.charge(record, start_cost)
+                ticket = Ticket(number, _HAND, priority, record, start_cost)
                 self._hand = ticket
             else:
-                ticket = Ticket(number, _CHANNEL, priority, record, prompt_tokens)
+                ticket = Ticket(number, _CHANNEL, priority, record, start_cost)
                 queue.push(ticket)
         else:
             queue.remove(victim)
@@ -740,7 +741,7 @@ class AdmissionState:
             self.displaced_total += 1
             number = self._admitted_total
             self._admitted_total = number + 1
-            ticket = Ticket(number, _CHANNEL, priority, queue.tenant(tenant), prompt_tokens)
+            ticket = Ticket(number, _CHANNEL, priority, queue.tenant(tenant), start_cost)
             queue.push(ticket)
             ticket.displaced = victim
         ticket.account = self.ledger.account(tenant)
@@ -766,7 +767,7 @@ class AdmissionState:
         ticket.deadline = None
         account = ticket.account
         account.admitted += 1
-        account.service_tokens += ticket.prompt_tokens
+        account.service_tokens += ticket.start_cost
         self._take_next_into_hand()
         slo = self.slo
         if slo is not None:

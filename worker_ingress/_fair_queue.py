@@ -17,9 +17,10 @@ Rules of the discipline
    flow whose tenant has the smallest service counter; ties go to the tenant that attained less
    service in fact (its counter before any lift: a tenant lifted on arrival is usually the
    light one), then to the flow that became backlogged first. A tenant's counter is its
-   attained service divided by its weight: prompt tokens (charged when its request is chosen
-   to start) plus :data:`GENERATED_TOKEN_COST` per generated token (charged by the gate as
-   output arrives), as in Virtual Token Counter fair queuing (:func:`service_tokens`).
+   attained service divided by its weight, as in Virtual Token Counter fair queuing, by the one
+   rule of :func:`service_tokens`: prompt tokens (an entry's ``start_cost``, charged when it is
+   chosen to start) plus :data:`GENERATED_TOKEN_COST` per generated token (charged by the gate
+   as output arrives).
 3. **No credit for idle time, none for a new name.** A flow that becomes backlogged in a band
    lifts its tenant's counter (never lowers it) to the smallest counter among the flows already
    backlogged there or to the band's *clock*, whichever is larger. The clock is the largest
@@ -103,7 +104,12 @@ _COMPACT_SLACK: Final = 16
 
 
 def service_tokens(prompt_tokens: int = 0, generated_tokens: int = 0) -> int:
-    """The service a request's tokens cost its tenant, unweighted: the one charge rule."""
+    """The service a request's tokens cost its tenant, unweighted: the one charge rule.
+
+    Every charge of a tenant's counter here and of its account in the gate's ledger is a value
+    of it: a request's start cost, from its prompt, computed once by the gate on arrival and
+    carried on its entry (:attr:`QueueEntry.start_cost`), and its generated tokens as they come.
+    """
     return prompt_tokens + GENERATED_TOKEN_COST * generated_tokens
 
 
@@ -140,16 +146,17 @@ class QueueEntry:
         number: Arrival order, increasing (the tie-break of last resort).
         priority: Lower starts first.
         tenant: The tenant's record (from :meth:`FairQueue.tenant`).
-        prompt_tokens: Charged to the tenant when the entry is chosen to start.
+        start_cost: What starting it costs the tenant (:func:`service_tokens` of its prompt),
+            charged when the entry is chosen to start.
     """
 
-    __slots__ = ("_flow", "number", "priority", "prompt_tokens", "tenant")
+    __slots__ = ("_flow", "number", "priority", "start_cost", "tenant")
 
-    def __init__(self, number: int, priority: int, tenant: Tenant, prompt_tokens: int) -> None:
+    def __init__(self, number: int, priority: int, tenant: Tenant, start_cost: int) -> None:
         self.number = number
         self.priority = priority
         self.tenant = tenant
-        self.prompt_tokens = prompt_tokens
+        self.start_cost = start_cost
         #: The flow holding this entry while it is queued; ``None`` otherwise.
         self._flow: _Flow | None = None
 
@@ -342,7 +349,8 @@ class FairQueue:
         entry._flow = flow
 
     def pop(self) -> QueueEntry | None:
-        """Take the entry that starts next out of the queue, charging its prompt to its tenant.
+        """Take the entry that starts next out of the queue, charging its start cost to its
+        tenant.
 
         Returns:
             The entry, or ``None`` when nothing waits.
@@ -360,7 +368,7 @@ class FairQueue:
         while order and order[0]._flow is None:
             order.popleft()
         tenant = entry.tenant
-        self.charge(tenant, service_tokens(prompt_tokens=entry.prompt_tokens))
+        self.charge(tenant, entry.start_cost)
         if tenant.service > band.clock:
             band.clock = tenant.service
         return entry

@@ -49,7 +49,9 @@ class Ticket(QueueEntry):
         status: Where the ticket is now.
         priority: Lower starts first.
         tenant: The tenant's record in the queue's policy.
-        prompt_tokens: The prompt's size, charged to the tenant when the ticket starts.
+        start_cost: What starting it costs its tenant (the one rule's value of its prompt,
+            computed once on arrival), charged to the queue's counter when it is chosen to
+            start and to the ledger when it starts.
         account: The tenant's account in the state's ledger (for per-tenant metrics).
         waiting: Whether it holds a waiting place (running, no first output yet).
         arrived: When it reached the gate (the ``now`` of its arrival).
@@ -85,14 +87,14 @@ class Ticket(QueueEntry):
         status: TicketStatus,
         priority: int = 0,
         tenant: Tenant | None = None,
-        prompt_tokens: int = 0,
+        start_cost: int = 0,
     ) -> None:
         # The entry's fields set here rather than through super().__init__: an arrival is the
         # hot path, and the call costs a fifth of it.
         self.number = number
         self.priority = priority
         self.tenant = tenant if tenant is not None else _NOBODY
-        self.prompt_tokens = prompt_tokens
+        self.start_cost = start_cost
         self._flow = None
         self.status = status
         self.account = _NO_ACCOUNT

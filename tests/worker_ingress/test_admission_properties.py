@@ -674,3 +674,97 @@ def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
         top_up()
         services = [state.policy.tenants[n].service for n in names]
         assert max(services) - min(services) <= 2 * max_request + 1e-9
+
+
+# -- one charge rule ------------------------------------------------------------------------------
+
+
+def _odd_rule(prompt_tokens: int = 0, generated_tokens: int = 0) -> int:
+    # Never the prompt itself: a site that charged raw prompt tokens would show.
+    return 3 * prompt_tokens + 5 * generated_tokens + 7
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    slots=st.integers(1, 2),
+    queue_limit=st.integers(2, 4),
+    waiting=st.one_of(st.none(), st.just(1)),
+    weights=st.dictionaries(st.sampled_from("ab"), st.sampled_from([0.5, 2.0])),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["arrive", "first", "generate", "finish", "cancel", "expire"]),
+            st.sampled_from(["", "a", "b"]),
+            st.integers(0, 40),
+            st.integers(0, 20),
+        ),
+        max_size=40,
+    ),
+)
+def test_every_charge_of_the_queue_and_the_ledger_is_the_one_rule(
+    slots: int,
+    queue_limit: int,
+    waiting: int | None,
+    weights: dict[str, float],
+    steps: list[tuple[str, str, int, int]],
+) -> None:
+    """With the rule swapped for one that is never the identity, each tenant's counter in the
+    fair queue and its account in the ledger hold exactly what the rule gives: start costs of
+    the requests chosen to start (queue) or started (ledger), plus generated tokens charged."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("worker_ingress._admission_state.service_tokens", _odd_rule)
+        patch.setattr("worker_ingress._fair_queue.service_tokens", _odd_rule)
+        state = AdmissionState(
+            engine_slots=slots,
+            queue_limit=queue_limit,
+            waiting_limit=waiting,
+            tenant_weights=weights,
+        )
+        prompts: dict[Ticket, int] = {}
+        chosen: set[Ticket] = set()
+        started: set[Ticket] = set()
+        queue_charged = {name: 0 for name in ("", "a", "b")}
+        ledger_charged = dict(queue_charged)
+        for what, tenant, prompt, tokens in steps:
+            live = [t for t in prompts if t.status in (TicketStatus.HAND, TicketStatus.CHANNEL)]
+            running = [t for t in prompts if t.status is TicketStatus.RUNNING]
+            if what == "arrive":
+                ticket = state.arrive(0, tenant, prompt)
+                if isinstance(ticket, Ticket):
+                    prompts[ticket] = prompt
+            elif what in ("first", "generate", "finish") and running:
+                ticket = running[tokens % len(running)]
+                if what == "first":
+                    state.first_output(ticket)
+                elif what == "generate":
+                    state.charge(ticket, tokens)
+                    name = ticket.tenant.name
+                    queue_charged[name] += _odd_rule(generated_tokens=tokens)
+                    ledger_charged[name] += _odd_rule(generated_tokens=tokens)
+                else:
+                    state.finish(ticket)
+            elif what in ("cancel", "expire") and live:
+                ticket = live[tokens % len(live)]
+                if what == "cancel":
+                    state.cancel(ticket)
+                else:
+                    state.expire(ticket)
+            for ticket, prompt in prompts.items():
+                name = ticket.tenant.name
+                if ticket not in chosen and (
+                    ticket is state.hand or ticket.status is TicketStatus.RUNNING
+                ):
+                    chosen.add(ticket)
+                    queue_charged[name] += _odd_rule(prompt_tokens=prompt)
+                if ticket not in started and ticket.status is TicketStatus.RUNNING:
+                    started.add(ticket)
+                    ledger_charged[name] += _odd_rule(prompt_tokens=prompt)
+            # A tenant with nothing left in the gate is forgotten by the queue (its rule 6).
+            for name in queue_charged:
+                record = state.policy.tenants.get(name)
+                if record is None:
+                    queue_charged[name] = 0
+                else:
+                    assert record.attained == pytest.approx(queue_charged[name] / record.weight)
+            accounts = dict(state.ledger.items())
+            for name, charged in ledger_charged.items():
+                assert (accounts[name].service_tokens if name in accounts else 0) == charged
