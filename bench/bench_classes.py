@@ -85,7 +85,7 @@ class Phase:
         counts: dict[str, int] = {}
         for outcome in self.outcomes:
             if outcome.rejected is not None:
-                key = wire.reject_reason_key(outcome.rejected)
+                key = wire.RejectReason.parse(outcome.rejected).key
                 counts[key] = counts.get(key, 0) + 1
         return counts
 

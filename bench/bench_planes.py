@@ -72,7 +72,7 @@ def _sample_frames() -> tuple[bytes, ...]:
 
 
 def _sample_rejection() -> bytes:
-    return wire.encode(wire.Rejected(request_id=123456, reason=wire.REASON_OVERLOADED))
+    return wire.encode(wire.Rejected.of(123456, wire.RejectReason.OVERLOADED))
 
 
 async def _serve_echo(replies: tuple[bytes, ...]) -> None:

@@ -52,7 +52,6 @@ from shim_common.wire import (
     CLOSE_UNDECODABLE,
     EVENTS_PATH,
     MAX_MESSAGE_BYTES,
-    REASON_OVERLOADED,
     Batch,
     Cancel,
     Chunk,
@@ -66,6 +65,7 @@ from shim_common.wire import (
     LoadEvent,
     RankLoad,
     Rejected,
+    RejectReason,
     Reply,
     Started,
     WorkerEvent,
@@ -518,7 +518,7 @@ class RequestPlane(Connection):
             self.close_with(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
             return
         if len(self.requests) >= MAX_IN_FLIGHT:
-            self.replies.append(Rejected(request_id=message.request_id, reason=REASON_OVERLOADED))
+            self.replies.append(Rejected.of(message.request_id, RejectReason.OVERLOADED))
             return
         prepared = _prepare(message)
         if isinstance(prepared, Failed):

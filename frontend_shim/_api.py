@@ -33,10 +33,14 @@ Life of a completion request (``POST /v1/chat/completions``, ``/v1/completions``
    worker for the refused request's class.
    Every 529 and 503 says why in ``x-dynamo-reject-reason`` (``busy``, ``marked``,
    ``no_workers``, ``draining``, or the worker's ``queue_full``, ``displaced``,
-   ``queue_timeout``, ``slo``), counted in ``dynamo_frontend_rejection_by_reason_total``.
-5. Send to the worker and wait for its first answer. ``Rejected`` marks the worker and, within
-   ``--migration-limit``, tries another free worker; otherwise 529 (``Server overloaded:``) or 503
-   (``Server unavailable:``). ``Failed`` before the start is a 400 (bad input) or a 5xx.
+   ``queue_timeout``, ``slo``, and ``other`` for a refusal whose text has neither prefix),
+   counted in ``dynamo_frontend_rejection_by_reason_total``.
+5. Send to the worker and wait for its first answer. ``Rejected`` (its text read once, into a
+   :class:`~shim_common.wire.RejectReason`) marks the worker and, within ``--migration-limit``,
+   tries another free worker; otherwise 529 (``Server overloaded:``) or 503 (``Server
+   unavailable:``, or ``other``: not retried). ``Failed(unavailable)`` before the start (the
+   worker is going away) is handled as a ``Server unavailable:`` refusal; any other ``Failed``
+   before the start is a 400 (bad input) or a 5xx.
 6. ``Started``: only now may a status line go out. Streaming requests get SSE chunks and end with
    ``data: [DONE]``; a failure after the start ends the stream with an ``event: error`` and no
    ``[DONE]``. Other requests get one JSON body when the worker ends the request. Either way the
@@ -362,7 +366,7 @@ class FrontendAPI:
             worker_id = outcome.worker_id
             link = self._links.link_of(worker_id)
             if link is None:  # the worker went away between the event and this pick
-                if attempt.on_rejected(self._router, worker_id, wire.REASON_DRAINING, now):
+                if attempt.on_rejected(self._router, worker_id, wire.RejectReason.DRAINING, now):
                     continue
                 await self._send_unavailable(responder, exchange, "draining")
                 return
@@ -428,15 +432,15 @@ class FrontendAPI:
                     # Refused, failed or cancelled before it started: the worker never held it.
                     self._fleet.request_finished(worker_id, charge, held=False)
             # The events the worker sent before it refused are applied already: the link
-            # applies them before it hands a refusal over (frontend_shim._request_plane).
+            # applies them before it hands a refusal over (frontend_shim._links, rule 6).
             if attempt.on_rejected(
                 self._router, worker_id, reason, trio.current_time(), priority, tenant, queue_bound
             ):
                 continue
             if reason.kind is RejectionKind.OVERLOADED:
                 await self._send_overloaded(responder, exchange, reason.key)
-            else:
-                await self._send_unavailable(responder, exchange, "draining")
+            else:  # going away (``draining``), or a refusal it cannot place (``other``)
+                await self._send_unavailable(responder, exchange, reason.key)
             return
 
     async def _send_overloaded(

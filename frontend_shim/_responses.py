@@ -290,7 +290,7 @@ async def send_unavailable(
     responder: HTTPResponder, tally: Tally, reason: str, *, close: bool = False
 ) -> None:
     """Answer 503 with ``Retry-After: 1`` and ``x-dynamo-reject-reason: <reason>``
-    (``no_workers`` or ``draining``); ``close``: and end the connection (draining)."""
+    (``no_workers``, ``draining`` or ``other``); ``close``: and end the connection (draining)."""
     tally.status = 503
     headers = json_headers((b"retry-after", b"1"), (REJECT_REASON_HEADER, reason.encode()))
     if close:  # draining: the client should reconnect, to another frontend

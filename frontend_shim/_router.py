@@ -10,7 +10,7 @@ What the I/O side does for one request, and which piece here answers each questi
     attempt = router.new_attempt()
     loop:
         outcome = router.pick_class(model, now, priority, tenant, attempt.rejected_by, exempt)
-        Routed -> send; on Rejected(reason):
+        Routed -> send; on Rejected(text): reason = wire.RejectReason.parse(text), once;
                   if attempt.on_rejected(router, id, reason, now, priority, tenant, bound):
                   pick again; else 529
         AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
@@ -37,7 +37,9 @@ Rules:
    deep as the one it refused at (:mod:`frontend_shim._queue_hold`); ``Server unavailable:
    ...`` takes it out until it reports ``ready``. Either way the request never
    started, so it may go to another worker while ``migration_limit`` allows, never to one that
-   already rejected it.
+   already rejected it. A text with neither prefix marks nothing and is not tried elsewhere.
+   The text is read into a :class:`~shim_common.wire.RejectReason` once, where the reply is
+   read; the router takes that.
 5. Class-aware marks (:meth:`Router.pick_class`; the mark's class is
    :mod:`frontend_shim._free_sets` rule 4). Free workers come first, chosen by the mode, so the
    common path costs what rule 3 says. Only when none is free (and, for a busy-exempt request,
@@ -95,7 +97,6 @@ __all__ = [
     "Router",
     "RouterMode",
     "UnknownModel",
-    "classify_rejection",
     "retry_after_seconds",
 ]
 
@@ -163,19 +164,6 @@ _UNKNOWN_MODEL: Final = UnknownModel()
 
 
 RejectionKind = wire.RejectionKind
-
-
-def classify_rejection(reason: str) -> RejectionKind:
-    """Classify a :class:`~shim_common.wire.Rejected` reason (as
-    :class:`~shim_common.wire.RejectReason` does: an unknown text by its prefix).
-
-    Args:
-        reason: the reason, a :class:`~shim_common.wire.RejectReason` or its text.
-
-    Returns:
-        The kind of rejection.
-    """
-    return wire.RejectReason.parse(reason).kind
 
 
 # ----------------------------------------------------------------------------- router
@@ -372,7 +360,7 @@ class Router:
     def on_rejected(
         self,
         worker_id: str,
-        reason: str,
+        reason: wire.RejectReason,
         now: float,
         priority: int | None = None,
         tenant: str = "",
@@ -382,7 +370,8 @@ class Router:
 
         Args:
             worker_id: the worker that rejected.
-            reason: the :class:`~shim_common.wire.Rejected` reason.
+            reason: why, as the worker's text was read where it was decoded
+                (:meth:`~shim_common.wire.RejectReason.parse`).
             now: current time.
             priority: the rejected request's priority (``None``: unknown; an overload mark
                 then covers every class).
@@ -394,8 +383,8 @@ class Router:
         Returns:
             The kind of rejection.
         """
-        kind = classify_rejection(reason)
-        if wire.RejectReason.parse(reason) in _LONG_QUEUE:
+        kind = reason.kind
+        if reason in _LONG_QUEUE:
             # Rule 4: it proves only that the worker's queue is long; held while it is.
             refused = wire.PRIORITY_MIN - 1 if priority is None else priority
             self.fleet.mark_long_queue(worker_id, now, refused, queue_bound)
@@ -433,7 +422,7 @@ class Attempt:
         self,
         router: Router,
         worker_id: str,
-        reason: str,
+        reason: wire.RejectReason,
         now: float,
         priority: int | None = None,
         tenant: str = "",
@@ -444,7 +433,7 @@ class Attempt:
         Args:
             router: the router (its fleet gets the mark).
             worker_id: the worker that rejected.
-            reason: the rejection reason.
+            reason: why, as for :meth:`Router.on_rejected`.
             now: current time.
             priority: the request's priority (``None``: unknown, the mark covers every class).
             tenant: the request's tenant.

@@ -14,10 +14,11 @@ Rules:
    rank, so a subscriber that missed anything is whole again after one heartbeat, and a
    subscriber that hears nothing for a few intervals knows the worker is gone or wedged.
 3. Request plane (``/v1/requests``): the client sends :class:`Generate` and :class:`Cancel`; the
-   worker answers each request id with exactly one of :class:`Rejected` (before the request
-   started) or :class:`Started` followed by any number of :class:`Chunk` and then one
-   :class:`End` or :class:`Failed`. Many requests share one connection. To a client that
-   offered :data:`SUBPROTOCOL_BATCH` the worker may send several of these in one :class:`Batch`.
+   worker answers each request id with exactly one of :class:`Rejected` or :class:`Failed`
+   (before the request started) or :class:`Started` followed by any number of :class:`Chunk`
+   and then one :class:`End` or :class:`Failed`. Many requests share one connection. To a
+   client that offered :data:`SUBPROTOCOL_BATCH` the worker may send several of these in one
+   :class:`Batch`.
 4. Fields are only ever added, never renamed or repurposed; decoders ignore unknown fields, so
    an older peer reads a newer one's messages. A breaking change bumps :data:`PROTOCOL_VERSION`.
    An addition that needs both sides to agree is a *feature*: the worker lists the features it
@@ -76,16 +77,9 @@ __all__ = [
     "MAX_QUEUE_BANDS",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
-    "REASON_DISPLACED_PRIORITY",
-    "REASON_DISPLACED_SHARE",
-    "REASON_DRAINING",
-    "REASON_OVERLOADED",
-    "REASON_QUEUE_TIMEOUT",
-    "REASON_SLO",
     "RejectReason",
     "RejectionKind",
     "TENANT_MAX_CHARS",
-    "reject_reason_key",
     "BusyThresholds",
     "Batch",
     "Cancel",
@@ -239,8 +233,8 @@ class RejectReason(enum.StrEnum):
     def key(self) -> str:
         """The short name, as metrics label it and the frontend's ``x-dynamo-reject-reason``
         header spells it: ``queue_full``, ``queue_timeout``, ``displaced``, ``slo`` or
-        ``draining``. An unknown overload, and any other unknown text, is ``queue_full`` (the
-        general overload); an unknown unavailability is ``draining``."""
+        ``draining``. An unknown overload is ``queue_full`` (the general overload), an unknown
+        unavailability ``draining``, and a text with neither prefix ``other``."""
         return _KEY_OF_REASON[self]
 
 
@@ -264,22 +258,8 @@ _KEY_OF_REASON: Final = {
     RejectReason.DRAINING: "draining",
     RejectReason.OTHER_OVERLOAD: "queue_full",
     RejectReason.OTHER_UNAVAILABLE: "draining",
-    RejectReason.OTHER: "queue_full",
+    RejectReason.OTHER: "other",
 }
-
-#: The reasons by their older names (the same values).
-REASON_OVERLOADED: Final = RejectReason.OVERLOADED
-REASON_QUEUE_TIMEOUT: Final = RejectReason.QUEUE_TIMEOUT
-REASON_DRAINING: Final = RejectReason.DRAINING
-REASON_DISPLACED_PRIORITY: Final = RejectReason.DISPLACED_PRIORITY
-REASON_DISPLACED_SHARE: Final = RejectReason.DISPLACED_SHARE
-REASON_SLO: Final = RejectReason.SLO
-
-
-def reject_reason_key(reason: str) -> str:
-    """The short name of a rejection reason text: ``RejectReason.parse(reason).key``."""
-    return RejectReason.parse(reason).key
-
 
 CANCEL_REASON_CLIENT: Final = "client cancelled"
 

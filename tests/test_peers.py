@@ -607,7 +607,7 @@ async def test_reads_in_place_answer_the_workers_pings_and_end_on_its_close() ->
 
 
 REFUSALS = {
-    "rejected": wire.Rejected(request_id=1, reason=wire.REASON_OVERLOADED),
+    "rejected": wire.Rejected(request_id=1, reason=wire.RejectReason.OVERLOADED),
     "draining": wire.Failed(request_id=1, kind="unavailable", message="worker draining"),
 }
 

@@ -36,6 +36,8 @@ from frontend_fleet import (
 
 from frontend_shim._event_cost import DEFAULT_CORE_SHARE, MAX_MEASURED_BUDGET, MIN_MEASURED_BUDGET
 from frontend_shim._responses import UNAVAILABLE_BODY
+from shim_common import wire
+from worker_ingress._planes import RequestConnection
 
 # ----------------------------------------------------------------------------- plain requests
 
@@ -150,6 +152,28 @@ async def test_no_workers_answers_503_exact_body() -> None:
                     b'"type":"Service Unavailable","code":503}'
                 )
                 assert reply.headers[b"content-type"] == b"application/json"
+
+
+async def test_a_refusal_with_neither_prefix_is_a_503_that_says_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A text no version of the protocol classifies (a foreign worker's) is no capacity problem:
+    # not retried elsewhere, and its 503 says so rather than "draining".
+    def foreign(_: RequestConnection, request_id: int, __: wire.RejectReason) -> wire.Rejected:
+        return wire.Rejected(request_id=request_id, reason="Quota exceeded: tenant x")
+
+    monkeypatch.setattr(RequestConnection, "_rejected", foreign)
+    with trio.fail_after(TIMEOUT):
+        async with fleet([worker_settings()]) as f:
+            f.workers[0].gate.drain()  # every request refused, in the text above
+            refused = await f.post("/v1/completions", completion_body())
+            assert refused.status == 503
+            assert refused.body == UNAVAILABLE_BODY
+            assert refused.headers[b"x-dynamo-reject-reason"] == b"other"
+            counted = metric_value(
+                await f.metrics(), "dynamo_frontend_rejection_by_reason_total", reason="other"
+            )
+            assert counted == 1
 
 
 # ----------------------------------------------------------------------------- metrics, health

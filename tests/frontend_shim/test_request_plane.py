@@ -80,7 +80,7 @@ async def test_request_table_routes_replies_and_forgets_finished_requests() -> N
             ("Generate", first_id),
             ("Generate", second_id),
         ]
-        plane.deliver(wire.Rejected(request_id=second_id, reason=wire.REASON_OVERLOADED))
+        plane.deliver(wire.Rejected(request_id=second_id, reason=wire.RejectReason.OVERLOADED))
         plane.deliver(wire.Started(request_id=first_id, prompt_tokens=1))
         plane.deliver(wire.End(request_id=first_id, prompt_tokens=1, completion_tokens=0))
         assert plane.open_requests == 0

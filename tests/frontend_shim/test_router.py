@@ -22,7 +22,6 @@ from frontend_shim._router import (
     Router,
     RouterMode,
     UnknownModel,
-    classify_rejection,
     retry_after_seconds,
 )
 from shim_common import wire
@@ -123,8 +122,8 @@ def test_all_busy_is_529() -> None:
 def test_all_marked_is_529_until_the_lease_ends() -> None:
     fleet, _ = fleet_of(2)
     router = Router(fleet)
-    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0)
-    router.on_rejected("w1", wire.REASON_DISPLACED_PRIORITY, 0.5)
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0)
+    router.on_rejected("w1", wire.RejectReason.DISPLACED_PRIORITY, 0.5)
     assert router.pick(MODEL, 0.9) == AllBusy()
     assert picked(router.pick(MODEL, 1.0)) == "w0"
     assert {picked(router.pick(MODEL, 1.5)) for _ in range(4)} == {"w0", "w1"}
@@ -135,11 +134,11 @@ def test_a_queue_timeout_marks_the_worker_only_while_its_queue_is_as_deep() -> N
     # request of its class would start at once, so the worker stays free.
     fleet, _ = fleet_of(1)
     router = Router(fleet)
-    router.on_rejected("w0", wire.REASON_QUEUE_TIMEOUT, 0.0, priority=0)
+    router.on_rejected("w0", wire.RejectReason.QUEUE_TIMEOUT, 0.0, priority=0)
     assert picked(router.pick(MODEL, 0.1)) == "w0"
     fleet.request_pending("w0", 0.1, 0)
     fleet.request_pending("w0", 0.1, 0)
-    router.on_rejected("w0", wire.REASON_QUEUE_TIMEOUT, 0.2, priority=0)
+    router.on_rejected("w0", wire.RejectReason.QUEUE_TIMEOUT, 0.2, priority=0)
     assert router.pick(MODEL, 0.3) == AllBusy()  # two queued, as when it came
     fleet.request_answered("w0", 0.4, 0)
     assert picked(router.pick(MODEL, 0.5)) == "w0"
@@ -181,7 +180,7 @@ def test_a_batch_refusal_leaves_the_worker_open_to_a_better_priority() -> None:
     fleet, _ = fleet_of(1, BusyThresholds())
     router = Router(fleet)
     attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", wire.REASON_OVERLOADED, 0.0, 10, "batch")
+    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OVERLOADED, 0.0, 10, "batch")
     # Free sets first: the marked worker is not free, so plain pick() says all busy.
     assert router.pick(MODEL, 0.1) == AllBusy()
     assert fleet.every_worker_marked(MODEL)
@@ -200,20 +199,20 @@ def test_a_batch_refusal_leaves_the_worker_open_to_a_better_priority() -> None:
 def test_a_refusal_of_a_better_class_widens_the_mark() -> None:
     fleet, _ = fleet_of(1, BusyThresholds())
     router = Router(fleet)
-    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 10, "a")
-    router.on_rejected("w0", wire.REASON_DISPLACED_SHARE, 0.0, 10, "b")
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0, 10, "a")
+    router.on_rejected("w0", wire.RejectReason.DISPLACED_SHARE, 0.0, 10, "b")
     assert router.pick_class(MODEL, 0.0, 10, "b") == AllBusy()
     assert router.pick_class(MODEL, 0.0, 10, "c") == Routed("w0")
-    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 5, "c")
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0, 5, "c")
     assert router.pick_class(MODEL, 0.0, 10, "d") == AllBusy()
     assert router.pick_class(MODEL, 0.0, 5, "c") == AllBusy()
     assert router.pick_class(MODEL, 0.0, 5, "d") == Routed("w0")
     assert router.pick_class(MODEL, 0.0, 4, "c") == Routed("w0")
     # A worse refusal (e.g. routed before the mark) changes nothing.
-    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0, 7, "e")
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0, 7, "e")
     assert router.pick_class(MODEL, 0.0, 5, "d") == Routed("w0")
     # A refusal whose class is unknown covers every class; so does any other caller's mark.
-    router.on_rejected("w0", wire.REASON_OVERLOADED, 0.0)
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0)
     assert router.pick_class(MODEL, 0.0, wire.PRIORITY_MIN, "z") == AllBusy()
 
 
@@ -416,11 +415,13 @@ def test_every_mode_honours_thresholds_and_exclusion(mode: RouterMode) -> None:
 # ----------------------------------------------------------------------------- migration
 
 
-def test_classify_rejection() -> None:
-    assert classify_rejection(wire.REASON_OVERLOADED) is RejectionKind.OVERLOADED
-    assert classify_rejection(wire.REASON_QUEUE_TIMEOUT) is RejectionKind.OVERLOADED
-    assert classify_rejection(wire.REASON_DRAINING) is RejectionKind.UNAVAILABLE
-    assert classify_rejection("Unknown endpoint: x") is RejectionKind.OTHER
+def test_a_rejection_is_the_kind_its_reason_says() -> None:
+    router = Router(fleet_of(1)[0])
+    reason = wire.RejectReason
+    assert router.on_rejected("w0", reason.OVERLOADED, 0.0) is RejectionKind.OVERLOADED
+    assert router.on_rejected("w0", reason.QUEUE_TIMEOUT, 0.0) is RejectionKind.OVERLOADED
+    assert router.on_rejected("w0", reason.parse("Unknown: x"), 0.0) is RejectionKind.OTHER
+    assert router.on_rejected("w0", reason.DRAINING, 0.0) is RejectionKind.UNAVAILABLE
 
 
 def test_migration_never_returns_to_a_worker_that_rejected() -> None:
@@ -431,7 +432,7 @@ def test_migration_never_returns_to_a_worker_that_rejected() -> None:
     for _ in range(3):
         worker_id = picked(router.pick(MODEL, 0.0, exclude=attempt.rejected_by))
         seen.append(worker_id)
-        may_retry = attempt.on_rejected(router, worker_id, wire.REASON_OVERLOADED, 0.0)
+        may_retry = attempt.on_rejected(router, worker_id, wire.RejectReason.OVERLOADED, 0.0)
     assert sorted(seen) == ["w0", "w1", "w2"]
     assert not may_retry  # the third rejection used up a limit of 2 retries
     assert router.pick(MODEL, 0.0, exclude=attempt.rejected_by) == AllBusy()
@@ -441,7 +442,7 @@ def test_migration_limit_zero_means_no_retry() -> None:
     fleet, _ = fleet_of(2)
     router = Router(fleet)
     attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", wire.REASON_OVERLOADED, 0.0)
+    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OVERLOADED, 0.0)
     assert fleet.worker("w0") is not None
     assert fleet.worker("w0").marked  # type: ignore[union-attr]
 
@@ -450,8 +451,8 @@ def test_other_rejections_are_not_migrated_and_draining_takes_a_worker_out() -> 
     fleet, _ = fleet_of(2)
     router = Router(fleet, migration_limit=5)
     attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", "Unknown endpoint: x", 0.0)
-    assert attempt.on_rejected(router, "w1", wire.REASON_DRAINING, 0.0)
+    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OTHER, 0.0)
+    assert attempt.on_rejected(router, "w1", wire.RejectReason.DRAINING, 0.0)
     assert {picked(router.pick(MODEL, 5.0)) for _ in range(4)} == {"w0"}
     with pytest.raises(ValueError, match="migration_limit"):
         Router(fleet, migration_limit=-1)

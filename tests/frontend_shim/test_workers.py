@@ -244,7 +244,7 @@ async def test_a_full_worker_rejects_and_a_leaving_client_frees_its_place(
             async with link.request("completions", hold) as extra:
                 rejected = await extra.first()
             assert rejected == wire.Rejected(
-                request_id=extra.request_id, reason=wire.REASON_OVERLOADED
+                request_id=extra.request_id, reason=wire.RejectReason.OVERLOADED
             )
             assert (worker.gate.running, worker.gate.queued) == (1, 2)
             del queued_1, queued_2

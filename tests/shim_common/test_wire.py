@@ -48,8 +48,8 @@ WORKER_MESSAGES: list[wire.WorkerMessage] = [
         protocol_version=PROTOCOL_VERSION,
         config=msgspec.structs.replace(CONFIG, engine_request_limit=None),
     ),
-    Rejected(request_id=1, reason=wire.REASON_OVERLOADED),
-    Rejected(request_id=2, reason=wire.REASON_DRAINING),
+    Rejected(request_id=1, reason=wire.RejectReason.OVERLOADED),
+    Rejected(request_id=2, reason=wire.RejectReason.DRAINING),
     Started(request_id=3, prompt_tokens=12),
     Chunk(request_id=3, text=" hello", tokens=1),
     Chunk(request_id=3, text="", tokens=1, finish_reason="length"),
@@ -345,4 +345,5 @@ def test_rejection_reasons_keep_their_wire_texts_and_classify_in_one_place() -> 
     assert (newer.kind, newer.key) == (wire.RejectionKind.OVERLOADED, "queue_full")
     going = wire.RejectReason.parse("Server unavailable: rebooting")
     assert (going.kind, going.key) == (wire.RejectionKind.UNAVAILABLE, "draining")
-    assert wire.RejectReason.parse("Unknown endpoint: x").kind is wire.RejectionKind.OTHER
+    neither = wire.RejectReason.parse("Unknown endpoint: x")
+    assert (neither.kind, neither.key) == (wire.RejectionKind.OTHER, "other")

@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from shim_common.wire import REASON_DRAINING, REASON_OVERLOADED, REASON_QUEUE_TIMEOUT
+from shim_common.wire import RejectReason
 from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
@@ -48,7 +48,7 @@ def test_state_cap_is_exactly_n_plus_q_with_the_hand_counted_as_queued() -> None
     assert (state.running, state.queued, state.in_flight) == (2, 3, 5)
     rejected = state.arrive()
     assert isinstance(rejected, GateRefusal)
-    assert rejected.reason == REASON_OVERLOADED
+    assert rejected.reason == RejectReason.OVERLOADED
     assert state.rejected_total == 1
     assert state.in_flight == 5
 
@@ -145,7 +145,7 @@ def test_state_drain_rejects_arrivals_apart_and_lets_the_rest_go_on() -> None:
     state.drain()
     rejected = state.arrive()
     assert isinstance(rejected, GateRefusal)
-    assert rejected.reason == REASON_DRAINING
+    assert rejected.reason == RejectReason.DRAINING
     assert (state.rejected_total, state.draining_rejected_total) == (0, 1)
     assert state.finish(running) is waiting
     assert state.finish(waiting) is None
@@ -206,7 +206,7 @@ async def test_gate_runs_queues_and_rejects_in_arrival_order() -> None:
             clients = [await _start(nursery, gate, log, f"r{i}") for i in range(5)]
             assert log == ["r0", "r1"]
             assert (gate.running, gate.queued, gate.in_flight) == (2, 2, 4)
-            assert clients[4].outcome == REASON_OVERLOADED
+            assert clients[4].outcome == RejectReason.OVERLOADED
             assert gate.rejected_total == 1
             clients[1].release.set()
             await trio.testing.wait_all_tasks_blocked()
@@ -214,7 +214,7 @@ async def test_gate_runs_queues_and_rejects_in_arrival_order() -> None:
             for client in clients[:4]:
                 client.release.set()
     assert log == ["r0", "r1", "r2", "r3"]
-    assert [c.outcome for c in clients] == ["done"] * 4 + [REASON_OVERLOADED]
+    assert [c.outcome for c in clients] == ["done"] * 4 + [RejectReason.OVERLOADED]
     assert gate.in_flight == 0
     assert changes[:4] == [(1, 0), (2, 0), (2, 1), (2, 2)]
     assert changes[-1] == (0, 0)
@@ -244,7 +244,7 @@ async def test_gate_cancelled_queued_request_gives_its_place_back() -> None:
             running = await _start(nursery, gate, log, "running")
             in_hand = await _start(nursery, gate, log, "in_hand")
             in_channel = await _start(nursery, gate, log, "in_channel")
-            assert (await _start(nursery, gate, log, "full")).outcome == REASON_OVERLOADED
+            assert (await _start(nursery, gate, log, "full")).outcome == RejectReason.OVERLOADED
             in_hand.scope.cancel()
             await trio.testing.wait_all_tasks_blocked()
             assert in_hand.outcome == "cancelled"
@@ -321,7 +321,7 @@ async def test_gate_queue_timeout_rejects_with_the_reason_and_counts_it(
             await trio.sleep(3)
             second = await _start(nursery, gate, log, "second")
             await trio.sleep(2.5)  # first has waited 5.5 s, second 2.5 s
-            assert first.outcome == REASON_QUEUE_TIMEOUT
+            assert first.outcome == RejectReason.QUEUE_TIMEOUT
             assert second.outcome is None
             assert (gate.queued, gate.rejected_total, gate.state.timed_out_total) == (1, 1, 1)
             running.release.set()
@@ -350,7 +350,7 @@ async def test_gate_drain_rejects_newcomers_and_wait_idle_waits_for_the_rest() -
             gate.drain()
             assert gate.draining
             newcomer = await _start(nursery, gate, log, "newcomer")
-            assert newcomer.outcome == REASON_DRAINING
+            assert newcomer.outcome == RejectReason.DRAINING
             assert gate.rejected_total == 0
             nursery.start_soon(wait_idle)
             running.release.set()
@@ -384,7 +384,7 @@ async def test_gate_rejection_text_is_the_reason() -> None:
     with trio.fail_after(5), pytest.raises(Rejection) as info:
         async with gate.slot():
             pass
-    assert str(info.value) == info.value.reason == REASON_DRAINING
+    assert str(info.value) == info.value.reason == RejectReason.DRAINING
 
 
 async def test_gate_reject_now_answers_only_when_slot_would_reject_and_counts_the_same() -> None:
@@ -397,14 +397,14 @@ async def test_gate_reject_now_answers_only_when_slot_would_reject_and_counts_th
             assert gate.reject_now() is None
             assert gate.state.received_total == 2
             clients.append(await _start(nursery, gate, log, "r2"))
-            assert gate.reject_now() == REASON_OVERLOADED
+            assert gate.reject_now() == RejectReason.OVERLOADED
             assert (gate.state.received_total, gate.rejected_total) == (4, 1)
             gate.drain()
-            assert gate.reject_now() == REASON_DRAINING
+            assert gate.reject_now() == RejectReason.DRAINING
             assert gate.state.draining_rejected_total == 1
             for client in clients:
                 client.release.set()
-    assert gate.reject_now() == REASON_DRAINING
+    assert gate.reject_now() == RejectReason.DRAINING
     assert gate.in_flight == 0
 
 

@@ -20,13 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shim_common.wire import (
-    REASON_DISPLACED_PRIORITY,
-    REASON_DISPLACED_SHARE,
-    REASON_DRAINING,
-    REASON_OVERLOADED,
-    REASON_QUEUE_TIMEOUT,
-)
+from shim_common.wire import RejectReason
 from worker_ingress._admission import (
     AdmissionGate,
     AdmissionState,
@@ -107,9 +101,9 @@ class AdmissionStateMachine(RuleBasedStateMachine):
             if expected == "rejected":
                 # Refused only when there was truly no room.
                 assert in_flight_before == self.model.slots + self.model.queue_limit
-                assert decision.reason == REASON_OVERLOADED
+                assert decision.reason == RejectReason.OVERLOADED
             else:
-                assert decision.reason == REASON_DRAINING
+                assert decision.reason == RejectReason.DRAINING
             return
         self.tickets[rid] = decision
         if decision.status is TicketStatus.RUNNING:
@@ -265,7 +259,7 @@ async def _run_program(
                     nursery.start_soon(client, request)
                     await trio.testing.wait_all_tasks_blocked()
                     if expected == "rejected":
-                        assert request.outcome == REASON_OVERLOADED
+                        assert request.outcome == RejectReason.OVERLOADED
                         assert in_flight_before == slots + queue_limit
                     else:
                         assert request.outcome is None
@@ -309,7 +303,11 @@ async def _run_program(
         if request.rid in model.started:
             assert request.outcome in ("done", "failed", "cancelled")
         else:
-            assert request.outcome in ("cancelled", REASON_OVERLOADED, REASON_QUEUE_TIMEOUT)
+            assert request.outcome in (
+                "cancelled",
+                RejectReason.OVERLOADED,
+                RejectReason.QUEUE_TIMEOUT,
+            )
 
 
 @settings(max_examples=200, deadline=None)
@@ -475,7 +473,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
         if isinstance(decision, GateRefusal):
             assert predicted
             assert full
-            assert decision.reason == REASON_OVERLOADED
+            assert decision.reason == RejectReason.OVERLOADED
             # Nobody could be displaced: not by priority, not by share.
             if channel:
                 worst = max(t.priority for t in channel)
@@ -494,11 +492,11 @@ class ClassesStateMachine(RuleBasedStateMachine):
             band = [t for t in channel if t.priority == worst]
             assert victim.priority == worst
             if priority < worst:
-                assert victim.reason == REASON_DISPLACED_PRIORITY
+                assert victim.reason == RejectReason.DISPLACED_PRIORITY
                 assert victim.number == max(t.number for t in band)
             else:
                 assert priority == worst
-                assert victim.reason == REASON_DISPLACED_SHARE
+                assert victim.reason == RejectReason.DISPLACED_SHARE
                 mine = sum(t.tenant.name == tenant for t in band)
                 theirs = sum(t.tenant is victim.tenant for t in band)
                 most = max(sum(t.tenant is u.tenant for t in band) for u in band)

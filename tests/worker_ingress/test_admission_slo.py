@@ -14,7 +14,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim_common.wire import REASON_OVERLOADED, REASON_SLO
+from shim_common.wire import RejectReason
 from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._config import WorkerSettings
 from worker_ingress._metrics import WorkerMetrics
@@ -87,7 +87,7 @@ async def test_a_queued_request_is_refused_once_its_wait_leaves_no_room(
             await queued.ended.wait()
             # No window closed yet: the deadline is S itself.
             assert trio.current_time() - started == pytest.approx(S)
-            assert queued.outcome == REASON_SLO
+            assert queued.outcome == RejectReason.SLO
             running.first.set()
             running.done.set()
     state = gate.state
@@ -105,7 +105,7 @@ async def test_the_queue_timeout_wins_when_it_is_shorter(
             running, queued = await _start(nursery, gate, 2)
             await queued.ended.wait()
             assert queued.outcome is not None
-            assert queued.outcome != REASON_SLO
+            assert queued.outcome != RejectReason.SLO
             running.first.set()
             running.done.set()
     assert gate.state.timed_out_total == 1
@@ -123,12 +123,12 @@ async def test_an_arrival_behind_the_bound_is_refused_at_once_and_counted(
             assert slo.queue_bound == UNBOUNDED_QUEUE
             slo.queue_bound = 1  # as a window would set it: one queued ahead leaves no room
             # The fast path (the request plane's receive loop) and slot() agree.
-            assert gate.reject_now() == REASON_SLO
+            assert gate.reject_now() == RejectReason.SLO
             # Counted against the arrival's tenant, like any other refusal.
-            assert gate.reject_now(0, "acme") == REASON_SLO
+            assert gate.reject_now(0, "acme") == RejectReason.SLO
             assert gate.state.ledger.account("acme").rejected == 1
             (late,) = await _start(nursery, gate, 1)
-            assert late.outcome == REASON_SLO
+            assert late.outcome == RejectReason.SLO
             assert gate.queued == 1
             running.first.set()
             running.done.set()
@@ -154,7 +154,7 @@ async def test_a_full_queue_still_answers_queue_full() -> None:
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             requests = await _start(nursery, gate, 3)
-            assert gate.reject_now() == REASON_OVERLOADED
+            assert gate.reject_now() == RejectReason.OVERLOADED
             for request in requests:
                 request.first.set()
                 request.done.set()

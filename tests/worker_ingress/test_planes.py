@@ -116,7 +116,7 @@ async def test_rejection_at_cap_plus_one_and_the_others_are_served() -> None:
             await wait_for(lambda: worker.gate.in_flight == 5, "5 requests in flight")
             await send(ws, completion(6))
             (rejected,) = (await collect_until_final(ws, {6}))[6]
-            assert rejected == Rejected(request_id=6, reason=wire.REASON_OVERLOADED)
+            assert rejected == Rejected(request_id=6, reason=wire.RejectReason.OVERLOADED)
             assert worker.gate.rejected_total == 1
             engine.release.set()
             frames = await collect_until_final(ws, set(range(1, 6)))
@@ -460,7 +460,7 @@ async def test_with_an_objective_events_carry_l_and_a_late_request_is_refused_fo
             assert slo is not None
             # The refusal says at which queue depth the worker refuses (none yet: unbounded).
             assert refused == Rejected(
-                request_id=2, reason=wire.REASON_SLO, queue_bound=slo.queue_bound
+                request_id=2, reason=wire.RejectReason.SLO, queue_bound=slo.queue_bound
             )
             assert worker.gate.state.slo_rejected_total == 1
             engine.release.set()
@@ -482,7 +482,7 @@ async def test_the_time_a_request_spent_in_the_frontend_counts_against_the_objec
             await send(ws, completion(3))
             (refused,) = (await collect_until_final(ws, {2}))[2]
             assert isinstance(refused, Rejected)
-            assert refused.reason == wire.REASON_SLO
+            assert refused.reason == wire.RejectReason.SLO
             await wait_for(lambda: worker.gate.queued == 1, "request 3 to wait in the queue")
             engine.release.set()
             finals = await collect_until_final(ws, {1, 3})
@@ -550,7 +550,7 @@ async def test_priority_and_tenant_of_generate_order_the_queue_and_displace() ->
                 await wait_for(lambda n=request_id: worker.gate.in_flight == n, f"{request_id}")
             await send(ws, classed(5, 0, "interactive"))  # displaces 4, the newest of priority 5
             (displaced,) = (await collect_until_final(ws, {4}))[4]
-            assert displaced == Rejected(request_id=4, reason=wire.REASON_DISPLACED_PRIORITY)
+            assert displaced == Rejected(request_id=4, reason=wire.RejectReason.DISPLACED_PRIORITY)
             assert worker.gate.state.displaced_total == 1
             engine.release.set()
             frames = await collect_until_final(ws, {1, 2, 3, 5})

@@ -157,7 +157,7 @@ async def test_drain_rejects_new_finishes_running_then_returns() -> None:
                 await wait_for(lambda: worker.health() == "draining", "draining")
                 await send(ws, completion(3))
                 assert (await collect_until_final(ws, {3}))[3] == [
-                    Rejected(request_id=3, reason=wire.REASON_DRAINING)
+                    Rejected(request_id=3, reason=wire.RejectReason.DRAINING)
                 ]
                 for _ in range(100):
                     last = (await read_events(events))[-1]

@@ -8,7 +8,7 @@ import msgspec
 import trio
 import trio.testing
 
-from shim_common.wire import REASON_OVERLOADED
+from shim_common.wire import RejectReason
 from worker_ingress._admission import AdmissionGate, GateRefusal, Rejection
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._metrics import WorkerMetrics
@@ -100,7 +100,7 @@ async def test_gauges_follow_the_gate_and_the_queue_gauge_peaks_at_q(
             assert _gauges(metrics) == (1, 2, 0)  # peak: Q
             await arrive()
             assert _gauges(metrics) == (1, 2, 1)  # full: rejected at once
-            assert outcomes == [REASON_OVERLOADED]
+            assert outcomes == [RejectReason.OVERLOADED]
             releases[0].set()
             await trio.testing.wait_all_tasks_blocked()
             assert _gauges(metrics) == (1, 1, 1)
