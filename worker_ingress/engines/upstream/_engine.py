@@ -29,7 +29,9 @@ Requests:
 - Errors: an upstream 4xx other than 408 and 429 raises
   :class:`~worker_ingress.engines._base.EngineInputError` with the upstream's message (the worker
   answers 400). 408, 429, 5xx, a broken connection, a silent upstream, an error event in the
-  stream, or a stream that ends before a finish reason raise :class:`UpstreamError`.
+  stream, or a stream that ends before a finish reason raise :class:`UpstreamError`. The
+  upstream's message, of an error body whatever its shape or of an error event, is quoted by the
+  one rule for peer text (:func:`~shim_common._client_text.shorten`).
 - Cancellation: closing the generator closes the upstream connection (it is never returned to the
   pool with an unread body), so the upstream sees the disconnect and aborts the generation.
 
@@ -88,6 +90,7 @@ import httpx
 import msgspec
 import trio
 
+from shim_common._client_text import shorten
 from shim_common.wire import Endpoint, RankLoad
 from worker_ingress._config import WorkerSettings
 from worker_ingress._watch import ChangeSignal
@@ -203,11 +206,16 @@ _embedding_decoder: Final = msgspec.json.Decoder(_EmbeddingResponse)
 
 
 def _error_message(body: bytes) -> str:
-    """The human message of an upstream error body, in any of the shapes servers use."""
+    """The human message of an upstream error body, in any of the shapes servers use, quoted by
+    the one rule for peer text (:func:`~shim_common._client_text.shorten`) whatever its shape."""
+    return shorten(_error_text(body))
+
+
+def _error_text(body: bytes) -> str:
     try:
         decoded = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return body.decode("utf-8", "replace").strip()[:500] or "(empty body)"
+        return body.decode("utf-8", "replace").strip() or "(empty body)"
     if isinstance(decoded, dict):
         error = decoded.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
@@ -217,7 +225,7 @@ def _error_message(body: bytes) -> str:
         for key in ("message", "detail"):
             if isinstance(decoded.get(key), str):
                 return str(decoded[key])
-    return body.decode("utf-8", "replace").strip()[:500]
+    return body.decode("utf-8", "replace").strip()
 
 
 def _decode_vector(value: list[float] | str) -> list[float]:
@@ -522,7 +530,7 @@ class OpenAIUpstreamEngine:
                 message = error
             else:
                 message = chunk.message or "unknown error"
-            raise UpstreamError(f"upstream {self._origin} failed mid-stream: {message}")
+            raise UpstreamError(f"upstream {self._origin} failed mid-stream: {shorten(message)}")
         return chunk
 
     # -- background -------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from fake_upstream import (
     upstream_fixture as upstream_fixture,
 )
 
+from shim_common._client_text import QUOTE_CHARS, shorten
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress.engines._base import (
     FIRST_OUTPUT,
@@ -46,7 +47,12 @@ from worker_ingress.engines.upstream._client import (
     UpstreamClient,
     UpstreamConnectionError,
 )
-from worker_ingress.engines.upstream._engine import OpenAIUpstreamEngine, UpstreamError, create
+from worker_ingress.engines.upstream._engine import (
+    OpenAIUpstreamEngine,
+    UpstreamError,
+    _error_message,
+    create,
+)
 
 # ------------------------------------------------------------------------------------------
 # Sans-IO: prepare and create
@@ -194,6 +200,29 @@ async def test_upstream_4xx_is_input_error(upstream: FakeUpstream) -> None:
     with trio.fail_after(TIMEOUT), pytest.raises(EngineInputError, match="maximum context"):
         await collect(engine, engine.prepare("chat_completions", CHAT))
     assert_idle(engine)
+
+
+LONG = "why " * 200
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (msgspec.json.encode({"error": {"message": LONG}}), LONG),
+        (msgspec.json.encode({"error": LONG}), LONG),
+        (msgspec.json.encode({"object": "error", "message": LONG}), LONG),
+        (msgspec.json.encode({"detail": LONG}), LONG),
+        (msgspec.json.encode({"other": LONG}), msgspec.json.encode({"other": LONG}).decode()),
+        (f"  {LONG}  ".encode(), LONG.strip()),
+        (b"", "(empty body)"),
+    ],
+)
+def test_an_upstream_error_is_quoted_by_the_one_rule_whatever_its_shape(
+    body: bytes, message: str
+) -> None:
+    quoted = _error_message(body)
+    assert quoted == shorten(message)
+    assert len(quoted) < QUOTE_CHARS + 30
 
 
 @pytest.mark.parametrize("status", [429, 500, 503])
