@@ -84,8 +84,8 @@ Rules of one connection (a loop of request/response cycles):
     :data:`~shim_common._http_exchange.AnswerAtOnce`: ``GET /live``, a shed decided before the
     body) is answered by the reader task itself, without waking the main task, when the main task
     waits for a next request and the whole request (body and end included) is in: a kept
-    connection (no ``Connection: close``, no ``Upgrade``, no ``100 Continue``, not ``HEAD``, the
-    server not winding down). Its body is dropped unread, its cycle runs by the same rules, and
+    connection (no ``Connection: close``, not a ``CONNECT``, no ``100 Continue``, not ``HEAD``,
+    the server not winding down). Its body is dropped unread, its cycle runs by the same rules, and
     the answers to every such request that arrived together leave in one write; the first request
     that does not qualify, or that the handler leaves to itself, goes to the main task with
     everything after it, in order. An exception of the answer is reported as in rule 5 and the

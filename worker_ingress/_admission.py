@@ -10,9 +10,11 @@ Rules of the shell
 
 1. The shell decides nothing: whether a request starts, waits or is turned away, when a wait
    runs out and with which reason, what the objective's controller learns, are the state's.
-   The shell passes ``trio.current_time()`` to every event that takes a time, and calls
+   The shell passes ``trio.current_time()`` to every event that takes a time. With an
+   objective (the only part of the state that time moves) it calls
    :meth:`~worker_ingress._admission_state.AdmissionState.tick` before each arrival and after
-   each first output and each end (the events on which the objective's window may close).
+   each first output and each end (the events on which the objective's window may close);
+   without one it never calls it.
 2. Every ticket an event reports as started (or displaced) is woken by the shell at once; the
    state never calls anything.
 3. A task leaving its block for any reason (done, error, cancellation, while queued or while

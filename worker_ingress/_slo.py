@@ -13,7 +13,8 @@ Rules
 1. Bounds. ``min_limit <= L <= max_limit`` (``--adaptive-min-limit`` and N) at every instant. L
    starts at N: until the worker has evidence that N serves requests late, it behaves as without
    an objective.
-2. Samples. Only a request that produced a first output is a sample, with three timestamps:
+2. Samples. Only a request that produced a first output (or an overdue one, rule 3) is a
+   sample, with three timestamps:
    arrival (at the frontend, when the frontend said how long the request spent there before
    the gate; else at the gate), start in the engine, first output. Rejected, displaced,
    cancelled and timed-out requests never report one, so they cannot mislead the law. The law
@@ -23,9 +24,12 @@ Rules
    fewer requests. A request that started
    before L last changed is not a sample of the new L (it was admitted under the old one, and
    its time in the engine says nothing about the new level), so it is left out.
-3. Windows. Samples collect in a window. A window closes at the first :meth:`~SloController.update`
-   after it has lasted ``window_seconds`` **and** holds ``min_samples`` samples, or as soon as it
-   holds ``max_samples`` (memory is bounded). With too few samples the window stays open and L
+3. Windows. Samples collect in a window. A request still in the engine without a first output
+   but older than the engine's share of S (rule 4's ``T``) is *overdue*: it counts among the
+   window's samples at its age so far, since its first output is late whatever it turns out to
+   be. A window closes at the first :meth:`~SloController.update` after it has lasted
+   ``window_seconds`` **and** holds ``min_samples`` samples, or as soon as it holds
+   ``max_samples`` (memory is bounded). With too few samples the window stays open and L
    holds; nothing is decided on noise. One exception: a window that has lasted
    ``starve_seconds`` with the limit in use (arrivals wait) and no request in the engine late
    for its first output (no overdue open sample) is *starved*: its slots are held by requests
@@ -109,9 +113,9 @@ answer to different knobs. In-engine time grows with L once the engine's batch i
 (chunked prefill queues prefill inside the engine: past the knee, a larger L adds waiting, not
 throughput); queue wait grows with the queue, which only refusal can shorten. So L is steered on
 in-engine time against a fixed share of S (half by default), which leaves the rest of S to the
-queue, and the queue is bounded by the expected wait, not by a count. The anchor is the
-objective itself, never a measured minimum: a minimum taken from the fastest requests collapses
-a limit under mixed request sizes, and the objective is what the operator asked for.
+queue, and the queue is bounded by the expected wait, not by a count. The reference point is
+the objective itself, never a measured minimum: a minimum taken from the fastest requests
+collapses a limit under mixed request sizes, and the objective is what the operator asked for.
 """
 
 from __future__ import annotations
