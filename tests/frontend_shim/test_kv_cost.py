@@ -203,7 +203,8 @@ def test_a_prefix_its_requests_in_flight_hold_is_not_counted_again_on_that_rank(
     setup.fleet.request_finished("w0", in_flight)
     alone = setup.router(CostWeights(credit=0.0)).pick(MODEL, 0.0, prompt=turn)
     assert alone == Routed("w0")  # nothing in flight: 16 + 0 against 16 + 8
-    assert alone.kv is not None and alone.kv.cost == 16.0
+    assert alone.kv is not None
+    assert alone.kv.cost == 16.0
 
 
 def test_a_prompt_the_router_could_not_read_is_chosen_by_load_alone() -> None:

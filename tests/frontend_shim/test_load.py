@@ -471,7 +471,8 @@ def test_blocks_several_requests_in_flight_share_are_counted_once(track: bool) -
     # its prompt ends in a partial block (6 blocks, 5 of them named).
     first = fleet.request_sent("w0", prompt_tokens=30, names=[1, 2, 3])
     second = fleet.request_sent("w0", prompt_tokens=55, names=[1, 2, 3, 4, 5])
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert rank.own_blocks == 5 + 1  # the shared three once, the partial block apart
     fleet.request_output("w0", first, tokens=15)  # into a 5th block when output is tracked
     assert rank.own_blocks == 6 + (2 if track else 0)
