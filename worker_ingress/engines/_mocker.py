@@ -66,6 +66,8 @@ EMBEDDING_DIMENSIONS: Final = 16
 _MAX_CATCH_UP_SECONDS: Final = 0.02
 #: The most a step aims early to make up for the clock's late wake-ups (wall seconds).
 _MAX_TIMER_LATENESS: Final = 0.001
+#: Steps a step loop behind its timeline runs back to back before it yields to other tasks.
+_STEPS_PER_YIELD: Final = 4
 
 _OUTPUT_WORDS: Final = (
     "alpha",
@@ -260,8 +262,10 @@ class MockerEngine:
         """Run a prepared request on its rank and stream its output.
 
         The rank is ``request.dp_rank`` when this engine has it, else the least loaded. Text
-        requests yield one output per generated token, the last with ``finish_reason="length"``
-        (a single empty one when ``max_tokens`` is 0), the first carrying ``cached_tokens``;
+        requests yield one output per wake-up with every token generated since the last (one
+        per step at speedups the clock can follow; several when the step loop runs behind),
+        the last with ``finish_reason="length"`` (a single empty one when ``max_tokens`` is 0),
+        the first carrying ``cached_tokens``;
         embeddings yield one vector per input once the prefill is done. Closing the generator
         early frees the request's blocks at once.
         """
@@ -289,15 +293,16 @@ class MockerEngine:
                 return
             sent = 0
             while True:
-                while sent < seq.generated:
-                    last = sent + 1 == seq.max_tokens
+                generated = seq.generated
+                if sent < generated:
+                    # Every token generated since the last wake-up, as one output.
                     yield EngineOutput(
-                        text=output_word(sent),
-                        tokens=1,
-                        finish_reason="length" if last else None,
+                        text="".join(map(output_word, range(sent, generated))),
+                        tokens=generated - sent,
+                        finish_reason="length" if generated == seq.max_tokens else None,
                         cached_tokens=seq.cached_tokens if sent == 0 else None,
                     )
-                    sent += 1
+                    sent = generated
                 if seq.done:
                     break
                 await self._wait_for_progress(seq)
@@ -333,6 +338,7 @@ class MockerEngine:
         # falls around its deadline instead of always after it (a step of 0.2 ms would
         # otherwise take a whole millisecond). Zero on a virtual clock.
         lateness = 0.0
+        steps_unyielded = 0
         while True:
             started = time.perf_counter()
             step = rank.schedule()
@@ -356,8 +362,15 @@ class MockerEngine:
                 await trio.sleep_until(target)
                 woke_late = min(trio.current_time() - target, _MAX_TIMER_LATENESS)
                 lateness += (woke_late - lateness) / 8
+                steps_unyielded = 0
             else:
-                await trio.lowlevel.checkpoint()
+                # Behind the timeline (a high speedup ratio, or a stall being made up): a few
+                # steps run back to back before the loop yields, so that the requests they
+                # advanced each wake once for several tokens instead of once per token.
+                steps_unyielded += 1
+                if steps_unyielded >= _STEPS_PER_YIELD:
+                    steps_unyielded = 0
+                    await trio.lowlevel.checkpoint()
             started = time.perf_counter()
             progress = self._progress
             for seq in rank.complete(step):
