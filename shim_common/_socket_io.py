@@ -9,10 +9,12 @@ small answer that is most of what a request costs above the system calls themsel
 1. Only a plain TCP :class:`trio.SocketStream` takes the direct path; any other stream (TLS)
    is used through its own ``receive_some`` and ``send_all``, unchanged.
 2. A read is a checkpoint, as the stream's is: a cancelled task raises before it takes a byte.
-   It tries ``os.read`` at once. Nothing there: it waits until the socket is readable and tries
-   again. Data at once: it yields to the other tasks before returning (a client that keeps the
-   socket full never starves them), without raising a cancel that would lose the bytes. EOF is
-   ``b""``; a reset or any other error is :class:`trio.BrokenResourceError`, a closed socket
+   It tries ``os.read`` at once, except after a write (the client is reading an answer: its
+   next bytes are almost never there yet), when it first waits until the socket is readable.
+   Nothing there: it waits until the socket is readable and tries again. Data at once: it
+   yields to the other tasks before returning (a client that keeps the socket full never
+   starves them), without raising a cancel that would lose the bytes. EOF is ``b""``; a reset
+   or any other error is :class:`trio.BrokenResourceError`, a closed socket
    :class:`trio.ClosedResourceError`, as the stream would raise.
 3. A write tries ``os.write`` at once and returns without a checkpoint when the kernel took
    every byte (the caller's next read, or whatever it awaits next, is the checkpoint). What the
@@ -40,21 +42,31 @@ class ConnectionIO:
         stream: the connection's stream.
     """
 
-    __slots__ = ("_sending", "_socket", "_stream")
+    __slots__ = ("_sending", "_socket", "_stream", "_wrote")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._sending = False
+        # A write since the last read: the client is reading an answer, so the next read waits
+        # for readiness first instead of trying a read that would find nothing (rule 2).
+        self._wrote = False
 
     async def receive_some(self, max_bytes: int) -> bytes:
         """Up to ``max_bytes`` bytes, at least one; ``b""`` at EOF (rule 2)."""
         sock = self._socket
         if sock is None:
             return bytes(await self._stream.receive_some(max_bytes))
-        # A cancelled task takes nothing off the socket: the cancel comes before the read.
-        await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
+        if self._wrote:
+            # Just answered: the client's next bytes are not there yet, or epoll says so at
+            # once. Waiting first spares the read that would fail.
+            self._wrote = False
+            await trio.lowlevel.wait_readable(sock)
+            waited = True
+        else:
+            # A cancelled task takes nothing off the socket: the cancel comes before the read.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            waited = False
         # Each pass either returns or waits until the socket is readable: bounded by the
         # readiness reports, each a checkpoint.
         while True:
@@ -86,6 +98,7 @@ class ConnectionIO:
         fd = sock.fileno()
         if fd < 0:
             raise trio.ClosedResourceError("the connection is closed")
+        self._wrote = True
         try:
             return os.write(fd, data)
         except BlockingIOError:

@@ -126,3 +126,29 @@ async def test_a_tls_stream_is_used_through_its_own_methods() -> None:
         assert io.send_now(b"not taken") == 0  # no socket: the stream sends it whole
         await right.send_all(b"back")
         assert await io.receive_some(100) == b"back"
+
+
+async def test_after_a_write_a_read_finds_bytes_already_there_and_bytes_to_come(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        # A pipelining client: its next request is in before the answer to the last goes out.
+        await client.send_all(b"next")
+        await trio.testing.wait_all_tasks_blocked()
+        await io.send_all(b"answer")
+        assert await io.receive_some(100) == b"next"
+        assert await client.receive_some(100) == b"answer"
+        # A client that waits for the answer first.
+        await io.send_all(b"answer 2")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, b"after")
+            assert await io.receive_some(100) == b"after"
+        # A cancel while waiting after a write takes nothing.
+        await io.send_all(b"answer 3")
+        with trio.move_on_after(0.05) as scope:
+            await io.receive_some(100)
+        assert scope.cancelled_caught
+        await client.send_all(b"kept")
+        assert await io.receive_some(100) == b"kept"
