@@ -61,6 +61,8 @@ class ConnectionIO:
             # Just answered: the client's next bytes are not there yet, or epoll says so at
             # once. Waiting first spares the read that would fail.
             self._wrote = False
+            if sock.fileno() < 0:
+                raise trio.ClosedResourceError("the connection is closed")
             await trio.lowlevel.wait_readable(sock)
             waited = True
         else:
