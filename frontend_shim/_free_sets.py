@@ -128,13 +128,8 @@ class RankState:
         chained name stands for its whole prefix, so the run stops at the first one missing)."""
         held = self.own_names
         if not names or names[0] not in held:
-            return 0
-        run = 1
-        for name in names[1:]:
-            if name not in held:
-                break
-            run += 1
-        return run
+            return 0  # the common case, one lookup
+        return len(list(itertools.takewhile(held.__contains__, names)))
 
 
 class InFlight:
