@@ -305,7 +305,7 @@ class Connection:
                 sent = self._io.send_now(data)
                 if sent < len(data):
                     self._send_deadline = trio.current_time() + timeout
-                    await self._io.send_all(memoryview(data)[sent:] if sent else data)
+                    await self._io.send_rest(data, sent)
             else:
                 view = memoryview(data)
                 for start in range(0, len(data), piece):

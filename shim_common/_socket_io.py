@@ -111,7 +111,11 @@ class ConnectionIO:
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``, waiting for room as long as it takes (rule 3); a
         checkpoint only when it has to wait."""
-        sent = self.send_now(data)
+        await self.send_rest(data, self.send_now(data))
+
+    async def send_rest(self, data: bytes | bytearray | memoryview, sent: int) -> None:
+        """Send what :meth:`send_now` did not take of ``data`` (its first ``sent`` bytes went),
+        through the stream, which waits for room; nothing when it took every byte."""
         if sent >= len(data):
             return
         if self._sending:
