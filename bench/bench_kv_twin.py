@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.bench_prefix import TRACE_WANTED, Window, load_generator, make_plan
+from bench.bench_prefix import TRACE_WANTED, Window, load_generator, plan_of, window_items
 from bench.kv_twin import Request, TwinResult, replay
 from frontend_shim._kv_cost import CostWeights
 
@@ -64,20 +64,18 @@ def _row(label: str, result: TwinResult) -> str:
 def run_regime(
     generator: ModuleType,
     window: Window,
+    trace: Any,
     *,
     workers: int,
     share: float,
     scales: Sequence[float],
 ) -> list[str]:
-    """The table of one window and scale: round-robin, then ``kv`` at each prefill scale."""
-    plan = make_plan(generator, window, workers, share, None)
-    items = generator.scale_requests(
-        generator.select_window(
-            generator.read_trace(window.trace), start=window.start, duration=window.duration
-        ),
-        time_scale=window.time_scale,
-        length_scale=window.length_scale,
-    )
+    """The table of one window and scale: round-robin, then ``kv`` at each prefill scale.
+
+    ``trace`` is the trace file already read (``generator.read_trace``).
+    """
+    items = window_items(generator, window, trace)
+    plan = plan_of(generator, items, workers, share, None)
     requests = requests_of(items)
     run = functools.partial(
         replay,
@@ -132,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not options.trace.is_file():
         parser.error(f"--trace {options.trace}: no such file; want {TRACE_WANTED}")
     generator = load_generator()
+    trace = generator.read_trace(options.trace)
     for length_scale in _floats(options.length_scales):
         for time_scale in _floats(options.time_scales):
             window = Window(
@@ -144,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             lines = run_regime(
                 generator,
                 window,
+                trace,
                 workers=options.workers,
                 share=options.cache_share,
                 scales=_floats(options.scales),

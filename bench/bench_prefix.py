@@ -210,11 +210,26 @@ def make_plan(
     generator: ModuleType, window: Window, workers: int, share: float, blocks: int | None
 ) -> Plan:
     """Read and scale the window (as the load generator will) and size the caches for it."""
-    trace = generator.read_trace(window.trace)
+    return plan_of(generator, window_items(generator, window), workers, share, blocks)
+
+
+def window_items(generator: ModuleType, window: Window, trace: Any = None) -> list[Any]:
+    """The window's requests as the load generator replays them, scaled.
+
+    Args:
+        generator: the load generator's module.
+        window: the window and its scales.
+        trace: the trace already read (``generator.read_trace``); ``None``: read it now.
+
+    Raises:
+        ValueError: no request falls in the window.
+    """
+    if trace is None:
+        trace = generator.read_trace(window.trace)
     chosen = generator.select_window(
         trace, start=window.start, duration=window.duration, count=window.requests
     )
-    items = generator.scale_requests(
+    items: list[Any] = generator.scale_requests(
         chosen,
         time_scale=window.time_scale,
         length_scale=window.length_scale,
@@ -222,6 +237,14 @@ def make_plan(
     )
     if not items:
         raise ValueError(f"no request of {window.trace} falls in the window")
+    return items
+
+
+def plan_of(
+    generator: ModuleType, items: Sequence[Any], workers: int, share: float, blocks: int | None
+) -> Plan:
+    """The plan of a window's scaled requests: the caches sized for them (``blocks`` per
+    worker when given) and what an unbounded cache and one pooled LRU cache would hit."""
     block = items[0].block_tokens
     largest = max(math.ceil((i.prompt_tokens + i.max_tokens) / block) for i in items)
     distinct = generator.distinct_blocks(items)

@@ -34,6 +34,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+from bench.bench_goodput import percentile
 from frontend_shim._free_sets import InFlight
 from frontend_shim._kv_cost import CostWeights, KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
@@ -187,14 +188,13 @@ class _Twin:
         while self._heap:
             now, _, action, args = heapq.heappop(self._heap)
             action(now, *args)
-        ttfts = sorted(self.ttfts)
         prompt_tokens = sum(r.prompt_tokens for r in self.requests)
         return TwinResult(
-            ttft_p50=_quantile(ttfts, 0.5),
-            ttft_p90=_quantile(ttfts, 0.9),
+            ttft_p50=percentile(self.ttfts, 0.5),
+            ttft_p90=percentile(self.ttfts, 0.9),
             hit_rate=self.cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             busiest_share=max(self.started.values()) / max(1, len(self.requests)),
-            completed=len(ttfts),
+            completed=len(self.ttfts),
             unrouted=self.unrouted,
         )
 
@@ -318,12 +318,6 @@ class _Twin:
             else:
                 out.append(wire.KvRemoved(seq=seq, dp_rank=0, blocks=names))
         return out
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def replay(
