@@ -117,6 +117,12 @@ class RankState:
                 del held[name]
                 self.own_blocks -= 1
 
+    def uncharge(self, in_flight: InFlight) -> None:
+        """``in_flight`` left this rank: its names and its blocks without a name stop counting."""
+        self.own_blocks -= in_flight.anonymous
+        in_flight.anonymous = 0
+        self.release_names(in_flight.names)
+
     def charge_anonymous(self, in_flight: InFlight) -> None:
         """Bring what ``in_flight`` charges here without a name to its blocks less its names."""
         anonymous = max(0, in_flight.blocks - len(in_flight.names))

@@ -674,9 +674,7 @@ class Fleet:
         in_flight.finished = True
         worker.charges.discard(in_flight)
         rank = worker.ranks[in_flight.rank]
-        rank.own_blocks -= in_flight.anonymous
-        in_flight.anonymous = 0
-        rank.release_names(in_flight.names)
+        rank.uncharge(in_flight)
         rank.own_prefill -= in_flight.prefill_tokens
         self._sets.recompute_rank(worker, rank)
         if not held:
