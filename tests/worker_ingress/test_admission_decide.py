@@ -74,16 +74,22 @@ def test_decide_changes_nothing() -> None:
         state.arrive(0, tenant, 10, now=1.0)
 
 
-def _state_with_evidence() -> tuple[AdmissionState, float]:
-    """A gate with a 1 s objective whose controller has closed a window: each request held
-    its only slot 0.5 s, its first token 0.1 s after its start. Then B = 1."""
-    state = AdmissionState(engine_slots=1, queue_limit=4, ttft_objective=1.0)
+def _state_after_a_window(objective: float, queue_limit: int) -> tuple[AdmissionState, float]:
+    """A gate of one slot whose controller has seen a window's requests (not yet closed): each
+    held the slot 0.5 s, its first token 0.1 s after its start."""
+    state = AdmissionState(engine_slots=1, queue_limit=queue_limit, ttft_objective=objective)
     now = 0.0
     for _ in range(16):
         ticket = _ticket(state.arrive(now=now))
         state.first_output(ticket, now=now + 0.1)
         state.finish(ticket, now=now + 0.5)
         now += 0.5
+    return state, now
+
+
+def _state_with_evidence() -> tuple[AdmissionState, float]:
+    """A gate with a 1 s objective whose controller has closed that window. Then B = 1."""
+    state, now = _state_after_a_window(1.0, queue_limit=4)
     assert state.tick(now) == []
     assert state.slo is not None
     assert state.slo.windows == 1
@@ -128,13 +134,7 @@ def test_time_already_spent_upstream_shortens_the_objectives_deadline() -> None:
 
 def _state_with_room(objective: float) -> tuple[AdmissionState, float]:
     """As _state_with_evidence, with an objective of ``objective`` seconds and room to queue."""
-    state = AdmissionState(engine_slots=1, queue_limit=40, ttft_objective=objective)
-    now = 0.0
-    for _ in range(16):
-        ticket = _ticket(state.arrive(now=now))
-        state.first_output(ticket, now=now + 0.1)
-        state.finish(ticket, now=now + 0.5)
-        now += 0.5
+    state, now = _state_after_a_window(objective, queue_limit=40)
     state.tick(now)
     return state, now
 
