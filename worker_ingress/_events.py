@@ -466,10 +466,9 @@ class EventPublisher:
             task_status: Started once the initial state has been observed.
         """
         self._observe()
+        # The engine and the gate signal separately; one signal is simpler to wait on.
+        self._engine_changed.forward_to(self._changed)
         async with trio.open_nursery() as nursery:
-            # The version is read here, not in the task: a change made between started() and
-            # the task's first step would otherwise wait for the next heartbeat.
-            nursery.start_soon(self._forward_engine_changes, self._engine_changed.version)
             nursery.start_soon(self._heartbeats)
             task_status.started()
             seen = self._changed.version
@@ -477,12 +476,6 @@ class EventPublisher:
                 seen = await self._changed.wait_past(seen)
                 self._observe()
                 await trio.sleep(self._coalesce_interval)
-
-    async def _forward_engine_changes(self, seen: int) -> None:
-        # The engine and the gate signal separately; one signal is simpler to wait on.
-        while True:
-            seen = await self._engine_changed.wait_past(seen)
-            self._changed.bump()
 
     async def _heartbeats(self) -> None:
         while True:

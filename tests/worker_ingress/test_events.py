@@ -6,6 +6,7 @@ import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import given
@@ -167,6 +168,27 @@ def test_mailbox_is_bounded_and_never_loses_the_latest_state(
                     seen[e.load.dp_rank] = e.seq
         assert len(mailbox) <= 4 + 1
     assert seen == latest
+
+
+async def test_a_forwarded_bump_wakes_the_waiter_of_the_other_signal() -> None:
+    engine, publisher = ChangeSignal(), ChangeSignal()
+    engine.forward_to(publisher)
+    with pytest.raises(ValueError, match="itself"):
+        engine.forward_to(engine)
+    woke: list[int] = []
+
+    async def wait() -> None:
+        woke.append(await publisher.wait_past(0))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            engine.bump()
+    assert woke == [1]
+    assert engine.version == 1
+    publisher.bump()  # forwarding goes one way
+    assert engine.version == 1
 
 
 # ----------------------------------------------------------------------------- EventPublisher
