@@ -338,19 +338,25 @@ class AdmissionGate:
         ticket.wake = woken.set
         state = self._state
         try:
+            # Checked before the first wait: a ticket that arrived before its task entered the
+            # lease (SlotLease.arrive) may have started, or been displaced, meanwhile.
             while True:
-                deadline = ticket.deadline
-                if deadline is None:
-                    await woken.wait()
-                else:
-                    with trio.move_on_at(deadline):
-                        await woken.wait()
                 status = ticket.status
                 if status is not _HAND and status is not _CHANNEL:
                     break
                 if state.deadline_passed(ticket, trio.current_time()):
                     self._changed()
                     break
+                deadline = ticket.deadline
+                if deadline is None:
+                    await woken.wait()
+                else:
+                    with trio.move_on_at(deadline):
+                        await woken.wait()
+                if woken.is_set():
+                    # Woken yet still queued: the next wait needs a fresh event, not a set one.
+                    woken = trio.Event()
+                    ticket.wake = woken.set
         except BaseException:
             # Cancelled while queued (place given back) or just after being started (slot freed).
             self._withdraw(ticket)
@@ -365,7 +371,15 @@ class AdmissionGate:
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
-    __slots__ = ("_already_waited", "_gate", "_priority", "_prompt_tokens", "_tenant", "_ticket")
+    __slots__ = (
+        "_already_waited",
+        "_entered",
+        "_gate",
+        "_priority",
+        "_prompt_tokens",
+        "_tenant",
+        "_ticket",
+    )
 
     def __init__(
         self,
@@ -381,6 +395,7 @@ class SlotLease:
         self._tenant = tenant
         self._prompt_tokens = prompt_tokens
         self._ticket: Ticket | None = None
+        self._entered = False
 
     @property
     def queue_wait(self) -> float:
@@ -406,11 +421,18 @@ class SlotLease:
         if ticket is not None:
             self._gate._state.charge(ticket, generated_tokens)
 
-    async def __aenter__(self) -> SlotLease:
+    def arrive(self) -> None:
+        """Meet the gate now, without waiting: take a free slot, join the queue, or raise
+        :class:`Rejection` (then nothing is held).
+
+        For a caller that reads several requests at once and must have them meet the gate in
+        the order they came, before each has a task of its own (the tasks of one batch first
+        run in no set order). Entering the lease afterwards only waits, when it was queued; the
+        ticket is given back when the block is left, as always, or when entering fails (a task
+        cancelled before it got there). Without it, entering the lease arrives.
+        """
         if self._ticket is not None:
-            raise RuntimeError("a slot lease can be entered only once")
-        # A caller that is already cancelled must not take a slot; this does not yield.
-        await trio.lowlevel.checkpoint_if_cancelled()
+            raise RuntimeError("a slot lease arrives only once")
         gate = self._gate
         state = gate._state
         now = trio.current_time()
@@ -436,8 +458,26 @@ class SlotLease:
         except BaseException:
             gate._withdraw(ticket)
             raise
+
+    async def __aenter__(self) -> SlotLease:
+        if self._entered:
+            raise RuntimeError("a slot lease can be entered only once")
+        self._entered = True
+        ticket = self._ticket
+        # A caller that is already cancelled must not take a slot; this does not yield.
+        if ticket is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self.arrive()
+            ticket = self._ticket
+            assert ticket is not None
+        else:
+            try:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                self._gate._withdraw(ticket)  # it arrived, but its block never began
+                raise
         if ticket.status is not _RUNNING:
-            await gate._wait_until_started(ticket)
+            await self._gate._wait_until_started(ticket)
         return self
 
     async def __aexit__(

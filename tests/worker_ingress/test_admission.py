@@ -420,6 +420,65 @@ async def test_gate_lease_is_single_use() -> None:
     assert gate.in_flight == 0
 
 
+async def test_gate_lease_that_arrived_holds_its_slot_and_enters_without_waiting() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    first, second = gate.slot(), gate.slot()
+    with trio.fail_after(5):
+        first.arrive()
+        second.arrive()  # queued behind the first, before any task has entered
+        assert (gate.running, gate.queued) == (1, 1)
+        with pytest.raises(RuntimeError, match="only once"):
+            first.arrive()
+        async with first:
+            pass
+        # The first's exit started the second, which had no task waiting yet.
+        assert (gate.running, gate.queued) == (1, 0)
+        async with second:  # nothing else runs here: a wait would never end
+            assert gate.running == 1
+    assert gate.in_flight == 0
+
+
+async def test_gate_arrival_refused_raises_and_holds_nothing() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    leases = [gate.slot() for _ in range(3)]
+    for lease in leases:
+        lease.arrive()
+    refused = gate.slot()
+    with pytest.raises(Rejection) as rejection:
+        refused.arrive()
+    assert rejection.value.reason == RejectReason.OVERLOADED
+    assert (gate.running, gate.queued, gate.rejected_total) == (1, 2, 1)
+
+
+async def test_gate_lease_that_arrived_and_is_cancelled_before_entering_gives_back() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    running, queued = gate.slot(), gate.slot()
+    running.arrive()
+    queued.arrive()
+    with trio.fail_after(5):
+        for lease in (queued, running):
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                async with lease:
+                    pytest.fail("a cancelled task entered its block")
+    assert gate.in_flight == 0
+
+
+async def test_gate_lease_displaced_before_entering_is_rejected_on_entering() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    running, hand, channel = (gate.slot(priority=5) for _ in range(3))
+    for lease in (running, hand, channel):
+        lease.arrive()
+    better = gate.slot(priority=0)
+    better.arrive()  # the full queue's newest worse ticket makes room for it
+    assert (gate.running, gate.queued) == (1, 2)
+    with trio.fail_after(5), pytest.raises(Rejection) as rejection:
+        async with channel:
+            pytest.fail("a displaced request entered its block")
+    assert rejection.value.reason == RejectReason.DISPLACED_PRIORITY
+    assert (gate.running, gate.queued) == (1, 2)
+
+
 def test_gate_from_settings_uses_the_limits_in_force() -> None:
     unlimited = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
     assert (unlimited.engine_slots, unlimited.queue_limit) == (10_000, 40_000)
