@@ -67,6 +67,7 @@ from shim_common.wire import (
     Rejected,
     RejectReason,
     Reply,
+    RequestBatch,
     Started,
     WorkerEvent,
     decode_client_message,
@@ -503,6 +504,13 @@ class RequestPlane(Connection):
         except msgspec.DecodeError as error:
             self.close_with(CLOSE_UNDECODABLE, f"undecodable message: {error}")
             return
+        # A batch is its messages one by one, in order (the real worker's rule).
+        for each in message.messages if isinstance(message, RequestBatch) else (message,):
+            if not self._take(each):
+                return
+
+    def _take(self, message: Generate | Cancel) -> bool:
+        """Act on one client message; ``False`` once the connection is closing."""
         if isinstance(message, Cancel):
             request = self.requests.pop(message.request_id, None)
             if request is not None:
@@ -513,19 +521,20 @@ class RequestPlane(Connection):
                         message="cancelled by the client",
                     )
                 )
-            return
+            return True
         if message.request_id in self.requests:
             self.close_with(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
-            return
+            return False
         if len(self.requests) >= MAX_IN_FLIGHT:
             self.replies.append(Rejected.of(message.request_id, RejectReason.OVERLOADED))
-            return
+            return True
         prepared = _prepare(message)
         if isinstance(prepared, Failed):
             self.replies.append(prepared)
         else:
             self.requests[prepared.request_id] = prepared
             self.fleet.stepping.add(self)
+        return True
 
     def step(self) -> None:
         """Make the next tokens of every request in flight, then send this pass's replies."""

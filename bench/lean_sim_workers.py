@@ -17,6 +17,7 @@ from shim_common.wire import (
     FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
+    FEATURE_REQUEST_BATCH,
     PROTOCOL_VERSION,
     Heartbeat,
     Hello,
@@ -36,6 +37,7 @@ NEW_FEATURES: Final = (
     FEATURE_CLASSES,
     FEATURE_FRONTEND_TIME,
     FEATURE_PUBLISH_INTERVAL,
+    FEATURE_REQUEST_BATCH,
 )
 #: What a worker of the fleet work's protocol lists.
 CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)

@@ -561,7 +561,8 @@ class WorkerLink:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read_events, events)
                 nursery.start_soon(self._read_replies, requests, plane)
-                nursery.start_soon(self._send_requests, requests, plane)
+                batches = wire.FEATURE_REQUEST_BATCH in hello.features
+                nursery.start_soon(self._send_requests, requests, plane, batches)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
                 if self.kv_events:
                     nursery.start_soon(self._resync_kv)
@@ -700,15 +701,20 @@ class WorkerLink:
                     self.stats.protocol_errors += 1
                     raise
 
-    async def _send_requests(self, requests: PlaneConnection, plane: RequestPlane) -> None:
-        # Whatever queued while the last write was under way goes out in one write.
+    async def _send_requests(
+        self, requests: PlaneConnection, plane: RequestPlane, batches: bool
+    ) -> None:
+        # Whatever queued while the last write was under way goes out in one write; to a worker
+        # that reads batches, in as few messages as the batch bounds allow.
         while True:
             first = await plane.next_outgoing()
             rest = plane.take_outgoing()
-            if rest:
-                await requests.send_messages([first, *rest])
-            else:
+            if not rest:
                 await requests.send_message(first)
+            elif batches:
+                await requests.send_messages(wire.request_batches([first, *rest]))
+            else:
+                await requests.send_messages([first, *rest])
 
     async def _watch(
         self, events: PlaneConnection, requests: PlaneConnection, heartbeat_interval: float

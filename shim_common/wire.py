@@ -18,7 +18,9 @@ Rules:
    (before the request started) or :class:`Started` followed by any number of :class:`Chunk`
    and then one :class:`End` or :class:`Failed`. Many requests share one connection. To a
    client that offered :data:`SUBPROTOCOL_BATCH` the worker may send several of these in one
-   :class:`Batch`.
+   :class:`Batch`; to a worker that lists :data:`FEATURE_REQUEST_BATCH` the client may send
+   several ``generate`` and ``cancel`` messages in one :class:`RequestBatch`, which the worker
+   takes exactly as if they had come one by one, in order.
 4. Fields are only ever added, never renamed or repurposed; decoders ignore unknown fields, so
    an older peer reads a newer one's messages. A breaking change bumps :data:`PROTOCOL_VERSION`.
    An addition that needs both sides to agree is a *feature*: the worker lists the features it
@@ -64,10 +66,13 @@ __all__ = [
     "EVENTS_PATH",
     "FEATURE_BUSY_EDGES",
     "FEATURE_KV_EVENTS",
+    "FEATURE_REQUEST_BATCH",
     "FEATURE_PUBLISH_INTERVAL",
     "MAX_SUBSCRIBER_INTERVAL",
     "REQUESTS_PATH",
     "SUBPROTOCOL_BATCH",
+    "REQUEST_BATCH_BYTES",
+    "REQUEST_BATCH_MESSAGES",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "FEATURE_CLASSES",
@@ -105,6 +110,7 @@ __all__ = [
     "RankLoad",
     "Reply",
     "Rejected",
+    "RequestBatch",
     "RuntimeConfig",
     "Started",
     "Subscribe",
@@ -116,6 +122,7 @@ __all__ = [
     "decode_worker_message",
     "encode",
     "merge_text_chunks",
+    "request_batches",
     "with_frontend_ms",
 ]
 
@@ -162,6 +169,14 @@ FEATURE_PUBLISH_INTERVAL: Final = "publish-interval"
 FEATURE_KV_EVENTS: Final = "kv-events"
 #: The longest :attr:`Subscribe.publish_interval` a subscriber may ask for (seconds).
 MAX_SUBSCRIBER_INTERVAL: Final = 60.0
+
+#: Hello feature: the worker reads :class:`RequestBatch` on the request plane.
+FEATURE_REQUEST_BATCH: Final = "request-batch"
+#: The most bytes of messages, and the most messages, a client puts in one
+#: :class:`RequestBatch` (a worker closes the connection with 1007 on more messages); a message
+#: of more bytes goes on its own. Far under any size cap a worker sets on one message.
+REQUEST_BATCH_BYTES: Final = 32 * 1024
+REQUEST_BATCH_MESSAGES: Final = 256
 
 #: Websocket subprotocol a client offers on the request plane to say it reads :class:`Batch`.
 #: A worker that accepts it may put several replies in one message; one that does not (an older
@@ -610,7 +625,15 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="t
     messages: list[Reply]
 
 
-ClientMessage = Generate | Cancel
+class RequestBatch(msgspec.Struct, frozen=True, kw_only=True, tag="batch", tag_field="type"):
+    """Several client messages in one, in order, to a worker that lists
+    :data:`FEATURE_REQUEST_BATCH`: the requests that queued up in a frontend during one write
+    cost the worker one websocket message to read and decode instead of one each."""
+
+    messages: Annotated[list[Generate | Cancel], msgspec.Meta(max_length=REQUEST_BATCH_MESSAGES)]
+
+
+ClientMessage = Generate | Cancel | RequestBatch
 WorkerMessage = Hello | Rejected | Started | Chunk | End | Failed | Cancel | Batch
 
 _encoder = msgspec.msgpack.Encoder()
@@ -652,6 +675,41 @@ def with_frontend_ms(data: bytes, frontend_ms: int) -> bytes:
     return b"".join(
         (bytes((head + 1,)), memoryview(data)[1:], _FRONTEND_MS_KEY, _encoder.encode(frontend_ms))
     )
+
+
+#: A :class:`RequestBatch` up to its list, whose length follows (msgspec writes the tag first).
+_REQUEST_BATCH_HEAD: Final = _encoder.encode(RequestBatch(messages=[]))[:-1]
+
+
+def request_batches(messages: list[bytes]) -> list[bytes]:
+    """Encoded client messages (:class:`Generate`, :class:`Cancel`) packed, in order, into as
+    few messages as :data:`REQUEST_BATCH_BYTES` and :data:`REQUEST_BATCH_MESSAGES` allow: each
+    run of two or more as one :class:`RequestBatch`, a message left alone (a large one, or the
+    last) as it was. Nothing is decoded: a batch is its head and the messages' bytes.
+    """
+    packed: list[bytes] = []
+    run: list[bytes] = []
+    run_bytes = 0
+
+    def close_run() -> None:
+        if len(run) == 1:
+            packed.append(run[0])
+        elif run:
+            count = len(run)  # at most REQUEST_BATCH_MESSAGES: a fixarray or an array 16
+            length = bytes((0x90 | count,)) if count < 16 else b"\xdc" + count.to_bytes(2, "big")
+            packed.append(b"".join([_REQUEST_BATCH_HEAD, length, *run]))
+        run.clear()
+
+    for data in messages:
+        if run and (
+            run_bytes + len(data) > REQUEST_BATCH_BYTES or len(run) == REQUEST_BATCH_MESSAGES
+        ):
+            close_run()
+            run_bytes = 0
+        run.append(data)
+        run_bytes += len(data)
+    close_run()
+    return packed
 
 
 _Decoded = TypeVar("_Decoded")

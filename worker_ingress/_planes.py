@@ -12,16 +12,21 @@ serves which plane, access, and the drain that closes the connections are in
   events, sent as :class:`~wire.KvBatch` messages by a sender of their own, see
   :mod:`worker_ingress._kv_events`); anything else closes the connection.
 - Request plane (:class:`RequestConnection`): the worker sends a :class:`~wire.Hello`; the
-  client multiplexes :class:`~wire.Generate` and :class:`~wire.Cancel` by request id.
+  client multiplexes :class:`~wire.Generate` and :class:`~wire.Cancel` by request id, alone or
+  several in one :class:`~wire.RequestBatch`.
 
 Rules of a request-plane connection:
 
 1. One receive loop decodes and dispatches, and nothing slow, so trio-websocket's reader never
    stalls (a full receive queue would stop it answering pings): for a ``Generate`` it asks the
-   gate for a certain refusal and has the engine prepare the request (both synchronous, rule 3)
-   and answers there what needs no task (a rejection, bad input); it waits only to hand over
-   that answer. Every other ``Generate`` runs in its own task in the connection's nursery, under
-   its own cancel scope.
+   gate for a certain refusal, has the engine prepare the request and has it meet the gate
+   (:meth:`~worker_ingress._admission.SlotLease.arrive`: a slot, a queue place or a refusal;
+   all three synchronous, rule 3), and answers there what needs no task (a rejection, bad
+   input); it waits only to hand over that answer. Every other ``Generate`` runs in its own
+   task in the connection's nursery, under its own cancel scope, which waits for its slot when
+   it was queued. The messages of a :class:`~wire.RequestBatch` are taken one after the other
+   exactly as if each had come alone, so its requests meet the gate in the order they came
+   (their tasks first run after the last, in no set order).
 2. One sender task writes the frames of running requests; request tasks hand it their frames
    through a bounded queue, so a slow client slows only its own requests (backpressure reaches
    the engine's stream through the queue). A frame handed over while there is room costs no
@@ -31,7 +36,8 @@ Rules of a request-plane connection:
 3. Per request: the gate's certain refusal first (``reject_now``: ``Rejected(reason)``, the
    prompt never prepared), then ``engine.prepare`` (bad input: ``Failed(bad_request)``, no
    slot used), then ``gate.slot(priority, tenant, prompt_tokens)`` (queue full, displaced, queue
-   timeout, the objective's refusal with its queue bound, or draining: ``Rejected(reason)``),
+   timeout, the objective's refusal with its queue bound, or draining: ``Rejected(reason)``,
+   written by the receive loop when the arrival itself is refused),
    then ``Started(prompt_tokens, queue_wait_ms)``, the chunks, and ``End``. A chunk is made from
    an engine's output by :meth:`~worker_ingress.engines._base.EngineOutput.chunk` alone: a copy,
    because the wire's chunk carries the request id an engine never sees, and an output carries
@@ -88,13 +94,14 @@ from shim_common.wire import (
     Rejected,
     RejectReason,
     Reply,
+    RequestBatch,
     Started,
     decode_client_message,
     decode_subscriber_message,
     encode,
     merge_text_chunks,
 )
-from worker_ingress._admission import AdmissionGate, Rejection
+from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._events import Subscription
 from worker_ingress._kv_events import KvEventLog, KvSubscription
 from worker_ingress.engines._base import FIRST_OUTPUT, Engine, EngineInputError, PreparedRequest
@@ -398,27 +405,53 @@ class RequestConnection:
             except msgspec.DecodeError as error:
                 await self._protocol_error(CLOSE_UNDECODABLE, f"undecodable message: {error}")
                 return
-            if isinstance(message, Cancel):
-                scope = self._requests.get(message.request_id)
-                if scope is not None:
-                    scope.cancel()
-                continue
-            if message.request_id in self._requests:
-                await self._protocol_error(
-                    CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight"
-                )
-                return
+            # A batch is taken exactly as its messages one by one, in order, without a read
+            # (and a wake-up of this task) between them.
+            batch = message.messages if isinstance(message, RequestBatch) else (message,)
+            for each in batch:
+                if not await self._take(each, nursery):
+                    return
+
+    async def _take(self, message: Generate | Cancel, nursery: trio.Nursery) -> bool:
+        """Act on one client message; ``False`` when the connection is to stop reading."""
+        if isinstance(message, Cancel):
+            scope = self._requests.get(message.request_id)
+            if scope is not None:
+                scope.cancel()
+            return True
+        if message.request_id in self._requests:
+            await self._protocol_error(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
+            return False
+        try:
+            prepared = await self._prepare(message)
+        except ConnectionClosed:
+            return False
+        if prepared is None:
+            return True
+        lease = self._host.gate.slot(
+            message.priority,
+            message.tenant,
+            prepared.prompt_tokens,
+            already_waited=message.frontend_ms / 1000,
+        )
+        try:
+            # Here, not in the request's task: the requests of a batch meet the gate in the
+            # order they came, and a refusal costs no task (rule 1).
+            lease.arrive()
+        except Rejection as rejection:
             try:
-                prepared = await self._prepare(message)
+                await self._ws.send_message(
+                    encode(self._rejected(message.request_id, rejection.reason))
+                )
             except ConnectionClosed:
-                return
-            if prepared is None:
-                continue
-            scope = trio.CancelScope()
-            self._requests[message.request_id] = scope
-            if self._no_requests.is_set():
-                self._no_requests = trio.Event()
-            nursery.start_soon(self._run_request, message, prepared, scope)
+                return False
+            return True
+        scope = trio.CancelScope()
+        self._requests[message.request_id] = scope
+        if self._no_requests.is_set():
+            self._no_requests = trio.Event()
+        nursery.start_soon(self._run_request, message, prepared, lease, scope)
+        return True
 
     def _rejected(self, request_id: int, reason: RejectReason) -> Rejected:
         # An objective's refusal says at which queue depth it refuses (docs/protocol.md).
@@ -468,7 +501,11 @@ class RequestConnection:
         await trio.lowlevel.checkpoint()
 
     async def _run_request(
-        self, generate: Generate, prepared: PreparedRequest, scope: trio.CancelScope
+        self,
+        generate: Generate,
+        prepared: PreparedRequest,
+        lease: SlotLease,
+        scope: trio.CancelScope,
     ) -> None:
         request_id = generate.request_id
         try:
@@ -476,7 +513,7 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="cancelled", message="cancelled by the client")
             ]
             with scope:
-                final = await self._execute(generate, prepared)
+                final = await self._execute(generate, prepared, lease)
             if scope.cancelled_caught and self._abandoned is not None:
                 final = [Failed(request_id=request_id, kind="unavailable", message=self._abandoned)]
             last = final[-1]
@@ -498,7 +535,9 @@ class RequestConnection:
             if not self._requests:
                 self._no_requests.set()
 
-    async def _execute(self, generate: Generate, prepared: PreparedRequest) -> list[msgspec.Struct]:
+    async def _execute(
+        self, generate: Generate, prepared: PreparedRequest, lease: SlotLease
+    ) -> list[msgspec.Struct]:
         """Run one admitted-to-try request; return its last frames, the final one last (rule 3).
 
         ``Started`` goes out at once (the frontend sends its status line on it), and a chunk
@@ -513,12 +552,6 @@ class RequestConnection:
         output_seen = False
         held: list[msgspec.Struct] = []
         try:
-            lease = host.gate.slot(
-                generate.priority,
-                generate.tenant,
-                prepared.prompt_tokens,
-                already_waited=generate.frontend_ms / 1000,
-            )
             async with lease:
                 started_seq = host.event_seq
                 self._seqs[request_id] = (started_seq, None)

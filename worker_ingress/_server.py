@@ -75,6 +75,7 @@ from shim_common.wire import (
     FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
+    FEATURE_REQUEST_BATCH,
     MAX_MESSAGE_BYTES,
     MAX_QUEUE_BANDS,
     PROTOCOL_VERSION,
@@ -235,6 +236,7 @@ class Worker:
                     FEATURE_CLASSES,
                     FEATURE_FRONTEND_TIME,
                     FEATURE_PUBLISH_INTERVAL,
+                    FEATURE_REQUEST_BATCH,
                     *([FEATURE_KV_EVENTS] if self._kv_events is not None else []),
                 ],
             )

@@ -51,6 +51,7 @@ def _generate_ids(data: Sequence[bytes]) -> list[tuple[str, int]]:
     out = []
     for item in data:
         message = wire.decode_client_message(item)
+        assert not isinstance(message, wire.RequestBatch)  # the plane queues messages one by one
         out.append((type(message).__name__, message.request_id))
     return out
 
@@ -314,6 +315,7 @@ def test_every_request_ends_exactly_once_whatever_happens(program: list[tuple[An
             elif kind == "send":
                 for data in await _drain_outbox(plane):
                     message = wire.decode_client_message(data)
+                    assert not isinstance(message, wire.RequestBatch)
                     if isinstance(message, wire.Generate):
                         sent.add(message.request_id)
                     else:
