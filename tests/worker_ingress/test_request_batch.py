@@ -39,6 +39,7 @@ from shim_common.wire import (
     RequestBatch,
     Started,
 )
+from worker_ingress._server import Worker
 
 # ----------------------------------------------------------------------------- packing (sans-IO)
 
@@ -107,6 +108,13 @@ def test_more_messages_than_the_bound_do_not_decode() -> None:
 # ----------------------------------------------------------------------------- the worker
 
 
+def _held_worker(slots: int, queue: int) -> tuple[Worker, HeldEngine]:
+    """A worker of N ``slots`` and Q ``queue`` whose requests wait for ``engine.release``."""
+    settings = make_settings(engine_request_limit=slots, request_queue_limit=queue)
+    engine = HeldEngine(settings)
+    return new_worker(settings, engine), engine
+
+
 def _batch(*messages: Generate | Cancel) -> bytes:
     (data,) = wire.request_batches([wire.encode(message) for message in messages])
     return data
@@ -123,9 +131,7 @@ async def test_the_hello_lists_the_feature() -> None:
 
 @pytest.mark.parametrize("round_", range(8))  # the tasks' order is random: repeat
 async def test_a_batchs_requests_meet_the_gate_in_the_order_they_came(round_: int) -> None:
-    settings = make_settings(engine_request_limit=1, request_queue_limit=3)
-    engine = HeldEngine(settings)
-    worker = new_worker(settings, engine)
+    worker, engine = _held_worker(slots=1, queue=3)
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address, request_plane(address) as ws:
             await ws.send_message(_batch(*(completion(i) for i in range(1, 5))))
@@ -145,9 +151,7 @@ async def test_a_batchs_requests_meet_the_gate_in_the_order_they_came(round_: in
 
 
 async def test_a_batch_past_the_gates_room_refuses_its_last_requests() -> None:
-    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
-    engine = HeldEngine(settings)
-    worker = new_worker(settings, engine)
+    worker, engine = _held_worker(slots=1, queue=2)
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address, request_plane(address) as ws:
             await ws.send_message(_batch(*(completion(i) for i in range(1, 6))))
@@ -164,9 +168,7 @@ async def test_a_batch_past_the_gates_room_refuses_its_last_requests() -> None:
 
 
 async def test_a_cancel_in_the_same_batch_gives_the_place_back_before_its_task_runs() -> None:
-    settings = make_settings(engine_request_limit=1, request_queue_limit=2)
-    engine = HeldEngine(settings)
-    worker = new_worker(settings, engine)
+    worker, engine = _held_worker(slots=1, queue=2)
     with trio.fail_after(TIMEOUT):
         async with running(worker) as address, request_plane(address) as ws:
             await ws.send_message(
