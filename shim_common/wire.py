@@ -174,7 +174,8 @@ MAX_SUBSCRIBER_INTERVAL: Final = 60.0
 FEATURE_REQUEST_BATCH: Final = "request-batch"
 #: The most bytes of messages, and the most messages, a client puts in one
 #: :class:`RequestBatch` (a worker closes the connection with 1007 on more messages); a message
-#: of more bytes goes on its own. Far under any size cap a worker sets on one message.
+#: of more bytes goes on its own. Far under the size cap of one message a worker sets by default
+#: (:data:`MAX_MESSAGE_BYTES`); a worker that lists the feature takes batches of this size.
 REQUEST_BATCH_BYTES: Final = 32 * 1024
 REQUEST_BATCH_MESSAGES: Final = 256
 

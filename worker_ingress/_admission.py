@@ -21,6 +21,12 @@ Rules of the shell
    running) withdraws its ticket (:meth:`~worker_ingress._admission_state.AdmissionState.cancel`
    is idempotent), so no slot or queue place outlives its task.
 4. :class:`SlotLease` holds no time of its own: the ticket carries its arrival and start times.
+5. A request may meet the gate before its task exists (:meth:`SlotLease.arrive`, for a caller
+   that reads several requests at once and must keep their order); entering the lease then only
+   waits. A queued ticket's wake is armed at its arrival, so the shell wakes it (and calls the
+   lease's ``on_start`` as it takes its slot) whether or not its task waits yet; a lease
+   cancelled before its block began to run gives its ticket back at once
+   (:meth:`SlotLease.cancel`), and on entering, when its task was cancelled before it got there.
 
 The names of the sans-IO core are re-exported here (``AdmissionState``, ``GateRefusal``,
 ``Ticket``, ``TicketStatus``, ``REJECTION_KINDS``), so the gate is one import.
@@ -225,6 +231,7 @@ class AdmissionGate:
         prompt_tokens: int = 0,
         *,
         already_waited: float = 0.0,
+        on_start: Callable[[], None] | None = None,
     ) -> SlotLease:
         """Wait for an engine slot, or raise :class:`Rejection` at once; hold it for the block.
 
@@ -240,13 +247,16 @@ class AdmissionGate:
             prompt_tokens: The prompt's size (the service it costs the tenant).
             already_waited: Seconds the request spent before the gate (in a frontend), which
                 an objective counts against its room to wait and its queue bound.
+            on_start: Called at the moment the request takes its slot (at its arrival on the
+                direct path, else inside the exit that starts it), before any other task runs:
+                for what must be stamped exactly then.
 
         Returns:
             An async context manager, to be used once; inside the block, tell it of the first
             output (:meth:`SlotLease.first_output`) and of generated tokens
             (:meth:`SlotLease.charge`).
         """
-        return SlotLease(self, priority, tenant, prompt_tokens, already_waited)
+        return SlotLease(self, priority, tenant, prompt_tokens, already_waited, on_start)
 
     def reject_now(
         self, priority: int = 0, tenant: str = "", *, already_waited: float = 0.0
@@ -331,43 +341,6 @@ class AdmissionGate:
         now = trio.current_time()
         self._after(self._state.cancel(ticket, now=now), now)
 
-    async def _wait_until_started(self, ticket: Ticket) -> None:
-        # Park until another request's exit starts this ticket (or an arrival displaces it), or
-        # until the deadline the state's decision named.
-        woken = trio.Event()
-        ticket.wake = woken.set
-        state = self._state
-        try:
-            # Checked before the first wait: a ticket that arrived before its task entered the
-            # lease (SlotLease.arrive) may have started, or been displaced, meanwhile.
-            while True:
-                status = ticket.status
-                if status is not _HAND and status is not _CHANNEL:
-                    break
-                if state.deadline_passed(ticket, trio.current_time()):
-                    self._changed()
-                    break
-                deadline = ticket.deadline
-                if deadline is None:
-                    await woken.wait()
-                else:
-                    with trio.move_on_at(deadline):
-                        await woken.wait()
-                if woken.is_set():
-                    # Woken yet still queued: the next wait needs a fresh event, not a set one.
-                    woken = trio.Event()
-                    ticket.wake = woken.set
-        except BaseException:
-            # Cancelled while queued (place given back) or just after being started (slot freed).
-            self._withdraw(ticket)
-            raise
-        if ticket.status is _RUNNING:
-            return
-        reason = ticket.reason
-        assert reason is not None
-        raise Rejection(reason)
-
-
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
@@ -375,10 +348,12 @@ class SlotLease:
         "_already_waited",
         "_entered",
         "_gate",
+        "_on_start",
         "_priority",
         "_prompt_tokens",
         "_tenant",
         "_ticket",
+        "_woken",
     )
 
     def __init__(
@@ -388,8 +363,12 @@ class SlotLease:
         tenant: str,
         prompt_tokens: int,
         already_waited: float = 0.0,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self._gate = gate
+        self._on_start = on_start
+        #: Set when the gate moves the queued ticket (started, displaced, refused).
+        self._woken: trio.Event | None = None
         self._already_waited = already_waited
         self._priority = priority
         self._tenant = tenant
@@ -449,6 +428,14 @@ class SlotLease:
             raise Rejection(decision.reason)
         ticket = decision
         self._ticket = ticket
+        if ticket.status is _RUNNING:
+            if self._on_start is not None:
+                self._on_start()
+        else:
+            # Armed now, not when a task first waits: the gate may start or displace the
+            # ticket before then (arrive() runs before the request's task exists).
+            self._woken = trio.Event()
+            ticket.wake = self._moved
         victim = ticket.displaced
         if victim is not None:
             ticket.displaced = None
@@ -458,6 +445,61 @@ class SlotLease:
         except BaseException:
             gate._withdraw(ticket)
             raise
+
+    def cancel(self) -> None:
+        """The request is cancelled: give its ticket back now if its block has not begun to run
+        (it arrived but its task has not entered the lease, or it waits in the queue), so what
+        arrives right after it finds the place free. A running block gives its slot back as it
+        leaves (its engine holds the slot until then). Idempotent; the caller cancels the
+        request's task as well.
+        """
+        ticket = self._ticket
+        if ticket is None or (self._entered and ticket.status is _RUNNING):
+            return
+        self._gate._withdraw(ticket)
+
+    def _moved(self) -> None:
+        # The gate's wake of the queued ticket: it started, was displaced or refused.
+        ticket = self._ticket
+        if self._on_start is not None and ticket is not None and ticket.status is _RUNNING:
+            self._on_start()
+        if self._woken is not None:
+            self._woken.set()
+
+    async def _wait_until_started(self, ticket: Ticket) -> None:
+        # Park until another request's exit starts this ticket (or an arrival displaces it), or
+        # until the deadline the state's decision named.
+        gate = self._gate
+        state = gate._state
+        try:
+            # Checked before the first wait: a ticket that arrived before its task entered the
+            # lease may have started, or been displaced, meanwhile.
+            while True:
+                status = ticket.status
+                if status is not _HAND and status is not _CHANNEL:
+                    break
+                if state.deadline_passed(ticket, trio.current_time()):
+                    gate._changed()
+                    break
+                woken = self._woken
+                if woken is None or woken.is_set():
+                    # Woken yet still queued: the next wait needs a fresh event, not a set one.
+                    woken = self._woken = trio.Event()
+                deadline = ticket.deadline
+                if deadline is None:
+                    await woken.wait()
+                else:
+                    with trio.move_on_at(deadline):
+                        await woken.wait()
+        except BaseException:
+            # Cancelled while queued (place given back) or just after being started (slot freed).
+            gate._withdraw(ticket)
+            raise
+        if ticket.status is _RUNNING:
+            return
+        reason = ticket.reason
+        assert reason is not None
+        raise Rejection(reason)
 
     async def __aenter__(self) -> SlotLease:
         if self._entered:
@@ -477,7 +519,7 @@ class SlotLease:
                 self._gate._withdraw(ticket)  # it arrived, but its block never began
                 raise
         if ticket.status is not _RUNNING:
-            await self._gate._wait_until_started(ticket)
+            await self._wait_until_started(ticket)
         return self
 
     async def __aexit__(

@@ -26,7 +26,9 @@ Rules of a request-plane connection:
    task in the connection's nursery, under its own cancel scope, which waits for its slot when
    it was queued. The messages of a :class:`~wire.RequestBatch` are taken one after the other
    exactly as if each had come alone, so its requests meet the gate in the order they came
-   (their tasks first run after the last, in no set order).
+   (their tasks run, in no set order, once the receive loop next waits). A ``Cancel`` gives
+   back at once the place of a request that has not begun to run
+   (:meth:`~worker_ingress._admission.SlotLease.cancel`), so the next message finds it free.
 2. One sender task writes the frames of running requests; request tasks hand it their frames
    through a bounded queue, so a slow client slows only its own requests (backpressure reaches
    the engine's stream through the queue). A frame handed over while there is room costs no
@@ -337,7 +339,8 @@ class RequestConnection:
         self._host = host
         self._ws = ws
         self._sender = _FrameSender(ws, batching=ws.subprotocol == SUBPROTOCOL_BATCH)
-        self._requests: dict[int, trio.CancelScope] = {}
+        #: Per request with a task: its cancel scope and its hold on the gate.
+        self._requests: dict[int, tuple[trio.CancelScope, SlotLease]] = {}
         #: Per started request, the event ``seq`` when it took its slot and at its first
         #: output (``None`` before it): its final frame carries them (docs/protocol.md).
         self._seqs: dict[int, tuple[int, int | None]] = {}
@@ -415,9 +418,13 @@ class RequestConnection:
     async def _take(self, message: Generate | Cancel, nursery: trio.Nursery) -> bool:
         """Act on one client message; ``False`` when the connection is to stop reading."""
         if isinstance(message, Cancel):
-            scope = self._requests.get(message.request_id)
-            if scope is not None:
+            request = self._requests.get(message.request_id)
+            if request is not None:
+                scope, lease = request
                 scope.cancel()
+                # Its place is free before the next message (of the same batch, maybe) arrives,
+                # not only once its task runs.
+                lease.cancel()
             return True
         if message.request_id in self._requests:
             await self._protocol_error(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
@@ -428,11 +435,20 @@ class RequestConnection:
             return False
         if prepared is None:
             return True
-        lease = self._host.gate.slot(
+        request_id = message.request_id
+        host = self._host
+
+        def took_slot() -> None:
+            # Stamped as the slot is taken, before any other task runs: a report published
+            # after this seq counts the request (docs/protocol.md, the final frame's seqs).
+            self._seqs[request_id] = (host.event_seq, None)
+
+        lease = host.gate.slot(
             message.priority,
             message.tenant,
             prepared.prompt_tokens,
             already_waited=message.frontend_ms / 1000,
+            on_start=took_slot,
         )
         try:
             # Here, not in the request's task: the requests of a batch meet the gate in the
@@ -447,7 +463,7 @@ class RequestConnection:
                 return False
             return True
         scope = trio.CancelScope()
-        self._requests[message.request_id] = scope
+        self._requests[message.request_id] = (scope, lease)
         if self._no_requests.is_set():
             self._no_requests = trio.Event()
         nursery.start_soon(self._run_request, message, prepared, lease, scope)
@@ -553,8 +569,8 @@ class RequestConnection:
         held: list[msgspec.Struct] = []
         try:
             async with lease:
-                started_seq = host.event_seq
-                self._seqs[request_id] = (started_seq, None)
+                # Stamped by the lease as the slot was taken (see _take).
+                started_seq = self._seqs.setdefault(request_id, (host.event_seq, None))[0]
                 await self._sender.send(
                     Started(
                         request_id=request_id,
@@ -606,7 +622,7 @@ class RequestConnection:
 
     def _abandon(self, message: str) -> None:
         self._abandoned = message
-        for scope in self._requests.values():
+        for scope, _ in self._requests.values():
             scope.cancel()
 
     async def _flush(self) -> None:

@@ -479,6 +479,43 @@ async def test_gate_lease_displaced_before_entering_is_rejected_on_entering() ->
     assert (gate.running, gate.queued) == (1, 2)
 
 
+async def test_gate_on_start_runs_as_the_slot_is_taken_even_before_the_task_waits() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    started: list[str] = []
+    first = gate.slot(on_start=lambda: started.append("first"))
+    second = gate.slot(on_start=lambda: started.append(f"second, {gate.running} running"))
+    first.arrive()
+    assert started == ["first"]  # the direct path: at the arrival
+    second.arrive()
+    with trio.fail_after(5):
+        async with first:
+            assert started == ["first"]
+        # Inside the first's exit, though the second's task has not entered its lease yet.
+        assert started == ["first", "second, 1 running"]
+        async with second:
+            pass
+    assert started == ["first", "second, 1 running"]
+    assert gate.in_flight == 0
+
+
+async def test_gate_cancel_gives_back_at_once_only_what_has_not_begun_to_run() -> None:
+    gate = AdmissionGate(engine_slots=1, queue_limit=2)
+    running, queued = gate.slot(), gate.slot()
+    running.arrive()
+    queued.arrive()
+    queued.cancel()  # its place, at once
+    queued.cancel()  # idempotent
+    assert (gate.running, gate.queued) == (1, 0)
+    running.cancel()  # arrived with a slot, its block not begun: the slot, at once
+    assert gate.in_flight == 0
+    entered = gate.slot()
+    with trio.fail_after(5):
+        async with entered:
+            entered.cancel()  # a running block keeps its slot until it leaves
+            assert gate.running == 1
+    assert gate.in_flight == 0
+
+
 def test_gate_from_settings_uses_the_limits_in_force() -> None:
     unlimited = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
     assert (unlimited.engine_slots, unlimited.queue_limit) == (10_000, 40_000)

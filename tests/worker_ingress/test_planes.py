@@ -286,6 +286,41 @@ async def test_the_final_frame_names_the_last_event_that_counts_the_request(
                     assert all(load.active_decode_blocks == 0 for load in loads)
 
 
+async def test_the_final_frame_names_an_event_before_any_that_counts_the_request() -> None:
+    settings = make_settings(heartbeat_interval=0.5, load_publish_interval=0.0)
+    engine = HeldEngine(settings)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(worker) as address,
+            event_plane(address, queue_size=64) as events,
+            request_plane(address) as ws,
+        ):
+            # Repeated: the publisher and the request's task race for the turn after the
+            # request takes its slot (each wins about half the time).
+            for request_id in range(1, 17):
+                engine.release = trio.Event()
+                await send(ws, completion(request_id))
+                await wait_for(lambda: worker.gate.running == 1, "the request running")
+                engine.release.set()
+                final = (await collect_until_final(ws, {request_id}))[request_id][-1]
+                assert isinstance(final, End)
+                started, ended = final.started_seq, final.ended_seq
+                assert started is not None
+                assert ended is not None
+                seen: list[LoadEvent | Heartbeat] = []
+                for _ in range(200):
+                    seen += await read_events(events)
+                    if seen[-1].seq >= ended:
+                        break
+                # Up to its started_seq, no event counts the request: the frontend takes
+                # every report after it as counting the request, and none before.
+                assert all(e.engine_requests == 0 for e in seen if e.seq <= started), (
+                    started,
+                    [(e.seq, e.engine_requests) for e in seen],
+                )
+
+
 async def read_until_idle(ws: WebSocketConnection) -> int:
     """Read event batches until one ends with the idle state; return how many were read."""
     for count in range(1, 20_001):

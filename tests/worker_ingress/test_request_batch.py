@@ -186,6 +186,31 @@ async def test_a_cancel_in_the_same_batch_gives_the_place_back_before_its_task_r
     assert (worker.gate.running, worker.gate.queued) == (0, 0)
 
 
+@pytest.mark.parametrize("waiting", [False, True], ids=["task-not-run", "task-waiting"])
+async def test_a_cancel_frees_its_place_for_the_next_message_of_its_batch(waiting: bool) -> None:
+    worker, engine = _held_worker(slots=1, queue=2)
+    first: list[Generate | Cancel] = [completion(1), completion(2), completion(3)]
+    then: list[Generate | Cancel] = [Cancel(request_id=2), completion(4, prompt="w")]
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address, request_plane(address) as ws:
+            if waiting:  # the queue is full and request 2's task already waits in it
+                await ws.send_message(_batch(*first))
+                await wait_for(lambda: worker.gate.queued == 2, "two queued")
+                await ws.send_message(_batch(*then))
+            else:
+                await ws.send_message(_batch(*first, *then))
+            (failed,) = (await collect_until_final(ws, {2}))[2]
+            assert isinstance(failed, Failed)
+            assert failed.kind == "cancelled"
+            # Request 4 took the place request 2 gave back: queued, not refused.
+            await wait_for(lambda: worker.gate.queued == 2, "3 and 4 queued")
+            assert worker.gate.rejected_total == 0
+            engine.release.set()
+            served = await collect_until_final(ws, {1, 3, 4})
+    assert all(isinstance(replies[-1], End) for replies in served.values())
+    assert worker.gate.in_flight == 0
+
+
 @pytest.mark.parametrize(
     ("payload", "code"),
     [
