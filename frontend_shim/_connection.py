@@ -32,6 +32,8 @@ Rules:
    ``control_frames_per_second`` (a worker pings each plane every few seconds and pongs only
    what it is pinged). One past the bound raises :class:`ProtocolError`: a worker flooding
    pings would otherwise have the frontend write a pong for each, at a core's worth of CPU.
+   The pong that answers the frontend's own outstanding ping is not counted, so a link that
+   pings more often than the bound allows (a short keepalive on an idle plane) stays up.
 7. :meth:`PlaneConnection.limit_messages` sets the size cap once the hello says how large the
    worker's messages can be (the event plane's bound, :mod:`frontend_shim._worker_hello`): a
    frame announcing more raises :class:`ProtocolError` from its header, before its payload is
@@ -272,6 +274,7 @@ class PlaneConnection:
         """Rules 2 and 3 for what one read brought: its whole binary messages, in order; a
         ping's pong and a close's reply become owed, and the close is held for the next read."""
         self.last_received = trio.current_time()
+        pinged = self.ping_sent_at is not None
         self.ping_sent_at = None
         try:
             frames = self._reader.receive(data)
@@ -279,6 +282,8 @@ class PlaneConnection:
             raise ProtocolError(f"{exc} on {self.path}") from exc
         messages: list[bytes] = []
         controls = sum(1 for opcode, _ in frames if opcode in (OP_PING, OP_PONG))
+        if pinged and any(opcode == OP_PONG for opcode, _ in frames):
+            controls -= 1  # the answer to our own ping: as often as we ping, never a flood
         if controls and not self._control_rate.allow(controls, self.last_received):
             raise ProtocolError(f"control frames past {self._control_rate.bound} on {self.path}")
         for opcode, payload in frames:

@@ -168,6 +168,22 @@ async def test_a_ping_flood_ends_the_connection_with_a_protocol_error() -> None:
                 connection.messages_now()
 
 
+async def test_the_pong_to_our_own_ping_never_counts_against_the_bound() -> None:
+    with trio.fail_after(5):
+        async with socket_connection() as (connection, worker):
+            # Three bursts' worth of pings answered at once, faster than the bound's refill.
+            for _ in range(3 * CONTROL_BURST):
+                await connection.send_ping()
+                await worker.send_all(server_frame(OP_PONG, b""))
+                assert connection.messages_now() == []
+                assert connection.ping_sent_at is None
+            # Pongs nobody asked for still count.
+            pongs = b"".join(server_frame(OP_PONG, b"") for _ in range(CONTROL_BURST + 1))
+            await worker.send_all(pongs)
+            with pytest.raises(ProtocolError, match="control frames past 32 at once"):
+                connection.messages_now()
+
+
 async def test_a_message_over_the_lowered_cap_is_refused_from_its_header() -> None:
     with trio.fail_after(5):
         async with socket_connection() as (connection, worker):
