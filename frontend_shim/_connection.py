@@ -66,13 +66,13 @@ from frontend_shim._websocket import (
     handshake_request,
     parse_close,
 )
+from shim_common._control_rate import ControlFrameRate
 from shim_common._net import host_for_url
 
 __all__ = [
     "CONTROL_BURST",
     "CONTROL_FRAMES_PER_SECOND",
     "EVENTS_RECEIVE_BUFFER",
-    "ControlFrameRate",
     "PlaneClosed",
     "PlaneConnection",
     "ProtocolError",
@@ -91,37 +91,6 @@ EVENTS_RECEIVE_BUFFER: Final = 64 * 1024
 CONTROL_BURST: Final = 32
 #: ... and a second after that: a worker's own keepalive is one ping per plane every 10 s.
 CONTROL_FRAMES_PER_SECOND: Final = 4.0
-
-
-class ControlFrameRate:
-    """A token bucket for the control frames of one connection (rule 6; sans-IO).
-
-    Args:
-        per_second: Frames allowed a second, once the burst is spent; > 0.
-        burst: Frames allowed at once; at least 1.
-    """
-
-    __slots__ = ("_burst", "_per_second", "_tokens", "_updated")
-
-    def __init__(self, per_second: float, burst: int, now: float) -> None:
-        if not (per_second > 0 and math.isfinite(per_second)) or burst < 1:
-            raise ValueError(f"need per_second > 0 and burst >= 1, got {per_second}, {burst}")
-        self._per_second = per_second
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._updated = now
-
-    @property
-    def bound(self) -> str:
-        """The bound in words, for the log."""
-        return f"{self._burst:g} at once and {self._per_second:g} a second"
-
-    def allow(self, frames: int, now: float) -> bool:
-        """Take ``frames`` frames arriving at ``now``; False when they exceed the bound."""
-        tokens = min(self._burst, self._tokens + (now - self._updated) * self._per_second)
-        self._updated = now
-        self._tokens = tokens - frames
-        return self._tokens >= 0
 
 
 #: What a write to a connection that is going away raises.

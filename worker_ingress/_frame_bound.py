@@ -27,6 +27,12 @@ Rules:
    logged).
 3. A request the library will refuse (not HTTP, not an upgrade) is not looked at further: the
    library closes that connection before any frame counts.
+4. Pings are bounded too: the library answers each with a pong the worker writes, so a client
+   that floods them has the worker spend a core on pongs. :data:`PING_BURST` at once, then
+   :data:`PINGS_PER_SECOND` (a frontend pings a plane once per keepalive interval at most, 15 s
+   by default; ten a second leaves room for short test intervals, and a pong costs the worker
+   tens of microseconds, so the bound holds pongs to a sliver of a core); the ping past the
+   bound is a breach as in rule 2.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ import h11
 import trio
 
 from shim_common._client_text import CLOSE_REASON_BYTES, cut_utf8
+from shim_common._control_rate import ControlFrameRate
 from shim_common._net import host_for_url
 
 __all__ = [
     "MESSAGE_FRAMES",
     "MESSAGE_FRAME_BYTES",
+    "PINGS_PER_SECOND",
+    "PING_BURST",
     "FrameBoundListener",
     "FrameBoundStream",
     "FrameCounter",
@@ -52,6 +61,10 @@ __all__ = [
 MESSAGE_FRAMES: Final = 1024
 #: ... and one more for every this many bytes of it received.
 MESSAGE_FRAME_BYTES: Final = 256
+#: Pings a client may send at once (rule 4) ...
+PING_BURST: Final = 32
+#: ... and a second after that.
+PINGS_PER_SECOND: Final = 10.0
 #: The close code a breach is closed with: a protocol error.
 CLOSE_PROTOCOL_ERROR: Final = 1002
 
@@ -63,7 +76,16 @@ class FrameCounter:
         breach: Why the client was cut off (rule 2), once it was; ``None`` before.
     """
 
-    __slots__ = ("_frames", "_handshake", "_header", "_size", "_skip", "breach", "ignored")
+    __slots__ = (
+        "_frames",
+        "_handshake",
+        "_header",
+        "_pings",
+        "_size",
+        "_skip",
+        "breach",
+        "ignored",
+    )
 
     def __init__(self) -> None:
         # The opening request, read as wsproto reads it.
@@ -77,6 +99,8 @@ class FrameCounter:
         # The frames of the data message under way (0: none) and its payload bytes so far.
         self._frames = 0
         self._size = 0
+        # Starts full: its first refill, whenever that is, is capped at the burst (rule 4).
+        self._pings = ControlFrameRate(PINGS_PER_SECOND, PING_BURST, now=0.0)
         self.breach: str | None = None
 
     def request(self, data: bytes | bytearray) -> int | None:
@@ -103,11 +127,12 @@ class FrameCounter:
             return None
         return len(data) - len(handshake.trailing_data[0])
 
-    def frames(self, data: bytes | bytearray) -> int | None:
-        """Take the next frames' bytes (after any breach, nothing more may be given).
+    def frames(self, data: bytes | bytearray, now: float) -> int | None:
+        """Take the next frames' bytes, arriving at ``now`` (after any breach, nothing more may
+        be given).
 
         Returns:
-            Where in ``data`` the frame past the bound begins (rule 2), or ``None``.
+            Where in ``data`` the frame past the bound begins (rules 2 and 4), or ``None``.
         """
         size = len(data)
         position = 0
@@ -119,7 +144,7 @@ class FrameCounter:
                 position += step
                 continue
             if not header:
-                # The first byte of a frame says what it is: rule 2's count, before it is read.
+                # The first byte of a frame says what it is: rules 2 and 4, before it is read.
                 first = data[position]
                 opcode = first & 0x0F
                 if opcode < 0x8:
@@ -133,6 +158,9 @@ class FrameCounter:
                         )
                         return position
                     self._frames += 1
+                elif opcode == 0x9 and not self._pings.allow(1, now):
+                    self.breach = f"pings past {self._pings.bound}"
+                    return position
                 if size - position >= 14:
                     # The whole header is here (the usual case): read it in place.
                     length, head = _header_fields(data[position + 1 : position + 10])
@@ -228,7 +256,7 @@ class FrameBoundStream(trio.abc.Stream):
             return await self.receive_some(max_bytes)
         if not data or counter.ignored:
             return data
-        cut = counter.frames(data)
+        cut = counter.frames(data, trio.current_time())
         if cut is None:
             return data
         assert counter.breach is not None

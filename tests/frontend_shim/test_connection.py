@@ -13,7 +13,6 @@ from client_frames import client_frames
 
 from frontend_shim._connection import (
     CONTROL_BURST,
-    ControlFrameRate,
     PlaneClosed,
     PlaneConnection,
     ProtocolError,
@@ -26,6 +25,7 @@ from frontend_shim._websocket import (
     OP_TEXT,
     close_payload,
 )
+from shim_common._control_rate import ControlFrameRate
 
 CAP = 1 << 20
 

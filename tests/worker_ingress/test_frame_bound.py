@@ -17,6 +17,7 @@ from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Requ
 from worker_ingress._frame_bound import (
     MESSAGE_FRAME_BYTES,
     MESSAGE_FRAMES,
+    PING_BURST,
     FrameCounter,
     _close_from_client,
 )
@@ -59,7 +60,7 @@ def feed(counter: FrameCounter, data: bytes, cuts: list[int] = []) -> int | None
             requested = True
             start += end
             piece = piece[end:]
-        at = counter.frames(piece)
+        at = counter.frames(piece, now=0.0)
         if at is not None:
             return start + at
         start = cut
@@ -143,3 +144,21 @@ def test_a_request_the_library_refuses_is_not_looked_at() -> None:
     counter = FrameCounter()
     assert counter.request(b"\x16\x03\x01 not http at all\r\n\r\n") is None
     assert counter.ignored
+
+
+def test_pings_past_the_burst_are_a_breach_and_a_steady_keepalive_never_is() -> None:
+    counter = FrameCounter()
+    assert counter.request(REQUEST) == len(REQUEST)
+    ping = client_frame(0x9, b"k")
+    # A ping four times a second (60 times a frontend's keepalive) for an hour: never a breach.
+    steady = [counter.frames(ping, now=n / 4) for n in range(14_400)]
+    assert steady == [None] * len(steady)
+    # Then the burst at once, and one more, found where that ping begins.
+    flood = ping * (PING_BURST + 1)
+    at = FrameCounter().frames(flood, now=0.0)
+    assert at == PING_BURST * len(ping)
+    counter = FrameCounter()
+    assert counter.frames(flood, now=0.0) is not None
+    assert counter.breach == "pings past 32 at once and 10 a second"
+    # Pongs and data cost the worker no reply: not counted.
+    assert FrameCounter().frames(client_frame(0xA, b"") * 1000, now=0.0) is None

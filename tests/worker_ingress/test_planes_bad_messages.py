@@ -230,6 +230,39 @@ async def test_a_message_in_endless_empty_fragments_is_closed(
                 assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
 
 
+@pytest.mark.parametrize("path", [REQUESTS_PATH, EVENTS_PATH])
+async def test_a_ping_flood_is_closed_after_the_burst(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each ping costs the worker a pong: past 32 at once it closes with 1002 and the reason.
+    caplog.set_level(logging.INFO, logger="worker_ingress")
+    worker = new_worker(make_settings())
+    with trio.fail_after(TIMEOUT):
+        async with running(worker) as address:
+            stream = await trio.open_tcp_stream("127.0.0.1", port_of(address))
+            received = bytearray()
+            async with stream:
+                await stream.send_all(upgrade_request(path))
+                for _ in range(100):
+                    if b"\r\n\r\n" in received:
+                        break
+                    received.extend(await stream.receive_some(65536))
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await stream.send_all((b"\x89\x80" + bytes(4)) * 1000)  # empty pings
+                with contextlib.suppress(trio.BrokenResourceError):
+                    for _ in range(1000):  # bounded: the worker closes long before
+                        data = await stream.receive_some(65536)
+                        if not data:
+                            break
+                        received.extend(data)
+            code, reason = _close_sent(bytes(received))
+            assert (code, reason) == (1002, "pings past 32 at once and 10 a second")
+            assert received.count(b"\x8a\x00") <= 32  # no more pongs than the burst
+            async with request_plane(address) as ws:
+                await send(ws, completion(1))
+                assert isinstance((await collect_until_final(ws, {1}))[1][-1], End)
+
+
 # ----------------------------------------------------------------------------- absurd messages
 
 #: Request bodies a frontend would never send but that decode: each gets exactly one final frame
