@@ -67,8 +67,8 @@ __all__ = [
 MAX_DATA_PARALLEL_SIZE: Final = RANKS.high
 #: Largest announced count (blocks, tokens, sequences, queue places): the kind's bound.
 MAX_COUNT: Final = COUNT.high
-#: Largest announced cache, in blocks a rank.
-MAX_KV_BLOCKS: Final = 2**26
+#: Largest announced cache, in blocks a rank (the protocol's bound).
+MAX_KV_BLOCKS: Final = wire.MAX_KV_BLOCKS
 #: Largest first message of either plane (the hello), before it is accepted.
 MAX_HELLO_BYTES: Final = 16 * 1024
 #: Longest announced publish interval, in seconds.

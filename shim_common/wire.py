@@ -73,6 +73,7 @@ __all__ = [
     "SUBPROTOCOL_BATCH",
     "REQUEST_BATCH_BYTES",
     "REQUEST_BATCH_MESSAGES",
+    "MAX_KV_BLOCKS",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
     "FEATURE_CLASSES",
@@ -169,6 +170,11 @@ FEATURE_PUBLISH_INTERVAL: Final = "publish-interval"
 FEATURE_KV_EVENTS: Final = "kv-events"
 #: The longest :attr:`Subscribe.publish_interval` a subscriber may ask for (seconds).
 MAX_SUBSCRIBER_INTERVAL: Final = 60.0
+
+#: The most KV blocks a rank's cache may be announced to hold
+#: (:attr:`RuntimeConfig.kv_total_blocks`, 64 Mi): more than any engine's; a frontend refuses a
+#: hello past it.
+MAX_KV_BLOCKS: Final = 2**26
 
 #: Hello feature: the worker reads :class:`RequestBatch` on the request plane.
 FEATURE_REQUEST_BATCH: Final = "request-batch"

@@ -34,6 +34,7 @@ from shim_common._cli import (
 )
 from shim_common._client_text import shorten
 from shim_common._numbers import COUNT, RANKS, RATIO, SECONDS
+from shim_common.wire import MAX_KV_BLOCKS
 from worker_ingress._config import (
     DEFAULT_MAX_TRACKED_TENANTS,
     DEFAULT_QUEUE_LIMIT,
@@ -178,7 +179,12 @@ def _worker(
     ] = 0.1,
     num_gpu_blocks: Annotated[
         int,
-        Parameter(converter=strict_int, env_var="DYN_MOCKER_NUM_GPU_BLOCKS", validator=positive()),
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_MOCKER_NUM_GPU_BLOCKS",
+            # A frontend refuses a hello announcing more (wire.MAX_KV_BLOCKS).
+            validator=of_kind(COUNT, gte=1, lte=MAX_KV_BLOCKS),
+        ),
     ] = 16384,
     block_size: Annotated[
         int, Parameter(converter=strict_int, env_var="DYN_MOCKER_BLOCK_SIZE", validator=positive())
@@ -277,7 +283,8 @@ def _worker(
         a bounded number of messages however fast the engine steps. A rank turning busy or free
         under a frontend's thresholds is sent at once. 0 sends every change.
     num_gpu_blocks
-        Mocker: KV cache blocks per data-parallel rank.
+        Mocker: KV cache blocks per data-parallel rank (at most 67,108,864, the most a frontend
+        accepts).
     block_size
         Mocker: tokens per KV cache block.
     max_num_seqs

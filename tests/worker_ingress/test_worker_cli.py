@@ -238,6 +238,8 @@ def test_a_tokenizer_path_is_kept_and_an_empty_one_refused(monkeypatch: pytest.M
         (["--graceful-shutdown-timeout", "-1"], {}, "--graceful-shutdown-timeout"),
         (["--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
         (["--num-gpu-blocks", "0"], {}, "--num-gpu-blocks"),
+        # More than a frontend accepts: refused at start, not by every frontend's link.
+        (["--num-gpu-blocks", str(2**26 + 1)], {}, "--num-gpu-blocks"),
         ([], {"DYN_MOCKER_BLOCK_SIZE": "0"}, "DYN_MOCKER_BLOCK_SIZE"),
         (["--max-num-seqs", "0"], {}, "--max-num-seqs"),
         (["--max-num-batched-tokens", "0"], {}, "--max-num-batched-tokens"),
