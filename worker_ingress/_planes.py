@@ -430,38 +430,12 @@ class RequestConnection:
             await self._protocol_error(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
             return False
         try:
-            prepared = await self._prepare(message)
+            admitted = await self._admit(message)
         except ConnectionClosed:
             return False
-        if prepared is None:
+        if admitted is None:
             return True
-        request_id = message.request_id
-        host = self._host
-
-        def took_slot() -> None:
-            # Stamped as the slot is taken, before any other task runs: a report published
-            # after this seq counts the request (docs/protocol.md, the final frame's seqs).
-            self._seqs[request_id] = (host.event_seq, None)
-
-        lease = host.gate.slot(
-            message.priority,
-            message.tenant,
-            prepared.prompt_tokens,
-            already_waited=message.frontend_ms / 1000,
-            on_start=took_slot,
-        )
-        try:
-            # Here, not in the request's task: the requests of a batch meet the gate in the
-            # order they came, and a refusal costs no task (rule 1).
-            lease.arrive()
-        except Rejection as rejection:
-            try:
-                await self._ws.send_message(
-                    encode(self._rejected(message.request_id, rejection.reason))
-                )
-            except ConnectionClosed:
-                return False
-            return True
+        prepared, lease = admitted
         scope = trio.CancelScope()
         self._requests[message.request_id] = (scope, lease)
         if self._no_requests.is_set():
@@ -476,21 +450,23 @@ class RequestConnection:
             return Rejected.of(request_id, reason, slo.queue_bound)
         return Rejected.of(request_id, reason)
 
-    async def _prepare(self, generate: Generate) -> PreparedRequest | None:
-        """Validate a request; answer it here when that needs no task (bad input, certain
-        rejection), else return the prepared request."""
+    async def _admit(self, generate: Generate) -> tuple[PreparedRequest, SlotLease] | None:
+        """Validate a request and have it meet the gate; answer it here when that needs no task
+        (bad input, a refusal), else return the prepared request and its hold on the gate.
+
+        Raises:
+            ConnectionClosed: writing the answer found the connection gone.
+        """
         host = self._host
         request_id = generate.request_id
+        already_waited = generate.frontend_ms / 1000
         # Asked first, synchronously, so shedding costs no task and no preparation of a prompt
         # that will not run (it must stay cheap).
         reason = host.gate.reject_now(
-            generate.priority, generate.tenant, already_waited=generate.frontend_ms / 1000
+            generate.priority, generate.tenant, already_waited=already_waited
         )
         if reason is not None:
-            # Written here rather than through the sender: a rejection is the request's only
-            # frame, so no ordering is at stake, and the hop through the channel is half the
-            # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
-            await self._ws.send_message(encode(self._rejected(request_id, reason)))
+            await self._write_rejected(request_id, reason)
             return None
         try:
             prepared = host.engine.prepare(generate.endpoint, generate.body)
@@ -507,7 +483,33 @@ class RequestConnection:
             return None
         if generate.dp_rank is not None:
             prepared = msgspec.structs.replace(prepared, dp_rank=generate.dp_rank)
-        return prepared
+
+        def took_slot() -> None:
+            # Stamped as the slot is taken, before any other task runs: a report published
+            # after this seq counts the request (docs/protocol.md, the final frame's seqs).
+            self._seqs[request_id] = (host.event_seq, None)
+
+        lease = host.gate.slot(
+            generate.priority,
+            generate.tenant,
+            prepared.prompt_tokens,
+            already_waited=already_waited,
+            on_start=took_slot,
+        )
+        try:
+            # Here, not in the request's task: the requests of a batch meet the gate in the
+            # order they came, and a refusal costs no task (rule 1).
+            lease.arrive()
+        except Rejection as rejection:
+            await self._write_rejected(request_id, rejection.reason)
+            return None
+        return prepared, lease
+
+    async def _write_rejected(self, request_id: int, reason: RejectReason) -> None:
+        # Written here rather than through the sender: a rejection is the request's only
+        # frame, so no ordering is at stake, and the hop through the channel is half the
+        # cost of shedding. A ConnectionClosed ends the receive loop like a failed read.
+        await self._ws.send_message(encode(self._rejected(request_id, reason)))
 
     async def _protocol_error(self, code: int, reason: str) -> None:
         logger.info("closing %s with %d: %s", self._ws.remote, code, reason)
@@ -569,8 +571,7 @@ class RequestConnection:
         held: list[msgspec.Struct] = []
         try:
             async with lease:
-                # Stamped by the lease as the slot was taken (see _take).
-                started_seq = self._seqs.setdefault(request_id, (host.event_seq, None))[0]
+                started_seq = self._seqs[request_id][0]  # stamped as it took its slot (_admit)
                 await self._sender.send(
                     Started(
                         request_id=request_id,
