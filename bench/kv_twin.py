@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from bench.bench_goodput import percentile
-from frontend_shim._free_sets import InFlight
 from frontend_shim._kv_cost import CostWeights, KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
+from frontend_shim._sequences import InFlight
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 from worker_ingress.engines._kv_pool import STORED, PoolEvent

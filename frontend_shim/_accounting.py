@@ -27,9 +27,9 @@ from typing import Final
 
 import trio
 
-from frontend_shim._free_sets import InFlight
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import FrontendMetrics
+from frontend_shim._sequences import InFlight
 from shim_common import wire
 
 __all__ = ["CLIENT_CLOSED", "Exchange", "Progress"]

@@ -61,7 +61,6 @@ import trio
 
 from frontend_shim._accounting import Exchange, Progress
 from frontend_shim._admin import AdminRoutes
-from frontend_shim._free_sets import InFlight
 from frontend_shim._kv_cost import NO_PROMPT
 from frontend_shim._kv_routing import KvRouting
 from frontend_shim._links import WorkerLink
@@ -90,6 +89,7 @@ from frontend_shim._router import (
     UnknownModel,
     retry_after_seconds,
 )
+from frontend_shim._sequences import InFlight
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
 from shim_common._client_text import no_such_endpoint, not_allowed, shorten

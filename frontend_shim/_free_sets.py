@@ -2,7 +2,8 @@
 
 Per worker (:class:`WorkerLoad`): its announced configuration, one :class:`RankState` per
 data-parallel rank (the reported load, the router's own count, and the busy and saturated bits of
-:mod:`frontend_shim._thresholds`), and its :class:`InFlight` charges. Per model
+:mod:`frontend_shim._thresholds`), and what this frontend has in flight there
+(:mod:`frontend_shim._sequences`). Per model
 (:class:`ModelPool`): its thresholds, its workers and its :class:`FreeSet`. :class:`FreeSets`
 holds every pool and the two fleet-wide counts the fast shed reads.
 
@@ -33,9 +34,10 @@ Rules:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
+from frontend_shim._sequences import RankSequences, Sequences
 from frontend_shim._thresholds import max_batched, rank_busy
 from shim_common import wire
 from shim_common._busy import BusyThresholds
@@ -43,7 +45,6 @@ from shim_common._busy import BusyThresholds
 __all__ = [
     "FreeSet",
     "FreeSets",
-    "InFlight",
     "ModelPool",
     "RankState",
     "Release",
@@ -61,9 +62,7 @@ class RankState:
         "busy",
         "effective_blocks",
         "effective_prefill",
-        "own_blocks",
-        "own_names",
-        "own_prefill",
+        "own",
         "released_blocks",
         "released_prefill",
         "report_seq",
@@ -73,7 +72,7 @@ class RankState:
         "saturated",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, own: RankSequences) -> None:
         self.reported = False
         self.reported_blocks = 0
         self.reported_prefill = 0
@@ -83,100 +82,14 @@ class RankState:
         #: event produced after they ended is applied (:class:`Release`).
         self.released_blocks = 0
         self.released_prefill = 0
-        #: The router's own count of blocks it sent here and not yet released: every named
-        #: prompt block once however many requests in flight hold it (the worker's cache shares
-        #: it), plus the blocks it could not name (a partial last block, output, a prompt
-        #: without names).
-        self.own_blocks = 0
-        #: Of those, the named ones, each with the number of requests in flight holding it.
-        self.own_names: dict[int, int] = {}
-        self.own_prefill = 0
+        #: The router's own count of what it sent here and not yet released
+        #: (:mod:`frontend_shim._sequences`, its only writer).
+        self.own = own
         self.effective_blocks = 0
         self.effective_prefill = 0
         self.busy = False
         #: Prefill over the frontend-queue threshold (meaningful only when it is set).
         self.saturated = False
-
-    def hold_names(self, names: Sequence[int]) -> None:
-        """A request in flight holds ``names`` here: each counts once however many do."""
-        held = self.own_names
-        for name in names:
-            count = held.get(name, 0)
-            if not count:
-                self.own_blocks += 1
-            held[name] = count + 1
-
-    def release_names(self, names: Sequence[int]) -> None:
-        """A request holding ``names`` here left: a name no other holds stops counting."""
-        held = self.own_names
-        for name in names:
-            count = held.get(name, 0)
-            if count > 1:
-                held[name] = count - 1
-            elif count:
-                del held[name]
-                self.own_blocks -= 1
-
-    def uncharge(self, in_flight: InFlight) -> None:
-        """``in_flight`` left this rank: its names and its blocks without a name stop counting."""
-        self.own_blocks -= in_flight.anonymous
-        in_flight.anonymous = 0
-        self.release_names(in_flight.names)
-
-    def charge_anonymous(self, in_flight: InFlight) -> None:
-        """Bring what ``in_flight`` charges here without a name to its blocks less its names."""
-        anonymous = max(0, in_flight.blocks - len(in_flight.names))
-        self.own_blocks += anonymous - in_flight.anonymous
-        in_flight.anonymous = anonymous
-
-    def held_run(self, names: Sequence[int]) -> int:
-        """How many of ``names``, from the first, requests in flight here already hold (a
-        chained name stands for its whole prefix, so the run stops at the first one missing)."""
-        held = self.own_names
-        if not names or names[0] not in held:
-            return 0  # the common case, one lookup
-        return len(list(itertools.takewhile(held.__contains__, names)))
-
-
-class InFlight:
-    """The router's own charge for one request sent to a worker (a handle, opaque to callers)."""
-
-    __slots__ = (
-        "anonymous",
-        "blocks",
-        "finished",
-        "first_output_seq",
-        "names",
-        "output_tokens",
-        "prefill_tokens",
-        "prompt_tokens",
-        "rank",
-        "sent_seq",
-    )
-
-    def __init__(
-        self,
-        rank: int,
-        prompt_tokens: int,
-        blocks: int,
-        sent_seq: int,
-        names: Sequence[int] = (),
-    ) -> None:
-        self.rank = rank
-        #: The names of its prompt's full blocks (none when the router did not name them), and
-        #: how many of its :attr:`blocks` are charged without a name.
-        self.names = names
-        self.anonymous = 0
-        #: The ``seq`` of the rank's report when the request was sent, and when its first
-        #: output arrived (``None`` before): the window of a worker that names none.
-        self.sent_seq = sent_seq
-        self.first_output_seq: int | None = None
-        self.prompt_tokens = prompt_tokens
-        self.output_tokens = 0
-        self.blocks = blocks
-        #: Prompt tokens still charged as prefill (0 once output arrived).
-        self.prefill_tokens = prompt_tokens
-        self.finished = False
 
 
 class Release:
@@ -207,7 +120,6 @@ class WorkerLoad:
     __slots__ = (
         "available",
         "busy_ranks",
-        "charges",
         "config",
         "counted_marked_idle",
         "counted_unsaturated",
@@ -238,16 +150,28 @@ class WorkerLoad:
         "removed",
         "reported_ranks",
         "saturated_ranks",
+        "sequences",
         "stale",
         "stale_after",
         "sum_blocks",
         "sum_prefill",
     )
 
-    def __init__(self, config: wire.RuntimeConfig, pool: ModelPool, now: float, stale: float):
+    def __init__(
+        self,
+        config: wire.RuntimeConfig,
+        pool: ModelPool,
+        now: float,
+        stale: float,
+        track_output_blocks: bool = False,
+    ) -> None:
         self.config = config
         self.pool = pool
-        self.ranks = [RankState() for _ in range(max(1, config.data_parallel_size))]
+        #: The requests this frontend has in flight here, per rank.
+        self.sequences = Sequences(
+            config.data_parallel_size, config.block_size, track_output_blocks
+        )
+        self.ranks = [RankState(own) for own in self.sequences.ranks]
         self.reported_ranks = 0
         self.busy_ranks = 0
         self.saturated_ranks = 0
@@ -299,8 +223,6 @@ class WorkerLoad:
         #: Counted in the fleet's ``marked_idle`` (available, marked, not busy).
         self.counted_marked_idle = False
         self.removed = False
-        #: The router's charges for the requests in flight to this worker.
-        self.charges: set[InFlight] = set()
         #: Finished requests its last reports may still count, oldest first (bounded), and how
         #: many of them its newest event's gauges count.
         self.releases: list[Release] = []
@@ -334,7 +256,7 @@ class WorkerLoad:
     @property
     def in_flight(self) -> int:
         """Requests the router has charged to this worker and not yet finished."""
-        return len(self.charges)
+        return len(self.sequences)
 
 
 def mark_admits(worker: WorkerLoad, priority: int, tenant: str) -> bool:
@@ -356,7 +278,7 @@ def load_cost(worker: WorkerLoad) -> float:
     limit = worker.effective_limit
     if limit is not None and limit > 0:
         reported = worker.engine_requests + worker.queued_requests - worker.released_requests
-        held = max(reported, len(worker.charges))
+        held = max(reported, len(worker.sequences))
         cost += held / limit
     return cost
 
@@ -477,8 +399,9 @@ class FreeSets:
 
     def recompute_rank(self, worker: WorkerLoad, rank: RankState) -> None:
         """Refresh one rank's effective figures and busy bit, keeping the worker's counts."""
-        blocks = max(rank.reported_blocks - rank.released_blocks, rank.own_blocks)
-        prefill = max(rank.reported_prefill - rank.released_prefill, rank.own_prefill)
+        own = rank.own
+        blocks = max(rank.reported_blocks - rank.released_blocks, own.blocks)
+        prefill = max(rank.reported_prefill - rank.released_prefill, own.prefill)
         worker.sum_blocks += blocks - rank.effective_blocks
         worker.sum_prefill += prefill - rank.effective_prefill
         rank.effective_blocks = blocks

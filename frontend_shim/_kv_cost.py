@@ -19,7 +19,7 @@ Rules:
        cost = prefill_load_scale * max(0, P - credit * C) + D - A
 
    ``A`` is the number of the prompt's first blocks that requests this router has in flight on
-   the rank already hold (:meth:`~frontend_shim._free_sets.RankState.held_run`): they are
+   the rank already hold (:meth:`~frontend_shim._sequences.RankSequences.held_run`): they are
    among ``D`` and the worker shares them, so sending this prompt there adds only its other
    blocks. ``D - A`` is thus the rank's active blocks once this request runs there, less the
    prompt's length (the same for every rank): Dynamo's projected decode blocks. Under load it
@@ -179,8 +179,9 @@ def choose(
                 continue
             cached = 0
             decode = rank.effective_blocks
-            if rank.own_names:
-                decode -= rank.held_run(names)
+            own = rank.own
+            if own.names:
+                decode -= own.held_run(names)
             cost = per_token * (tokens + rank.effective_prefill) + decode
             if kept_ranks is not None:
                 held = kept_ranks[rank_index]

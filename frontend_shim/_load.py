@@ -56,7 +56,7 @@ the charge of a request the worker never started, while the worker's ``Started``
 the worker's count of the prompt (:meth:`Fleet.request_started`); in the other modes the
 frontend does not know which rank a worker gives a request, so it charges the rank with the
 fewest own blocks (ties: lowest rank), at the worker's first reply, with the worker's count.
-The returned :class:`~frontend_shim._free_sets.InFlight` is the handle for
+The returned :class:`~frontend_shim._sequences.InFlight` is the handle for
 :meth:`Fleet.request_output` and :meth:`Fleet.request_finished`, which undo exactly what was
 charged.
 """
@@ -70,8 +70,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Final, NamedTuple
 
 from frontend_shim import _queue_hold, _releases
-from frontend_shim._free_sets import FreeSet, FreeSets, InFlight, WorkerLoad, load_cost
-from frontend_shim._releases import MAX_RELEASES, blocks_of
+from frontend_shim._free_sets import FreeSet, FreeSets, RankState, WorkerLoad, load_cost
+from frontend_shim._releases import MAX_RELEASES
+from frontend_shim._sequences import InFlight
 from shim_common import wire
 from shim_common._busy import BusyThresholds
 
@@ -180,7 +181,7 @@ class Fleet:
         # A worker that announces no heartbeat interval cannot be judged stale.
         interval = config.heartbeat_interval
         stale_after = self.stale_after_intervals * interval if interval > 0 else math.inf
-        worker = WorkerLoad(config, pool, now, stale_after)
+        worker = WorkerLoad(config, pool, now, stale_after, self.track_output_blocks)
         pool.workers[config.worker_id] = worker
         self._workers[config.worker_id] = worker
         self._push_stale_deadline(worker)
@@ -203,9 +204,7 @@ class Fleet:
         self._set_gauges(worker, 0, 0, None)
         self._sets.update_membership(worker)
         del worker.pool.workers[worker_id]
-        for in_flight in worker.charges:
-            in_flight.finished = True
-        worker.charges.clear()
+        worker.sequences.forget()
         return True
 
     def worker(self, worker_id: str) -> WorkerLoad | None:
@@ -557,7 +556,7 @@ class Fleet:
         names: Sequence[int] = (),
     ) -> InFlight | None:
         """Charge a request sent to a worker to the rank chosen for it, else to the rank with
-        the fewest own blocks.
+        the fewest own blocks (:mod:`frontend_shim._sequences`, rules 1 and 2).
 
         Args:
             worker_id: the worker chosen.
@@ -574,21 +573,16 @@ class Fleet:
         worker = self._workers.get(worker_id)
         if worker is None:
             return None
-        prompt_tokens = max(0, prompt_tokens)
-        if dp_rank is not None and 0 <= dp_rank < len(worker.ranks):
-            rank_index = dp_rank
-        else:
-            rank_index = min(range(len(worker.ranks)), key=lambda r: worker.ranks[r].own_blocks)
-        rank = worker.ranks[rank_index]
-        blocks = blocks_of(prompt_tokens, worker.config)
-        in_flight = InFlight(rank_index, prompt_tokens, blocks, rank.report_seq, names[:blocks])
-        worker.charges.add(in_flight)
-        rank.hold_names(in_flight.names)
-        rank.charge_anonymous(in_flight)
-        rank.own_prefill += prompt_tokens
+        sequences = worker.sequences
+        index = sequences.rank_for(dp_rank)
+        rank = worker.ranks[index]
+        in_flight = sequences.sent(index, prompt_tokens, rank.report_seq, names)
+        self._rejudge_rank(worker, rank)
+        return in_flight
+
+    def _rejudge_rank(self, worker: WorkerLoad, rank: RankState) -> None:
         self._sets.recompute_rank(worker, rank)
         self._sets.update_membership(worker)
-        return in_flight
 
     def request_started(self, worker_id: str, in_flight: InFlight, prompt_tokens: int) -> None:
         """The worker started a request charged at the pick: the charge takes the worker's count
@@ -600,20 +594,10 @@ class Fleet:
             prompt_tokens: the prompt's tokens as the worker counted them (its ``Started``).
         """
         worker = self._workers.get(worker_id)
-        if worker is None or in_flight.finished or in_flight not in worker.charges:
-            return
-        if prompt_tokens <= 0 or prompt_tokens == in_flight.prompt_tokens:
-            return
-        rank = worker.ranks[in_flight.rank]
-        if in_flight.prefill_tokens:
-            rank.own_prefill += prompt_tokens - in_flight.prefill_tokens
-            in_flight.prefill_tokens = prompt_tokens
-        in_flight.prompt_tokens = prompt_tokens
-        output = in_flight.output_tokens if self.track_output_blocks else 0
-        in_flight.blocks = blocks_of(prompt_tokens + output, worker.config)
-        rank.charge_anonymous(in_flight)
-        self._sets.recompute_rank(worker, rank)
-        self._sets.update_membership(worker)
+        if worker is not None:
+            changed = worker.sequences.started(in_flight, prompt_tokens)
+            if changed is not None:
+                self._rejudge_rank(worker, worker.ranks[changed])
 
     def request_output(self, worker_id: str, in_flight: InFlight, tokens: int) -> None:
         """Record generated tokens: ends the request's prefill charge, and with
@@ -625,26 +609,11 @@ class Fleet:
             tokens: tokens generated since the last call (0 is fine: prefill is over).
         """
         worker = self._workers.get(worker_id)
-        if worker is None or in_flight.finished or in_flight not in worker.charges:
-            return
-        rank = worker.ranks[in_flight.rank]
-        if in_flight.first_output_seq is None:
-            in_flight.first_output_seq = rank.report_seq
-        in_flight.output_tokens += max(0, tokens)
-        # Called once per streamed chunk: after the first one, nothing changes unless output
-        # blocks are tracked and the request just crossed into a new block.
-        changed = in_flight.prefill_tokens > 0
-        rank.own_prefill -= in_flight.prefill_tokens
-        in_flight.prefill_tokens = 0
-        if self.track_output_blocks:
-            blocks = blocks_of(in_flight.prompt_tokens + in_flight.output_tokens, worker.config)
-            if blocks != in_flight.blocks:
-                in_flight.blocks = blocks
-                rank.charge_anonymous(in_flight)
-                changed = True
-        if changed:
-            self._sets.recompute_rank(worker, rank)
-            self._sets.update_membership(worker)
+        if worker is not None:
+            seq = worker.ranks[in_flight.rank].report_seq
+            changed = worker.sequences.output(in_flight, tokens, seq)
+            if changed is not None:
+                self._rejudge_rank(worker, worker.ranks[changed])
 
     def request_finished(
         self,
@@ -669,20 +638,17 @@ class Fleet:
                 (refused, failed or cancelled first): no report counted it, so none is released.
         """
         worker = self._workers.get(worker_id)
-        if worker is None or in_flight.finished or in_flight not in worker.charges:
+        if worker is None:
             return
-        in_flight.finished = True
-        worker.charges.discard(in_flight)
-        rank = worker.ranks[in_flight.rank]
-        rank.uncharge(in_flight)
-        rank.own_prefill -= in_flight.prefill_tokens
+        changed = worker.sequences.finished(in_flight)
+        if changed is None:
+            return
+        rank = worker.ranks[changed]
         self._sets.recompute_rank(worker, rank)
-        if not held:
-            self._sets.update_membership(worker)
-            return
-        release = _releases.release_of(worker, in_flight, window)
-        if release is not None:
-            _releases.add(worker, release, self._sets)
+        if held:
+            release = _releases.release_of(worker, in_flight, window)
+            if release is not None:
+                _releases.add(worker, release, self._sets)
         self._sets.update_membership(worker)
 
     # ------------------------------------------------------------------ queries

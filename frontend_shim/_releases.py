@@ -27,19 +27,14 @@ from __future__ import annotations
 
 from typing import Final
 
-from frontend_shim._free_sets import FreeSets, InFlight, Release, WorkerLoad, load_cost
+from frontend_shim._free_sets import FreeSets, Release, WorkerLoad, load_cost
+from frontend_shim._sequences import InFlight, blocks_of
 from shim_common import wire
 
-__all__ = ["MAX_RELEASES", "add", "blocks_of", "fit", "release_of"]
+__all__ = ["MAX_RELEASES", "add", "fit", "release_of"]
 
 #: Finished requests per worker whose release waits for a newer report (rule 3).
 MAX_RELEASES: Final = 1024
-
-
-def blocks_of(tokens: int, config: wire.RuntimeConfig) -> int:
-    """KV blocks holding ``tokens`` tokens (a block size <= 0 counts as 1)."""
-    block_size = max(1, config.block_size)
-    return -(-tokens // block_size)
 
 
 def release_of(
@@ -62,7 +57,7 @@ def release_of(
     if isinstance(final, wire.End):
         prompt = max(prompt, final.prompt_tokens)
         tokens = max(tokens, final.prompt_tokens + final.completion_tokens)
-    blocks = blocks_of(tokens, worker.config)
+    blocks = blocks_of(tokens, worker.config.block_size)
     return Release(in_flight.rank, blocks, prompt, started, first, ended)
 
 

@@ -18,7 +18,7 @@ def _chunk(tokens: int) -> wire.Chunk:
 def _own(fleet: Fleet) -> list[tuple[int, int]]:
     worker = fleet.worker("w-1")
     assert worker is not None
-    return [(rank.own_blocks, rank.own_prefill) for rank in worker.ranks]
+    return [(rank.own.blocks, rank.own.prefill) for rank in worker.ranks]
 
 
 def _sample(metrics: FrontendMetrics, name: str) -> float:

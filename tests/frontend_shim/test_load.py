@@ -161,7 +161,7 @@ def test_router_own_blocks_beat_a_lower_report() -> None:
     fleet.request_finished("w0", in_flight)
     assert is_free(fleet)
     fleet.request_finished("w0", in_flight)  # idempotent
-    assert state(fleet).ranks[0].own_blocks == 0
+    assert state(fleet).ranks[0].own.blocks == 0
 
 
 def end(started: int, first: int, ended: int, prompt: int = 16, completion: int = 20) -> wire.End:
@@ -209,7 +209,7 @@ def test_a_request_the_worker_never_started_takes_nothing_off_its_reports() -> N
     feed.load(decode=2)  # seq 2: another frontend's request
     fleet.request_finished("w0", in_flight, held=False)
     assert state(fleet).releases == []
-    assert state(fleet).ranks[0].own_blocks == 0
+    assert state(fleet).ranks[0].own.blocks == 0
     assert state(fleet).ranks[0].effective_blocks == 2
     assert not is_free(fleet)
 
@@ -306,15 +306,15 @@ def test_a_charge_made_at_the_pick_takes_the_workers_count_of_the_prompt() -> No
     assert is_free(fleet)
     fleet.request_started("w0", in_flight, 50)  # the worker's Started counts 50
     rank = state(fleet).ranks[0]
-    assert (rank.own_prefill, rank.own_blocks) == (50, 4)
+    assert (rank.own.prefill, rank.own.blocks) == (50, 4)
     assert not is_free(fleet)
     fleet.request_started("w0", in_flight, 0)  # a worker that does not say: unchanged
-    assert (rank.own_prefill, rank.own_blocks) == (50, 4)
+    assert (rank.own.prefill, rank.own.blocks) == (50, 4)
     fleet.request_output("w0", in_flight, 1)
     fleet.request_started("w0", in_flight, 20)  # past its prefill: only the blocks move
-    assert (rank.own_prefill, rank.own_blocks) == (0, 2)
+    assert (rank.own.prefill, rank.own.blocks) == (0, 2)
     fleet.request_finished("w0", in_flight, held=False)
-    assert (rank.own_prefill, rank.own_blocks) == (0, 0)
+    assert (rank.own.prefill, rank.own.blocks) == (0, 0)
 
 
 def test_the_share_of_l_leaves_out_only_the_releases_the_newest_event_counts() -> None:
@@ -456,9 +456,9 @@ def test_track_output_blocks(track: bool) -> None:
     assert in_flight is not None
     fleet.request_output("w0", in_flight, tokens=50)  # 60 tokens: 6 blocks when tracked
     assert is_free(fleet) is not track
-    assert state(fleet).ranks[0].own_blocks == (6 if track else 1)
+    assert state(fleet).ranks[0].own.blocks == (6 if track else 1)
     fleet.request_finished("w0", in_flight)
-    assert state(fleet).ranks[0].own_blocks == 0
+    assert state(fleet).ranks[0].own.blocks == 0
 
 
 @pytest.mark.parametrize("track", [False, True])
@@ -473,15 +473,15 @@ def test_blocks_several_requests_in_flight_share_are_counted_once(track: bool) -
     second = fleet.request_sent("w0", prompt_tokens=55, names=[1, 2, 3, 4, 5])
     assert first is not None
     assert second is not None
-    assert rank.own_blocks == 5 + 1  # the shared three once, the partial block apart
+    assert rank.own.blocks == 5 + 1  # the shared three once, the partial block apart
     fleet.request_output("w0", first, tokens=15)  # into a 5th block when output is tracked
-    assert rank.own_blocks == 6 + (2 if track else 0)
+    assert rank.own.blocks == 6 + (2 if track else 0)
     fleet.request_finished("w0", second)
-    assert rank.own_blocks == 3 + (2 if track else 0)  # the first still holds its own
-    assert sorted(rank.own_names) == [1, 2, 3]
+    assert rank.own.blocks == 3 + (2 if track else 0)  # the first still holds its own
+    assert sorted(rank.own.names) == [1, 2, 3]
     fleet.request_finished("w0", first)
     fleet.request_finished("w0", first)  # idempotent
-    assert (rank.own_blocks, rank.own_names) == (0, {})
+    assert (rank.own.blocks, rank.own.names) == (0, {})
 
 
 def test_a_worker_that_counts_fewer_tokens_than_the_names_charges_no_negative_block() -> None:
@@ -492,9 +492,9 @@ def test_a_worker_that_counts_fewer_tokens_than_the_names_charges_no_negative_bl
     assert in_flight is not None
     fleet.request_started("w0", in_flight, prompt_tokens=25)  # its own count: 3 blocks
     rank = state(fleet).ranks[0]
-    assert rank.own_blocks == 4  # the names stand; nothing anonymous is owed
+    assert rank.own.blocks == 4  # the names stand; nothing anonymous is owed
     fleet.request_finished("w0", in_flight)
-    assert (rank.own_blocks, rank.own_names) == (0, {})
+    assert (rank.own.blocks, rank.own.names) == (0, {})
 
 
 def test_own_prefill_counts_until_first_output() -> None:
@@ -513,7 +513,7 @@ def test_requests_spread_over_ranks() -> None:
     fleet.register(config(dp=2, block_size=1), 0.0)
     fleet.request_sent("w0", prompt_tokens=5)
     fleet.request_sent("w0", prompt_tokens=3)
-    assert [r.own_blocks for r in state(fleet).ranks] == [5, 3]
+    assert [r.own.blocks for r in state(fleet).ranks] == [5, 3]
     assert fleet.request_sent("nobody", 5) is None
 
 

@@ -40,7 +40,7 @@ def reference_figures(worker: WorkerLoad, index: int) -> tuple[int, int]:
     rank = worker.ranks[index]
     seq = rank.report_seq
     releases = [r for r in worker.releases if r.rank == index and r.started < seq <= r.ended]
-    charges = [c for c in worker.charges if c.rank == index]
+    charges = [c for c in worker.sequences if c.rank == index]
     blocks = rank.reported_blocks - sum(r.blocks for r in releases)
     prefill = rank.reported_prefill - sum(r.prefill for r in releases if seq <= r.first_output)
     return (
@@ -268,7 +268,11 @@ TestFreeSetMachine = FreeSetMachine.TestCase
 
 def _snapshot(fleet: Fleet, worker_id: str) -> dict[str, Any]:
     worker = state(fleet, worker_id)
-    ranks = [{name: getattr(rank, name) for name in type(rank).__slots__} for rank in worker.ranks]
+    ranks = [
+        {name: getattr(rank, name) for name in type(rank).__slots__ if name != "own"}
+        | {f"own.{name}": getattr(rank.own, name) for name in type(rank.own).__slots__}
+        for rank in worker.ranks
+    ]
     plain = {
         name: getattr(worker, name)
         for name in type(worker).__slots__
