@@ -59,13 +59,14 @@ from typing import Any, Final, Protocol
 import msgspec
 import trio
 
-from frontend_shim._accounting import Exchange, Progress
+from frontend_shim._accounting import Exchange
 from frontend_shim._admin import AdminRoutes
-from frontend_shim._kv_cost import NO_PROMPT
+from frontend_shim._dispatch import Action, Answer, Dispatch, Fail, Pick, Send, Serve
 from frontend_shim._kv_routing import KvRouting
 from frontend_shim._links import WorkerLink
 from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
+from frontend_shim._picture import LocalPicture, PickQuery
 from frontend_shim._request_body import BadRequest, parse_completion_body
 from frontend_shim._request_class import (
     OPEN_POLICY,
@@ -80,16 +81,7 @@ from frontend_shim._responses import (
     send_unavailable,
     serve_started,
 )
-from frontend_shim._router import (
-    AllBusy,
-    CompletionRate,
-    NoWorkers,
-    RejectionKind,
-    Router,
-    UnknownModel,
-    retry_after_seconds,
-)
-from frontend_shim._sequences import InFlight
+from frontend_shim._router import CompletionRate, RejectionKind, Router, retry_after_seconds
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
 from shim_common._client_text import no_such_endpoint, not_allowed, shorten
@@ -162,7 +154,7 @@ class FrontendAPI:
         self._overload_body = overload_body(overload_status)
         self._busy_exempt = busy_exempt_priority
         self._class_policy = class_policy
-        self._kv = kv
+        self._picture = LocalPicture(fleet, router, kv)
         self._completions = CompletionRate()
         self._in_flight = 0
         # Of those, the requests still uploading their body: the fleet holds nothing of them,
@@ -343,105 +335,72 @@ class FrontendAPI:
         if parks and not await self._waiting.wait(model):
             await self._send_overloaded(responder, exchange, "busy")
             return
-        kv = self._kv
-        prompt = kv.prompt(exchange.endpoint, body) if kv is not None else NO_PROMPT
-        attempt = self._router.new_attempt()
-        while True:
-            now = trio.current_time()
-            outcome = self._router.pick_class(
-                model, now, priority, tenant, attempt.rejected_by, exempt=exempt, prompt=prompt
-            )
-            if isinstance(outcome, AllBusy):
-                reason = "marked" if self._fleet.every_worker_marked(model) else "busy"
-                await self._send_overloaded(responder, exchange, reason)
-                return
-            if isinstance(outcome, NoWorkers):
-                await self._send_unavailable(responder, exchange, "no_workers")
-                return
-            if isinstance(outcome, UnknownModel):
-                exchange.status = 404
-                message = f"The model `{shorten(model)}` does not exist."
-                await responder.send(404, json_headers(), error_body(message, 404))
-                return
-            worker_id = outcome.worker_id
-            link = self._links.link_of(worker_id)
-            if link is None:  # the worker went away between the event and this pick
-                if attempt.on_rejected(self._router, worker_id, wire.RejectReason.DRAINING, now):
-                    continue
-                await self._send_unavailable(responder, exchange, "draining")
-                return
-            choice = outcome.kv
-            charge: InFlight | None = None
-            if kv is not None and choice is not None:
-                kv.sent(choice, now)
-                if prompt.tokens:
-                    # Charged to the rank now, not at the worker's first reply: the picks
-                    # before that reply (a burst of arrivals) see this request there.
-                    charge = self._fleet.request_sent(
-                        worker_id, len(prompt.tokens), outcome.dp_rank, choice.names
+        picture = self._picture
+        query = PickQuery(model, priority, tenant, exempt, picture.prompt(exchange.endpoint, body))
+        dispatch = Dispatch(query, self._router.migration_limit, exchange, self._metrics)
+        try:
+            action: Action | None = dispatch.start()
+            while action is not None:
+                if isinstance(action, Pick):
+                    now = trio.current_time()
+                    action = dispatch.picked(picture.pick(action.query, now), now)
+                elif isinstance(action, Send):
+                    action = await self._send(responder, exchange, body, dispatch, action)
+                elif isinstance(action, Answer):
+                    await self._answer(responder, exchange, model, action)
+                    return
+                else:
+                    raise AssertionError(f"unexpected action {action!r}")
+        finally:
+            dispatch.close(trio.current_time())
+
+    async def _send(
+        self,
+        responder: HTTPResponder,
+        exchange: Exchange,
+        body: dict[str, Any],
+        dispatch: Dispatch,
+        send: Send,
+    ) -> Action | None:
+        # One request on one worker: what to do next (a pick or an answer), or ``None`` once it
+        # is answered from the worker's replies.
+        link = self._links.link_of(send.worker_id)
+        if link is None:  # the worker went away between the pick and now
+            return dispatch.unreachable(trio.current_time())
+        query = dispatch.query
+        request = link.request(
+            exchange.endpoint, body, query.priority, query.tenant, send.dp_rank, exchange.arrival
+        )
+        async with request as stream:
+            first = await stream.first()
+            action = dispatch.first(first, trio.current_time())
+            if isinstance(action, Serve):
+                try:
+                    await serve_started(
+                        responder, exchange.endpoint, stream, body, dispatch, action.queue_wait_ms
                     )
-            request = link.request(
-                exchange.endpoint, body, priority, tenant, outcome.dp_rank, exchange.arrival
-            )
-            queue_bound: int | None = None
-            started = False
-            try:
-                async with request as stream:
-                    # In the worker's queue, as this frontend pictures it, until its first reply.
-                    self._fleet.request_pending(worker_id, now, priority)
-                    try:
-                        first = await stream.first()
-                    finally:
-                        self._fleet.request_answered(worker_id, trio.current_time(), priority)
-                    if isinstance(first, wire.Started):
-                        started = True
-                        if kv is not None and choice is not None:
-                            kv.started(exchange.label, choice, prompt)
-                        progress = Progress.start(
-                            self._fleet,
-                            self._metrics,
-                            exchange,
-                            worker_id,
-                            first.prompt_tokens,
-                            outcome.dp_rank,
-                            charge,
-                        )
-                        try:
-                            await serve_started(
-                                responder,
-                                exchange.endpoint,
-                                stream,
-                                body,
-                                progress,
-                                first.queue_wait_ms,
-                            )
-                        finally:
-                            progress.finished()
-                            self._completions.record(trio.current_time())
-                        return
-                    if isinstance(first, wire.Rejected):
-                        reason = wire.RejectReason.parse(first.reason)
-                        queue_bound = first.queue_bound
-                    elif first.kind == "unavailable":
-                        reason = wire.RejectReason.OTHER_UNAVAILABLE
-                    else:
-                        await send_failure(responder, exchange, first)
-                        return
-            finally:
-                if charge is not None and not started:
-                    # Refused, failed or cancelled before it started: the worker never held it.
-                    self._fleet.request_finished(worker_id, charge, held=False)
+                finally:
+                    dispatch.close(trio.current_time())
+                    self._completions.record(trio.current_time())
+                return None
+            if isinstance(action, Fail):
+                await send_failure(responder, exchange, action.failed)
+                return None
             # The events the worker sent before it refused are applied already: the link
             # applies them before it hands a refusal over (frontend_shim._links, rule 6).
-            if attempt.on_rejected(
-                self._router, worker_id, reason, trio.current_time(), priority, tenant, queue_bound
-            ):
-                continue
-            if reason.kind is RejectionKind.OVERLOADED:
-                await self._send_overloaded(responder, exchange, reason.key)
-            else:  # going away (``draining``), or a refusal it cannot place (``other``)
-                await self._send_unavailable(responder, exchange, reason.key)
-            return
+            return action
+
+    async def _answer(
+        self, responder: HTTPResponder, exchange: Exchange, model: str, answer: Answer
+    ) -> None:
+        if answer.kind is None:
+            exchange.status = 404
+            message = f"The model `{shorten(model)}` does not exist."
+            await responder.send(404, json_headers(), error_body(message, 404))
+        elif answer.kind is RejectionKind.OVERLOADED:
+            await self._send_overloaded(responder, exchange, answer.reason)
+        else:
+            await self._send_unavailable(responder, exchange, answer.reason)
 
     async def _send_overloaded(
         self, responder: HTTPResponder, exchange: Exchange, reason: str

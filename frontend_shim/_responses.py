@@ -34,6 +34,7 @@ import time
 from typing import Any, Final, Protocol
 
 import msgspec
+import trio
 
 from frontend_shim._request_body import MAX_CHOICES, MAX_EMBEDDING_INPUTS
 from frontend_shim._request_plane import RequestStream
@@ -94,14 +95,14 @@ class OutputTally(Tally, Protocol):
     def output(self, reply: wire.Chunk) -> None:
         """One chunk of output arrived from the worker."""
 
-    def written(self) -> None:
+    def written(self, now: float) -> None:
         """The output that arrived so far was written to the client (a stream's events)."""
 
     def ended(self, final: wire.End | wire.Failed) -> None:
         """The worker's final frame, once every chunk read before it (in the same read too) has
         gone through :meth:`output`, and before the answer's last bytes are written."""
 
-    def completed(self) -> None:
+    def completed(self, now: float) -> None:
         """The answer went out in full."""
 
 
@@ -147,7 +148,7 @@ async def _serve_stream(
                 tally.output(reply)
                 if not 0 <= reply.index < MAX_CHOICES:
                     await _send_events(responder, events)
-                    tally.written()
+                    tally.written(trio.current_time())
                     await _end_stream_with_error(responder, tally, _bad_index(reply.index))
                     return
                 first = reply.index not in started_choices
@@ -160,18 +161,18 @@ async def _serve_stream(
                     events.append(_sse(shape.usage_chunk(reply)))
                 events.append(_DONE)
                 await _send_events(responder, events)
-                tally.written()
+                tally.written(trio.current_time())
                 await responder.end_stream()
-                tally.completed()
+                tally.completed(trio.current_time())
                 return
             else:
                 tally.ended(reply)
                 await _send_events(responder, events)
-                tally.written()
+                tally.written(trio.current_time())
                 await _end_stream_with_error(responder, tally, reply.message, reply.kind)
                 return
         await _send_events(responder, events)
-        tally.written()
+        tally.written(trio.current_time())
 
 
 async def _send_events(responder: HTTPResponder, events: list[bytes]) -> None:
@@ -217,7 +218,7 @@ async def _serve_whole(
             tally.output(reply)
             # A whole answer's first token waits for its last: its time to first token is
             # when the worker's first output arrived, not when the body goes out.
-            tally.written()
+            tally.written(trio.current_time())
             chars += len(reply.text)
             if not 0 <= reply.index < MAX_CHOICES:
                 await _send_worker_overrun(responder, tally, _bad_index(reply.index))
@@ -238,7 +239,7 @@ async def _serve_whole(
             }
             payload = shape.whole(choices, reply)
             await responder.send(200, json_headers(wait), payload)
-            tally.completed()
+            tally.completed(trio.current_time())
             return
         else:
             tally.ended(reply)
@@ -278,7 +279,7 @@ async def _serve_embeddings(
                 },
             }
             await responder.send(200, json_headers(wait), _json_encode(payload))
-            tally.completed()
+            tally.completed(trio.current_time())
             return
         else:
             tally.ended(reply)

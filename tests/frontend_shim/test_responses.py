@@ -247,12 +247,12 @@ class _Tally:
         self.outputs += 1
         self.unwritten = True
 
-    def written(self) -> None:
+    def written(self, now: float) -> None:
         if self.unwritten and self.channel is not None:
             self.written_at.append(len(self.channel.writes))
         self.unwritten = False
 
-    def completed(self) -> None:
+    def completed(self, now: float) -> None:
         self.done = True
 
     def ended(self, final: wire.End | wire.Failed) -> None:
