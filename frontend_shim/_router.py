@@ -7,12 +7,11 @@ What the I/O side does for one request, and which piece here answers each questi
     if queue.should_park(fleet, model, now):                        (FrontendQueue)
         queue.park(model, waiter) or 529 (queue full); wait until queue.release(fleet, now)
         hands the waiter back (called after applying events and on completions)
-    attempt = router.new_attempt()
-    loop:
-        outcome = router.pick_class(model, now, priority, tenant, attempt.rejected_by, exempt)
+    loop (the request's dispatch, frontend_shim._dispatch, keeps the workers that refused it):
+        outcome = router.pick_class(model, now, priority, tenant, refused_by, exempt)
         Routed -> send; on Rejected(text): reason = wire.RejectReason.parse(text), once;
-                  if attempt.on_rejected(router, id, reason, now, priority, tenant, bound):
-                  pick again; else 529
+                  router.on_rejected(id, reason, now, priority, tenant, bound) marks the
+                  worker; pick again while the migration limit allows, else 529
         AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
 
 Rules:
@@ -87,7 +86,6 @@ __all__ = [
     "DEFAULT_RETRY_AFTER_CAP",
     "MARKED_LOOK",
     "AllBusy",
-    "Attempt",
     "CompletionRate",
     "FrontendQueue",
     "NoWorkers",
@@ -393,59 +391,6 @@ class Router:
         elif kind is RejectionKind.UNAVAILABLE:
             self.fleet.mark_draining(worker_id)
         return kind
-
-    def new_attempt(self) -> Attempt:
-        """Migration bookkeeping for one request, with this router's ``migration_limit``."""
-        return Attempt(self.migration_limit)
-
-
-class Attempt:
-    """Migration bookkeeping of one request: who rejected it and whether it may try again.
-
-    Args:
-        migration_limit: times the request may be retried on another worker.
-    """
-
-    __slots__ = ("migration_limit", "rejected_by")
-
-    def __init__(self, migration_limit: int) -> None:
-        self.migration_limit = migration_limit
-        #: Workers that rejected this request: pass as ``exclude`` to :meth:`Router.pick`.
-        self.rejected_by: set[str] = set()
-
-    @property
-    def migrations(self) -> int:
-        """Retries used so far (one per rejection)."""
-        return len(self.rejected_by)
-
-    def on_rejected(
-        self,
-        router: Router,
-        worker_id: str,
-        reason: wire.RejectReason,
-        now: float,
-        priority: int | None = None,
-        tenant: str = "",
-        queue_bound: int | None = None,
-    ) -> bool:
-        """Record a rejection (marking the worker through ``router``); say whether to retry.
-
-        Args:
-            router: the router (its fleet gets the mark).
-            worker_id: the worker that rejected.
-            reason: why, as for :meth:`Router.on_rejected`.
-            now: current time.
-            priority: the request's priority (``None``: unknown, the mark covers every class).
-            tenant: the request's tenant.
-            queue_bound: as in :meth:`Router.on_rejected`.
-
-        Returns:
-            ``True`` when the request may be tried on another worker: the rejection was a
-            capacity or availability one and the migration limit is not used up.
-        """
-        kind = router.on_rejected(worker_id, reason, now, priority, tenant, queue_bound)
-        self.rejected_by.add(worker_id)
-        return kind is not RejectionKind.OTHER and self.migrations <= self.migration_limit
 
 
 _W = TypeVar("_W", bound=Hashable)

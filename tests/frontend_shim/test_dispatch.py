@@ -82,7 +82,12 @@ def _picture(
 
 
 def _dispatch(
-    picture: LocalPicture, metrics: FrontendMetrics | None = None, *, prompt: str = "", **query: Any
+    picture: LocalPicture,
+    metrics: FrontendMetrics | None = None,
+    *,
+    prompt: str = "",
+    migration_limit: int = 1,
+    **query: Any,
 ) -> Dispatch:
     body = {"model": "m", "prompt": prompt}
     ask = PickQuery(
@@ -94,7 +99,7 @@ def _dispatch(
     )
     assert not query
     exchange = Exchange("completions", "m", T0)
-    return Dispatch(ask, 1, exchange, metrics or FrontendMetrics(lambda: ()))
+    return Dispatch(ask, migration_limit, exchange, metrics or FrontendMetrics(lambda: ()))
 
 
 def _pick(dispatch: Dispatch, picture: LocalPicture, now: float = T0) -> Any:
@@ -176,6 +181,47 @@ def test_a_refusal_marks_the_worker_and_the_request_migrates_once() -> None:
     dispatch.close(T0)
     assert all(_own(picture.fleet, w) == [(0, 0)] for w in ("w-1", "w-2"))
     assert all(not state.pending.get(0) for state in picture.fleet.workers())
+
+
+def test_migration_never_returns_to_a_worker_that_refused() -> None:
+    picture = _picture(workers=3)
+    dispatch = _dispatch(picture, migration_limit=2)
+    action = _pick(dispatch, picture)
+    seen = []
+    refused = wire.Rejected.of(1, wire.RejectReason.OVERLOADED)
+    while isinstance(action, Send):
+        seen.append(action.worker_id)
+        action = dispatch.first(refused, T0)
+        if isinstance(action, Pick):
+            action = dispatch.picked(picture.pick(action.query, T0), T0)
+    assert sorted(seen) == ["w-1", "w-2", "w-3"]
+    # The third refusal used up a limit of 2 retries.
+    assert action == Answer(RejectionKind.OVERLOADED, "queue_full")
+
+
+def test_migration_limit_zero_means_no_retry_and_the_worker_is_marked() -> None:
+    picture = _picture(workers=2)
+    dispatch = _dispatch(picture, migration_limit=0)
+    sent = _pick(dispatch, picture)
+    refused = wire.Rejected.of(1, wire.RejectReason.OVERLOADED)
+    assert dispatch.first(refused, T0) == Answer(RejectionKind.OVERLOADED, "queue_full")
+    worker = picture.fleet.worker(sent.worker_id)
+    assert worker is not None
+    assert worker.marked
+
+
+def test_a_refusal_it_cannot_place_is_not_migrated_and_draining_takes_a_worker_out() -> None:
+    picture = _picture(workers=2)
+    other = _dispatch(picture, migration_limit=5)
+    _pick(other, picture)
+    unknown = wire.Rejected(request_id=1, reason="Unknown: x")
+    assert other.first(unknown, T0) == Answer(RejectionKind.UNAVAILABLE, "other")
+    draining = _dispatch(picture, migration_limit=5)
+    sent = _pick(draining, picture)
+    again = draining.first(wire.Rejected.of(1, wire.RejectReason.DRAINING), T0)
+    assert isinstance(again, Pick)
+    routed = {_pick(_dispatch(picture), picture).worker_id for _ in range(4)}
+    assert sent.worker_id not in routed
 
 
 def test_a_failure_before_the_start_is_answered_and_not_retried() -> None:

@@ -179,8 +179,7 @@ def test_an_exempt_pick_takes_the_least_loaded_busy_worker_but_never_a_marked_on
 def test_a_batch_refusal_leaves_the_worker_open_to_a_better_priority() -> None:
     fleet, _ = fleet_of(1, BusyThresholds())
     router = Router(fleet)
-    attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OVERLOADED, 0.0, 10, "batch")
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0, 10, "batch")
     # Free sets first: the marked worker is not free, so plain pick() says all busy.
     assert router.pick(MODEL, 0.1) == AllBusy()
     assert fleet.every_worker_marked(MODEL)
@@ -424,36 +423,8 @@ def test_a_rejection_is_the_kind_its_reason_says() -> None:
     assert router.on_rejected("w0", reason.DRAINING, 0.0) is RejectionKind.UNAVAILABLE
 
 
-def test_migration_never_returns_to_a_worker_that_rejected() -> None:
-    fleet, _ = fleet_of(3)
-    router = Router(fleet, migration_limit=2)
-    attempt = router.new_attempt()
-    seen = []
-    for _ in range(3):
-        worker_id = picked(router.pick(MODEL, 0.0, exclude=attempt.rejected_by))
-        seen.append(worker_id)
-        may_retry = attempt.on_rejected(router, worker_id, wire.RejectReason.OVERLOADED, 0.0)
-    assert sorted(seen) == ["w0", "w1", "w2"]
-    assert not may_retry  # the third rejection used up a limit of 2 retries
-    assert router.pick(MODEL, 0.0, exclude=attempt.rejected_by) == AllBusy()
-
-
-def test_migration_limit_zero_means_no_retry() -> None:
+def test_a_negative_migration_limit_is_refused() -> None:
     fleet, _ = fleet_of(2)
-    router = Router(fleet)
-    attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OVERLOADED, 0.0)
-    assert fleet.worker("w0") is not None
-    assert fleet.worker("w0").marked  # type: ignore[union-attr]
-
-
-def test_other_rejections_are_not_migrated_and_draining_takes_a_worker_out() -> None:
-    fleet, _ = fleet_of(2)
-    router = Router(fleet, migration_limit=5)
-    attempt = router.new_attempt()
-    assert not attempt.on_rejected(router, "w0", wire.RejectReason.OTHER, 0.0)
-    assert attempt.on_rejected(router, "w1", wire.RejectReason.DRAINING, 0.0)
-    assert {picked(router.pick(MODEL, 5.0)) for _ in range(4)} == {"w0"}
     with pytest.raises(ValueError, match="migration_limit"):
         Router(fleet, migration_limit=-1)
 
