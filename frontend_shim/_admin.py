@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 
@@ -28,7 +28,7 @@ from shim_common._busy import BusyThresholds, ThresholdError
 from shim_common._client_text import no_such_endpoint, quote, shorten
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
 
-__all__ = ["AdminRoutes", "parse_threshold_update"]
+__all__ = ["AdminRoutes", "FleetThresholds", "ThresholdBook", "parse_threshold_update"]
 
 _THRESHOLD_FIELDS: Final = (
     "active_decode_blocks_threshold",
@@ -38,28 +38,70 @@ _THRESHOLD_FIELDS: Final = (
 _json_encode = msgspec.json.Encoder().encode
 
 
-class AdminRoutes:
-    """The handlers of ``/busy_threshold``.
+class ThresholdBook(Protocol):
+    """Where the thresholds in force are read and set: this process's fleet
+    (:class:`FleetThresholds`), or its host's (:class:`~frontend_shim._host_client.HostClient`)."""
+
+    def all_thresholds(self) -> list[tuple[str, BusyThresholds]]:
+        """``(model, thresholds)`` for every known model."""
+        ...
+
+    async def set_thresholds(self, model: str, update: BusyThresholds) -> BusyThresholds | None:
+        """Set the values ``update`` gives (none: leave them) and return those in force for
+        ``model``; ``None`` when no connected worker serves it."""
+        ...
+
+
+class FleetThresholds:
+    """The thresholds of this process's own fleet.
 
     Args:
         fleet: the load state whose thresholds are read and set.
-        disabled: answer 404 to both methods.
         on_change: told a model's new thresholds after a change (to pass them to its workers).
     """
 
-    __slots__ = ("_disabled", "_fleet", "_on_change", "_token")
+    __slots__ = ("_fleet", "_on_change")
 
     def __init__(
         self,
         fleet: Fleet,
-        *,
-        disabled: bool,
         on_change: Callable[[str, BusyThresholds], None] = lambda _model, _thresholds: None,
-        token: str | None = None,
     ) -> None:
         self._fleet = fleet
-        self._disabled = disabled
         self._on_change = on_change
+
+    def all_thresholds(self) -> list[tuple[str, BusyThresholds]]:
+        return self._fleet.all_thresholds()
+
+    async def set_thresholds(self, model: str, update: BusyThresholds) -> BusyThresholds | None:
+        return self.set_now(model, update)
+
+    def set_now(self, model: str, update: BusyThresholds) -> BusyThresholds | None:
+        """:meth:`set_thresholds`, without waiting."""
+        fleet = self._fleet
+        if not any(True for _ in fleet.workers(model)):
+            return None
+        if not update.configured:
+            return fleet.thresholds(model)
+        current = fleet.set_thresholds(model, update)
+        self._on_change(model, current)
+        return current
+
+
+class AdminRoutes:
+    """The handlers of ``/busy_threshold``.
+
+    Args:
+        book: where the thresholds are read and set.
+        disabled: answer 404 to both methods.
+        token: ``DYN_ADMIN_TOKEN`` (``None``: no token asked).
+    """
+
+    __slots__ = ("_book", "_disabled", "_token")
+
+    def __init__(self, book: ThresholdBook, *, disabled: bool, token: str | None = None) -> None:
+        self._book = book
+        self._disabled = disabled
         self._token = token.encode("ascii") if token is not None else None
 
     def _check_enabled(self) -> None:
@@ -79,7 +121,7 @@ class AdminRoutes:
         self._check_enabled()
         if await self._refused(request, responder):
             return
-        entries = [_threshold_entry(model, t) for model, t in self._fleet.all_thresholds()]
+        entries = [_threshold_entry(model, t) for model, t in self._book.all_thresholds()]
         await responder.send(200, json_headers(), _json_encode({"thresholds": entries}))
 
     async def post(self, request: HTTPRequest, responder: HTTPResponder) -> None:
@@ -88,17 +130,13 @@ class AdminRoutes:
         if await self._refused(request, responder):
             return
         model, update = parse_threshold_update(await request.read_body())
-        if not any(True for _ in self._fleet.workers(model)):
+        current = await self._book.set_thresholds(model, update)
+        if current is None:
             message = (
                 f"Model '{shorten(model)}' not found. "
                 "Thresholds can only be set for discovered models."
             )
             raise BadRequest(404, message, admin=True)
-        if update.configured:
-            current = self._fleet.set_thresholds(model, update)
-            self._on_change(model, current)
-        else:
-            current = self._fleet.thresholds(model)
         await responder.send(200, json_headers(), _json_encode(_threshold_entry(model, current)))
 
 

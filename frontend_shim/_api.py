@@ -62,11 +62,10 @@ import trio
 from frontend_shim._accounting import Exchange
 from frontend_shim._admin import AdminRoutes
 from frontend_shim._dispatch import Action, Answer, Dispatch, Fail, Pick, Send, Serve
-from frontend_shim._kv_routing import KvRouting
+from frontend_shim._host_client import RemotePicture
 from frontend_shim._links import WorkerLink
-from frontend_shim._load import Fleet
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
-from frontend_shim._picture import LocalPicture, PickQuery
+from frontend_shim._picture import LocalPicture, NoRoute, PickQuery, Ticket
 from frontend_shim._request_body import BadRequest, parse_completion_body
 from frontend_shim._request_class import (
     OPEN_POLICY,
@@ -81,7 +80,7 @@ from frontend_shim._responses import (
     send_unavailable,
     serve_started,
 )
-from frontend_shim._router import CompletionRate, RejectionKind, Router, retry_after_seconds
+from frontend_shim._router import CompletionRate, RejectionKind, retry_after_seconds
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
 from shim_common._client_text import no_such_endpoint, not_allowed, shorten
@@ -93,9 +92,9 @@ from shim_common._httpserver import (
     error_body,
     json_headers,
 )
-from shim_common._status import READY, STATUS_PATHS, HealthReport, StatusRoutes
+from shim_common._status import READY, STATUS_PATHS, HealthReport, RenderMetrics, StatusRoutes
 
-__all__ = ["FrontendAPI", "WorkerLinks"]
+__all__ = ["FleetView", "FrontendAPI", "WorkerLinks"]
 
 _ENDPOINTS: Final[dict[str, wire.Endpoint]] = {
     "/v1/chat/completions": "chat_completions",
@@ -113,20 +112,59 @@ class WorkerLinks(Protocol):
         ...
 
 
+class FleetView(Protocol):
+    """What the API reads of the fleet without a pick: a :class:`~frontend_shim._load.Fleet`,
+    or in an HTTP process of several, the host's word on it
+    (:class:`~frontend_shim._host_client.HostView`)."""
+
+    def may_shed_unread(self, now: float) -> bool:
+        """No model has a free worker, and no mark alone holds one back (the fast shed)."""
+        ...
+
+    def every_worker_marked(self, model: str | None = None) -> bool:
+        """Every available worker (of ``model``) is marked overloaded."""
+        ...
+
+    def is_known_model(self, model: str) -> bool:
+        """Some worker announced ``model``."""
+        ...
+
+    def models(self) -> list[str]:
+        """The models known."""
+        ...
+
+    def available_count(self, model: str, now: float) -> int:
+        """Workers of ``model`` that may be routed to (busy or marked included)."""
+        ...
+
+    @property
+    def connected_count(self) -> int:
+        """Workers connected."""
+        ...
+
+    def slot_share(self) -> float:
+        """The fleet's effective limits over what it runs (``Retry-After``)."""
+        ...
+
+
 class FrontendAPI:
     """The request handler of the frontend's HTTP server.
 
     Args:
         overload_status: the status of an overload answer (529 unless configured).
-        fleet: the load state.
-        router: picks workers over the fleet.
+        fleet: what the API reads of the fleet without a pick.
+        picture: where picks come from: this process's own
+            (:class:`~frontend_shim._picture.LocalPicture`), or its host's
+            (:class:`~frontend_shim._host_client.RemotePicture`).
+        migration_limit: times a refused request may be tried on another worker.
         links: the link of each routed worker.
         admin: the ``/busy_threshold`` handlers.
-        waiting: where requests park with ``--router-queue-threshold``.
+        waiting: where requests park with ``--router-queue-threshold`` (``None``: they park
+            at the picture, a host's).
         metrics: where requests are counted.
+        render_metrics: renders ``/metrics`` (default: this process's registry).
         busy_exempt_priority: requests of this priority or better are not shed by the busy
             thresholds (``--busy-exempt-priority``); ``None``: every request may be.
-        kv: ``--router-mode kv``'s per-request part (tokenisation, guesses, hit metrics).
         class_policy: who may claim which class (``--max-client-priority``,
             ``DYN_GATEWAY_TOKEN``); the default takes every claim as it is.
     """
@@ -135,18 +173,18 @@ class FrontendAPI:
         self,
         *,
         overload_status: int,
-        fleet: Fleet,
-        router: Router,
+        fleet: FleetView,
+        picture: LocalPicture | RemotePicture,
+        migration_limit: int,
         links: WorkerLinks,
         admin: AdminRoutes,
-        waiting: WaitingRoom,
+        waiting: WaitingRoom | None,
         metrics: FrontendMetrics,
+        render_metrics: RenderMetrics | None = None,
         busy_exempt_priority: int | None = None,
-        kv: KvRouting | None = None,
         class_policy: ClassPolicy = OPEN_POLICY,
     ) -> None:
         self._fleet = fleet
-        self._router = router
         self._links = links
         self._waiting = waiting
         self._metrics = metrics
@@ -154,7 +192,8 @@ class FrontendAPI:
         self._overload_body = overload_body(overload_status)
         self._busy_exempt = busy_exempt_priority
         self._class_policy = class_policy
-        self._picture = LocalPicture(fleet, router, kv)
+        self._picture = picture
+        self._migration_limit = migration_limit
         self._completions = CompletionRate()
         self._in_flight = 0
         # Of those, the requests still uploading their body: the fleet holds nothing of them,
@@ -164,7 +203,7 @@ class FrontendAPI:
         #: Set by :meth:`begin_drain`; then set again each time the last request ends.
         self._draining = False
         self._idle = trio.Event()
-        self._status = StatusRoutes(metrics.render_off_loop, self._health)
+        self._status = StatusRoutes(render_metrics or metrics.render_off_loop, self._health)
         self._routes: dict[tuple[str, str], Callable[[HTTPRequest, HTTPResponder], Awaitable[None]]]
         self._routes = {
             ("GET", "/v1/models"): self._models,
@@ -236,7 +275,8 @@ class FrontendAPI:
         Parked requests are released at once: each is routed now or answered.
         """
         self._draining = True
-        self._waiting.release_all()
+        if self._waiting is not None:
+            self._waiting.release_all()
         if self._in_flight == 0:
             self._idle.set()
 
@@ -299,7 +339,8 @@ class FrontendAPI:
                 self._count(exchange)
         finally:
             self._in_flight -= 1
-            self._waiting.release()
+            if self._waiting is not None:
+                self._waiting.release()
             if self._in_flight == 0:
                 self._idle.set()
 
@@ -331,19 +372,27 @@ class FrontendAPI:
         tenant: str,
     ) -> None:
         exempt = self._busy_exempt is not None and priority <= self._busy_exempt
-        parks = not exempt and self._waiting.should_park(model, trio.current_time())
-        if parks and not await self._waiting.wait(model):
+        waiting = self._waiting
+        if (
+            not exempt
+            and waiting is not None
+            and waiting.should_park(model, trio.current_time())
+            and not await waiting.wait(model)
+        ):
             await self._send_overloaded(responder, exchange, "busy")
             return
         picture = self._picture
         query = PickQuery(model, priority, tenant, exempt, picture.prompt(exchange.endpoint, body))
-        dispatch = Dispatch(query, self._router.migration_limit, exchange, self._metrics)
+        dispatch = Dispatch(query, self._migration_limit, exchange, self._metrics)
         try:
             action: Action | None = dispatch.start()
             while action is not None:
                 if isinstance(action, Pick):
-                    now = trio.current_time()
-                    action = dispatch.picked(picture.pick(action.query, now), now)
+                    if isinstance(picture, LocalPicture):
+                        pick: Ticket | NoRoute = picture.pick(action.query, trio.current_time())
+                    else:
+                        pick = await picture.pick(action.query)
+                    action = dispatch.picked(pick, trio.current_time())
                 elif isinstance(action, Send):
                     action = await self._send(responder, exchange, body, dispatch, action)
                 elif isinstance(action, Answer):

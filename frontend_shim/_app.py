@@ -17,6 +17,7 @@ fleet change and finds the link of a routed worker), then the API.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -29,7 +30,7 @@ from typing import Final
 import prometheus_client
 import trio
 
-from frontend_shim._admin import AdminRoutes
+from frontend_shim._admin import AdminRoutes, FleetThresholds
 from frontend_shim._api import FrontendAPI
 from frontend_shim._config import DEFAULT_EVENT_BUDGET, FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
@@ -40,6 +41,7 @@ from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
 from frontend_shim._metrics import BudgetSample, FrontendMetrics, LinkSample, RankLoadSample
+from frontend_shim._picture import LocalPicture
 from frontend_shim._pool import WorkerPool
 from frontend_shim._request_class import ClassPolicy
 from frontend_shim._router import Router, RouterMode
@@ -49,7 +51,20 @@ from shim_common._httpserver import HTTPLimits, IdleConnections, Shutdown, serve
 from shim_common._net import CLOSE_BATCH, base_url
 from shim_common.prefix import FileTokenizer, PromptTokenizer, WordTokenizer
 
-__all__ = ["run_frontend"]
+__all__ = [
+    "EXIT_ANSWER_SECONDS",
+    "PictureParts",
+    "budget_sample",
+    "drain",
+    "link_samples",
+    "log_thresholds",
+    "picture_parts",
+    "run_frontend",
+    "tokenizer_of",
+    "worker_headers",
+    "worker_pool",
+    "worker_tls",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +88,7 @@ def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:
     return samples
 
 
-def _log_thresholds(settings: FrontendSettings) -> None:
+def log_thresholds(settings: FrontendSettings) -> None:
     thresholds = settings.thresholds
     given = [
         f"--{name.replace('_', '-')}={value}"
@@ -90,18 +105,20 @@ def _log_thresholds(settings: FrontendSettings) -> None:
         _log.info("busy-worker rejection disabled: no rejection threshold is configured")
 
 
-async def run_frontend(
-    settings: FrontendSettings,
-    *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run the frontend until SIGTERM/SIGINT (or cancellation).
+@dataclasses.dataclass(frozen=True)
+class PictureParts:
+    """The pure objects of a frontend's picture of the fleet, built from its settings."""
 
-    Prints ``frontend-shim ready http=http://HOST:PORT`` on stdout once the HTTP port listens
-    and reports the same URL through ``task_status``.
-    """
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    _log_thresholds(settings)
+    fleet: Fleet
+    kv_index: KvIndex | None
+    router: Router
+    metrics: FrontendMetrics
+    kv_routing: KvRouting | None
+    waiting: WaitingRoom
+
+
+def picture_parts(settings: FrontendSettings) -> PictureParts:
+    """The fleet, the router over it, the ``kv`` mode's index, the metrics and the queue."""
     fleet = Fleet(
         default_thresholds=settings.thresholds,
         track_output_blocks=settings.router_track_output_blocks,
@@ -127,14 +144,63 @@ async def run_frontend(
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
     kv_routing = (
-        KvRouting(kv_index, _tokenizer(settings), KvMetrics(metrics.registry))
+        KvRouting(kv_index, tokenizer_of(settings), KvMetrics(metrics.registry))
         if kv_index is not None
         else None
     )
     capacity = (
         settings.router_queue_capacity if settings.router_queue_threshold is not None else None
     )
-    waiting = WaitingRoom(fleet, capacity)
+    return PictureParts(fleet, kv_index, router, metrics, kv_routing, WaitingRoom(fleet, capacity))
+
+
+def worker_pool(
+    settings: FrontendSettings,
+    urls: list[str],
+    make_room: Callable[[], int] | None,
+    *,
+    event_plane: bool = True,
+) -> WorkerPool:
+    """The links to every worker URL, as the settings say (``event_plane`` off: the request
+    planes alone, for an HTTP process whose host follows the events)."""
+    return WorkerPool(
+        urls,
+        settings=LinkSettings(
+            max_event_lag=settings.max_event_lag,
+            headers=worker_headers(settings.worker_token),
+            ssl_context=worker_tls(settings),
+            make_room=make_room,
+            kv_events=event_plane and settings.router_mode == "kv" and settings.router_kv_events,
+            event_plane=event_plane,
+        ),
+        resolve_interval=settings.resolve_interval,
+        connect_concurrency=settings.connect_concurrency,
+        # Unset: start at the default and follow the measured cost; 0: no budget.
+        event_budget=(
+            DEFAULT_EVENT_BUDGET if settings.event_budget is None else settings.event_budget
+        )
+        or None,
+        measured_budget=settings.event_budget is None,
+        cost_window=settings.event_cost_window,
+        cost_min_messages=settings.event_cost_min_messages,
+    )
+
+
+async def run_frontend(
+    settings: FrontendSettings,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the frontend until SIGTERM/SIGINT (or cancellation).
+
+    Prints ``frontend-shim ready http=http://HOST:PORT`` on stdout once the HTTP port listens
+    and reports the same URL through ``task_status``.
+    """
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    log_thresholds(settings)
+    parts = picture_parts(settings)
+    fleet, kv_index, router, metrics = parts.fleet, parts.kv_index, parts.router, parts.metrics
+    kv_routing, waiting = parts.kv_routing, parts.waiting
     async with trio.open_nursery() as nursery:
         local_urls: list[str] = []
         if settings.local_workers:
@@ -146,37 +212,21 @@ async def run_frontend(
         # The HTTP server's idle keep-alive connections, which the links may close to reach a
         # worker when the process is out of file descriptors.
         idle_http = IdleConnections()
-        pool = WorkerPool(
+        pool = worker_pool(
+            settings,
             [*settings.workers, *local_urls],
-            settings=LinkSettings(
-                max_event_lag=settings.max_event_lag,
-                headers=_worker_headers(settings.worker_token),
-                ssl_context=_worker_tls(settings),
-                make_room=lambda: idle_http.close_oldest(CLOSE_BATCH),
-                kv_events=kv_index is not None and settings.router_kv_events,
-            ),
-            resolve_interval=settings.resolve_interval,
-            connect_concurrency=settings.connect_concurrency,
-            # Unset: start at the default and follow the measured cost; 0: no budget.
-            event_budget=(
-                DEFAULT_EVENT_BUDGET if settings.event_budget is None else settings.event_budget
-            )
-            or None,
-            measured_budget=settings.event_budget is None,
-            cost_window=settings.event_cost_window,
-            cost_min_messages=settings.event_cost_min_messages,
+            lambda: idle_http.close_oldest(CLOSE_BATCH),
         )
         bridge = FleetBridge(
             fleet, on_change=waiting.release, links=pool.links, kv_index=kv_index
         )
-        metrics.watch_links(lambda: _link_samples(pool))
+        metrics.watch_links(lambda: link_samples(pool))
         admin = AdminRoutes(
-            fleet,
+            FleetThresholds(fleet, on_change=pool.thresholds_changed),
             disabled=settings.admin_api_disabled,
             token=settings.admin_token,
-            on_change=pool.thresholds_changed,
         )
-        metrics.watch_event_budget(lambda: _budget_sample(pool))
+        metrics.watch_event_budget(lambda: budget_sample(pool))
         api = FrontendAPI(
             overload_status=settings.overload_status,
             busy_exempt_priority=settings.busy_exempt_priority,
@@ -187,12 +237,12 @@ async def run_frontend(
                 else settings.gateway_token.encode(),
             ),
             fleet=fleet,
-            router=router,
+            picture=LocalPicture(fleet, router, kv_routing),
+            migration_limit=settings.migration_limit,
             links=bridge,
             admin=admin,
             waiting=waiting,
             metrics=metrics,
-            kv=kv_routing,
         )
         handler = api.handle
         tls = (
@@ -241,20 +291,20 @@ async def run_frontend(
                     settings.drain_grace,
                 )
                 break
-            await _drain(api, settings.drain_grace, signals)
+            await drain(api, settings.drain_grace, signals)
             # The listener closes before the last answers: a client arriving now is refused by
             # the kernel, or was accepted and gets its answer (503 while draining), never a
             # connection closed with no status line.
-            await http_shutdown.close(_EXIT_ANSWER_SECONDS)
+            await http_shutdown.close(EXIT_ANSWER_SECONDS)
         nursery.cancel_scope.cancel()
     sys.stdout.flush()
 
 
 #: At the exit, the longest wait for the connections accepted to get their answers and close.
-_EXIT_ANSWER_SECONDS: Final = 1.0
+EXIT_ANSWER_SECONDS: Final = 1.0
 
 
-async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) -> None:
+async def drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) -> None:
     """Let requests in flight finish, for at most ``grace`` seconds or until a second signal."""
     api.begin_drain()
     with trio.move_on_after(grace) as grace_scope:
@@ -277,19 +327,19 @@ async def _drain(api: FrontendAPI, grace: float, signals: AsyncIterator[int]) ->
     _log.info("stopping")
 
 
-def _tokenizer(settings: FrontendSettings) -> PromptTokenizer:
+def tokenizer_of(settings: FrontendSettings) -> PromptTokenizer:
     """The tokeniser ``kv`` cuts prompts with: the workers' own (one tokenisation for both)."""
     if settings.tokenizer is not None:
         return FileTokenizer(settings.tokenizer)
     return WordTokenizer()
 
 
-def _worker_headers(token: str | None) -> tuple[tuple[str, str], ...]:
+def worker_headers(token: str | None) -> tuple[tuple[str, str], ...]:
     """The upgrade headers of every worker link: the worker planes' bearer token, if set."""
     return (("Authorization", f"Bearer {token}"),) if token is not None else ()
 
 
-def _worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
+def worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
     """How ``wss://`` workers are verified: ``--tls-ca-path``, else the system's trust store.
 
     ``--local-workers`` children serve the frontend's own certificate, so it is trusted as it
@@ -301,7 +351,7 @@ def _worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
     return client_context(settings.tls_ca_path, also_trust=local_cert)
 
 
-def _link_samples(pool: WorkerPool) -> list[LinkSample]:
+def link_samples(pool: WorkerPool) -> list[LinkSample]:
     return [
         LinkSample(
             worker_id=link.config.worker_id if link.config is not None else link.key,
@@ -316,7 +366,7 @@ def _link_samples(pool: WorkerPool) -> list[LinkSample]:
     ]
 
 
-def _budget_sample(pool: WorkerPool) -> BudgetSample:
+def budget_sample(pool: WorkerPool) -> BudgetSample:
     budget = pool.budget
     paced = negotiated = 0
     for link in list(pool.links.values()):

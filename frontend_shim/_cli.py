@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Annotated, cast
 
-from cyclopts import App, Parameter, validators
+from cyclopts import App, Parameter, Token, validators
 
 from frontend_shim import __version__
 from frontend_shim._config import (
@@ -81,6 +81,19 @@ WORKERS = Parameter(group="Workers")
 PASSED_GROUP = "Worker flags passed to --local-workers"
 
 
+#: The most HTTP processes one frontend runs.
+MAX_PROCESSES = 256
+
+
+def _processes_converter(type_: object, tokens: Sequence[Token]) -> int:
+    """``--processes``: a whole number, or ``auto`` (one per usable core)."""
+    if tokens[0].value.strip().lower() == "auto":
+        from frontend_shim._processes import usable_cores
+
+        return usable_cores()
+    return strict_int(type_, tokens)
+
+
 def _frontend(
     *,
     http_host: Annotated[str, Parameter(env_var="DYN_HTTP_HOST")] = "127.0.0.1",
@@ -103,6 +116,14 @@ def _frontend(
             validator=validators.Number(gte=0, lte=256),
         ),
     ] = 0,
+    processes: Annotated[
+        int,
+        Parameter(
+            converter=_processes_converter,
+            env_var="DYN_FRONTEND_PROCESSES",
+            validator=validators.Number(gte=1, lte=MAX_PROCESSES),
+        ),
+    ] = 1,
     router_mode: Annotated[RouterMode, Parameter(env_var="DYN_ROUTER_MODE")] = "round-robin",
     active_decode_blocks_threshold: Annotated[
         float | None,
@@ -255,6 +276,9 @@ def _frontend(
         host name that resolves to several addresses is several workers, re-resolved periodically.
     local_workers
         Start this many mocker workers as child processes and use them.
+    processes
+        HTTP processes serving the one port, routing on one picture of the fleet that a host
+        process keeps (it follows the workers' events once); "auto": one per usable core.
     router_mode
         round-robin, random, or kv (load-aware: fewest active blocks and prefill tokens).
     active_decode_blocks_threshold
@@ -348,6 +372,7 @@ def _frontend(
         workers=_split_workers(worker),
         local_workers=local_workers,
         local_worker_args=worker_args,
+        processes=processes,
         router_mode=router_mode,
         thresholds=BusyThresholds(
             active_decode_blocks=active_decode_blocks_threshold,
@@ -514,6 +539,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import trio
 
+    if settings.processes > 1:
+        from frontend_shim._processes import run_frontend_processes
+
+        trio.run(run_frontend_processes, settings, settings.processes)
+        return
     from frontend_shim._app import run_frontend
 
     trio.run(run_frontend, settings)

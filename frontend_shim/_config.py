@@ -44,6 +44,9 @@ class FrontendSettings:
     local_workers: int = 0
     #: Worker flags given to the frontend, passed on to local workers verbatim.
     local_worker_args: tuple[str, ...] = ()
+    #: HTTP processes serving the port (``--processes``); above 1, a host process keeps the
+    #: picture of the fleet for all of them (frontend_shim._processes).
+    processes: int = 1
     router_mode: RouterMode = "round-robin"
     #: The busy thresholds every model starts with (``--active-*-threshold*``).
     thresholds: BusyThresholds = dataclasses.field(default_factory=BusyThresholds)

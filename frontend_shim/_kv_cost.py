@@ -51,6 +51,7 @@ from frontend_shim._kv_index import KvIndex, RankBlocks
 from shim_common.prefix import block_names
 
 __all__ = [
+    "NamedPrompt",
     "DEFAULT_WEIGHTS",
     "MAX_PROMPT_BLOCKS",
     "NO_PROMPT",
@@ -115,6 +116,22 @@ class Prompt:
             )
             self._names[block_size] = names
         return names
+
+
+class NamedPrompt(Prompt):
+    """A prompt known by its length and the names of its blocks, not by its tokens: what a
+    process that tokenised it sends to the one that routes it. A block size it was not named
+    for has no names (no cached prefix can be credited there)."""
+
+    __slots__ = ("_length",)
+
+    def __init__(self, length: int, names: Mapping[int, Sequence[int]] | None) -> None:
+        super().__init__(range(length), names)
+        self._length = length
+
+    def names(self, block_size: int) -> list[int]:
+        """The names given for ``block_size``, or none."""
+        return self._names.get(block_size, [])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -80,6 +80,11 @@ Rules of a session (the state machine of a link):
    listener answers that it saw a gap, the link sends a ``Subscribe`` with ``kv_snapshot`` from
    a task of its own (a read never waits). KV batches from a worker not subscribed are dropped.
 
+8. A link without its event plane (``LinkSettings.event_plane`` off: an HTTP process whose host
+   follows the events) opens the request plane alone: a session is that plane's, its liveness
+   the request plane's pings (rule 2), and the listener hears ``worker_up`` and ``worker_down``
+   only; rules 3, 5, 6 and 7 do not apply.
+
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
 
@@ -178,6 +183,9 @@ class LinkSettings:
     make_room: Callable[[], int] | None = None
     #: Subscribe to the KV events of a worker that offers them (rule 7).
     kv_events: bool = False
+    #: Open the event plane (rule 8): off in an HTTP process of several, whose host follows
+    #: the workers' events once for all of them.
+    event_plane: bool = True
 
     def __post_init__(self) -> None:
         if self.request_buffer < 1 or self.send_queue < 1:
@@ -456,7 +464,10 @@ class WorkerLink:
         try:
             async with self._limiter if self._limiter is not None else _NO_LIMIT:
                 with trio.fail_after(self._settings.connect_timeout):
-                    events, requests, hello = await self._connect()
+                    if self._settings.event_plane:
+                        events, requests, hello = await self._connect()
+                    else:
+                        requests, hello = await self._connect_requests()
             await self._serve(events, requests, hello)
         finally:
             for connection in (requests, events):
@@ -484,6 +495,16 @@ class WorkerLink:
             await events.aclose(0)
             raise
         return events, requests, hello
+
+    async def _connect_requests(self) -> tuple[PlaneConnection, wire.Hello]:
+        batch = (wire.SUBPROTOCOL_BATCH,)
+        requests = await self._open(wire.REQUESTS_PATH, None, subprotocols=batch)
+        try:
+            hello = await _read_hello(requests, wire.decode_worker_message)
+        except BaseException:
+            await requests.aclose(0)
+            raise
+        return requests, hello
 
     async def _open(
         self, path: str, receive_buffer: int | None, subprotocols: tuple[str, ...] = ()
@@ -526,7 +547,7 @@ class WorkerLink:
         )
 
     async def _serve(
-        self, events: PlaneConnection, requests: PlaneConnection, hello: wire.Hello
+        self, events: PlaneConnection | None, requests: PlaneConnection, hello: wire.Hello
     ) -> None:
         config = hello.config
         plane = RequestPlane(
@@ -547,10 +568,11 @@ class WorkerLink:
             and isinstance(self._listener, KvEventsListener)
             else None
         )
-        self.kv_events = self._kv_listener is not None
+        self.kv_events = self._kv_listener is not None and events is not None
         # Rule 1: the hello bounds the size of the worker's event messages from now on (with
         # room for KV events only when this link asks for them).
-        events.limit_messages(event_message_bound(config, kv_events=self.kv_events))
+        if events is not None:
+            events.limit_messages(event_message_bound(config, kv_events=self.kv_events))
         requests.limit_messages(wire.MAX_MESSAGE_BYTES)
         self._events = events
         self.lag = self._new_lag_meter()
@@ -559,7 +581,8 @@ class WorkerLink:
         try:
             await self.send_thresholds(self._listener.thresholds(config.model))
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_events, events)
+                if events is not None:
+                    nursery.start_soon(self._read_events, events)
                 nursery.start_soon(self._read_replies, requests, plane)
                 batches = wire.FEATURE_REQUEST_BATCH in hello.features
                 nursery.start_soon(self._send_requests, requests, plane, batches)
@@ -717,7 +740,7 @@ class WorkerLink:
                 await requests.send_messages([first, *rest])
 
     async def _watch(
-        self, events: PlaneConnection, requests: PlaneConnection, heartbeat_interval: float
+        self, events: PlaneConnection | None, requests: PlaneConnection, heartbeat_interval: float
     ) -> None:
         """The watchdog of rule 2."""
         settings = self._settings
@@ -728,9 +751,11 @@ class WorkerLink:
             # On the pool's pacer, like paced reads: thousands of watchdogs, one timer.
             await wait_until(trio.current_time() + period)
             now = trio.current_time()
-            if now - events.last_received > silence:
+            if events is not None and now - events.last_received > silence:
                 raise self._keepalive_failed(f"no event or heartbeat within {silence} s")
             for plane in (requests, events):
+                if plane is None:
+                    continue
                 started = plane.send_started_at
                 if started is not None and now - started > settings.keepalive_timeout:
                     raise self._keepalive_failed(

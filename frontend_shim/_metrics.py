@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -25,6 +25,9 @@ __all__ = [
     "RankLoadSample",
     "UNKNOWN_MODEL_LABEL",
 ]
+
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 
 #: The ``model`` label of requests for a model no worker has announced: client input must not
 #: create series without bound.
@@ -366,13 +369,18 @@ class FrontendMetrics:
         Formatting the per-worker series of a 1,024-worker fleet takes a fifth of a second; on
         the event loop that would stall every link and request for as long at each scrape.
         """
+        return await self.off_loop(self.render, accept_header)
+
+    async def off_loop(self, read: Callable[[_A], _R], argument: _A) -> _R:
+        """``read(argument)``, in a worker thread, with its collectors reading samples of the
+        fleet taken here, on the loop (what :meth:`render_off_loop` does, for any reader)."""
         links = self._link_samples()
         _SNAPSHOT.set((list(self._worker_loads()), list(links)))
         if self._budget_sample is not None:
             _BUDGET_SNAPSHOT.set(self._budget_sample())
         try:
             # The thread runs in a copy of this context, so its collectors see the snapshot.
-            return await trio.to_thread.run_sync(self.render, accept_header)
+            return await trio.to_thread.run_sync(read, argument)
         finally:
             _SNAPSHOT.set(None)
             _BUDGET_SNAPSHOT.set(None)

@@ -270,3 +270,11 @@ class LocalTicket:
         """Rule 4."""
         self._answered(now)
         self._drop_charge()
+
+    def abandon(self, now: float) -> None:
+        """The request's end went unheard (its HTTP process is gone): closed as held when the
+        worker had started it, as never started otherwise."""
+        if self._pending:
+            self.unsent(now)
+        else:
+            self.finished(None)
