@@ -64,6 +64,7 @@ from frontend_shim._admin import AdminRoutes
 from frontend_shim._dispatch import Action, Answer, Dispatch, Fail, Pick, Send, Serve
 from frontend_shim._host_client import RemotePicture
 from frontend_shim._links import WorkerLink
+from frontend_shim._loop_guard import LoopGuard
 from frontend_shim._metrics import UNKNOWN_MODEL_LABEL, FrontendMetrics
 from frontend_shim._picture import LocalPicture, NoRoute, PickQuery, Ticket
 from frontend_shim._request_body import BadRequest, parse_completion_body
@@ -102,6 +103,8 @@ _ENDPOINTS: Final[dict[str, wire.Endpoint]] = {
     "/v1/embeddings": "embeddings",
 }
 _json_encode = msgspec.json.Encoder().encode
+#: The reason of a request shed because this process's own loop is behind.
+_FRONTEND_OVERLOADED: Final = "frontend_overloaded"
 
 
 class WorkerLinks(Protocol):
@@ -167,6 +170,8 @@ class FrontendAPI:
             thresholds (``--busy-exempt-priority``); ``None``: every request may be.
         class_policy: who may claim which class (``--max-client-priority``,
             ``DYN_GATEWAY_TOKEN``); the default takes every claim as it is.
+        guard: what sheds when this process's own loop falls behind (judged from a request's
+            head, in :meth:`answer_at_once`); ``None``: nothing does.
     """
 
     def __init__(
@@ -183,8 +188,10 @@ class FrontendAPI:
         render_metrics: RenderMetrics | None = None,
         busy_exempt_priority: int | None = None,
         class_policy: ClassPolicy = OPEN_POLICY,
+        guard: LoopGuard | None = None,
     ) -> None:
         self._fleet = fleet
+        self._guard = guard
         self._links = links
         self._waiting = waiting
         self._metrics = metrics
@@ -258,6 +265,15 @@ class FrontendAPI:
         if request.method != "POST" or self._draining:
             return None
         arrival = trio.current_time()
+        guard = self._guard
+        if guard is not None and not guard.admit(arrival):
+            # This process's own loop is behind (frontend_shim._loop_guard): shed at the head.
+            exchange = Exchange(endpoint, self._shed_label(), arrival)
+            try:
+                headers = self._overloaded(exchange, _FRONTEND_OVERLOADED)
+                return complete_response(self._overload_status, headers, self._overload_body)
+            finally:
+                self._count(exchange)
         if not self._fleet.may_shed_unread(arrival) or self._may_be_exempt(request):
             return None
         exchange = Exchange(endpoint, self._shed_label(), arrival)

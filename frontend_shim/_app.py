@@ -24,6 +24,7 @@ import logging
 import signal
 import ssl
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
@@ -40,6 +41,7 @@ from frontend_shim._kv_routing import KvMetrics, KvRouting
 from frontend_shim._links import LinkSettings
 from frontend_shim._load import Fleet
 from frontend_shim._local import run_local_workers
+from frontend_shim._loop_guard import LoopGuard
 from frontend_shim._metrics import BudgetSample, FrontendMetrics, LinkSample, RankLoadSample
 from frontend_shim._picture import LocalPicture
 from frontend_shim._pool import WorkerPool
@@ -58,6 +60,7 @@ __all__ = [
     "drain",
     "link_samples",
     "log_thresholds",
+    "loop_guard",
     "picture_parts",
     "run_frontend",
     "tokenizer_of",
@@ -86,6 +89,33 @@ def _rank_samples(fleet: Fleet) -> Callable[[], list[RankLoadSample]]:
         ]
 
     return samples
+
+
+class LoopWatch(trio.abc.Instrument):
+    """Tells a :class:`~frontend_shim._loop_guard.LoopGuard` how long each pass of this
+    process's run loop ran tasks (from the end of one wait for I/O to the start of the next),
+    in CPU time of the loop's thread."""
+
+    def __init__(self, guard: LoopGuard) -> None:
+        self._guard = guard
+        self._started: float | None = None
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._started = time.thread_time()
+
+    def before_io_wait(self, timeout: float) -> None:
+        started = self._started
+        if started is not None:
+            self._guard.pass_ran(time.thread_time() - started, trio.current_time())
+
+
+def loop_guard(settings: FrontendSettings) -> LoopGuard | None:
+    """The guard of ``--max-loop-lag``, watching this process's loop (``None``: off)."""
+    if not settings.max_loop_lag:
+        return None
+    guard = LoopGuard(settings.max_loop_lag)
+    trio.lowlevel.add_instrument(LoopWatch(guard))
+    return guard
 
 
 def log_thresholds(settings: FrontendSettings) -> None:
@@ -243,6 +273,7 @@ async def run_frontend(
             admin=admin,
             waiting=waiting,
             metrics=metrics,
+            guard=loop_guard(settings),
         )
         handler = api.handle
         tls = (

@@ -124,6 +124,10 @@ def _frontend(
             validator=validators.Number(gte=1, lte=MAX_PROCESSES),
         ),
     ] = 1,
+    max_loop_lag: Annotated[
+        float,
+        Parameter(env_var="DYN_FRONTEND_MAX_LOOP_LAG", validator=of_kind(SECONDS, gte=0)),
+    ] = 0.02,
     router_mode: Annotated[RouterMode, Parameter(env_var="DYN_ROUTER_MODE")] = "round-robin",
     active_decode_blocks_threshold: Annotated[
         float | None,
@@ -279,6 +283,10 @@ def _frontend(
     processes
         HTTP processes serving the one port, routing on one picture of the fleet that a host
         process keeps (it follows the workers' events once); "auto": one per usable core.
+    max_loop_lag
+        Seconds this frontend's own event loop may fall behind (the requests it has read wait
+        that long for their turn) before it turns a share of new requests away with 529 and
+        the reason frontend_overloaded, so that those it serves keep their latency. 0: never.
     router_mode
         round-robin, random, or kv (load-aware: fewest active blocks and prefill tokens).
     active_decode_blocks_threshold
@@ -373,6 +381,7 @@ def _frontend(
         local_workers=local_workers,
         local_worker_args=worker_args,
         processes=processes,
+        max_loop_lag=max_loop_lag,
         router_mode=router_mode,
         thresholds=BusyThresholds(
             active_decode_blocks=active_decode_blocks_threshold,

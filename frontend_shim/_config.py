@@ -47,6 +47,9 @@ class FrontendSettings:
     #: HTTP processes serving the port (``--processes``); above 1, a host process keeps the
     #: picture of the fleet for all of them (frontend_shim._processes).
     processes: int = 1
+    #: Seconds of this process's own loop lag above which it sheds new requests
+    #: (``--max-loop-lag``, frontend_shim._loop_guard); 0: never.
+    max_loop_lag: float = 0.02
     router_mode: RouterMode = "round-robin"
     #: The busy thresholds every model starts with (``--active-*-threshold*``).
     thresholds: BusyThresholds = dataclasses.field(default_factory=BusyThresholds)

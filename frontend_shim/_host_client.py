@@ -10,8 +10,9 @@ it through one :class:`HostClient`:
 2. A ticket's life goes back one way (:mod:`frontend_shim._host_wire` rule 3): its start, the
    outputs that move its charge (the first, and with ``--router-track-output-blocks`` each one
    that fills a new block), and its close. Each close is counted on the shed board first
-   (:mod:`frontend_shim._shed_board` rule 1); a finished request's close is written to the host
-   before the caller goes on (it precedes the answer's last bytes).
+   (:mod:`frontend_shim._shed_board` rule 1), before the answer's last bytes are written: until
+   the host has taken it in, no process sheds from a head, and the host's "no worker free"
+   waits for it (:mod:`frontend_shim._picker` rule 3).
 3. What the API answers without a pick (:class:`HostView`): the fast shed from the board; the
    models, the workers connected and the thresholds from the host's last overview.
 4. A host that goes away ends the process (its supervisor is gone): the API's asks fail, and
@@ -248,16 +249,13 @@ class RemoteTicket:
         self._host.channel.post(msg.TicketOutput(ticket=self._number, tokens=self._unsent_output))
         self._unsent_output = 0
 
-    def _close(self, message: msg.FromProcess, *, now: bool = False) -> None:
+    def _close(self, message: msg.FromProcess) -> None:
         host = self._host
         host.board.note_close(host.index)
-        if now:
-            host.channel.post_now(message)
-        else:
-            host.channel.post(message)
+        host.channel.post(message)
 
     def finished(self, final: wire.End | wire.Failed | None) -> None:
-        self._close(msg.TicketFinished(ticket=self._number, final=final), now=True)
+        self._close(msg.TicketFinished(ticket=self._number, final=final))
 
     def refused(
         self,

@@ -31,7 +31,7 @@ Rules:
 from __future__ import annotations
 
 import struct
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -246,9 +246,9 @@ class FrameReader:
 
     __slots__ = ("_buffer", "_decoder")
 
-    def __init__(self, message_type: type[FromHost] | type[FromProcess]) -> None:
+    def __init__(self, message_type: Any) -> None:
         self._decoder: msgspec.msgpack.Decoder[list[FromHost | FromProcess]] = (
-            msgspec.msgpack.Decoder(list[message_type])  # type: ignore[valid-type]
+            msgspec.msgpack.Decoder(list[message_type])
         )
         self._buffer = bytearray()
 

@@ -34,7 +34,13 @@ import trio
 from frontend_shim import _host_wire as msg
 from frontend_shim._admin import AdminRoutes
 from frontend_shim._api import FrontendAPI
-from frontend_shim._app import EXIT_ANSWER_SECONDS, drain, tokenizer_of, worker_pool
+from frontend_shim._app import (
+    EXIT_ANSWER_SECONDS,
+    drain,
+    loop_guard,
+    tokenizer_of,
+    worker_pool,
+)
 from frontend_shim._host_channel import Channel
 from frontend_shim._host_client import HostClient, HostGone, HostView, RemotePicture
 from frontend_shim._link_directory import LinkDirectory
@@ -124,6 +130,7 @@ async def run_http_process(channel_fd: int, board_fd: int, processes: int) -> No
         waiting=None,
         metrics=metrics,
         render_metrics=render_metrics,
+        guard=loop_guard(settings),
     )
     tls = (
         server_context(settings.tls_cert_path, settings.tls_key_path)

@@ -17,10 +17,12 @@ Rules:
    otherwise; the workers cancel those requests themselves when that process's connections
    drop. Nothing it picked stays counted.
 3. No stale "all busy". Before the host answers that no worker is free, it reads what every
-   process's channel already holds and takes it in, then picks again: a process writes a
-   request's close before that request's last bytes reach its client, so a client whose next
-   request is asked of another process finds the worker free (contract: a finished request is
-   gone at once).
+   process's channel already holds and takes it in, then picks again; and while a process has
+   counted a close on the shed board that has not reached the host yet (it is on its way: the
+   process counts a close before it sends it), the answer waits for it, for
+   :data:`CLOSE_WAIT` at most. A request's close is counted before its answer's last bytes
+   are written, so a client whose next request is asked of any process finds the worker free
+   (contract: a finished request is gone at once).
 4. The board. After every batch of messages, fleet change and tick, the host writes on the
    shed board (:mod:`frontend_shim._shed_board`) whether a request may be shed unread, and the
    closes it has taken in; and it sends every process an :class:`~frontend_shim._host_wire.Overview`
@@ -54,6 +56,9 @@ from shim_common._busy import BusyThresholds
 __all__ = ["Picker", "ProcessBooks"]
 
 _log = logging.getLogger(__name__)
+
+#: Seconds a "no worker free" answer waits, at most, for closes on their way (rule 3).
+CLOSE_WAIT: Final = 0.01
 
 _KIND_CODE: Final = {RejectionKind.OVERLOADED: 0, RejectionKind.UNAVAILABLE: 1, None: 2}
 
@@ -132,7 +137,7 @@ class Picker:
                         nursery.cancel_scope.cancel()
                         return
                     self.take_in(books, messages, trio.current_time(), nursery)
-                    self.publish(trio.current_time())
+                    self.publish_board(trio.current_time())
         finally:
             self.process_gone(books, trio.current_time())
 
@@ -217,7 +222,7 @@ class Picker:
         ):
             nursery.start_soon(self._parked_pick, books, ask.ask, query, waiting)
             return
-        self._answer(books, ask.ask, query, now)
+        self._answer(books, ask.ask, query, now, nursery)
 
     async def _parked_pick(
         self, books: ProcessBooks, ask: int, query: PickQuery, waiting: WaitingRoom
@@ -227,11 +232,34 @@ class Picker:
         else:
             books.channel.post(msg.NotPicked(ask=ask, kind=0, reason="busy"))
 
-    def _answer(self, books: ProcessBooks, ask: int, query: PickQuery, now: float) -> None:
+    def _answer(
+        self,
+        books: ProcessBooks,
+        ask: int,
+        query: PickQuery,
+        now: float,
+        nursery: trio.Nursery | None = None,
+    ) -> None:
         pick = self._picture.pick(query, now)
         overloaded = isinstance(pick, NoRoute) and pick.kind is RejectionKind.OVERLOADED
         if overloaded and self._catch_up(now):
             pick = self._picture.pick(query, now)
+            overloaded = isinstance(pick, NoRoute) and pick.kind is RejectionKind.OVERLOADED
+        if overloaded and nursery is not None and self._closes_on_the_way():
+            # A close is still in a process's hands (counted, not yet written): the answer
+            # waits for it, a few milliseconds at most (rule 3).
+            nursery.start_soon(self._pick_after_closes, books, ask, query)
+            return
+        self._reply(books, ask, pick)
+
+    async def _pick_after_closes(self, books: ProcessBooks, ask: int, query: PickQuery) -> None:
+        with trio.move_on_after(CLOSE_WAIT):
+            while self._closes_on_the_way():
+                await trio.sleep(CLOSE_WAIT / 8)
+                self._catch_up(trio.current_time())
+        self._reply(books, ask, self._picture.pick(query, trio.current_time()))
+
+    def _reply(self, books: ProcessBooks, ask: int, pick: LocalTicket | NoRoute) -> None:
         if isinstance(pick, NoRoute):
             code = _KIND_CODE[pick.kind]
             books.channel.post(msg.NotPicked(ask=ask, kind=code, reason=pick.reason))
@@ -271,18 +299,10 @@ class Picker:
     # ------------------------------------------------------------------ what processes read
 
     def publish(self, now: float) -> None:
-        """Rule 4: the board, and the overview when it changed."""
+        """Rule 4: the board, and the overview when it changed (after a fleet change or a
+        tick: the overview reads every worker, so not after every message)."""
+        self.publish_board(now)
         fleet = self._fleet
-        closes = sum(self._closes.values())
-        state = (
-            fleet.may_shed_unread(now),
-            fleet.every_worker_marked(),
-            fleet.slot_share(),
-            closes,
-        )
-        if state != self._published:
-            self._published = state
-            self._board.publish(*state)
         overview = msg.Overview(
             models=[(m, fleet.available_count(m, now) > 0) for m in fleet.models()],
             connected=fleet.connected_count,
@@ -293,3 +313,25 @@ class Picker:
             self._overview = overview
             for books in self._books.values():
                 books.channel.post(overview)
+
+    def publish_board(self, now: float) -> None:
+        """Rule 4's board alone (O(1)): after every batch of a process's messages."""
+        fleet = self._fleet
+        state = (
+            fleet.may_shed_unread(now),
+            fleet.every_worker_marked(),
+            fleet.slot_share(),
+            self._closes_total(),
+        )
+        if state != self._published:
+            self._published = state
+            self._board.publish(*state)
+
+    def _closes_total(self) -> int:
+        return sum(self._closes.values())
+
+    def _closes_on_the_way(self) -> bool:
+        # A process counted a close on its slot that has not reached the host yet (rule 3).
+        return sum(
+            self._board.closes_of(index) for index in self._books
+        ) > sum(self._closes[index] for index in self._books)
