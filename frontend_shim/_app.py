@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import random
 import signal
 import ssl
 import sys
@@ -171,6 +172,8 @@ def picture_parts(settings: FrontendSettings) -> PictureParts:
         RouterMode(settings.router_mode),
         migration_limit=settings.migration_limit,
         kv=KvScorer(kv_index, weights) if kv_index is not None else None,
+        # Frontends of one fleet start their rotations at different workers (no herd).
+        cursor=random.randrange(1 << 20),
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
     kv_routing = (

@@ -41,11 +41,13 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Final
 
 import prometheus_client
@@ -300,12 +302,31 @@ class Supervisor:
             self.signal_all(signal.SIGKILL)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (``--processes auto``)."""
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may run on (``--processes auto``): the CPUs of its affinity,
+    fewer when its control group's CPU quota allows less (a container's CPU limit), rounded up.
+    """
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = _cpu_quota(cgroup)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def _cpu_quota(cgroup: Path) -> float | None:
+    """The CPUs a control group's quota allows (v2 ``cpu.max``, else v1), ``None``: no quota."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 async def run_frontend_processes(

@@ -177,6 +177,9 @@ class Router:
         rng: random source for ``random`` mode (seed it in tests).
         kv: the ``kv`` mode's scorer (its index is fed by the links); ``None``: one over an
             empty index, which scores by load alone.
+        cursor: where round-robin starts and ``kv``'s ties first rotate from. A frontend starts
+            it anywhere (several frontends of one fleet, each starting at the first worker,
+            would send their first requests of a burst to the same worker).
     """
 
     def __init__(
@@ -187,6 +190,7 @@ class Router:
         migration_limit: int = 0,
         rng: random.Random | None = None,
         kv: KvScorer | None = None,
+        cursor: int = 0,
     ) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
@@ -194,7 +198,7 @@ class Router:
         self.mode = RouterMode(mode)
         self.migration_limit = migration_limit
         self._rng = rng or random.Random()
-        self._cursor = 0
+        self._cursor = cursor
         self.kv = kv if kv is not None else KvScorer(KvIndex(), rng=self._rng)
 
     def pick(
