@@ -3,11 +3,9 @@
 The messages and frames are in :mod:`frontend_shim._host_wire`; this is the Trio side:
 
 1. Sending: :meth:`Channel.post` queues a message; the channel's sender task writes whatever
-   queued while the last write was under way as one frame. :meth:`Channel.post_now` also tries
-   to write everything queued at once, without a checkpoint, so that a message is in the
-   kernel before the caller's next step (an HTTP process writes a request's close this way
-   before the answer's last bytes: :mod:`frontend_shim._shed_board`, rule 1); what the kernel
-   does not take waits for the sender task, behind nothing that was queued after it.
+   queued while the last write was under way as one frame, writing without a checkpoint as
+   far as the kernel takes it. Just before it makes a frame it calls ``before_frame``: the
+   last moment to post what was held back.
 2. Receiving: :meth:`Channel.receive` waits for a frame and returns its messages;
    :meth:`Channel.catch_up` returns, without waiting, the messages of every frame the socket
    already holds (the host reads its processes this way before it answers that no worker is
@@ -21,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from collections.abc import Callable
 from typing import Final, Generic, TypeVar
 
 import trio
@@ -46,10 +45,18 @@ class Channel(Generic[_In, _Out]):
     Args:
         sock: a connected Unix stream socket (made non-blocking here; the channel owns it).
         incoming: the type of the messages the peer sends.
+        before_frame: called before each frame is made of what was posted (the last moment
+            to post what was held back until it was needed).
     """
 
-    def __init__(self, sock: socket.socket, incoming: type[_In]) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        incoming: type[_In],
+        before_frame: Callable[[], None] | None = None,
+    ) -> None:
         sock.setblocking(False)
+        self.before_frame = before_frame
         self._sock = sock
         self._reader = FrameReader(incoming)
         self._outbox: list[_Out] = []
@@ -73,15 +80,13 @@ class Channel(Generic[_In, _Out]):
         self._outbox.append(message)
         self._wake.set()
 
-    def post_now(self, message: _Out) -> None:
-        """Queue ``message`` and write all that is queued now, as far as the kernel takes it."""
-        self._outbox.append(message)
-        self._frame_outbox()
-        self._write_some()
-        if self._unsent:
-            self._wake.set()
+    def wake(self) -> None:
+        """Have the sender task make a frame at its next turn, even with nothing posted."""
+        self._wake.set()
 
     def _frame_outbox(self) -> None:
+        if self.before_frame is not None:
+            self.before_frame()
         if self._outbox:
             self._unsent += encode_frame(self._outbox)
             self._outbox = []

@@ -9,7 +9,9 @@ it through one :class:`HostClient`:
    :class:`RemoteTicket` or a :class:`~frontend_shim._picture.NoRoute`.
 2. A ticket's life goes back one way (:mod:`frontend_shim._host_wire` rule 3): its start, the
    outputs that move its charge (the first, and with ``--router-track-output-blocks`` each one
-   that fills a new block), and its close. Each close is counted on the shed board first
+   that fills a new block), and its close. The start and the outputs wait for the channel's
+   next frame (a turn of the loop at most), so a request that finishes within that turn, as a
+   short one does, sends them with its close. Each close is counted on the shed board first
    (:mod:`frontend_shim._shed_board` rule 1), before the answer's last bytes are written: until
    the host has taken it in, no process sheds from a head, and the host's "no worker free"
    waits for it (:mod:`frontend_shim._picker` rule 3).
@@ -63,14 +65,28 @@ class HostClient:
         self, channel: Channel[msg.FromHost, msg.FromProcess], board: ShedBoard, index: int
     ) -> None:
         self.channel = channel
+        channel.before_frame = self._flush_tickets
         self.board = board
         self.index = index
+        #: Tickets holding back a start or an output until the next frame (rule 2).
+        self._held: list[RemoteTicket] = []
         self._asks = itertools.count(1)
         self._waiting: dict[int, tuple[trio.Event, list[Any]]] = {}
         self.overview = msg.Overview(models=[], connected=0, thresholds=[])
         self._known: set[str] = set()
         self._collect: Any = None
         self.gone = False
+
+    def hold(self, ticket: RemoteTicket) -> None:
+        """``ticket`` holds back news until the next frame (unless it finishes first)."""
+        if not self._held:
+            self.channel.wake()
+        self._held.append(ticket)
+
+    def _flush_tickets(self) -> None:
+        held, self._held = self._held, []
+        for ticket in held:
+            ticket.flush()
 
     def on_collect(self, collect: Any) -> None:
         """Who answers the host's :class:`~frontend_shim._host_wire.Collect` (the metrics)."""
@@ -192,15 +208,18 @@ class RemotePicture:
 
 class RemoteTicket:
     """A ticket the host handed out (rule 2; the :class:`~frontend_shim._picture.Ticket`
-    protocol)."""
+    protocol). Its start and the outputs that move its charge are held back until the channel's
+    next frame, so a request that finishes before that sends one message after its pick."""
 
     __slots__ = (
         "_block_size",
         "_blocks",
+        "_held",
         "_host",
         "_number",
         "_output",
         "_prompt_tokens",
+        "_start",
         "_unsent_output",
         "dp_rank",
         "worker_id",
@@ -221,16 +240,39 @@ class RemoteTicket:
         #: The worker's block size when output blocks are tracked; 0: they are not.
         self._block_size = output_block_size
         self._output = 0
-        #: Output tokens the host has not heard of yet (sent with the next output it must hear).
+        #: Output tokens the host has not heard of (sent with the next output it must hear).
         self._unsent_output = 0
         self._prompt_tokens = 0
         self._blocks = 0
+        #: A start not sent yet, and whether the host is owed news (held back: rule 2).
+        self._start: tuple[int, str] | None = None
+        self._held = False
+
+    def _hold(self) -> None:
+        if not self._held:
+            self._held = True
+            self._host.hold(self)
+
+    def flush(self) -> None:
+        """Send what was held back (the channel makes a frame)."""
+        if not self._held:
+            return
+        self._held = False
+        channel = self._host.channel
+        if self._start is not None:
+            prompt_tokens, label = self._start
+            self._start = None
+            channel.post(
+                msg.TicketStarted(ticket=self._number, prompt_tokens=prompt_tokens, label=label)
+            )
+        if self._unsent_output:
+            channel.post(msg.TicketOutput(ticket=self._number, tokens=self._unsent_output))
+            self._unsent_output = 0
 
     def started(self, prompt_tokens: int, label: str, now: float) -> None:
         self._prompt_tokens = prompt_tokens
-        self._host.channel.post(
-            msg.TicketStarted(ticket=self._number, prompt_tokens=prompt_tokens, label=label)
-        )
+        self._start = (prompt_tokens, label)
+        self._hold()
 
     def output(self, tokens: int) -> None:
         if not tokens:
@@ -242,12 +284,10 @@ class RemoteTicket:
             blocks = blocks_of(self._prompt_tokens + self._output, self._block_size)
             changed = blocks != self._blocks
             self._blocks = blocks
-            if not first and not changed:
-                return
-        elif not first:
-            return  # only the first output moves the charge (its prefill ends)
-        self._host.channel.post(msg.TicketOutput(ticket=self._number, tokens=self._unsent_output))
-        self._unsent_output = 0
+            if first or changed:
+                self._hold()
+        elif first:
+            self._hold()  # only the first output moves the charge (its prefill ends)
 
     def _close(self, message: msg.FromProcess) -> None:
         host = self._host
@@ -255,7 +295,13 @@ class RemoteTicket:
         host.channel.post(message)
 
     def finished(self, final: wire.End | wire.Failed | None) -> None:
-        self._close(msg.TicketFinished(ticket=self._number, final=final))
+        owed = self._held
+        self._held = False  # what was held goes with the close
+        start, self._start = self._start, None
+        output = self._unsent_output if owed else 0
+        self._close(
+            msg.TicketFinished(ticket=self._number, final=final, started=start, output=output)
+        )
 
     def refused(
         self,

@@ -16,8 +16,10 @@ Rules:
 3. A ticket's life after the pick is one-way, in order: :class:`TicketStarted`,
    :class:`TicketOutput` (only those that move the charge), and exactly one closing message
    (:class:`TicketFinished`, :class:`TicketRefused`, :class:`TicketFailed`,
-   :class:`TicketUnsent`). A ticket the host does not know (its worker went away, or the host
-   restarted the process's books) is ignored.
+   :class:`TicketUnsent`). A start or an output that had not left its process when the
+   request finished travels inside the :class:`TicketFinished` (a short request's whole life
+   after its pick is one message). A ticket the host does not know (its worker went away, or
+   the host restarted the process's books) is ignored.
 4. Admin and metrics are asks with ids, answered in any order: :class:`SetThresholds` ->
    :class:`ThresholdsSet`; :class:`MetricsAsk` -> :class:`MetricsText`; the host's
    :class:`Collect` -> :class:`Samples`.
@@ -73,10 +75,14 @@ _LENGTH: Final = struct.Struct(">I")
 
 
 
+class _Message(msgspec.Struct, tag_field="t", frozen=True, kw_only=True, array_like=True):
+    """Every message: tagged by its kind, encoded as an array (no field names on the wire)."""
+
+
 # ----------------------------------------------------------------------------- host -> process
 
 
-class Setup(msgspec.Struct, tag="setup", tag_field="t", frozen=True, kw_only=True):
+class Setup(_Message, tag="setup", frozen=True):
     """What an HTTP process runs on (rule 1)."""
 
     index: int
@@ -85,7 +91,7 @@ class Setup(msgspec.Struct, tag="setup", tag_field="t", frozen=True, kw_only=Tru
     workers: list[str]
 
 
-class Picked(msgspec.Struct, tag="picked", tag_field="t", frozen=True, kw_only=True):
+class Picked(_Message, tag="picked", frozen=True):
     ask: int
     ticket: int
     worker_id: str
@@ -94,7 +100,7 @@ class Picked(msgspec.Struct, tag="picked", tag_field="t", frozen=True, kw_only=T
     block_size: int = 16
 
 
-class NotPicked(msgspec.Struct, tag="not-picked", tag_field="t", frozen=True, kw_only=True):
+class NotPicked(_Message, tag="not-picked", frozen=True):
     """No worker: ``kind`` 0 overloaded (529), 1 unavailable (503), 2 unknown model (404)."""
 
     ask: int
@@ -102,7 +108,7 @@ class NotPicked(msgspec.Struct, tag="not-picked", tag_field="t", frozen=True, kw
     reason: str
 
 
-class Overview(msgspec.Struct, tag="overview", tag_field="t", frozen=True, kw_only=True):
+class Overview(_Message, tag="overview", frozen=True):
     """Rule 5."""
 
     #: Every known model, with whether it has an available worker.
@@ -113,20 +119,20 @@ class Overview(msgspec.Struct, tag="overview", tag_field="t", frozen=True, kw_on
     block_sizes: list[int] = []
 
 
-class ThresholdsSet(msgspec.Struct, tag="thresholds-set", tag_field="t", frozen=True, kw_only=True):
+class ThresholdsSet(_Message, tag="thresholds-set", frozen=True):
     """The thresholds in force after a :class:`SetThresholds`; ``None``: the model is unknown."""
 
     ask: int
     thresholds: BusyThresholds | None
 
 
-class MetricsText(msgspec.Struct, tag="metrics-text", tag_field="t", frozen=True, kw_only=True):
+class MetricsText(_Message, tag="metrics-text", frozen=True):
     ask: int
     body: bytes
     content_type: str
 
 
-class Collect(msgspec.Struct, tag="collect", tag_field="t", frozen=True, kw_only=True):
+class Collect(_Message, tag="collect", frozen=True):
     """Send your metrics' samples (rule 4)."""
 
     ask: int
@@ -138,11 +144,11 @@ FromHost = Setup | Picked | NotPicked | Overview | ThresholdsSet | MetricsText |
 # ----------------------------------------------------------------------------- process -> host
 
 
-class Ready(msgspec.Struct, tag="ready", tag_field="t", frozen=True, kw_only=True):
+class Ready(_Message, tag="ready", frozen=True):
     pid: int
 
 
-class PickAsk(msgspec.Struct, tag="pick", tag_field="t", frozen=True, kw_only=True):
+class PickAsk(_Message, tag="pick", frozen=True):
     """One pick (rule 2): the request's class and prompt, and the workers not to pick."""
 
     ask: int
@@ -157,23 +163,30 @@ class PickAsk(msgspec.Struct, tag="pick", tag_field="t", frozen=True, kw_only=Tr
     exclude: list[str] = []
 
 
-class TicketStarted(msgspec.Struct, tag="started", tag_field="t", frozen=True, kw_only=True):
+class TicketStarted(_Message, tag="started", frozen=True):
     ticket: int
     prompt_tokens: int
     label: str
 
 
-class TicketOutput(msgspec.Struct, tag="output", tag_field="t", frozen=True, kw_only=True):
+class TicketOutput(_Message, tag="output", frozen=True):
     ticket: int
     tokens: int
 
 
-class TicketFinished(msgspec.Struct, tag="finished", tag_field="t", frozen=True, kw_only=True):
+class TicketFinished(_Message, tag="finished", frozen=True):
+    """The ticket's close; a start and an output not sent yet come with it (rule 3), applied
+    first and in that order."""
+
     ticket: int
     final: wire.End | wire.Failed | None = None
+    #: The worker's start, when it was not sent apart: its count of the prompt, and the label.
+    started: tuple[int, str] | None = None
+    #: Output tokens not sent apart (0: none).
+    output: int = 0
 
 
-class TicketRefused(msgspec.Struct, tag="refused", tag_field="t", frozen=True, kw_only=True):
+class TicketRefused(_Message, tag="refused", frozen=True):
     ticket: int
     reason: str
     priority: int
@@ -181,21 +194,21 @@ class TicketRefused(msgspec.Struct, tag="refused", tag_field="t", frozen=True, k
     queue_bound: int | None = None
 
 
-class TicketFailed(msgspec.Struct, tag="failed", tag_field="t", frozen=True, kw_only=True):
+class TicketFailed(_Message, tag="failed", frozen=True):
     ticket: int
 
 
-class TicketUnsent(msgspec.Struct, tag="unsent", tag_field="t", frozen=True, kw_only=True):
+class TicketUnsent(_Message, tag="unsent", frozen=True):
     ticket: int
 
 
-class SetThresholds(msgspec.Struct, tag="set-thresholds", tag_field="t", frozen=True, kw_only=True):
+class SetThresholds(_Message, tag="set-thresholds", frozen=True):
     ask: int
     model: str
     update: BusyThresholds
 
 
-class MetricsAsk(msgspec.Struct, tag="metrics", tag_field="t", frozen=True, kw_only=True):
+class MetricsAsk(_Message, tag="metrics", frozen=True):
     ask: int
     accept: str | None = None
 
@@ -209,7 +222,7 @@ class SampleFamily(msgspec.Struct, frozen=True, array_like=True):
     samples: list[tuple[str, dict[str, str], float]]
 
 
-class Samples(msgspec.Struct, tag="samples", tag_field="t", frozen=True, kw_only=True):
+class Samples(_Message, tag="samples", frozen=True):
     ask: int
     families: list[SampleFamily]
 

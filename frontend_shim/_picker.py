@@ -181,6 +181,10 @@ class Picker:
                 if ticket is None:
                     continue
                 if isinstance(message, msg.TicketFinished):
+                    if message.started is not None:
+                        ticket.started(message.started[0], message.started[1], now)
+                    if message.output:
+                        ticket.output(message.output)
                     ticket.finished(message.final)
                 else:
                     reason = wire.RejectReason.parse(message.reason)
