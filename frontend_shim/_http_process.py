@@ -11,7 +11,9 @@ frontend of one process, with these differences:
    process and worker.
 2. Its worker links open the request planes only: the host follows the events, once.
 3. It listens on the frontend's port with ``SO_REUSEPORT``, beside its siblings: the kernel
-   spreads new connections over them.
+   spreads new connections over them. Where that option is missing (or
+   ``DYN_FRONTEND_PORT_SHARING=inherit``), the host listens and every process accepts from
+   the host's socket, which it inherits (the process that is free first takes a connection).
 4. ``/metrics`` is the whole frontend's: the host merges every process's samples with its own
    (:mod:`frontend_shim._metrics_merge`).
 5. SIGTERM (forwarded by the host) drains it as it drains a frontend of one process; a host
@@ -60,16 +62,26 @@ _log = logging.getLogger("frontend_shim")
 _BACKLOG = 4096
 
 
-def shared_port_listener(host: str, port: int, *, listen: bool = True) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` (rule 3); listening unless asked
-    not to (the host's, which only holds the port number for its processes)."""
+def shared_port_listener(
+    host: str, port: int, *, listen: bool = True, reuse_port: bool = True
+) -> socket.socket:
+    """A socket bound to ``host:port``, with ``SO_REUSEPORT`` unless told not to (rule 3);
+    listening unless asked not to (the host's, which only holds the port for its processes).
+
+    Raises:
+        OSError: the address cannot be bound, or ``SO_REUSEPORT`` is not available here.
+    """
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            option = getattr(socket, "SO_REUSEPORT", None)
+            if option is None:
+                raise OSError("SO_REUSEPORT is not available on this system")
+            sock.setsockopt(socket.SOL_SOCKET, option, 1)
         sock.bind(address)
         if listen:
             sock.listen(_BACKLOG)
@@ -79,7 +91,9 @@ def shared_port_listener(host: str, port: int, *, listen: bool = True) -> socket
     return sock
 
 
-async def run_http_process(channel_fd: int, board_fd: int, processes: int) -> None:
+async def run_http_process(
+    channel_fd: int, board_fd: int, processes: int, listener_fd: int | None = None
+) -> None:
     """Serve as the host's process until SIGTERM or the host's end (rules at the top)."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     sock = socket.socket(fileno=channel_fd)
@@ -137,9 +151,11 @@ async def run_http_process(channel_fd: int, board_fd: int, processes: int) -> No
         if settings.tls_cert_path is not None and settings.tls_key_path is not None
         else None
     )
-    listener = trio.SocketListener(
-        trio.socket.from_stdlib_socket(shared_port_listener(settings.http_host, settings.http_port))
-    )
+    if listener_fd is None:
+        sock = shared_port_listener(settings.http_host, settings.http_port)
+    else:  # the host's own listening socket, shared by every process (rule 3)
+        sock = socket.socket(fileno=listener_fd)
+    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     http_shutdown = Shutdown()
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -187,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--channel", type=int, required=True)
     parser.add_argument("--board", type=int, required=True)
     parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--listener", type=int, default=None)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -197,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGINT is the host's to handle (a terminal's ^C reaches the whole group): the host
     # forwards what it decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    trio.run(run_http_process, args.channel, args.board, args.processes)
+    trio.run(run_http_process, args.channel, args.board, args.processes, args.listener)
 
 
 if __name__ == "__main__":

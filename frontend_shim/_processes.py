@@ -5,7 +5,9 @@ processes (:mod:`frontend_shim._http_process`) on one port and one host process,
 which:
 
 1. holds the port: it binds the frontend's address with ``SO_REUSEPORT`` (so port 0 is chosen
-   once) and each HTTP process listens on it beside its siblings;
+   once) and each HTTP process listens on it beside its siblings; where the system lacks the
+   option (or ``DYN_FRONTEND_PORT_SHARING=inherit``), it listens itself and every process
+   accepts from that one socket;
 2. keeps the picture of the fleet, the only one: it follows every worker's events once, holds
    the ``kv`` index once, and answers the picks of every process (:mod:`frontend_shim._picker`);
    so N processes route as one frontend would;
@@ -117,6 +119,7 @@ class Supervisor:
         snapshot: Callable[[], Awaitable[list[msg.SampleFamily]]] | None = None,
         *,
         python: str = sys.executable,
+        listener: socket.socket | None = None,
     ) -> None:
         self.processes = processes
         self._picker = picker
@@ -125,6 +128,9 @@ class Supervisor:
         self._workers = workers
         self._python = python
         self._own_snapshot = snapshot
+        #: The host's listening socket every process accepts from, where the port is not
+        #: shared with SO_REUSEPORT (rule 1).
+        self._listener = listener
         self.retired = Retired()
         self.draining = False
         self.restarts = 0
@@ -231,23 +237,25 @@ class Supervisor:
 
     async def _run_once(self, index: int) -> int | None:
         host_end, process_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [
+            self._python,
+            "-m",
+            "frontend_shim._http_process",
+            "--channel",
+            str(process_end.fileno()),
+            "--board",
+            str(self._board.fd),
+            "--processes",
+            str(self.processes),
+            "--log-level",
+            str(logging.getLogger("frontend_shim").getEffectiveLevel()),
+        ]
+        inherited = [process_end.fileno(), self._board.fd]
+        if self._listener is not None:
+            command += ["--listener", str(self._listener.fileno())]
+            inherited.append(self._listener.fileno())
         try:
-            proc = await trio.lowlevel.open_process(
-                [
-                    self._python,
-                    "-m",
-                    "frontend_shim._http_process",
-                    "--channel",
-                    str(process_end.fileno()),
-                    "--board",
-                    str(self._board.fd),
-                    "--processes",
-                    str(self.processes),
-                    "--log-level",
-                    str(logging.getLogger("frontend_shim").getEffectiveLevel()),
-                ],
-                pass_fds=(process_end.fileno(), self._board.fd),
-            )
+            proc = await trio.lowlevel.open_process(command, pass_fds=inherited)
         finally:
             process_end.close()
         self._procs[index] = proc
@@ -345,7 +353,7 @@ async def run_frontend_processes(
     log_thresholds(settings)
     parts: PictureParts = picture_parts(settings)
     fleet, metrics, waiting = parts.fleet, parts.metrics, parts.waiting
-    held = shared_port_listener(settings.http_host, settings.http_port, listen=False)
+    held, shared = _hold_port(settings)
     port = held.getsockname()[1]
     board = ShedBoard.create(processes)
     try:
@@ -383,6 +391,7 @@ async def run_frontend_processes(
                 workers,
                 functools.partial(metrics.off_loop, families_of, metrics.registry),
                 python=python,
+                listener=shared,
             )
             picker.on_message = supervisor.on_message
             picker.on_samples = supervisor.on_samples
@@ -412,6 +421,36 @@ async def run_frontend_processes(
         held.close()
         board.close()
     sys.stdout.flush()
+
+
+#: ``reuseport`` (the default where the system has it) or ``inherit`` (rule 1).
+PORT_SHARING_ENV: Final = "DYN_FRONTEND_PORT_SHARING"
+
+
+def _hold_port(settings: FrontendSettings) -> tuple[socket.socket, socket.socket | None]:
+    """The host's socket on the frontend's address, and the listening socket the processes
+    inherit when the port is not shared with ``SO_REUSEPORT`` (rule 1)."""
+    host, port = settings.http_host, settings.http_port
+    sharing = os.environ.get(PORT_SHARING_ENV, "reuseport").strip().lower()
+    if sharing != "inherit":
+        if _reuse_port_works():
+            return shared_port_listener(host, port, listen=False), None
+        _log.warning("SO_REUSEPORT is not available: the HTTP processes share one socket")
+    listener = shared_port_listener(host, port, reuse_port=False)
+    listener.set_inheritable(True)
+    return listener, listener
+
+
+def _reuse_port_works() -> bool:
+    option = getattr(socket, "SO_REUSEPORT", None)
+    if option is None:
+        return False
+    with socket.socket() as probe:
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, option, 1)
+        except OSError:
+            return False
+    return True
 
 
 async def _tick(picker: Picker, waiting: WaitingRoom) -> None:
