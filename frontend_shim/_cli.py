@@ -127,7 +127,7 @@ def _frontend(
     max_loop_lag: Annotated[
         float,
         Parameter(env_var="DYN_FRONTEND_MAX_LOOP_LAG", validator=of_kind(SECONDS, gte=0)),
-    ] = 0.02,
+    ] = 0.01,
     router_mode: Annotated[RouterMode, Parameter(env_var="DYN_ROUTER_MODE")] = "round-robin",
     active_decode_blocks_threshold: Annotated[
         float | None,

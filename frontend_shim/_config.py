@@ -49,7 +49,7 @@ class FrontendSettings:
     processes: int = 1
     #: Seconds of this process's own loop lag above which it sheds new requests
     #: (``--max-loop-lag``, frontend_shim._loop_guard); 0: never.
-    max_loop_lag: float = 0.02
+    max_loop_lag: float = 0.01
     router_mode: RouterMode = "round-robin"
     #: The busy thresholds every model starts with (``--active-*-threshold*``).
     thresholds: BusyThresholds = dataclasses.field(default_factory=BusyThresholds)

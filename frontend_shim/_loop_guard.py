@@ -13,8 +13,10 @@ is read. :class:`LoopGuard` keeps that figure and says which new requests to tur
    A pass is measured in the CPU time of the loop's thread, not on the wall clock: what is
    measured is this process's own work, so a core shared with other busy processes (whose
    waits no shedding here would shorten) does not make it shed.
-2. The target. Below ``target`` seconds of lag nothing is shed. Above it, a share of new
-   requests is turned away, raised while the lag stays above the target and lowered while it is
+2. The target. Below ``target`` seconds of lag nothing is shed, nor while the loop spends
+   less than :data:`BUSY_FLOOR` of its time running tasks (on average, as the lag): a loop
+   with time to spare is not behind, only bursty. Above it, a share of new requests is turned
+   away, raised while the lag stays above the target and lowered while it is
    below, in proportion to the distance (a proportional-integral controller of the shed share,
    as PIE does for packets), every :data:`UPDATE` seconds. Turning a request away at its head
    costs a fraction of serving it, so shedding a share of arrivals brings the lag back to the
@@ -34,7 +36,9 @@ from typing import Final
 __all__ = ["DEFAULT_TARGET", "LoopGuard"]
 
 #: Seconds of loop lag the guard keeps the loop under (rule 2).
-DEFAULT_TARGET: Final = 0.02
+DEFAULT_TARGET: Final = 0.01
+#: The share of its time a loop must spend running tasks to count as behind (rule 2).
+BUSY_FLOOR: Final = 0.9
 #: Seconds over which passes are averaged (rule 1).
 SMOOTHING: Final = 0.05
 #: Seconds between two updates of the shed share (rule 2).
@@ -60,6 +64,7 @@ class LoopGuard:
         "_last_pass_end",
         "_last_update",
         "_prior_lag",
+        "busy",
         "lag",
         "share",
         "target",
@@ -71,6 +76,8 @@ class LoopGuard:
         self.target = target
         #: The loop's lag now (rule 1), seconds.
         self.lag = 0.0
+        #: The share of time the loop spends running tasks, on average (rule 2).
+        self.busy = 0.0
         #: The share of new requests shed now (rule 2), in [0, MAX_SHARE].
         self.share = 0.0
         self._prior_lag = 0.0
@@ -88,6 +95,8 @@ class LoopGuard:
         # An average over time, not over passes: a thousand short passes weigh what they last.
         weight = 1.0 - math.exp(-elapsed / SMOOTHING)
         self.lag += weight * (length - self.lag)
+        if elapsed > 0:
+            self.busy += weight * (min(1.0, length / elapsed) - self.busy)
         self._update(ended)
 
     def _update(self, now: float) -> None:
@@ -97,10 +106,12 @@ class LoopGuard:
         self._last_update = now
         periods = 1.0 if last is None else min(10.0, (now - last) / UPDATE)
         target = self.target
-        step = ALPHA * periods * (self.lag - target) / target
-        step += BETA * (self.lag - self._prior_lag) / target
-        self._prior_lag = self.lag
-        if self.lag <= target and self.share == 0.0:
+        # A loop with time to spare is not behind, however long its passes (rule 2).
+        lag = self.lag if self.busy >= BUSY_FLOOR else min(self.lag, target / 2)
+        step = ALPHA * periods * (lag - target) / target
+        step += BETA * (lag - self._prior_lag) / target
+        self._prior_lag = lag
+        if lag <= target and self.share == 0.0:
             return
         self.share = min(MAX_SHARE, max(0.0, self.share + step))
 

@@ -77,3 +77,15 @@ def test_the_share_stays_a_share_and_the_lag_a_pass(passes: list[tuple[float, fl
 def test_the_target_must_be_positive() -> None:
     with pytest.raises(ValueError, match="target"):
         LoopGuard(target=0.0)
+
+
+def test_long_passes_with_time_to_spare_shed_nothing() -> None:
+    # 60 ms passes, each followed by 60 ms of waiting for I/O: bursty, not behind.
+    guard = LoopGuard(target=0.01)
+    now = T0
+    for _ in range(50):
+        now += 0.06
+        guard.pass_ran(0.06, now)
+        now += 0.06
+    assert guard.busy < 0.9
+    assert guard.share == 0.0
