@@ -81,7 +81,8 @@ from frontend_shim._responses import (
     send_unavailable,
     serve_started,
 )
-from frontend_shim._router import CompletionRate, RejectionKind, retry_after_seconds
+from frontend_shim._retry_advice import RetryAdvice
+from frontend_shim._router import CompletionRate, RejectionKind
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
 from shim_common._client_text import no_such_endpoint, not_allowed, shorten
@@ -113,6 +114,13 @@ class WorkerLinks(Protocol):
     def link_of(self, worker_id: str) -> WorkerLink | None:
         """The link of a registered worker, or ``None`` (it went away)."""
         ...
+
+
+def _is_retry(request: HTTPRequest) -> bool:
+    """Whether the client says this is a retry (``x-stainless-retry-count`` above 0, as
+    OpenAI's SDKs send it): frontend_shim._retry_advice, rule 3."""
+    count = request.header(b"x-stainless-retry-count")
+    return count is not None and count.strip() not in (b"", b"0")
 
 
 class FleetView(Protocol):
@@ -202,6 +210,7 @@ class FrontendAPI:
         self._picture = picture
         self._migration_limit = migration_limit
         self._completions = CompletionRate()
+        self._retries = RetryAdvice()
         self._in_flight = 0
         # Of those, the requests still uploading their body: the fleet holds nothing of them,
         # so Retry-After leaves them out (a thousand slow uploads must not tell every shed
@@ -349,7 +358,8 @@ class FrontendAPI:
             inflight = self._metrics.inflight(label)
             inflight.inc()
             try:
-                await self._route(responder, exchange, model, body, priority, tenant)
+                retry = _is_retry(request)
+                await self._route(responder, exchange, model, body, priority, tenant, retry)
             finally:
                 inflight.dec()
                 self._count(exchange)
@@ -386,6 +396,7 @@ class FrontendAPI:
         body: dict[str, Any],
         priority: int,
         tenant: str,
+        retry: bool = False,
     ) -> None:
         exempt = self._busy_exempt is not None and priority <= self._busy_exempt
         waiting = self._waiting
@@ -399,6 +410,7 @@ class FrontendAPI:
             return
         picture = self._picture
         query = PickQuery(model, priority, tenant, exempt, picture.prompt(exchange.endpoint, body))
+        query.retry = retry
         dispatch = Dispatch(query, self._migration_limit, exchange, self._metrics)
         try:
             action: Action | None = dispatch.start()
@@ -447,6 +459,7 @@ class FrontendAPI:
                 finally:
                     dispatch.close(trio.current_time())
                     self._completions.record(trio.current_time())
+                    self._retries.completed()
                 return None
             if isinstance(action, Fail):
                 await send_failure(responder, exchange, action.failed)
@@ -478,13 +491,16 @@ class FrontendAPI:
         exchange.status = self._overload_status
         self._metrics.count_rejection(exchange.label, exchange.endpoint)
         self._metrics.count_rejection_reason(exchange.label, reason)
-        retry_after = retry_after_seconds(
+        advice = self._retries.advise(
             self._in_flight - self._uploading,
             self._completions.rate(trio.current_time()),
-            slot_share=self._fleet.slot_share(),
+            self._fleet.slot_share(),
         )
         return json_headers(
-            (b"retry-after", b"%d" % retry_after), (REJECT_REASON_HEADER, reason.encode())
+            (b"retry-after", b"%d" % advice.retry_after_s),
+            (b"retry-after-ms", b"%d" % advice.retry_after_ms),
+            (b"x-should-retry", b"true" if advice.should_retry else b"false"),
+            (REJECT_REASON_HEADER, reason.encode()),
         )
 
     async def _send_unavailable(

@@ -192,6 +192,7 @@ class RemotePicture:
                 prompt_tokens=len(prompt.tokens),
                 names=names,
                 exclude=sorted(query.exclude),
+                retry=query.retry,
             )
 
         answer = await self._host.ask(ask)

@@ -161,6 +161,8 @@ class PickAsk(_Message, tag="pick", frozen=True):
     prompt_tokens: int = 0
     names: dict[int, list[int]] | None = None
     exclude: list[str] = []
+    #: A client's retry (:attr:`~frontend_shim._picture.PickQuery.retry`).
+    retry: bool = False
 
 
 class TicketStarted(_Message, tag="started", frozen=True):

@@ -217,6 +217,7 @@ class Picker:
         if prompt is not None:
             query.prompt = prompt
         query.exclude.update(ask.exclude)
+        query.retry = ask.retry
         waiting = self._waiting
         if (
             waiting is not None

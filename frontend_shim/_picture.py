@@ -68,6 +68,9 @@ class PickQuery:
     prompt: Prompt = NO_PROMPT
     #: Workers not to pick: those that refused the request or went away before it reached them.
     exclude: set[str] = dataclasses.field(default_factory=set)
+    #: The client's retry of a request answered 529 (``x-stainless-retry-count`` above 0): the
+    #: frontend's marks alone do not turn it away (frontend_shim._retry_advice, rule 3).
+    retry: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,6 +166,7 @@ class LocalPicture:
             query.exclude,
             exempt=query.exempt,
             prompt=query.prompt,
+            retry=query.retry,
         )
         if isinstance(outcome, AllBusy):
             marked = self.fleet.every_worker_marked(query.model)

@@ -12,7 +12,8 @@ What the I/O side does for one request, and which piece here answers each questi
         Routed -> send; on Rejected(text): reason = wire.RejectReason.parse(text), once;
                   router.on_rejected(id, reason, now, priority, tenant, bound) marks the
                   worker; pick again while the migration limit allows, else 529
-        AllBusy -> 529 (retry_after_seconds(...)) | NoWorkers -> 503 | UnknownModel -> 404
+        AllBusy -> 529 (frontend_shim._retry_advice says when) | NoWorkers -> 503
+        UnknownModel -> 404
 
 Rules:
 
@@ -49,7 +50,8 @@ Rules:
    waiting request; the cost per request stays bounded however many workers are marked, at
    the price that a look over more than :data:`MARKED_LOOK` marked workers may miss one. None
    found: :class:`AllBusy`, which the HTTP layer answers ``marked`` when every available worker
-   of the model is marked.
+   of the model is marked. A client's retry of a refused request beats every mark
+   (frontend_shim._retry_advice, rule 3): a mark is a guess for a second, the gate decides.
 6. Frontend queue (``--router-queue-threshold f``): a request parks instead of being routed when
    the model has free workers but all of them are saturated (every reported rank has more
    prefill tokens than ``int(f * max_num_batched_tokens)``), or when it has free workers and
@@ -59,11 +61,8 @@ Rules:
    unsaturated free worker (each routed request adds to the
    router's own prefill count, so the next release sees it), or every waiter of a model that
    has no free worker left (they then get their 529/503 at once instead of waiting).
-7. Retry-After: ``ceil(in_flight / completions_per_second)``, the time the fleet needs to turn
-   over what it holds now, clamped to [1, 30] s; 1 s before any completion was seen. When
-   workers with a TTFT objective have lowered their effective limit below what they still run
-   (:meth:`~frontend_shim._load.Fleet.slot_share` < 1), the rate measured so far overstates the
-   pace to come, and is scaled down by that share.
+7. Retry-After: the rate at which requests complete is measured here (:class:`CompletionRate`);
+   what an overload answer advises is in :mod:`frontend_shim._retry_advice`.
 """
 
 from __future__ import annotations
@@ -83,7 +82,6 @@ from frontend_shim._load import Fleet
 from shim_common import wire
 
 __all__ = [
-    "DEFAULT_RETRY_AFTER_CAP",
     "MARKED_LOOK",
     "AllBusy",
     "CompletionRate",
@@ -95,11 +93,8 @@ __all__ = [
     "Router",
     "RouterMode",
     "UnknownModel",
-    "retry_after_seconds",
 ]
 
-#: Largest Retry-After (seconds) sent with a 529.
-DEFAULT_RETRY_AFTER_CAP: Final = 30
 #: Marked workers one request looks at, at most, for one whose mark its class beats (rule 5).
 MARKED_LOOK: Final = 16
 #: Refusals that prove only a long wait, held by the queue's depth (rule 4).
@@ -334,6 +329,7 @@ class Router:
         *,
         exempt: bool = False,
         prompt: Prompt = NO_PROMPT,
+        retry: bool = False,
     ) -> Outcome:
         """Choose a worker for a request of a class (rules 1-3, then 5).
 
@@ -345,6 +341,8 @@ class Router:
             exclude: ids of workers not to choose (those that already rejected this request).
             exempt: the request is busy-exempt: a busy worker may take it.
             prompt: the request's prompt, which the ``kv`` mode scores.
+            retry: a client's retry of a refused request: a mark does not turn it away
+                (rule 5: its class beats every mark).
 
         Returns:
             As :meth:`pick`.
@@ -354,7 +352,8 @@ class Router:
             return outcome
         routed = self.pick_exempt(model, now, exclude) if exempt else None
         if routed is None:
-            routed = self._pick_marked(model, now, priority, tenant, exclude, exempt)
+            marked_class = wire.PRIORITY_MIN - 1 if retry else priority
+            routed = self._pick_marked(model, now, marked_class, tenant, exclude, exempt)
         return outcome if routed is None else routed
 
     # ------------------------------------------------------------------ rejections, migration
@@ -583,35 +582,3 @@ class CompletionRate:
         # Bias correction; at least the first completion's own window so t=start is finite.
         coverage = max(1.0 - math.exp(-elapsed / self.time_constant), 1.0 / self.time_constant)
         return self._decayed(now) / self.time_constant / coverage
-
-
-def retry_after_seconds(
-    in_flight: int,
-    completions_per_second: float | None,
-    *,
-    cap: int = DEFAULT_RETRY_AFTER_CAP,
-    slot_share: float = 1.0,
-) -> int:
-    """Retry-After for a 529: the time the fleet needs to turn over what it holds now.
-
-    Args:
-        in_flight: requests in flight in the fleet (or of the model).
-        completions_per_second: from :meth:`CompletionRate.rate`; ``None`` when unknown.
-        cap: the largest value returned (>= 1).
-        slot_share: the fleet's effective limits over what it runs (in (0, 1]; rule 7): the
-            part of the measured pace that will last.
-
-    Returns:
-        Whole seconds in ``[1, cap]``: ``ceil(in_flight / rate)`` clamped; 1 when the rate is
-        unknown or nothing is in flight; ``cap`` when requests are in flight and nothing
-        completes.
-    """
-    cap = max(1, cap)
-    if completions_per_second is None or in_flight <= 0:
-        return 1
-    if not completions_per_second > 0:
-        return cap
-    seconds = in_flight / (completions_per_second * min(1.0, max(slot_share, 1e-9)))
-    if not math.isfinite(seconds):
-        return cap
-    return max(1, min(cap, math.ceil(seconds)))

@@ -22,7 +22,6 @@ from frontend_shim._router import (
     Router,
     RouterMode,
     UnknownModel,
-    retry_after_seconds,
 )
 from shim_common import wire
 from shim_common._busy import BusyThresholds
@@ -499,18 +498,6 @@ def test_queue_rejects_double_park_and_bad_capacity() -> None:
 # ----------------------------------------------------------------------------- Retry-After
 
 
-def test_retry_after_bounds() -> None:
-    assert retry_after_seconds(100, None) == 1
-    assert retry_after_seconds(0, 5.0) == 1
-    assert retry_after_seconds(1, 1000.0) == 1
-    assert retry_after_seconds(100, 10.0) == 10
-    assert retry_after_seconds(101, 10.0) == 11
-    assert retry_after_seconds(10**6, 1.0) == 30
-    assert retry_after_seconds(10**6, 1.0, cap=5) == 5
-    assert retry_after_seconds(5, 0.0) == 30
-    assert retry_after_seconds(5, 1e-300) == 30
-
-
 def test_completion_rate_follows_the_rate() -> None:
     rate = CompletionRate(time_constant=2.0)
     assert rate.rate(0.0) is None
@@ -544,12 +531,6 @@ def test_completion_rate_is_unknown_during_warmup() -> None:
     assert rate.rate(11.0) is not None
 
 
-def test_retry_after_scales_the_pace_by_the_slot_share() -> None:
-    assert retry_after_seconds(100, 10.0, slot_share=1.0) == 10
-    assert retry_after_seconds(100, 10.0, slot_share=0.5) == 20
-    assert retry_after_seconds(100, 10.0, slot_share=0.0) == 30  # capped, never a division by 0
-
-
 def test_kv_prefers_the_worker_with_room_under_its_effective_limit() -> None:
     fleet = Fleet()
     for worker_id in ("full", "room"):
@@ -572,3 +553,13 @@ def test_kv_prefers_the_worker_with_room_under_its_effective_limit() -> None:
     router = Router(fleet, RouterMode.KV)
     picks = {router.pick(MODEL, 0.0) for _ in range(4)}
     assert picks == {Routed("room")}
+
+
+def test_a_retry_is_not_turned_away_by_a_mark_alone() -> None:
+    fleet, _ = fleet_of(1, BusyThresholds())
+    router = Router(fleet)
+    router.on_rejected("w0", wire.RejectReason.OVERLOADED, 0.0)  # every class marked
+    assert router.pick_class(MODEL, 0.1, 0, "t") == AllBusy()
+    # The client's retry of a refused request: the mark is a guess, the worker's gate decides.
+    assert router.pick_class(MODEL, 0.1, 0, "t", retry=True) == Routed("w0")
+    assert router.pick_class(MODEL, 0.1, 0, "t", {"w0"}, retry=True) == AllBusy()
