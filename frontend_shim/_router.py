@@ -297,7 +297,7 @@ class Router:
 
     def _pick_marked(
         self, model: str, now: float, priority: int, tenant: str, exclude: Collection[str],
-        busy_ok: bool,
+        busy_ok: bool, beats_marks: bool = False,
     ) -> Routed | None:  # fmt: skip
         # Rule 5: the least loaded of at most MARKED_LOOK marked workers whose mark the class
         # beats (busy ones only for a busy-exempt request); None: none among those looked at.
@@ -312,7 +312,7 @@ class Router:
             worker = marked[(start + step) % count]
             if (
                 (busy_ok or not worker.busy)
-                and mark_admits(worker, priority, tenant)
+                and (beats_marks or mark_admits(worker, priority, tenant))
                 and worker.config.worker_id not in exclude
                 and (chosen is None or worker.load_cost < chosen.load_cost)
             ):
@@ -352,8 +352,7 @@ class Router:
             return outcome
         routed = self.pick_exempt(model, now, exclude) if exempt else None
         if routed is None:
-            marked_class = wire.PRIORITY_MIN - 1 if retry else priority
-            routed = self._pick_marked(model, now, marked_class, tenant, exclude, exempt)
+            routed = self._pick_marked(model, now, priority, tenant, exclude, exempt, retry)
         return outcome if routed is None else routed
 
     # ------------------------------------------------------------------ rejections, migration
