@@ -10,8 +10,10 @@ Rules of the shell
 
 1. The shell decides nothing: whether a request starts, waits or is turned away, when a wait
    runs out and with which reason, what the objective's controller learns, are the state's.
-   The shell passes ``trio.current_time()`` to every event that takes a time. With an
-   objective (the only part of the state that time moves) it calls
+   The shell passes ``trio.current_time()`` to the state it makes and to every event that
+   takes a time (the core has no default for it: a made-up 0 would read as a start long ago
+   on Trio's real clock, which begins tens of thousands of seconds in). With an objective (the
+   only part of the state that time moves) it calls
    :meth:`~worker_ingress._admission_state.AdmissionState.tick` before each arrival and after
    each first output and each end (the events on which the objective's window may close);
    without one it never calls it.
@@ -62,6 +64,7 @@ __all__ = [
 _RUNNING: Final = TicketStatus.RUNNING
 _HAND: Final = TicketStatus.HAND
 _CHANNEL: Final = TicketStatus.CHANNEL
+_FINISHED: Final = TicketStatus.FINISHED
 
 
 class Rejection(Exception):
@@ -98,6 +101,9 @@ class AdmissionGate:
         on_change: Called synchronously whenever ``running``, ``queued`` or L changes (the
             event plane publishes from it). It must be cheap and must not raise.
 
+    The gate is made inside a Trio run: it reads the clock then (with an objective, the
+    controller's first window opens when the gate is made).
+
     Raises:
         ValueError: N < 1, Q < 2, W < 1, a weight out of range, a negative or NaN queue
             timeout, or an objective or minimum limit out of range.
@@ -129,6 +135,7 @@ class AdmissionGate:
             queue_timeout=queue_timeout,
             ttft_objective=ttft_objective,
             adaptive_min_limit=adaptive_min_limit,
+            now=trio.current_time(),
         )
         self._on_change = on_change
         # Created only while someone sits in wait_idle(); set when in_flight reaches 0.
@@ -341,6 +348,7 @@ class AdmissionGate:
         now = trio.current_time()
         self._after(self._state.cancel(ticket, now=now), now)
 
+
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
@@ -379,12 +387,11 @@ class SlotLease:
     @property
     def queue_wait(self) -> float:
         """Seconds (Trio time) the request waited in the queue before it started; 0.0 on the
-        direct path (and before it started)."""
+        direct path (and before it started, or when it never did)."""
         ticket = self._ticket
-        if ticket is None:
+        if ticket is None or (ticket.status is not _RUNNING and ticket.status is not _FINISHED):
             return 0.0
-        # A ticket that never started has ``started == 0.0``: no wait to report.
-        return max(0.0, ticket.started - ticket.arrived)
+        return ticket.started - ticket.arrived
 
     def first_output(self) -> None:
         """The request produced its first output: give the waiting place back (idempotent)."""

@@ -15,9 +15,13 @@ Rules of the state machine
    (nothing changes); :meth:`AdmissionState.arrive` is ``decide`` plus its application, and
    :meth:`AdmissionState.would_reject` is ``decide`` alone. The shell parks, wakes, arms the
    deadline a decision names and reads the clock; it decides nothing.
-2. Time comes in as ``now`` (seconds on any monotonic clock) with the events that need it; the
-   state never reads a clock. A request that spent time before the gate says so with
-   ``already_waited`` (seconds): the objective judges it on what is left (bound and deadline).
+2. Time comes in as ``now`` (seconds on any monotonic clock) with the state's making and with
+   every event that needs it, never with a default: the state never reads a clock, and never
+   makes a time up (a 0 would be a start long ago on a clock that began long ago, as Trio's
+   does). Every time the state stamps (a ticket's arrival and start, what the objective
+   learns) is the ``now`` of the event that caused it. A request that spent time before the
+   gate says so with ``already_waited`` (seconds): the objective judges it on what is left
+   (bound and deadline).
 3. The order of the channel is :class:`~worker_ingress._fair_queue.FairQueue`'s; this module
    never reorders or scans it.
 4. With a time-to-first-token objective the state owns the sans-IO
@@ -210,7 +214,7 @@ class AdmissionState:
         queue_timeout: float | None = None,
         ttft_objective: float | None = None,
         adaptive_min_limit: int = 1,
-        now: float = 0.0,
+        now: float,
     ) -> None:
         if engine_slots < 1:
             raise ValueError(f"engine_slots must be >= 1, got {engine_slots}")
@@ -367,7 +371,7 @@ class AdmissionState:
     # -- the decision ---------------------------------------------------------------------------
 
     def decide(
-        self, priority: int = 0, tenant: str = "", *, now: float = 0.0, already_waited: float = 0.0
+        self, priority: int = 0, tenant: str = "", *, now: float, already_waited: float = 0.0
     ) -> Decision:
         """What :meth:`arrive` would do with this arrival now; nothing changes (rule 1).
 
@@ -439,7 +443,7 @@ class AdmissionState:
         return QueueDecision(deadline, ends, victim, victim_reason)
 
     def would_reject(
-        self, priority: int = 0, tenant: str = "", *, now: float = 0.0, already_waited: float = 0.0
+        self, priority: int = 0, tenant: str = "", *, now: float, already_waited: float = 0.0
     ) -> bool:
         """Whether :meth:`arrive` with these values would be a :class:`GateRefusal` (that is,
         :meth:`decide` is one); no change."""
@@ -454,7 +458,7 @@ class AdmissionState:
         tenant: str = "",
         prompt_tokens: int = 0,
         *,
-        now: float = 0.0,
+        now: float,
         already_waited: float = 0.0,
     ) -> Ticket | GateRefusal:
         """A request arrives: :meth:`decide`, then apply the decision.
@@ -486,7 +490,8 @@ class AdmissionState:
 
     def tick(self, now: float) -> list[Ticket]:
         """Time passed: with an objective, the controller closes its window if one is due and a
-        new L is put in force at once (lowering it evicts nobody).
+        new L is put in force at once (lowering it evicts nobody; what a raise starts, starts at
+        ``now``).
 
         Cheap when no window is due (two comparisons); call it on any event.
 
@@ -496,9 +501,9 @@ class AdmissionState:
         slo = self.slo
         if slo is None or not slo.update(now) or slo.limit == self.slot_limit:
             return []
-        return self.set_slot_limit(slo.limit)
+        return self.set_slot_limit(slo.limit, now=now)
 
-    def first_output(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def first_output(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """A running ticket produced its first output: it gives its waiting place back (and,
         with an objective, is the controller's sample).
 
@@ -531,7 +536,7 @@ class AdmissionState:
         FairQueue.charge(ticket.tenant, tokens)
         ticket.account.service_tokens += tokens
 
-    def finish(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def finish(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """A running ticket leaves the engine (done, failed or cancelled): its slot frees.
 
         Args:
@@ -561,7 +566,7 @@ class AdmissionState:
             return None
         return self._dispatch(now)
 
-    def cancel(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def cancel(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """Withdraw a ticket, whatever its state: the caller has gone away.
 
         A queued ticket gives its place back; a running one frees its slot (as :meth:`finish`);
@@ -628,7 +633,7 @@ class AdmissionState:
         self.slo_rejected_total += 1
         return True
 
-    def set_slot_limit(self, limit: int, *, now: float = 0.0) -> list[Ticket]:
+    def set_slot_limit(self, limit: int, *, now: float) -> list[Ticket]:
         """Set L, the slots usable now (the controller's output, or an operator's).
 
         Lowering it never evicts a running ticket: fewer start until running falls below it.

@@ -70,7 +70,10 @@ CLOSE_PROTOCOL_ERROR: Final = 1002
 
 
 class FrameCounter:
-    """Rules 1-3 on the bytes one client sends (sans-IO).
+    """Rules 1-4 on the bytes one client sends (sans-IO).
+
+    Args:
+        now: The time the connection was accepted (the ping bucket counts from it).
 
     Attributes:
         breach: Why the client was cut off (rule 2), once it was; ``None`` before.
@@ -87,7 +90,7 @@ class FrameCounter:
         "ignored",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         # The opening request, read as wsproto reads it.
         self._handshake = h11.Connection(h11.SERVER)
         #: Whether the library refuses the request, so nothing is counted (rule 3).
@@ -99,8 +102,8 @@ class FrameCounter:
         # The frames of the data message under way (0: none) and its payload bytes so far.
         self._frames = 0
         self._size = 0
-        # Starts full: its first refill, whenever that is, is capped at the burst (rule 4).
-        self._pings = ControlFrameRate(PINGS_PER_SECOND, PING_BURST, now=0.0)
+        # Starts full (rule 4).
+        self._pings = ControlFrameRate(PINGS_PER_SECOND, PING_BURST, now)
         self.breach: str | None = None
 
     def request(self, data: bytes | bytearray) -> int | None:
@@ -221,7 +224,7 @@ class FrameBoundStream(trio.abc.Stream):
     ) -> None:
         self._stream = stream
         self._on_breach = on_breach
-        self._counter = FrameCounter()
+        self._counter = FrameCounter(trio.current_time())
         # Whether the request is whole, what followed it in its read, and whether the library
         # has answered it (rule 1).
         self._requested = False

@@ -245,7 +245,7 @@ class SloController:
         objective: float,
         max_limit: int,
         min_limit: int = 1,
-        now: float = 0.0,
+        now: float,
         tuning: SloTuning | None = None,
     ) -> None:
         if not (objective > 0 and math.isfinite(objective)):

@@ -38,7 +38,7 @@ def _gauges(metrics: WorkerMetrics) -> tuple[float | None, float | None, float |
     )
 
 
-def test_every_stable_name_is_exposed_without_labels() -> None:
+async def test_every_stable_name_is_exposed_without_labels() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
     body, _ = metrics.render(None)
     lines = body.decode().splitlines()
@@ -51,14 +51,14 @@ def test_every_stable_name_is_exposed_without_labels() -> None:
             assert "{" not in line, line
 
 
-def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
+async def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
     gate = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
     metrics = WorkerMetrics(gate)
     assert _sample(metrics, "dynamo_engine_request_limit") == 10_000
     assert _sample(metrics, "dynamo_request_queue_limit") == 40_000
 
 
-def test_limit_gauges_show_n_and_q_when_set() -> None:
+async def test_limit_gauges_show_n_and_q_when_set() -> None:
     gate = AdmissionGate.from_settings(
         WorkerSettings(worker_id="w", engine_request_limit=4, request_queue_limit=7)
     )
@@ -126,7 +126,7 @@ async def test_draining_rejections_are_counted_apart() -> None:
     assert _sample(metrics, "dynamo_worker_draining_rejection_total") == 3
 
 
-def test_kv_blocks_are_read_at_scrape_time_only() -> None:
+async def test_kv_blocks_are_read_at_scrape_time_only() -> None:
     calls: list[tuple[int, int]] = []
     blocks = (100, 0)
 
@@ -142,13 +142,13 @@ def test_kv_blocks_are_read_at_scrape_time_only() -> None:
     assert _sample(metrics, "dynamo_component_kv_used_blocks") == 42
 
 
-def test_kv_blocks_default_to_zero() -> None:
+async def test_kv_blocks_default_to_zero() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     assert _sample(metrics, "dynamo_component_total_blocks") == 0
     assert _sample(metrics, "dynamo_component_kv_used_blocks") == 0
 
 
-def test_connection_errors_are_counted() -> None:
+async def test_connection_errors_are_counted() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     assert _sample(metrics, "dynamo_worker_connection_errors_total") == 0
     metrics.count_connection_error()
@@ -156,7 +156,7 @@ def test_connection_errors_are_counted() -> None:
     assert _sample(metrics, "dynamo_worker_connection_errors_total") == 2
 
 
-def test_two_workers_in_one_process_do_not_share_metrics() -> None:
+async def test_two_workers_in_one_process_do_not_share_metrics() -> None:
     first = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     second = WorkerMetrics(AdmissionGate(engine_slots=5, queue_limit=9))
     first.count_connection_error()
@@ -187,7 +187,7 @@ async def test_render_text_format_shows_the_values() -> None:
         assert line in text.splitlines(), line
 
 
-def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
+async def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     body, content_type = metrics.render(
         "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -231,7 +231,7 @@ def _invariant_holds(metrics: WorkerMetrics) -> None:
     )
 
 
-def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> None:
+async def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3, waiting_limit=1))
     for name, labels in DYNAMO_1_7_FAMILIES.items():
         assert _dynamo_sample(metrics, name, **(labels or {})) == 0
@@ -248,14 +248,14 @@ def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> 
     _invariant_holds(metrics)
 
 
-def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> None:
+async def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> None:
     gate = AdmissionGate(engine_slots=1, queue_limit=2, waiting_limit=1)
     metrics = WorkerMetrics(gate)
     state = gate.state
-    running = state.arrive(5, "batch", 10)
-    queued = [state.arrive(5, "batch", 10), state.arrive(5, "batch", 10)]
-    state.arrive(0, "user", 3)  # displaces the newest batch request
-    state.arrive(9, "late", 3)  # nothing to displace: queue_full
+    running = state.arrive(5, "batch", 10, now=0.0)
+    queued = [state.arrive(5, "batch", 10, now=0.0), state.arrive(5, "batch", 10, now=0.0)]
+    state.arrive(0, "user", 3, now=0.0)  # displaces the newest batch request
+    state.arrive(9, "late", 3, now=0.0)  # nothing to displace: queue_full
     _invariant_holds(metrics)
     assert (
         _dynamo_sample(metrics, "dynamo_rejection_request_by_reason_total", reason="displaced") == 1
@@ -269,11 +269,11 @@ def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> N
     assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 1
     assert not isinstance(running, GateRefusal)
     state.charge(running, 4)
-    state.first_output(running)  # W frees, but the slot is still taken
+    state.first_output(running, now=0.0)  # W frees, but the slot is still taken
     assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 0
     first = queued[0]
     assert not isinstance(first, GateRefusal)
-    state.cancel(first)
+    state.cancel(first, now=0.0)
     _invariant_holds(metrics)
     assert _dynamo_sample(metrics, "dynamo_backend_admission_cancellation_total") == 1
     assert _dynamo_sample(metrics, "dynamo_tenant_service_tokens_total", tenant="batch") == 18
@@ -287,12 +287,12 @@ def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> N
     )
 
 
-def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
+async def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
     gate = AdmissionGate(engine_slots=1, queue_limit=40)
     metrics = WorkerMetrics(gate)
-    gate.state.arrive(0, "", 1)
+    gate.state.arrive(0, "", 1, now=0.0)
     for priority in range(20):
-        gate.state.arrive(priority, "", 1)
+        gate.state.arrive(priority, "", 1, now=0.0)
     assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="other") == 4
     body, _ = metrics.render(None)
     labels = [
@@ -347,7 +347,7 @@ async def test_the_mocker_reports_prefix_cache_hits_by_rank(
     assert get("dynamo_component_kv_cache_hit_rate", {"dp_rank": "0"}) == 0.0
 
 
-def test_without_a_prefix_cache_the_families_have_no_series() -> None:
+async def test_without_a_prefix_cache_the_families_have_no_series() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
     body, _ = metrics.render(None)
     assert "dynamo_worker_prefix_cache_hit_tokens_total{" not in body.decode()
