@@ -75,6 +75,8 @@ __all__ = [
     "REQUEST_BATCH_MESSAGES",
     "MAX_KV_BLOCKS",
     "MAX_MESSAGE_BYTES",
+    "MESSAGE_FRAMES",
+    "MESSAGE_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "FEATURE_CLASSES",
     "FEATURE_FRONTEND_TIME",
@@ -192,6 +194,12 @@ SUBPROTOCOL_BATCH: Final = "dynamo-shim.batch"
 
 #: Largest websocket message either side accepts (bytes). A request body travels in one message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
+#: The most websocket frames a message may come in, on either plane and either way ...
+MESSAGE_FRAMES: Final = 1024
+#: ... and one more for every this many bytes of it received before. Both sides send every
+#: message in one frame; a receiver holds each fragment until its message ends, so the frame past
+#: this bound ends the connection (a worker closes it with :data:`CLOSE_PROTOCOL_ERROR`).
+MESSAGE_FRAME_BYTES: Final = 256
 
 
 class RejectionKind(enum.Enum):

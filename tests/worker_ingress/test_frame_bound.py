@@ -14,13 +14,8 @@ from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Request
 
-from worker_ingress._frame_bound import (
-    MESSAGE_FRAME_BYTES,
-    MESSAGE_FRAMES,
-    PING_BURST,
-    FrameCounter,
-    _close_from_client,
-)
+from shim_common.wire import MESSAGE_FRAME_BYTES, MESSAGE_FRAMES
+from worker_ingress._frame_bound import PING_BURST, FrameCounter, _close_from_client
 
 REQUEST = (
     b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
