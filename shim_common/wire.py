@@ -448,9 +448,9 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_fi
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_field="type"):
     """Sent by a subscriber on the event plane, to a worker that lists
     :data:`FEATURE_BUSY_EDGES` or :data:`FEATURE_PUBLISH_INTERVAL`; a later one replaces the
-    earlier. ``thresholds`` is the one thresholds type of both sides
-    (:class:`shim_common._busy.BusyThresholds`, which says what each field means and checks its
-    range on decode)."""
+    earlier. ``thresholds`` is the one thresholds type of both sides (:class:`BusyThresholds`,
+    defined in ``shim_common._busy``, which says what each field means and checks its range on
+    decode)."""
 
     thresholds: BusyThresholds
     #: Seconds between two batches this subscriber asks for at most (0: the worker's own

@@ -25,7 +25,7 @@ from frontend_shim._router import (
     retry_after_seconds,
 )
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 MODEL = "m"
 
