@@ -145,7 +145,8 @@ class AdmissionGate:
     def from_settings(
         cls, settings: WorkerSettings, on_change: Callable[[], None] | None = None
     ) -> AdmissionGate:
-        """Build the gate a worker's settings ask for (N, Q, W, weights, queue timeout).
+        """Build the gate a worker's settings ask for (N, Q, W, the tenants' weights and
+        bounds, the queue timeout and the objective with its floor).
 
         Args:
             settings: The validated worker settings.

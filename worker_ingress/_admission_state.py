@@ -62,6 +62,7 @@ A ticket goes through these states::
         |                               +----------+--deadline passed: SLO-----------> REFUSED
         |                               +--an arrival displaces it--> DISPLACED (a rejection)
         +--(queue full, nobody to displace)--> GateRefusal(OVERLOADED)        (counted)
+        +--(objective: no room to wait)------> GateRefusal(SLO)               (counted)
         +--(after drain())-----------------> GateRefusal(DRAINING)          (not counted)
 
 - Direct path: a new request starts at once only when a slot and a waiting place are free AND
