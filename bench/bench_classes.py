@@ -258,7 +258,7 @@ async def _full_classes_gate(task_status: trio.TaskStatus[AdmissionGate]) -> Non
 
 def _queued_decisions(count: int, tenants: int, priorities: int) -> float:
     """Seconds per (arrive into the queue + start from it), on the sans-IO state alone."""
-    state = AdmissionState(engine_slots=1, queue_limit=count + 2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=count + 2)
     first = state.arrive(now=0.0)
     assert not isinstance(first, GateRefusal)
     names = [f"t{i}" for i in range(tenants)]

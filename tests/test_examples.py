@@ -91,7 +91,7 @@ def _dashboard_exprs() -> list[str]:
     return exprs
 
 
-async def test_dashboard_references_only_metrics_that_exist() -> None:
+def test_dashboard_references_only_metrics_that_exist() -> None:
     exposed = _exposed_metric_names()
     assert (
         STABLE_METRICS
@@ -184,7 +184,7 @@ def test_promql_scanner_finds_metrics_not_functions_or_labels() -> None:
     assert _promql_metric_names(expr) == {"a_total", "up", "b", "c_bucket"}
 
 
-async def test_alert_rules_query_only_metrics_that_exist() -> None:
+def test_alert_rules_query_only_metrics_that_exist() -> None:
     exposed = _exposed_metric_names()
     rules = _alert_rules()
     assert rules

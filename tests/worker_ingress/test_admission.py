@@ -31,11 +31,11 @@ def _admit(state: AdmissionState) -> Ticket:
 @pytest.mark.parametrize(("slots", "queue"), [(0, 2), (-1, 16), (1, 1), (4, 0)])
 def test_state_rejects_invalid_sizes(slots: int, queue: int) -> None:
     with pytest.raises(ValueError, match="must be >="):
-        AdmissionState(engine_slots=slots, queue_limit=queue, now=0.0)
+        AdmissionState(engine_slots=slots, queue_limit=queue)
 
 
 def test_state_cap_is_exactly_n_plus_q_with_the_hand_counted_as_queued() -> None:
-    state = AdmissionState(engine_slots=2, queue_limit=3, now=0.0)
+    state = AdmissionState(engine_slots=2, queue_limit=3)
     running = [_admit(state) for _ in range(2)]
     assert [t.status for t in running] == [TicketStatus.RUNNING] * 2
     queued = [_admit(state) for _ in range(3)]
@@ -54,7 +54,7 @@ def test_state_cap_is_exactly_n_plus_q_with_the_hand_counted_as_queued() -> None
 
 
 def test_state_a_freed_slot_goes_to_the_hand_and_the_channel_head_moves_up() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=3, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=3)
     first = _admit(state)
     a, b, c = (_admit(state) for _ in range(3))
     assert state.queued_tickets() == [a, b, c]
@@ -72,7 +72,7 @@ def test_state_a_freed_slot_goes_to_the_hand_and_the_channel_head_moves_up() -> 
 
 
 def test_state_newcomer_never_overtakes_a_queued_ticket() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     first = _admit(state)
     waiting = _admit(state)
     # The slot is busy, so the next arrival queues behind ``waiting`` ...
@@ -86,7 +86,7 @@ def test_state_newcomer_never_overtakes_a_queued_ticket() -> None:
 
 
 def test_state_cancel_of_the_hand_moves_the_next_up_and_gives_the_place_back() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     hand, channel = _admit(state), _admit(state)
     assert isinstance(state.arrive(now=0.0), GateRefusal)
@@ -101,7 +101,7 @@ def test_state_cancel_of_the_hand_moves_the_next_up_and_gives_the_place_back() -
 
 
 def test_state_cancel_from_the_middle_of_the_channel_keeps_the_order() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=4, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=4)
     running = _admit(state)
     a, b, c, d = (_admit(state) for _ in range(4))
     state.cancel(c, now=0.0)
@@ -110,7 +110,7 @@ def test_state_cancel_from_the_middle_of_the_channel_keeps_the_order() -> None:
 
 
 def test_state_cancel_of_a_running_ticket_frees_its_slot_and_is_idempotent() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     waiting = _admit(state)
     assert state.cancel(running, now=0.0) is waiting
@@ -120,7 +120,7 @@ def test_state_cancel_of_a_running_ticket_frees_its_slot_and_is_idempotent() -> 
 
 
 def test_state_finish_needs_a_running_ticket() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     _admit(state)
     waiting = _admit(state)
     with pytest.raises(ValueError, match="running ticket"):
@@ -128,7 +128,7 @@ def test_state_finish_needs_a_running_ticket() -> None:
 
 
 def test_state_expire_counts_a_rejection_only_for_a_queued_ticket() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     waiting = _admit(state)
     assert state.expire(running) is False
@@ -139,7 +139,7 @@ def test_state_expire_counts_a_rejection_only_for_a_queued_ticket() -> None:
 
 
 def test_state_drain_rejects_arrivals_apart_and_lets_the_rest_go_on() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+    state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     waiting = _admit(state)
     state.drain()
@@ -516,7 +516,7 @@ async def test_gate_cancel_gives_back_at_once_only_what_has_not_begun_to_run() -
     assert gate.in_flight == 0
 
 
-async def test_gate_from_settings_uses_the_limits_in_force() -> None:
+def test_gate_from_settings_uses_the_limits_in_force() -> None:
     unlimited = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
     assert (unlimited.engine_slots, unlimited.queue_limit) == (10_000, 40_000)
     assert unlimited.queue_timeout is None
@@ -528,7 +528,7 @@ async def test_gate_from_settings_uses_the_limits_in_force() -> None:
     assert (limited.engine_slots, limited.queue_limit, limited.queue_timeout) == (3, 5, 2.5)
 
 
-@pytest.mark.parametrize("queue_timeout", [-1.0, math.nan])
-async def test_gate_rejects_an_invalid_queue_timeout(queue_timeout: float) -> None:
+@pytest.mark.parametrize("timeout", [-1.0, math.nan])
+def test_gate_rejects_an_invalid_queue_timeout(timeout: float) -> None:
     with pytest.raises(ValueError, match="queue_timeout"):
-        AdmissionGate(engine_slots=1, queue_limit=2, queue_timeout=queue_timeout)
+        AdmissionGate(engine_slots=1, queue_limit=2, queue_timeout=timeout)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._admission_state import AdmissionState
+from worker_ingress._slo import SloController
 from worker_ingress._tickets import Ticket, TicketStatus
 
 #: One step of the scenario (seconds).
@@ -74,7 +75,9 @@ def play(offset: float, seed: int) -> tuple[list[Step], list[Start]]:
         ``offset``.
     """
     rng = random.Random(seed)
-    state = AdmissionState(engine_slots=12, queue_limit=24, ttft_objective=S, now=offset)
+    state = AdmissionState(
+        engine_slots=12, queue_limit=24, slo=SloController(objective=S, max_limit=12, now=offset)
+    )
     slo = state.slo
     assert slo is not None
     # Running ticket -> (step of its first output, step of its end).

@@ -75,7 +75,7 @@ class AdmissionStateMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = AdmissionState(engine_slots=1, queue_limit=2, now=0.0)
+        self.state = AdmissionState(engine_slots=1, queue_limit=2)
         self.model = Model(1, 2)
         self.tickets: dict[int, Ticket] = {}
         self.next_id = 0
@@ -83,7 +83,7 @@ class AdmissionStateMachine(RuleBasedStateMachine):
 
     @initialize(slots=st.integers(1, 5), queue_limit=st.integers(2, 6))
     def sizes(self, slots: int, queue_limit: int) -> None:
-        self.state = AdmissionState(engine_slots=slots, queue_limit=queue_limit, now=0.0)
+        self.state = AdmissionState(engine_slots=slots, queue_limit=queue_limit)
         self.model = Model(slots, queue_limit)
 
     def _id_of(self, ticket: Ticket) -> int:
@@ -404,7 +404,6 @@ class ClassesStateMachine(RuleBasedStateMachine):
             waiting_limit=waiting,
             tenant_weights=weights,
             tenant_metrics_limit=2,
-            now=0.0,
         )
         self.slots, self.queue_limit, self.waiting_limit = slots, queue_limit, waiting
         self.state.set_slot_limit(min(limit, slots), now=0.0)
@@ -636,10 +635,7 @@ def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
     """
     names = [f"t{i}" for i in range(len(weights))]
     state = AdmissionState(
-        engine_slots=1,
-        queue_limit=64,
-        tenant_weights=dict(zip(names, weights, strict=True)),
-        now=0.0,
+        engine_slots=1, queue_limit=64, tenant_weights=dict(zip(names, weights, strict=True))
     )
     # Prompt and generated tokens of each arrival, by tenant (a cost of at least 1).
     plan = [(names[i % len(names)], prompt, generated) for i, prompt, generated in costs]
@@ -724,7 +720,6 @@ def test_every_charge_of_the_queue_and_the_ledger_is_the_one_rule(
             queue_limit=queue_limit,
             waiting_limit=waiting,
             tenant_weights=weights,
-            now=0.0,
         )
         prompts: dict[Ticket, int] = {}
         chosen: set[Ticket] = set()

@@ -146,7 +146,7 @@ def test_dynamo_1_7_spellings_and_their_precedence(monkeypatch: pytest.MonkeyPat
     assert parse_args(["--engine-request-limit", "5"])[0].engine_slots == 5
 
 
-async def test_waiting_limit_and_tenant_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waiting_limit_and_tenant_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_BACKEND_ADMISSION_ENGINE_REQUEST_WAITING_LIMIT", "2")
     monkeypatch.setenv("DYN_TENANT_WEIGHTS", "gold=4, free=0.5")
     settings, _ = parse_args(["--tenant-metrics-limit", "7", "--max-tracked-tenants", "9"])

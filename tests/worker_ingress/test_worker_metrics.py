@@ -38,7 +38,7 @@ def _gauges(metrics: WorkerMetrics) -> tuple[float | None, float | None, float |
     )
 
 
-async def test_every_stable_name_is_exposed_without_labels() -> None:
+def test_every_stable_name_is_exposed_without_labels() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
     body, _ = metrics.render(None)
     lines = body.decode().splitlines()
@@ -51,14 +51,14 @@ async def test_every_stable_name_is_exposed_without_labels() -> None:
             assert "{" not in line, line
 
 
-async def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
+def test_limit_gauges_show_the_large_defaults_when_n_is_unset() -> None:
     gate = AdmissionGate.from_settings(WorkerSettings(worker_id="w"))
     metrics = WorkerMetrics(gate)
     assert _sample(metrics, "dynamo_engine_request_limit") == 10_000
     assert _sample(metrics, "dynamo_request_queue_limit") == 40_000
 
 
-async def test_limit_gauges_show_n_and_q_when_set() -> None:
+def test_limit_gauges_show_n_and_q_when_set() -> None:
     gate = AdmissionGate.from_settings(
         WorkerSettings(worker_id="w", engine_request_limit=4, request_queue_limit=7)
     )
@@ -126,7 +126,7 @@ async def test_draining_rejections_are_counted_apart() -> None:
     assert _sample(metrics, "dynamo_worker_draining_rejection_total") == 3
 
 
-async def test_kv_blocks_are_read_at_scrape_time_only() -> None:
+def test_kv_blocks_are_read_at_scrape_time_only() -> None:
     calls: list[tuple[int, int]] = []
     blocks = (100, 0)
 
@@ -142,13 +142,13 @@ async def test_kv_blocks_are_read_at_scrape_time_only() -> None:
     assert _sample(metrics, "dynamo_component_kv_used_blocks") == 42
 
 
-async def test_kv_blocks_default_to_zero() -> None:
+def test_kv_blocks_default_to_zero() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     assert _sample(metrics, "dynamo_component_total_blocks") == 0
     assert _sample(metrics, "dynamo_component_kv_used_blocks") == 0
 
 
-async def test_connection_errors_are_counted() -> None:
+def test_connection_errors_are_counted() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     assert _sample(metrics, "dynamo_worker_connection_errors_total") == 0
     metrics.count_connection_error()
@@ -156,7 +156,7 @@ async def test_connection_errors_are_counted() -> None:
     assert _sample(metrics, "dynamo_worker_connection_errors_total") == 2
 
 
-async def test_two_workers_in_one_process_do_not_share_metrics() -> None:
+def test_two_workers_in_one_process_do_not_share_metrics() -> None:
     first = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     second = WorkerMetrics(AdmissionGate(engine_slots=5, queue_limit=9))
     first.count_connection_error()
@@ -187,7 +187,7 @@ async def test_render_text_format_shows_the_values() -> None:
         assert line in text.splitlines(), line
 
 
-async def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
+def test_render_openmetrics_when_asked_and_the_type_matches_the_body() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=1, queue_limit=2))
     body, content_type = metrics.render(
         "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -231,7 +231,7 @@ def _invariant_holds(metrics: WorkerMetrics) -> None:
     )
 
 
-async def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> None:
+def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3, waiting_limit=1))
     for name, labels in DYNAMO_1_7_FAMILIES.items():
         assert _dynamo_sample(metrics, name, **(labels or {})) == 0
@@ -248,7 +248,7 @@ async def test_dynamo_1_7_families_and_reasons_are_present_at_zero_from_start_up
     _invariant_holds(metrics)
 
 
-async def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> None:
+def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> None:
     gate = AdmissionGate(engine_slots=1, queue_limit=2, waiting_limit=1)
     metrics = WorkerMetrics(gate)
     state = gate.state
@@ -287,7 +287,7 @@ async def test_the_invariant_holds_through_admissions_displacements_and_cancels(
     )
 
 
-async def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
+def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
     gate = AdmissionGate(engine_slots=1, queue_limit=40)
     metrics = WorkerMetrics(gate)
     gate.state.arrive(0, "", 1, now=0.0)
@@ -347,7 +347,7 @@ async def test_the_mocker_reports_prefix_cache_hits_by_rank(
     assert get("dynamo_component_kv_cache_hit_rate", {"dp_rank": "0"}) == 0.0
 
 
-async def test_without_a_prefix_cache_the_families_have_no_series() -> None:
+def test_without_a_prefix_cache_the_families_have_no_series() -> None:
     metrics = WorkerMetrics(AdmissionGate(engine_slots=2, queue_limit=3))
     body, _ = metrics.render(None)
     assert "dynamo_worker_prefix_cache_hit_tokens_total{" not in body.decode()
