@@ -259,15 +259,15 @@ async def _full_classes_gate(task_status: trio.TaskStatus[AdmissionGate]) -> Non
 def _queued_decisions(count: int, tenants: int, priorities: int) -> float:
     """Seconds per (arrive into the queue + start from it), on the sans-IO state alone."""
     state = AdmissionState(engine_slots=1, queue_limit=count + 2)
-    first = state.arrive()
+    first = state.arrive(now=0.0)
     assert not isinstance(first, GateRefusal)
     names = [f"t{i}" for i in range(tenants)]
     started = time.perf_counter()
     for index in range(count):
-        state.arrive(index % priorities, names[index % tenants], 10 + index % 7)
+        state.arrive(index % priorities, names[index % tenants], 10 + index % 7, now=0.0)
     running = first
     for _ in range(count):
-        nxt = state.finish(running)
+        nxt = state.finish(running, now=0.0)
         assert nxt is not None
         running = nxt
     return (time.perf_counter() - started) / count

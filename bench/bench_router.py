@@ -45,7 +45,6 @@ from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from shim_common import wire
-from shim_common._busy import BusyThresholds
 from shim_common.prefix import (
     FileTokenizer,
     PromptTokenizer,
@@ -53,6 +52,7 @@ from shim_common.prefix import (
     block_names,
     prompt_token_ids,
 )
+from shim_common.wire import BusyThresholds
 
 MODEL = "bench-model"
 TOTAL_BLOCKS = 16384

@@ -41,7 +41,7 @@ from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from frontend_shim._sequences import InFlight
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 from worker_ingress.engines._kv_pool import STORED, PoolEvent
 from worker_ingress.engines._mock_scheduler import MockSequence, RankScheduler, ScheduledStep
 

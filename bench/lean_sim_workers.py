@@ -10,7 +10,7 @@ import socket
 from typing import TYPE_CHECKING, Final, Literal
 
 from bench.lean_sim_frames import OP_BINARY, server_frame
-from shim_common._busy import BusyThresholds, rank_busy
+from shim_common._busy import rank_busy
 from shim_common.wire import (
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
@@ -19,6 +19,7 @@ from shim_common.wire import (
     FEATURE_PUBLISH_INTERVAL,
     FEATURE_REQUEST_BATCH,
     PROTOCOL_VERSION,
+    BusyThresholds,
     Heartbeat,
     Hello,
     RankLoad,

@@ -24,9 +24,10 @@ import msgspec
 from frontend_shim._load import Fleet
 from frontend_shim._request_body import BadRequest, decode_json_body
 from shim_common._access import bearer_matches
-from shim_common._busy import BusyThresholds, ThresholdError
+from shim_common._busy import ThresholdError
 from shim_common._client_text import no_such_endpoint, quote, shorten
 from shim_common._httpserver import HTTPRequest, HTTPResponder, error_body, json_headers
+from shim_common.wire import BusyThresholds
 
 __all__ = ["AdminRoutes", "FleetThresholds", "ThresholdBook", "parse_threshold_update"]
 

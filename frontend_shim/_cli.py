@@ -35,7 +35,6 @@ from shim_common._access import (
     check_ca_file,
     token_from_env,
 )
-from shim_common._busy import BusyThresholds
 from shim_common._cli import (
     DEFAULT_LOG_FILTER,
     LOG_LEVEL_PARAMETER,
@@ -50,6 +49,7 @@ from shim_common._cli import (
     valid_port,
 )
 from shim_common._numbers import COUNT, FRACTION, PRIORITY, RATIO, SECONDS
+from shim_common.wire import BusyThresholds
 from worker_ingress import local_worker_parameters
 
 __all__ = ["CliError", "main", "parse_args"]

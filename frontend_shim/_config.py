@@ -10,7 +10,7 @@ from typing import Final, Literal
 
 from frontend_shim._event_budget import DEFAULT_EVENT_BUDGET
 from frontend_shim._event_cost import DEFAULT_COST_WINDOW, DEFAULT_MIN_WINDOW_MESSAGES
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 __all__ = [
     "DEFAULT_EVENT_BUDGET",

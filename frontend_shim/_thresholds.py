@@ -2,7 +2,7 @@
 (pure: no I/O, no state).
 
 The thresholds themselves, their ranges and the rule are :mod:`shim_common._busy`'s (one value
-type, :class:`~shim_common._busy.BusyThresholds`, shared with the workers); this module only
+type, :class:`~shim_common.wire.BusyThresholds`, shared with the workers); this module only
 reads the per-rank capacities out of a worker's :class:`~shim_common.wire.RuntimeConfig`.
 
 ``blocks`` and ``prefill_tokens`` are the figures the caller judges by: in the frontend, the larger
@@ -13,8 +13,9 @@ of what the worker reports and the router's own count (see :mod:`frontend_shim._
 from __future__ import annotations
 
 from shim_common import wire
-from shim_common._busy import UNKNOWN_MAX_BATCHED_TOKENS, BusyThresholds
+from shim_common._busy import UNKNOWN_MAX_BATCHED_TOKENS
 from shim_common._busy import rank_busy as shared_rank_busy
+from shim_common.wire import BusyThresholds
 
 __all__ = ["max_batched", "rank_busy"]
 

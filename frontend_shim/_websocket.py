@@ -25,11 +25,12 @@ Rules:
    reader buffer more than the cap. Control frames are at most 125 bytes and never fragmented.
 5. Frames to the server are masked with a fresh random key (:func:`encode_frame`), taken from
    the operating system's random bytes, read for many keys at once.
-6. Frames per message: a message may come in at most :data:`MESSAGE_FRAMES` frames plus one per
-   :data:`MESSAGE_FRAME_BYTES` bytes of it received before (the bound the HTTP server puts on a
-   body's chunks); the frame past it is a :class:`WebSocketProtocolError` from its header.
-   Each fragment is held until the message ends, so endless empty fragments, under every size
-   cap, would otherwise grow the reader without bound.
+6. Frames per message: a message may come in at most :data:`~shim_common.wire.MESSAGE_FRAMES`
+   frames plus one per :data:`~shim_common.wire.MESSAGE_FRAME_BYTES` bytes of it received
+   before (the bound the HTTP server puts on a body's chunks); the frame past it is a
+   :class:`WebSocketProtocolError` from its header. Each fragment is held until the message
+   ends, so endless empty fragments, under every size cap, would otherwise grow the reader
+   without bound.
 7. First message: with ``pause_after_first``, the reader stops at the end of the first data
    message (a plane's hello, read under a small cap): what came after it in the same call is
    held unparsed, and so is anything given to it later, until :meth:`FrameReader.limit` sets the
@@ -52,6 +53,7 @@ import h11
 
 from shim_common._client_text import CLOSE_REASON_BYTES, cut_utf8
 from shim_common._http_exchange import header_value
+from shim_common.wire import MESSAGE_FRAME_BYTES, MESSAGE_FRAMES
 
 __all__ = [
     "OP_BINARY",
@@ -64,8 +66,6 @@ __all__ = [
     "HandshakeError",
     "HandshakeReader",
     "HandshakeRejected",
-    "MESSAGE_FRAMES",
-    "MESSAGE_FRAME_BYTES",
     "MessageTooBig",
     "WebSocketProtocolError",
     "close_payload",
@@ -80,11 +80,6 @@ OP_BINARY: Final = 0x2
 OP_CLOSE: Final = 0x8
 OP_PING: Final = 0x9
 OP_PONG: Final = 0xA
-
-#: Frames any message may come in (rule 6) ...
-MESSAGE_FRAMES: Final = 1024
-#: ... and one more for every this many bytes of it received.
-MESSAGE_FRAME_BYTES: Final = 256
 
 _GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 #: Most of a rejected handshake's body kept for the error message.

@@ -15,7 +15,8 @@
   small network helpers (``_net``), bearer tokens and TLS (``_access``), the kinds of number
   taken from outside with their one check each (``_numbers``), the one rule for quoting client
   text in a message and the one wording of a 404 and a 405 (``_client_text``), and the busy
-  thresholds with the busy rule of a rank (``_busy``).
+  thresholds with the busy rule of a rank (``_busy``; the thresholds are a wire type, imported
+  as :class:`shim_common.wire.BusyThresholds`).
 
 Both sides import this package; neither imports the other's internals (import-linter contracts
 in pyproject.toml, run by ``scripts/check``, and ``tests/test_layout.py``).

@@ -2,10 +2,11 @@
 
 Rules:
 
-1. A token comes from the environment only (``DYN_WORKER_TOKEN``, ``DYN_ADMIN_TOKEN``), never
-   from a flag, so it does not show in ``ps``. Unset means no check. Set, it must be non-empty
-   visible ASCII without spaces (what fits a ``Bearer`` credential); anything else stops the
-   process at start-up, and the message names the variable but never repeats the value.
+1. A token comes from the environment only (``DYN_WORKER_TOKEN``, ``DYN_ADMIN_TOKEN``, the
+   frontend's ``DYN_GATEWAY_TOKEN``), never from a flag, so it does not show in ``ps``. Unset
+   means no check. Set, it must be non-empty visible ASCII without spaces (what fits a
+   ``Bearer`` credential); anything else stops the process at start-up, and the message names
+   the variable but never repeats the value.
 2. :func:`bearer_matches` compares in constant time (:func:`hmac.compare_digest`), so the time a
    refusal takes says nothing about how much of a guess was right. Tokens are kept out of
    ``repr`` of the settings that carry them, out of logs and out of metrics.
@@ -91,7 +92,7 @@ def bearer_matches(authorization: bytes | None, token: bytes) -> bool:
 
 
 class TLSFiles:
-    """Certificate, key and trust paths as given, checked together (rule 3).
+    """A certificate and key path as given, checked together (rule 3).
 
     Args:
         cert_path: the PEM certificate chain, or ``None``.

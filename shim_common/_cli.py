@@ -1,4 +1,5 @@
-"""What the two console scripts share: the error type, validators, and how a command is run.
+"""What the two console scripts share: the error type, validators, the log level, and how a
+command is run.
 
 Both commands follow one rule: an invalid flag or variable stops the process with exit code 2 and
 one line on stderr naming it and the value given. :func:`invoke` turns every cyclopts error into a

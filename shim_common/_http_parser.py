@@ -166,7 +166,7 @@ class RequestParser:
         self._max_body_chunks = max_body_chunks
         self._bytes_per_extra_chunk = bytes_per_extra_chunk
         self._parser = httptools.HttpRequestParser(self)
-        self._done = False  # refused, or switched protocols: nothing more is parsed
+        self._done = False  # refused, or a CONNECT answered: nothing more is parsed
         self._in_message = False
         self._in_head = False
         self._messages_begun = 0

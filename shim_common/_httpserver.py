@@ -10,10 +10,11 @@ connection only). A handler gets an :class:`HTTPRequest` and answers through an
 request, and the limits it enforces are the rules of :mod:`shim_common._http_connection`.
 
 At the file-descriptor limit (``accept`` fails with ``EMFILE`` and the like) the server closes
-the longest idle connections (those waiting for a request with nothing of it received yet, rule
-8 of :mod:`shim_common._http_connection`) and accepts again, so new clients are served while
-idle keep-alive connections pile up; only with none idle does it wait 0.1 s before the next try.
-It logs this at most once per ``_FD_LOG_INTERVAL`` seconds, with the counts since the last line.
+the longest idle connections (those waiting for a request with nothing of it received yet, and
+uploads fallen behind the minimum rate: rule 8 of :mod:`shim_common._http_connection`) and
+accepts again, so new clients are served while idle keep-alive connections pile up; only with
+none idle does it wait 0.1 s before the next try. It logs this at most once every ten seconds
+(:class:`~shim_common._net.DescriptorLimitLog`), with the counts since the last line.
 
 A server stops in order with a :class:`Shutdown`: first it stops accepting (the listeners stop
 completing new handshakes, what already waits in the listen backlog is accepted, then the

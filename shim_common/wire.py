@@ -75,6 +75,8 @@ __all__ = [
     "REQUEST_BATCH_MESSAGES",
     "MAX_KV_BLOCKS",
     "MAX_MESSAGE_BYTES",
+    "MESSAGE_FRAMES",
+    "MESSAGE_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "FEATURE_CLASSES",
     "FEATURE_FRONTEND_TIME",
@@ -192,6 +194,12 @@ SUBPROTOCOL_BATCH: Final = "dynamo-shim.batch"
 
 #: Largest websocket message either side accepts (bytes). A request body travels in one message.
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024 + 64 * 1024
+#: The most websocket frames a message may come in, on either plane and either way ...
+MESSAGE_FRAMES: Final = 1024
+#: ... and one more for every this many bytes of it received before. Both sides send every
+#: message in one frame; a receiver holds each fragment until its message ends, so the frame past
+#: this bound ends the connection (a worker closes it with :data:`CLOSE_PROTOCOL_ERROR`).
+MESSAGE_FRAME_BYTES: Final = 256
 
 
 class RejectionKind(enum.Enum):
@@ -440,9 +448,9 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag="events", tag_fi
 class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_field="type"):
     """Sent by a subscriber on the event plane, to a worker that lists
     :data:`FEATURE_BUSY_EDGES` or :data:`FEATURE_PUBLISH_INTERVAL`; a later one replaces the
-    earlier. ``thresholds`` is the one thresholds type of both sides
-    (:class:`shim_common._busy.BusyThresholds`, which says what each field means and checks its
-    range on decode)."""
+    earlier. ``thresholds`` is the one thresholds type of both sides (:class:`BusyThresholds`,
+    defined in ``shim_common._busy``, which says what each field means and checks its range on
+    decode)."""
 
     thresholds: BusyThresholds
     #: Seconds between two batches this subscriber asks for at most (0: the worker's own

@@ -148,7 +148,7 @@ def _refused(parse: Any, argv: Sequence[str], named: str) -> None:
 
 ENTRIES = [("frontend", f) for f in FRONTEND_FLAGS] + [("worker", f) for f in WORKER_FLAGS]
 #: Flags of a signed kind: a negative value inside the kind's range is a value, not an attack.
-SIGNED_FLAGS = {"--busy-exempt-priority": PRIORITY}
+SIGNED_FLAGS = {"--busy-exempt-priority": PRIORITY, "--max-client-priority": PRIORITY}
 PARSERS = {"frontend": frontend_cli.parse_args, "worker": worker_cli.parse_args}
 
 

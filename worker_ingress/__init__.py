@@ -1,9 +1,11 @@
 """The worker side: an admission gate in front of an inference engine, served over websockets.
 
 Only these modules talk to the network: :mod:`worker_ingress._server` (the websocket listener,
-access and drain), :mod:`worker_ingress._planes` (what goes over each websocket connection),
-:mod:`worker_ingress._system` (the HTTP system port, through :mod:`shim_common._httpserver`), and
-the ``openai`` engine's :mod:`worker_ingress.engines.upstream` (HTTP to its upstream server).
+access and drain), :mod:`worker_ingress._frame_bound` (the bound on a client's frames, in front
+of the websocket library), :mod:`worker_ingress._planes` (what goes over each websocket
+connection), :mod:`worker_ingress._system` (the HTTP system port, through
+:mod:`shim_common._httpserver`), and the ``openai`` engine's
+:mod:`worker_ingress.engines.upstream` (HTTP to its upstream server).
 
 Public here: what a frontend needs for its ``--local-workers`` children, whose flags are declared
 once, by the worker's command: :func:`local_worker_parameters` (those flags, for the frontend's

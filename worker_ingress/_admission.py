@@ -8,13 +8,15 @@ the state's decision named, and wakes the tasks the state's events moved.
 Rules of the shell
 ==================
 
-1. The shell decides nothing: whether a request starts, waits or is turned away, when a wait
-   runs out and with which reason, what the objective's controller learns, are the state's.
-   The shell passes ``trio.current_time()`` to every event that takes a time. With an
-   objective (the only part of the state that time moves) it calls
-   :meth:`~worker_ingress._admission_state.AdmissionState.tick` before each arrival and after
-   each first output and each end (the events on which the objective's window may close);
-   without one it never calls it.
+1. The shell decides nothing: whether a request starts, waits or is turned away, when a wait runs
+   out and with which reason, what the objective's controller learns, are the state's. The shell
+   passes ``trio.current_time()`` to the objective's controller it makes and to every event that
+   takes a time (the core has no default for it: a made-up 0 would read as a start long ago on
+   Trio's real clock, which begins tens of thousands of seconds in). With an objective (the only
+   part of the state that time moves) it calls
+   :meth:`~worker_ingress._admission_state.AdmissionState.tick` before each arrival and after each
+   first output and each end (the events on which the objective's window may close); without one it
+   never calls it.
 2. Every ticket an event reports as started (or displaced) is woken by the shell at once; the
    state never calls anything.
 3. A task leaving its block for any reason (done, error, cancellation, while queued or while
@@ -62,6 +64,7 @@ __all__ = [
 _RUNNING: Final = TicketStatus.RUNNING
 _HAND: Final = TicketStatus.HAND
 _CHANNEL: Final = TicketStatus.CHANNEL
+_FINISHED: Final = TicketStatus.FINISHED
 
 
 class Rejection(Exception):
@@ -98,6 +101,10 @@ class AdmissionGate:
         on_change: Called synchronously whenever ``running``, ``queued`` or L changes (the
             event plane publishes from it). It must be cheap and must not raise.
 
+    A gate with an objective is made inside a Trio run: it reads the clock then (the
+    controller's first window opens when the gate is made). Without one it reads no clock
+    until its first request.
+
     Raises:
         ValueError: N < 1, Q < 2, W < 1, a weight out of range, a negative or NaN queue
             timeout, or an objective or minimum limit out of range.
@@ -119,6 +126,15 @@ class AdmissionGate:
         adaptive_min_limit: int = 1,
         on_change: Callable[[], None] | None = None,
     ) -> None:
+        slo = None
+        if ttft_objective is not None:
+            # Its first window opens now: a gate with an objective is made inside a Trio run.
+            slo = SloController(
+                objective=ttft_objective,
+                max_limit=engine_slots,
+                min_limit=adaptive_min_limit,
+                now=trio.current_time(),
+            )
         self._state = AdmissionState(
             engine_slots=engine_slots,
             queue_limit=queue_limit,
@@ -127,8 +143,7 @@ class AdmissionGate:
             max_tenants=max_tenants,
             tenant_metrics_limit=tenant_metrics_limit,
             queue_timeout=queue_timeout,
-            ttft_objective=ttft_objective,
-            adaptive_min_limit=adaptive_min_limit,
+            slo=slo,
         )
         self._on_change = on_change
         # Created only while someone sits in wait_idle(); set when in_flight reaches 0.
@@ -138,7 +153,8 @@ class AdmissionGate:
     def from_settings(
         cls, settings: WorkerSettings, on_change: Callable[[], None] | None = None
     ) -> AdmissionGate:
-        """Build the gate a worker's settings ask for (N, Q, W, weights, queue timeout).
+        """Build the gate a worker's settings ask for (N, Q, W, the tenants' weights and
+        bounds, the queue timeout and the objective with its floor).
 
         Args:
             settings: The validated worker settings.
@@ -341,6 +357,7 @@ class AdmissionGate:
         now = trio.current_time()
         self._after(self._state.cancel(ticket, now=now), now)
 
+
 class SlotLease:
     """What :meth:`AdmissionGate.slot` returns: one request's hold on a slot, used once."""
 
@@ -379,12 +396,11 @@ class SlotLease:
     @property
     def queue_wait(self) -> float:
         """Seconds (Trio time) the request waited in the queue before it started; 0.0 on the
-        direct path (and before it started)."""
+        direct path (and before it started, or when it never did)."""
         ticket = self._ticket
-        if ticket is None:
+        if ticket is None or (ticket.status is not _RUNNING and ticket.status is not _FINISHED):
             return 0.0
-        # A ticket that never started has ``started == 0.0``: no wait to report.
-        return max(0.0, ticket.started - ticket.arrived)
+        return ticket.started - ticket.arrived
 
     def first_output(self) -> None:
         """The request produced its first output: give the waiting place back (idempotent)."""

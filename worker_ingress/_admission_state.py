@@ -15,18 +15,21 @@ Rules of the state machine
    (nothing changes); :meth:`AdmissionState.arrive` is ``decide`` plus its application, and
    :meth:`AdmissionState.would_reject` is ``decide`` alone. The shell parks, wakes, arms the
    deadline a decision names and reads the clock; it decides nothing.
-2. Time comes in as ``now`` (seconds on any monotonic clock) with the events that need it; the
-   state never reads a clock. A request that spent time before the gate says so with
-   ``already_waited`` (seconds): the objective judges it on what is left (bound and deadline).
+2. Time comes in as ``now`` (seconds on any monotonic clock) with every event that needs it,
+   never with a default: the state never reads a clock, and never makes a time up (a 0 would be a
+   start long ago on a clock that began long ago, as Trio's does). The objective's controller is
+   given the time it starts by whoever makes it. Every time the state stamps (a ticket's arrival and
+   start, what the objective learns) is the ``now`` of the event that caused it. A request that
+   spent time before the gate says so with ``already_waited`` (seconds): the objective judges it on
+   what is left (bound and deadline).
 3. The order of the channel is :class:`~worker_ingress._fair_queue.FairQueue`'s; this module
    never reorders or scans it.
 4. With a time-to-first-token objective the state owns the sans-IO
-   :class:`~worker_ingress._slo.SloController` (its rules are at the top of its module) and is
-   the only one that feeds it: starts, first outputs and finishes with their times, the limit
-   in use, and :meth:`AdmissionState.tick` to close its windows. Its two outputs act here: L
-   through :meth:`AdmissionState.set_slot_limit`, and the queue bound B, by refusing an arrival
-   that would queue behind B (``SLO``) and by the deadline of a queued request (``SLO`` when it
-   passes).
+   :class:`~worker_ingress._slo.SloController` it is given (its rules are at the top of its module)
+   and is the only one that feeds it: starts, first outputs and finishes with their times, the limit
+   in use, and :meth:`AdmissionState.tick` to close its windows. Its two outputs act here: L through
+   :meth:`AdmissionState.set_slot_limit`, and the queue bound B, by refusing an arrival that would
+   queue behind B (``SLO``) and by the deadline of a queued request (``SLO`` when it passes).
 5. Service is charged by one rule, :func:`~worker_ingress._fair_queue.service_tokens` (prompt
    tokens, plus :data:`~worker_ingress._fair_queue.GENERATED_TOKEN_COST` per generated token).
    A request's start cost is computed by it once, on arrival, and kept on its ticket; that one
@@ -58,6 +61,7 @@ A ticket goes through these states::
         |                               +----------+--deadline passed: SLO-----------> REFUSED
         |                               +--an arrival displaces it--> DISPLACED (a rejection)
         +--(queue full, nobody to displace)--> GateRefusal(OVERLOADED)        (counted)
+        +--(objective: no room to wait)------> GateRefusal(SLO)               (counted)
         +--(after drain())-----------------> GateRefusal(DRAINING)          (not counted)
 
 - Direct path: a new request starts at once only when a slot and a waiting place are free AND
@@ -155,15 +159,17 @@ class AdmissionState:
         tenant_metrics_limit: Tenants counted by name in :attr:`ledger`.
         queue_timeout: Seconds a request may wait queued before it is rejected with
             ``QUEUE_TIMEOUT``; ``None``: no limit.
-        ttft_objective: S, seconds: with it, the state owns an SLO controller (rule 4) that moves
-            L in [``adaptive_min_limit``, N] and refuses early (``SLO``) a request that would
-            miss S; ``None``: L stays N unless :meth:`set_slot_limit` moves it.
-        adaptive_min_limit: The floor of L (1 <= it <= N), with an objective.
-        now: The time the state starts (the controller's first window opens then).
+        slo: The controller of a time-to-first-token objective S (rule 4), made by the caller
+            with N as its ``max_limit`` and the time it starts (its first window opens then);
+            from here on the state owns it and alone drives it: it moves L and refuses early
+            (``SLO``) a request that would miss S. ``None``: no objective; L stays N unless
+            :meth:`set_slot_limit` moves it.
+
+    The state itself starts at no particular time: every event that needs the time brings it.
 
     Raises:
         ValueError: N < 1, Q < 2, W < 1, a weight out of range, a negative or NaN queue
-            timeout, or an objective or minimum limit out of range.
+            timeout, or a controller whose ``max_limit`` is not N.
     """
 
     __slots__ = (
@@ -208,9 +214,7 @@ class AdmissionState:
         max_tenants: int = 4096,
         tenant_metrics_limit: int = 50,
         queue_timeout: float | None = None,
-        ttft_objective: float | None = None,
-        adaptive_min_limit: int = 1,
-        now: float = 0.0,
+        slo: SloController | None = None,
     ) -> None:
         if engine_slots < 1:
             raise ValueError(f"engine_slots must be >= 1, got {engine_slots}")
@@ -220,6 +224,10 @@ class AdmissionState:
             raise ValueError(f"waiting_limit must be >= 1, got {waiting_limit}")
         if queue_timeout is not None and not queue_timeout >= 0:
             raise ValueError(f"queue_timeout must be >= 0 seconds, got {queue_timeout}")
+        if slo is not None and slo.max_limit != engine_slots:
+            raise ValueError(
+                f"the controller's max_limit must be N = {engine_slots}, got {slo.max_limit}"
+            )
         #: N in force.
         self.engine_slots: Final = engine_slots
         #: L, the slots usable now (N unless lowered by :meth:`set_slot_limit`).
@@ -232,16 +240,7 @@ class AdmissionState:
         self.queue_timeout: Final = queue_timeout
         #: The objective's controller (rule 4), or ``None`` without an objective. Read it; the
         #: state alone drives it.
-        self.slo: Final = (
-            None
-            if ttft_objective is None
-            else SloController(
-                objective=ttft_objective,
-                max_limit=engine_slots,
-                min_limit=adaptive_min_limit,
-                now=now,
-            )
-        )
+        self.slo: Final = slo
         self._wait_cap = waiting_limit if waiting_limit is not None else engine_slots
         self._running = 0
         self._waiting = 0
@@ -367,7 +366,7 @@ class AdmissionState:
     # -- the decision ---------------------------------------------------------------------------
 
     def decide(
-        self, priority: int = 0, tenant: str = "", *, now: float = 0.0, already_waited: float = 0.0
+        self, priority: int = 0, tenant: str = "", *, now: float, already_waited: float = 0.0
     ) -> Decision:
         """What :meth:`arrive` would do with this arrival now; nothing changes (rule 1).
 
@@ -439,7 +438,7 @@ class AdmissionState:
         return QueueDecision(deadline, ends, victim, victim_reason)
 
     def would_reject(
-        self, priority: int = 0, tenant: str = "", *, now: float = 0.0, already_waited: float = 0.0
+        self, priority: int = 0, tenant: str = "", *, now: float, already_waited: float = 0.0
     ) -> bool:
         """Whether :meth:`arrive` with these values would be a :class:`GateRefusal` (that is,
         :meth:`decide` is one); no change."""
@@ -454,7 +453,7 @@ class AdmissionState:
         tenant: str = "",
         prompt_tokens: int = 0,
         *,
-        now: float = 0.0,
+        now: float,
         already_waited: float = 0.0,
     ) -> Ticket | GateRefusal:
         """A request arrives: :meth:`decide`, then apply the decision.
@@ -486,7 +485,8 @@ class AdmissionState:
 
     def tick(self, now: float) -> list[Ticket]:
         """Time passed: with an objective, the controller closes its window if one is due and a
-        new L is put in force at once (lowering it evicts nobody).
+        new L is put in force at once (lowering it evicts nobody; what a raise starts, starts at
+        ``now``).
 
         Cheap when no window is due (two comparisons); call it on any event.
 
@@ -496,9 +496,9 @@ class AdmissionState:
         slo = self.slo
         if slo is None or not slo.update(now) or slo.limit == self.slot_limit:
             return []
-        return self.set_slot_limit(slo.limit)
+        return self.set_slot_limit(slo.limit, now=now)
 
-    def first_output(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def first_output(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """A running ticket produced its first output: it gives its waiting place back (and,
         with an objective, is the controller's sample).
 
@@ -531,7 +531,7 @@ class AdmissionState:
         FairQueue.charge(ticket.tenant, tokens)
         ticket.account.service_tokens += tokens
 
-    def finish(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def finish(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """A running ticket leaves the engine (done, failed or cancelled): its slot frees.
 
         Args:
@@ -561,7 +561,7 @@ class AdmissionState:
             return None
         return self._dispatch(now)
 
-    def cancel(self, ticket: Ticket, *, now: float = 0.0) -> Ticket | None:
+    def cancel(self, ticket: Ticket, *, now: float) -> Ticket | None:
         """Withdraw a ticket, whatever its state: the caller has gone away.
 
         A queued ticket gives its place back; a running one frees its slot (as :meth:`finish`);
@@ -628,7 +628,7 @@ class AdmissionState:
         self.slo_rejected_total += 1
         return True
 
-    def set_slot_limit(self, limit: int, *, now: float = 0.0) -> list[Ticket]:
+    def set_slot_limit(self, limit: int, *, now: float) -> list[Ticket]:
         """Set L, the slots usable now (the controller's output, or an operator's).
 
         Lowering it never evicts a running ticket: fewer start until running falls below it.

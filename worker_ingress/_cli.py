@@ -242,7 +242,8 @@ def _worker(
         Id announced to frontends (default: random, stable for the process).
     engine
         "mocker" (built-in simulator), "openai" (an OpenAI-compatible upstream server, see
-        --upstream-url) or "package.module:factory" for an in-process engine.
+        --upstream-url), "instant" (answers at once, for measuring the ingress) or
+        "package.module:factory" for an in-process engine.
     upstream_url
         Base URL of the upstream server for --engine openai, e.g. http://127.0.0.1:8001.
     engine_request_limit

@@ -193,6 +193,9 @@ class Subscription:
         publish_interval: Seconds between two batches at most; 0 sends every change at once.
         limits: The rank limits the busy rule needs, for edge detection.
         clock: The monotonic clock the interval is measured on (``trio.current_time``).
+        leave: Called when the sender takes a batch: the publisher stops delivering to it.
+        rejoin: Called when the sender asks for the next batch: the publisher delivers again,
+            latest-wins, what was published meanwhile (rule 6).
     """
 
     def __init__(

@@ -15,16 +15,16 @@ Rules:
    once it has answered the request (its first write): wsproto drops what it is given between
    the two, so the frames the library reads begin exactly where the count begins (a client
    sends frames only once it has its answer anyway).
-2. A data message may come in at most :data:`MESSAGE_FRAMES` frames plus one per
-   :data:`MESSAGE_FRAME_BYTES` bytes of it received before (the frontend's reader and the HTTP
-   server bound a body's chunks the same way). The frame past the bound never reaches the
-   library: in its place the wrapper hands it a close frame from the client, code 1002 (a
-   protocol error) with the reason, which the library answers as any close (its own close
-   frame, 1002 and the reason, goes to the client). Nothing the client sends after it is read:
-   the library's next read closes the connection and reads its end (the library has answered
-   the close by then; a client that passed the bound before its handshake was even answered
-   sees the connection end without one). The breach is reported (``on_breach``: counted,
-   logged).
+2. A data message may come in at most :data:`~shim_common.wire.MESSAGE_FRAMES` frames plus one
+   per :data:`~shim_common.wire.MESSAGE_FRAME_BYTES` bytes of it received before (the bound the
+   frontend's reader puts on a worker's messages; the HTTP server bounds a body's chunks the
+   same way). The frame past the bound never reaches the library: in its place the wrapper
+   hands it a close frame from the client, code 1002 (a protocol error) with the reason, which
+   the library answers as any close (its own close frame, 1002 and the reason, goes to the
+   client). Nothing the client sends after it is read: the library's next read closes the
+   connection and reads its end (the library has answered the close by then; a client that
+   passed the bound before its handshake was even answered sees the connection end without
+   one). The breach is reported (``on_breach``: counted, logged).
 3. A request the library will refuse (not HTTP, not an upgrade) is not looked at further: the
    library closes that connection before any frame counts.
 4. Pings are bounded too: the library answers each with a pong the worker writes, so a client
@@ -46,10 +46,9 @@ import trio
 from shim_common._client_text import CLOSE_REASON_BYTES, cut_utf8
 from shim_common._control_rate import ControlFrameRate
 from shim_common._net import host_for_url
+from shim_common.wire import CLOSE_PROTOCOL_ERROR, MESSAGE_FRAME_BYTES, MESSAGE_FRAMES
 
 __all__ = [
-    "MESSAGE_FRAMES",
-    "MESSAGE_FRAME_BYTES",
     "PINGS_PER_SECOND",
     "PING_BURST",
     "FrameBoundListener",
@@ -57,20 +56,17 @@ __all__ = [
     "FrameCounter",
 ]
 
-#: Frames any message may come in (rule 2) ...
-MESSAGE_FRAMES: Final = 1024
-#: ... and one more for every this many bytes of it received.
-MESSAGE_FRAME_BYTES: Final = 256
 #: Pings a client may send at once (rule 4) ...
 PING_BURST: Final = 32
 #: ... and a second after that.
 PINGS_PER_SECOND: Final = 10.0
-#: The close code a breach is closed with: a protocol error.
-CLOSE_PROTOCOL_ERROR: Final = 1002
 
 
 class FrameCounter:
-    """Rules 1-3 on the bytes one client sends (sans-IO).
+    """Rules 1-4 on the bytes one client sends (sans-IO).
+
+    Args:
+        now: The time the connection was accepted (the ping bucket counts from it).
 
     Attributes:
         breach: Why the client was cut off (rule 2), once it was; ``None`` before.
@@ -87,7 +83,7 @@ class FrameCounter:
         "ignored",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         # The opening request, read as wsproto reads it.
         self._handshake = h11.Connection(h11.SERVER)
         #: Whether the library refuses the request, so nothing is counted (rule 3).
@@ -99,8 +95,8 @@ class FrameCounter:
         # The frames of the data message under way (0: none) and its payload bytes so far.
         self._frames = 0
         self._size = 0
-        # Starts full: its first refill, whenever that is, is capped at the burst (rule 4).
-        self._pings = ControlFrameRate(PINGS_PER_SECOND, PING_BURST, now=0.0)
+        # Starts full (rule 4).
+        self._pings = ControlFrameRate(PINGS_PER_SECOND, PING_BURST, now)
         self.breach: str | None = None
 
     def request(self, data: bytes | bytearray) -> int | None:
@@ -221,7 +217,7 @@ class FrameBoundStream(trio.abc.Stream):
     ) -> None:
         self._stream = stream
         self._on_breach = on_breach
-        self._counter = FrameCounter()
+        self._counter = FrameCounter(trio.current_time())
         # Whether the request is whole, what followed it in its read, and whether the library
         # has answered it (rule 1).
         self._requested = False

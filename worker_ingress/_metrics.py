@@ -34,7 +34,8 @@ Added here:
 - ``dynamo_worker_tls_handshake_failures_total``: TLS handshakes that failed or timed out, on the
   websocket port and the system port.
 - ``dynamo_worker_event_subscribers`` (gauge) and ``dynamo_worker_event_subscribers_refused_total``:
-  event-plane connections served now, and handshakes refused because the cap was reached.
+  event-plane connections served now, and handshakes refused at a bound with no place to take
+  (worker_ingress/_subscriber_places.py).
 
 Admission classes (priorities, tenants, the waiting limit W):
 
@@ -185,7 +186,8 @@ class _GateCollector(Collector):
         return [
             CounterMetricFamily(
                 "dynamo_rejection_request",
-                "Requests rejected because engine and queue were full, queue timeouts included.",
+                "Requests rejected: queue full, displaced, queue timeouts and objective refusals"
+                " (draining excluded).",
                 value=state.rejected_total,
             ),
             GaugeMetricFamily(
@@ -270,7 +272,7 @@ class _GateCollector(Collector):
             ),
             CounterMetricFamily(
                 "dynamo_worker_event_subscribers_refused",
-                "Event-plane handshakes refused because the subscriber cap was reached.",
+                "Event-plane handshakes refused at the subscriber cap, no place to take.",
                 value=self.subscribers_refused,
             ),
             *self._class_families(running, queued),

@@ -57,10 +57,12 @@ Rules of a request-plane connection:
    :data:`CLOSE_FLUSH_SECONDS` once the close is due. When the peer goes away (closed, or a
    keepalive pong missed), nothing can be written: every request of the connection is
    cancelled. In all cases its nursery is then cancelled and every slot or queue place freed.
-5. Close codes sent by the worker: 1001 on drain, 1003 for a text message (the protocol is
-   binary), 1007 for bytes that do not decode as a known message, 1008 for a ``Generate`` that
-   reuses a request id still in flight, 1009 (by trio-websocket) for a message over the size cap.
-   A peer that does not answer a keepalive ping in time is dropped without a close handshake.
+5. Close codes sent by the worker: 1001 on drain, 1002 (by the frame bound in front of
+   trio-websocket, :mod:`worker_ingress._frame_bound`) for a message past its bound of frames or
+   pings past their rate, 1003 for a text message (the protocol is binary), 1007 for bytes that
+   do not decode as a known message, 1008 for a ``Generate`` that reuses a request id still in
+   flight, 1009 (by trio-websocket) for a message over the size cap. A peer that does not answer
+   a keepalive ping in time is dropped without a close handshake.
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ logger = logging.getLogger(__name__)
 
 #: Longest a connection the worker closes gets to write the reply frames it holds (rule 4).
 CLOSE_FLUSH_SECONDS: Final = 5.0
-#: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
-#: request tasks wait, which is the backpressure we want.
+#: Frame groups (the frames one request task hands over together, usually one) waiting for a
+#: connection's sender. Small: it only smooths bursts; beyond it the request tasks wait, which
+#: is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
 
 

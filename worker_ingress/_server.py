@@ -30,7 +30,7 @@ out clients of the frontend's own address that speak the protocol as a frontend 
 
 Frames: every connection's stream goes through
 :class:`~worker_ingress._frame_bound.FrameBoundStream`, which closes a client with 1002 once one
-message passes its bound of frames (counted, logged).
+message passes its bound of frames, or its pings their bound of rate (counted, logged).
 
 Drain (:meth:`Worker.drain`: in :func:`run_worker` on SIGTERM/SIGINT, and on EOF of stdin with
 ``--stop-on-stdin-eof``): the gate rejects new requests with ``Server unavailable: draining``,
@@ -491,7 +491,8 @@ class Worker:
                 self.metrics.set_event_subscribers(self._places.held)
 
     def _too_many_frames(self, stream: FrameBoundStream, reason: str) -> None:
-        """A client passed the bound of frames in one message: it is closed with 1002."""
+        """A client passed a bound of the frame counter (frames in one message, or pings): it
+        is closed with 1002."""
         logger.info("closing %r with 1002: %s", stream, reason)
         self.metrics.count_connection_error()
 

@@ -245,7 +245,7 @@ class SloController:
         objective: float,
         max_limit: int,
         min_limit: int = 1,
-        now: float = 0.0,
+        now: float,
         tuning: SloTuning | None = None,
     ) -> None:
         if not (objective > 0 and math.isfinite(objective)):
@@ -318,7 +318,8 @@ class SloController:
 
         Args:
             request: The token given to :meth:`observe_start`.
-            arrived: When it reached the gate.
+            arrived: When it arrived: at the frontend, when the frontend said how long the
+                request spent there before the gate, else at the gate (rule 2).
             started: When it entered the engine (``>= arrived``).
             first_output: When the engine produced its first output (``>= started``).
         """

@@ -56,7 +56,8 @@ class Ticket(QueueEntry):
         waiting: Whether it holds a waiting place (running, no first output yet).
         arrived: When it reached the gate (the ``now`` of its arrival).
         waited: Seconds it spent before the gate (in a frontend), as its arrival said.
-        started: When it entered the engine (``now`` of the event that started it).
+        started: When it entered the engine (``now`` of the event that started it); 0.0, which
+            means nothing, until then: read it only once the ticket has started.
         deadline: While queued: when its wait runs out (on the clock of ``now``); ``None``:
             never.
         ends: How a wait that runs out ends (``QUEUE_TIMEOUT`` or ``SLO``).

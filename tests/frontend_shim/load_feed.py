@@ -10,7 +10,7 @@ from typing import Any
 from frontend_shim._free_sets import WorkerLoad
 from frontend_shim._load import Fleet
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 MODEL = "m"
 

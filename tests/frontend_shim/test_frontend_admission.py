@@ -36,7 +36,7 @@ from trio_websocket import open_websocket_url
 
 from frontend_shim._responses import overload_body
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 from worker_ingress._admission import AdmissionGate
 
 # ----------------------------------------------------------------------------- admission

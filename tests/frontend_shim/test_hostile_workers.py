@@ -26,7 +26,6 @@ from worker_configs import runtime_config
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._connection import CONTROL_BURST
-from frontend_shim._websocket import MESSAGE_FRAMES
 from frontend_shim._worker_hello import MAX_HELLO_BYTES, event_message_bound
 from shim_common import wire
 
@@ -115,7 +114,7 @@ CASES: dict[str, tuple[Behaviour, str, wire.Hello | None]] = {
         KV_HELLO,
     ),
     "huge-hello": (huge_hello, f"a message over {MAX_HELLO_BYTES} bytes", None),
-    "empty-fragments": (empty_fragments, f"more than {MESSAGE_FRAMES + 8} frames", HELLO),
+    "empty-fragments": (empty_fragments, f"more than {wire.MESSAGE_FRAMES + 8} frames", HELLO),
     "close-soon": (close_soon, "connection closed (1000", HELLO),
     "ping-flood": (ping_flood, "control frames past", HELLO),
 }

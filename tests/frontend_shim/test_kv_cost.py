@@ -14,8 +14,8 @@ from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from shim_common import wire
-from shim_common._busy import BusyThresholds
 from shim_common.prefix import block_names
+from shim_common.wire import BusyThresholds
 
 MODEL = "m"
 BLOCK = 4

@@ -20,7 +20,7 @@ from frontend_shim._lag import LagMeter
 from frontend_shim._links import LinkSettings, WorkerLink
 from frontend_shim._load import Fleet
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 from worker_ingress._server import Worker
 from worker_ingress.engines._instant import InstantEngine, create
 

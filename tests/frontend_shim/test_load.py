@@ -13,7 +13,7 @@ from load_feed import MODEL, Feed, config, fleet_with, is_free, state
 from frontend_shim._free_sets import mark_admits
 from frontend_shim._load import MAX_RELEASES, Fleet, RankGauge
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 # ----------------------------------------------------------------------------- busy rules
 

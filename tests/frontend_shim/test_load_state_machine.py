@@ -17,7 +17,7 @@ from frontend_shim._free_sets import WorkerLoad, mark_admits
 from frontend_shim._load import Fleet
 from frontend_shim._queue_hold import picture
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 # ----------------------------------------------------------------------------- state machine
 

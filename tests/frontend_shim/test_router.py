@@ -24,7 +24,7 @@ from frontend_shim._router import (
     UnknownModel,
 )
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 MODEL = "m"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from frontend_shim._thresholds import max_batched, rank_busy
 from shim_common import wire
-from shim_common._busy import UNKNOWN_MAX_BATCHED_TOKENS, BusyThresholds
+from shim_common._busy import UNKNOWN_MAX_BATCHED_TOKENS
+from shim_common.wire import BusyThresholds
 
 
 def config(*, total: int = 100, max_batched: int = 1000) -> wire.RuntimeConfig:

@@ -10,7 +10,7 @@ import trio.testing
 from load_feed import MODEL, Feed, config, fleet_with
 
 from frontend_shim._waiting import WaitingRoom
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 TIMEOUT = 5.0
 

@@ -25,7 +25,6 @@ from wsproto.events import (
 )
 
 from frontend_shim._websocket import (
-    MESSAGE_FRAMES,
     OP_BINARY,
     OP_CLOSE,
     OP_CONTINUATION,
@@ -43,6 +42,7 @@ from frontend_shim._websocket import (
     handshake_request,
     parse_close,
 )
+from shim_common.wire import MESSAGE_FRAMES
 
 CAP = 1 << 20
 

@@ -11,13 +11,13 @@ import pytest
 from shim_common import wire
 from shim_common._busy import (
     UNKNOWN_MAX_BATCHED_TOKENS,
-    BusyThresholds,
     ThresholdError,
     rank_busy,
     validate_active_decode_blocks_threshold,
     validate_active_prefill_tokens_threshold,
     validate_active_prefill_tokens_threshold_frac,
 )
+from shim_common.wire import BusyThresholds
 
 # ----------------------------------------------------------------------------- ranges
 

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shim_common import wire
-from shim_common._busy import BusyThresholds
 from shim_common.prefix import MAX_BLOCK_NAME
 from shim_common.wire import (
+    BusyThresholds,
     End,
     Generate,
     KvBatch,

@@ -23,7 +23,7 @@ from worker_ingress._config import WorkerSettings
 
 
 def _admit(state: AdmissionState) -> Ticket:
-    decision = state.arrive()
+    decision = state.arrive(now=0.0)
     assert isinstance(decision, Ticket), decision
     return decision
 
@@ -46,7 +46,7 @@ def test_state_cap_is_exactly_n_plus_q_with_the_hand_counted_as_queued() -> None
         TicketStatus.CHANNEL,
     ]
     assert (state.running, state.queued, state.in_flight) == (2, 3, 5)
-    rejected = state.arrive()
+    rejected = state.arrive(now=0.0)
     assert isinstance(rejected, GateRefusal)
     assert rejected.reason == RejectReason.OVERLOADED
     assert state.rejected_total == 1
@@ -58,15 +58,15 @@ def test_state_a_freed_slot_goes_to_the_hand_and_the_channel_head_moves_up() -> 
     first = _admit(state)
     a, b, c = (_admit(state) for _ in range(3))
     assert state.queued_tickets() == [a, b, c]
-    assert state.finish(first) is a
+    assert state.finish(first, now=0.0) is a
     assert a.status is TicketStatus.RUNNING
     assert state.hand is b
     assert b.status is TicketStatus.HAND
     assert state.queued_tickets() == [b, c]
-    assert state.finish(a) is b
-    assert state.finish(b) is c
+    assert state.finish(a, now=0.0) is b
+    assert state.finish(b, now=0.0) is c
     assert state.hand is None
-    assert state.finish(c) is None
+    assert state.finish(c, now=0.0) is None
     assert (state.running, state.queued) == (0, 0)
     assert (state.started_total, state.finished_total) == (4, 4)
 
@@ -79,7 +79,7 @@ def test_state_newcomer_never_overtakes_a_queued_ticket() -> None:
     behind = _admit(state)
     assert behind.status is TicketStatus.CHANNEL
     # ... and when the slot frees, ``waiting`` starts, not a newcomer.
-    assert state.finish(first) is waiting
+    assert state.finish(first, now=0.0) is waiting
     newcomer = _admit(state)
     assert newcomer.status is TicketStatus.CHANNEL
     assert state.queued_tickets() == [behind, newcomer]
@@ -89,33 +89,33 @@ def test_state_cancel_of_the_hand_moves_the_next_up_and_gives_the_place_back() -
     state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     hand, channel = _admit(state), _admit(state)
-    assert isinstance(state.arrive(), GateRefusal)
-    assert state.cancel(hand) is None
+    assert isinstance(state.arrive(now=0.0), GateRefusal)
+    assert state.cancel(hand, now=0.0) is None
     assert hand.status is TicketStatus.CANCELLED
     assert state.hand is channel
     assert state.queued == 1
     # The place is free again.
     again = _admit(state)
     assert state.queued_tickets() == [channel, again]
-    assert state.finish(running) is channel
+    assert state.finish(running, now=0.0) is channel
 
 
 def test_state_cancel_from_the_middle_of_the_channel_keeps_the_order() -> None:
     state = AdmissionState(engine_slots=1, queue_limit=4)
     running = _admit(state)
     a, b, c, d = (_admit(state) for _ in range(4))
-    state.cancel(c)
+    state.cancel(c, now=0.0)
     assert state.queued_tickets() == [a, b, d]
-    assert [state.finish(t) for t in (running, a, b)] == [a, b, d]
+    assert [state.finish(t, now=0.0) for t in (running, a, b)] == [a, b, d]
 
 
 def test_state_cancel_of_a_running_ticket_frees_its_slot_and_is_idempotent() -> None:
     state = AdmissionState(engine_slots=1, queue_limit=2)
     running = _admit(state)
     waiting = _admit(state)
-    assert state.cancel(running) is waiting
+    assert state.cancel(running, now=0.0) is waiting
     assert running.status is TicketStatus.FINISHED
-    assert state.cancel(running) is None
+    assert state.cancel(running, now=0.0) is None
     assert (state.running, state.queued) == (1, 0)
 
 
@@ -124,7 +124,7 @@ def test_state_finish_needs_a_running_ticket() -> None:
     _admit(state)
     waiting = _admit(state)
     with pytest.raises(ValueError, match="running ticket"):
-        state.finish(waiting)
+        state.finish(waiting, now=0.0)
 
 
 def test_state_expire_counts_a_rejection_only_for_a_queued_ticket() -> None:
@@ -143,12 +143,12 @@ def test_state_drain_rejects_arrivals_apart_and_lets_the_rest_go_on() -> None:
     running = _admit(state)
     waiting = _admit(state)
     state.drain()
-    rejected = state.arrive()
+    rejected = state.arrive(now=0.0)
     assert isinstance(rejected, GateRefusal)
     assert rejected.reason == RejectReason.DRAINING
     assert (state.rejected_total, state.draining_rejected_total) == (0, 1)
-    assert state.finish(running) is waiting
-    assert state.finish(waiting) is None
+    assert state.finish(running, now=0.0) is waiting
+    assert state.finish(waiting, now=0.0) is None
     assert state.in_flight == 0
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from shim_common.wire import RejectReason
 from worker_ingress._admission_state import AdmissionState
+from worker_ingress._slo import SloController
 from worker_ingress._tickets import START, GateRefusal, QueueDecision, Ticket, TicketStatus
 
 
@@ -77,7 +78,11 @@ def test_decide_changes_nothing() -> None:
 def _state_after_a_window(objective: float, queue_limit: int) -> tuple[AdmissionState, float]:
     """A gate of one slot whose controller has seen a window's requests (not yet closed): each
     held the slot 0.5 s, its first token 0.1 s after its start."""
-    state = AdmissionState(engine_slots=1, queue_limit=queue_limit, ttft_objective=objective)
+    state = AdmissionState(
+        engine_slots=1,
+        queue_limit=queue_limit,
+        slo=SloController(objective=objective, max_limit=1, now=0.0),
+    )
     now = 0.0
     for _ in range(16):
         ticket = _ticket(state.arrive(now=now))
@@ -161,7 +166,10 @@ def test_a_hopeless_arrival_displaces_nobody() -> None:
     # A full queue of worse requests: a better one may displace one of them, but not when it
     # has no room left for its own wait; it would be refused right after, for nothing.
     # Before any evidence the room is the whole objective, 10 s.
-    state, now = AdmissionState(engine_slots=1, queue_limit=2, ttft_objective=10.0), 0.0
+    now = 0.0
+    state = AdmissionState(
+        engine_slots=1, queue_limit=2, slo=SloController(objective=10.0, max_limit=1, now=now)
+    )
     for _ in range(3):
         _ticket(state.arrive(5, now=now))
     viable = state.decide(-1, now=now, already_waited=1.0)
@@ -177,7 +185,9 @@ def test_a_hopeless_arrival_displaces_nobody() -> None:
 def test_the_time_to_first_token_counts_from_the_arrival_at_the_frontend() -> None:
     # Each request spent 0.3 s in a frontend and got its first token 0.1 s after its start:
     # the client's time is 0.4 s; the law's in-engine figure is still 0.1 s, so L is as before.
-    state = AdmissionState(engine_slots=1, queue_limit=4, ttft_objective=1.0)
+    state = AdmissionState(
+        engine_slots=1, queue_limit=4, slo=SloController(objective=1.0, max_limit=1, now=0.0)
+    )
     now = 0.0
     for _ in range(16):
         ticket = _ticket(state.arrive(now=now, already_waited=0.3))
@@ -223,7 +233,12 @@ def test_the_queue_by_priority_gives_back_what_each_priority_would_start_behind(
 
 
 def test_a_queue_timeout_shorter_than_the_objectives_deadline_wins() -> None:
-    state = AdmissionState(engine_slots=1, queue_limit=4, ttft_objective=1.0, queue_timeout=0.25)
+    state = AdmissionState(
+        engine_slots=1,
+        queue_limit=4,
+        slo=SloController(objective=1.0, max_limit=1, now=0.0),
+        queue_timeout=0.25,
+    )
     _ticket(state.arrive(now=0.0))
     decision = state.decide(now=0.0)
     assert isinstance(decision, QueueDecision)
@@ -272,7 +287,9 @@ def test_arrive_is_decide_applied_and_would_reject_agrees(
         engine_slots=slots,
         queue_limit=queue_limit,
         queue_timeout=timeout,
-        ttft_objective=objective,
+        slo=None
+        if objective is None
+        else SloController(objective=objective, max_limit=slots, now=0.0),
         tenant_weights={"gold": 3.0},
     )
     now = 0.0

@@ -95,7 +95,7 @@ class AdmissionStateMachine(RuleBasedStateMachine):
         self.next_id += 1
         in_flight_before = self.state.in_flight
         expected = self.model.arrive(rid)
-        decision = self.state.arrive()
+        decision = self.state.arrive(now=0.0)
         if isinstance(decision, GateRefusal):
             assert expected in ("rejected", "draining")
             if expected == "rejected":
@@ -117,7 +117,11 @@ class AdmissionStateMachine(RuleBasedStateMachine):
         rid = live[index % len(live)]
         ticket = self.tickets[rid]
         self.model.leave(rid)
-        started = self.state.finish(ticket) if running_only else self.state.cancel(ticket)
+        started = (
+            self.state.finish(ticket, now=0.0)
+            if running_only
+            else self.state.cancel(ticket, now=0.0)
+        )
         if started is not None:
             self.started.append(self._id_of(started))
 
@@ -170,7 +174,7 @@ class AdmissionStateMachine(RuleBasedStateMachine):
         # Everything that is still in flight leaves: every slot and place comes back.
         for rid in [*self.model.running, *self.model.queued]:
             self.model.leave(rid)
-            self.state.cancel(self.tickets[rid])
+            self.state.cancel(self.tickets[rid], now=0.0)
         assert self.state.in_flight == 0
 
 
@@ -402,7 +406,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
             tenant_metrics_limit=2,
         )
         self.slots, self.queue_limit, self.waiting_limit = slots, queue_limit, waiting
-        self.state.set_slot_limit(min(limit, slots))
+        self.state.set_slot_limit(min(limit, slots), now=0.0)
         self.running: list[Ticket] = []
         self.queued: list[Ticket] = []  # channel and hand, in no particular order
         self.started_order: list[Ticket] = []
@@ -463,13 +467,13 @@ class ClassesStateMachine(RuleBasedStateMachine):
         state = self.state
         full = state.queued == self.queue_limit
         channel = [t for t in self.queued if t is not state.hand]
-        predicted = state.would_reject(priority, tenant)
+        predicted = state.would_reject(priority, tenant, now=0.0)
         # A tenant new to the gate counts one place more when it may displace by share (the
         # policy's rule 5: it never takes another tenant's only place).
         new = state.policy.is_new(tenant)
         # The policy's memory of tenants served and gone aside, "new" means nothing in the gate.
         assert not (new and any(t.tenant.name == tenant for t in self.running + self.queued))
-        decision = state.arrive(priority, tenant, prompt)
+        decision = state.arrive(priority, tenant, prompt, now=0.0)
         if isinstance(decision, GateRefusal):
             assert predicted
             assert full
@@ -520,7 +524,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
     def first_output(self, index: int) -> None:
         ticket = self.running[index % len(self.running)]
         self._expect_next()
-        self._record_started(self.state.first_output(ticket))
+        self._record_started(self.state.first_output(ticket, now=0.0))
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 20), tokens=st.integers(0, 20))
@@ -535,7 +539,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
     def finish(self, index: int) -> None:
         ticket = self.running.pop(index % len(self.running))
         self._expect_next()
-        self._record_started(self.state.finish(ticket))
+        self._record_started(self.state.finish(ticket, now=0.0))
 
     @precondition(lambda self: self.queued)
     @rule(index=st.integers(0, 20), how=st.sampled_from(["cancel", "expire", "refuse"]))
@@ -544,7 +548,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
         self._expect_next()
         was_hand = ticket is self.state.hand
         if how == "cancel":
-            assert self.state.cancel(ticket) is None
+            assert self.state.cancel(ticket, now=0.0) is None
         elif how == "expire":
             assert self.state.expire(ticket)
         else:
@@ -557,7 +561,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
     @rule(limit=st.integers(1, 3))
     def set_slot_limit(self, limit: int) -> None:
         limit = min(limit, self.slots)
-        for ticket in self.state.set_slot_limit(limit):
+        for ticket in self.state.set_slot_limit(limit, now=0.0):
             self.queued.remove(ticket)
             self.running.append(ticket)
 
@@ -601,7 +605,7 @@ class ClassesStateMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for ticket in [*self.queued, *self.running]:
-            self.state.cancel(ticket)
+            self.state.cancel(ticket, now=0.0)
         assert self.state.in_flight == 0
         assert not self.state.policy.tenants
 
@@ -638,7 +642,7 @@ def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
     max_cost = 40 + 2 * 20
     bound_starts = (len(names) - 1) * (max_cost * max(weights) / (1 * min(weights)) + 2)
     max_request = (40 + 2 * 20) / min(weights)
-    running = state.arrive(0, names[0], 1)
+    running = state.arrive(0, names[0], 1, now=0.0)
     assert isinstance(running, Ticket)
     pending = {name: 0 for name in names}
     generated_of: dict[int, int] = {}
@@ -652,7 +656,7 @@ def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
             while pending[name] < 2:
                 _, prompt, generated = plan[step % len(plan)] if plan else (name, 1, 0)
                 step += 1
-                ticket = state.arrive(0, name, max(prompt, 1))
+                ticket = state.arrive(0, name, max(prompt, 1), now=0.0)
                 assert isinstance(ticket, Ticket)
                 assert ticket.displaced is None
                 generated_of[ticket.number] = generated
@@ -661,7 +665,7 @@ def test_backlogged_tenants_start_within_a_bound_and_their_service_stays_close(
     top_up()
     for _ in range(min(len(plan), 200) + 5):
         state.charge(running, generated_of.get(running.number, 0))
-        started = state.finish(running)
+        started = state.finish(running, now=0.0)
         assert started is not None
         name = started.tenant.name
         pending[name] -= 1
@@ -726,24 +730,24 @@ def test_every_charge_of_the_queue_and_the_ledger_is_the_one_rule(
             live = [t for t in prompts if t.status in (TicketStatus.HAND, TicketStatus.CHANNEL)]
             running = [t for t in prompts if t.status is TicketStatus.RUNNING]
             if what == "arrive":
-                ticket = state.arrive(0, tenant, prompt)
+                ticket = state.arrive(0, tenant, prompt, now=0.0)
                 if isinstance(ticket, Ticket):
                     prompts[ticket] = prompt
             elif what in ("first", "generate", "finish") and running:
                 ticket = running[tokens % len(running)]
                 if what == "first":
-                    state.first_output(ticket)
+                    state.first_output(ticket, now=0.0)
                 elif what == "generate":
                     state.charge(ticket, tokens)
                     name = ticket.tenant.name
                     queue_charged[name] += _odd_rule(generated_tokens=tokens)
                     ledger_charged[name] += _odd_rule(generated_tokens=tokens)
                 else:
-                    state.finish(ticket)
+                    state.finish(ticket, now=0.0)
             elif what in ("cancel", "expire") and live:
                 ticket = live[tokens % len(live)]
                 if what == "cancel":
-                    state.cancel(ticket)
+                    state.cancel(ticket, now=0.0)
                 else:
                     state.expire(ticket)
             for ticket, prompt in prompts.items():

@@ -280,7 +280,7 @@ def test_cap_exact_and_no_eviction_while_l_moves(
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def test_nan_is_what_a_first_window_reports() -> None:
+async def test_nan_is_what_a_first_window_reports() -> None:
     gate = AdmissionGate(engine_slots=2, queue_limit=2, ttft_objective=S)
     assert gate.slo is not None
     assert math.isnan(gate.slo.ttft_p90)

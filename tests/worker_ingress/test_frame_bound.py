@@ -14,13 +14,8 @@ from hypothesis import strategies as st
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, CloseConnection, Request
 
-from worker_ingress._frame_bound import (
-    MESSAGE_FRAME_BYTES,
-    MESSAGE_FRAMES,
-    PING_BURST,
-    FrameCounter,
-    _close_from_client,
-)
+from shim_common.wire import MESSAGE_FRAME_BYTES, MESSAGE_FRAMES
+from worker_ingress._frame_bound import PING_BURST, FrameCounter, _close_from_client
 
 REQUEST = (
     b"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
@@ -83,7 +78,7 @@ def test_messages_within_the_bound_pass_whatever_the_split(
     messages: list[list[bytes]], cuts: list[int]
 ) -> None:
     data = REQUEST + client_frame(0x9, b"ping") + b"".join(fragments(m) for m in messages)
-    assert feed(FrameCounter(), data, sorted(cuts)) is None
+    assert feed(FrameCounter(now=0.0), data, sorted(cuts)) is None
 
 
 @pytest.mark.parametrize("piece", [1, 7, 1000])
@@ -92,7 +87,7 @@ def test_the_frame_past_the_bound_is_found_at_its_first_byte(piece: int) -> None
     opening = client_frame(0x2, b"", fin=False)
     empty = client_frame(0x0, b"", fin=False)
     data = REQUEST + opening + empty * (MESSAGE_FRAMES - 1) + client_frame(0x9, b"p") + empty
-    counter = FrameCounter()
+    counter = FrameCounter(now=0.0)
     at = feed(counter, data, list(range(piece, len(data), piece)))
     assert at == len(data) - len(empty)
     assert counter.breach is not None
@@ -104,8 +99,8 @@ def test_large_fragments_earn_their_frames() -> None:
     # of 1,024 empty fragments, are whole messages within the bound.
     piece = b"x" * MESSAGE_FRAME_BYTES
     data = REQUEST + fragments([piece] * 4096) + fragments([b""] * MESSAGE_FRAMES)
-    assert feed(FrameCounter(), data) is None
-    assert feed(FrameCounter(), data + fragments([b""] * (MESSAGE_FRAMES + 1))) is not None
+    assert feed(FrameCounter(now=0.0), data) is None
+    assert feed(FrameCounter(now=0.0), data + fragments([b""] * (MESSAGE_FRAMES + 1))) is not None
 
 
 @pytest.mark.parametrize(
@@ -125,7 +120,7 @@ def test_the_counter_finds_the_first_frame_where_wsproto_does(request_head: byte
     opening = client_frame(0x2, b"", fin=False)
     empty = client_frame(0x0, b"", fin=False)
     frames = opening + empty * (MESSAGE_FRAMES + 5)
-    counter = FrameCounter()
+    counter = FrameCounter(now=0.0)
     at = feed(counter, request_head + frames)
     assert at is not None
     # What passes reaches wsproto, and the close that stands for the rest is read as the
@@ -141,13 +136,13 @@ def test_the_counter_finds_the_first_frame_where_wsproto_does(request_head: byte
 
 
 def test_a_request_the_library_refuses_is_not_looked_at() -> None:
-    counter = FrameCounter()
+    counter = FrameCounter(now=0.0)
     assert counter.request(b"\x16\x03\x01 not http at all\r\n\r\n") is None
     assert counter.ignored
 
 
 def test_pings_past_the_burst_are_a_breach_and_a_steady_keepalive_never_is() -> None:
-    counter = FrameCounter()
+    counter = FrameCounter(now=0.0)
     assert counter.request(REQUEST) == len(REQUEST)
     ping = client_frame(0x9, b"k")
     # A ping four times a second (60 times a frontend's keepalive) for an hour: never a breach.
@@ -155,10 +150,10 @@ def test_pings_past_the_burst_are_a_breach_and_a_steady_keepalive_never_is() -> 
     assert steady == [None] * len(steady)
     # Then the burst at once, and one more, found where that ping begins.
     flood = ping * (PING_BURST + 1)
-    at = FrameCounter().frames(flood, now=0.0)
+    at = FrameCounter(now=0.0).frames(flood, now=0.0)
     assert at == PING_BURST * len(ping)
-    counter = FrameCounter()
+    counter = FrameCounter(now=0.0)
     assert counter.frames(flood, now=0.0) is not None
     assert counter.breach == "pings past 32 at once and 10 a second"
     # Pongs and data cost the worker no reply: not counted.
-    assert FrameCounter().frames(client_frame(0xA, b"") * 1000, now=0.0) is None
+    assert FrameCounter(now=0.0).frames(client_frame(0xA, b"") * 1000, now=0.0) is None

@@ -26,10 +26,10 @@ from worker_harness import (
 )
 
 from shim_common import wire
-from shim_common._busy import BusyThresholds
 from shim_common.prefix import WordTokenizer, block_names
 from shim_common.wire import (
     FEATURE_KV_EVENTS,
+    BusyThresholds,
     EventBatch,
     Hello,
     KvBatch,

@@ -97,13 +97,13 @@ def run_plant(controller: SloController, plant: Plant, windows: int, now: float 
 
 
 def test_starts_at_n_with_no_bound() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     assert controller.limit == 64
     assert controller.queue_bound == UNBOUNDED_QUEUE
 
 
 def test_too_few_samples_hold_however_long() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     for index in range(15):
         controller.observe_first_output(
             object(), arrived=index, started=index, first_output=index + 5.0
@@ -114,7 +114,7 @@ def test_too_few_samples_hold_however_long() -> None:
 
 
 def test_a_window_needs_its_time_as_well_as_its_samples() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     for _ in range(100):
         controller.observe_first_output(object(), arrived=0.0, started=0.0, first_output=5.0)
     assert not controller.update(0.5)
@@ -124,7 +124,7 @@ def test_a_window_needs_its_time_as_well_as_its_samples() -> None:
 
 def test_max_samples_closes_a_window_early() -> None:
     tuning = SloTuning(max_samples=32)
-    controller = SloController(objective=OBJECTIVE, max_limit=64, tuning=tuning)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, tuning=tuning, now=0.0)
     for _ in range(40):
         controller.observe_first_output(object(), arrived=0.0, started=0.0, first_output=5.0)
     assert controller.update(0.01)
@@ -132,7 +132,7 @@ def test_max_samples_closes_a_window_early() -> None:
 
 
 def test_decrease_follows_the_gradient_and_sets_a_ceiling() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     # p90 = 0.2 s against the engine's share 0.15 s: L * 0.75.
     feed_window(controller, 0.0, engine_ttft=0.2)
     assert controller.limit == 75
@@ -140,7 +140,7 @@ def test_decrease_follows_the_gradient_and_sets_a_ceiling() -> None:
 
 
 def test_a_limit_that_was_not_reached_is_cut_from_what_ran() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     # 20 ran at most, 0.2 s against 0.15 s: 20 * 0.75 = 15, at once (the first cut from N).
     now = feed_window(controller, 0.0, engine_ttft=0.2, running=20)
     assert controller.limit == 15
@@ -150,7 +150,7 @@ def test_a_limit_that_was_not_reached_is_cut_from_what_ran() -> None:
 
 
 def test_the_first_cut_from_n_meets_an_overload_within_one_window() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=256)
+    controller = SloController(objective=OBJECTIVE, max_limit=256, now=0.0)
     # 256 ran, 1.2 s against 0.15 s: the gradient says 32, and the first cut goes there.
     feed_window(controller, 0.0, engine_ttft=1.2, running=256)
     assert controller.limit == 32
@@ -158,13 +158,13 @@ def test_the_first_cut_from_n_meets_an_overload_within_one_window() -> None:
 
 
 def test_a_small_overshoot_still_moves_by_one() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, now=0.0)
     feed_window(controller, 0.0, engine_ttft=0.151)
     assert controller.limit == 9
 
 
 def test_dead_band_holds() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     feed_window(controller, 0.0, engine_ttft=0.2)
     assert controller.limit == 75
     feed_window(controller, 1.0, engine_ttft=0.13, queued=True)  # in (0.1125, 0.15]
@@ -172,7 +172,7 @@ def test_dead_band_holds() -> None:
 
 
 def test_increase_only_while_the_limit_is_in_use_and_under_the_ceiling() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     now = feed_window(controller, 0.0, engine_ttft=0.2)
     assert controller.limit == 75
     now = feed_window(controller, now, engine_ttft=0.05, queued=True)
@@ -182,7 +182,7 @@ def test_increase_only_while_the_limit_is_in_use_and_under_the_ceiling() -> None
 
 
 def test_an_increase_goes_toward_where_the_engine_would_just_be_comfortable() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     now = feed_window(controller, 0.0, engine_ttft=0.2)
     now = feed_window(controller, now, engine_ttft=0.1, queued=True)
     assert controller.limit == 84  # floor(75 * 0.1125 / 0.1), at most proportionally slower
@@ -190,7 +190,7 @@ def test_an_increase_goes_toward_where_the_engine_would_just_be_comfortable() ->
 
 def test_a_failed_probe_makes_increases_single_steps_and_the_ceiling_live_longer() -> None:
     tuning = SloTuning()
-    controller = SloController(objective=OBJECTIVE, max_limit=100)
+    controller = SloController(objective=OBJECTIVE, max_limit=100, now=0.0)
     now = feed_window(controller, 0.0, engine_ttft=0.2)  # 75, ceiling 100
     now = feed_window(controller, now, engine_ttft=0.05, queued=True)  # raised to 99
     assert controller.limit == 99
@@ -205,7 +205,7 @@ def test_a_failed_probe_makes_increases_single_steps_and_the_ceiling_live_longer
 
 
 def test_an_attack_of_long_prompts_cannot_pin_the_limit_once_it_is_over() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=16)
+    controller = SloController(objective=OBJECTIVE, max_limit=16, now=0.0)
     now = 0.0
     for _ in range(15):  # long prompts: in-engine first tokens far over the engine's share
         now = feed_window(controller, now, engine_ttft=2.0, queued=True)
@@ -227,7 +227,7 @@ def test_an_attack_of_long_prompts_cannot_pin_the_limit_once_it_is_over() -> Non
 
 
 def test_one_very_long_request_moves_the_hold_time_as_a_few_ordinary_ones() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=4)
+    controller = SloController(objective=OBJECTIVE, max_limit=4, now=0.0)
     for index in range(50):
         controller.observe_finish(index, started=0.0, finished=0.5)
     controller.observe_finish("long", started=0.0, finished=38.0)  # max_tokens 6000
@@ -238,7 +238,7 @@ def test_one_very_long_request_moves_the_hold_time_as_a_few_ordinary_ones() -> N
 
 
 def test_recovery_when_nobody_waits() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=256, min_limit=2)
+    controller = SloController(objective=OBJECTIVE, max_limit=256, min_limit=2, now=0.0)
     now = 0.0
     for _ in range(10):
         now = feed_window(controller, now, engine_ttft=5.0)
@@ -250,7 +250,7 @@ def test_recovery_when_nobody_waits() -> None:
 
 
 def test_samples_that_started_before_the_change_are_not_samples() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     now = feed_window(controller, 0.0, engine_ttft=5.0)
     assert controller.limit == 8
     for _ in range(50):  # admitted under L = 64: say nothing about 8
@@ -260,7 +260,7 @@ def test_samples_that_started_before_the_change_are_not_samples() -> None:
 
 
 def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, now=0.0)
     controller.observe_finish(object(), started=0.0, finished=0.5)
     feed_window(controller, 0.0, engine_ttft=0.1)  # comfortable, not in use: L stays 10
     assert controller.limit == 10
@@ -272,7 +272,7 @@ def test_queue_bound_leaves_room_for_the_spread_of_the_wait() -> None:
 
 
 def test_the_bound_of_an_arrival_that_spent_time_upstream_is_that_of_the_rest_of_s() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, now=0.0)
     assert controller.queue_bound_after(0.1) == controller.queue_bound  # no evidence: none
     controller.observe_finish(object(), started=0.0, finished=0.5)
     feed_window(controller, 0.0, engine_ttft=0.1)
@@ -288,7 +288,7 @@ def test_the_bound_of_an_arrival_that_spent_time_upstream_is_that_of_the_rest_of
 
 
 def test_a_little_room_still_keeps_one_request_ready() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=1)
+    controller = SloController(objective=OBJECTIVE, max_limit=1, now=0.0)
     controller.observe_finish(object(), started=0.0, finished=2.0)
     feed_window(controller, 0.0, engine_ttft=0.1)
     # R = 0.2 * 1 / 2 = 0.1 start: no queued request would make it on average, but one in the
@@ -297,7 +297,7 @@ def test_a_little_room_still_keeps_one_request_ready() -> None:
 
 
 def test_no_room_at_all_refuses_every_queued_arrival() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, now=0.0)
     controller.observe_finish(object(), started=0.0, finished=1.0)
     feed_window(controller, 0.0, engine_ttft=0.5)
     assert controller.queue_bound == 0
@@ -305,14 +305,14 @@ def test_no_room_at_all_refuses_every_queued_arrival() -> None:
 
 
 def test_queue_deadline_leaves_room_for_the_engine() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=10)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, now=0.0)
     assert controller.queue_deadline == OBJECTIVE  # no evidence yet: S itself
     feed_window(controller, 0.0, engine_ttft=0.05)
     assert controller.queue_deadline == pytest.approx(OBJECTIVE - 0.05)
 
 
 def test_requests_still_waiting_for_a_first_output_count_once_overdue() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     for index in range(20):  # in the engine since 0.1 s, no first output by 1.0 s
         controller.observe_start(index, started=0.1)
     assert controller.update(1.0)
@@ -322,7 +322,7 @@ def test_requests_still_waiting_for_a_first_output_count_once_overdue() -> None:
 
 
 def test_young_open_samples_are_no_evidence() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     for index in range(20):
         controller.observe_start(index, started=0.95)
     assert not controller.update(1.0)
@@ -330,7 +330,7 @@ def test_young_open_samples_are_no_evidence() -> None:
 
 
 def test_a_request_that_leaves_without_first_output_is_no_sample() -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=64)
+    controller = SloController(objective=OBJECTIVE, max_limit=64, now=0.0)
     for index in range(20):
         controller.observe_start(index, started=0.1)
         controller.observe_finish(index, started=0.1, finished=0.2)  # cancelled
@@ -340,7 +340,7 @@ def test_a_request_that_leaves_without_first_output_is_no_sample() -> None:
 
 def test_hold_is_a_smoothed_mean() -> None:
     tuning = SloTuning(hold_smoothing=0.5)
-    controller = SloController(objective=OBJECTIVE, max_limit=10, tuning=tuning)
+    controller = SloController(objective=OBJECTIVE, max_limit=10, tuning=tuning, now=0.0)
     controller.observe_finish(object(), started=0.0, finished=1.0)
     controller.observe_finish(object(), started=0.0, finished=3.0)
     assert controller.hold_seconds == pytest.approx(2.0)
@@ -358,7 +358,7 @@ def test_hold_is_a_smoothed_mean() -> None:
 )
 def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SloController(**kwargs)  # type: ignore[arg-type]
+        SloController(**kwargs, now=0.0)  # type: ignore[arg-type]
 
 
 def test_bad_tuning() -> None:
@@ -395,7 +395,9 @@ def test_limit_stays_in_bounds_and_moves_in_bounded_steps(
     max_limit: int, min_share: float, program: list[tuple[str, float, float]]
 ) -> None:
     min_limit = max(1, math.floor(min_share * max_limit))
-    controller = SloController(objective=OBJECTIVE, max_limit=max_limit, min_limit=min_limit)
+    controller = SloController(
+        objective=OBJECTIVE, max_limit=max_limit, min_limit=min_limit, now=0.0
+    )
     tuning = controller.tuning
     now = 0.0
     for action, step, duration in program:
@@ -424,7 +426,7 @@ def test_limit_stays_in_bounds_and_moves_in_bounded_steps(
 def test_limit_recovers_to_n_once_the_load_falls(
     plant: Plant, max_limit: int, low_load: float
 ) -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit, now=0.0)
     run_plant(controller, plant, 60)
     # The load falls: nobody waits, the engine answers fast.
     now = 60.0
@@ -439,7 +441,7 @@ def test_limit_recovers_to_n_once_the_load_falls(
 @settings(max_examples=300, deadline=None)
 @given(plant=plants, max_limit=st.integers(1, 512))
 def test_no_oscillation_on_a_steady_load(plant: Plant, max_limit: int) -> None:
-    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit, now=0.0)
     tuning = controller.tuning
     settle = 120
     horizon = 120
@@ -463,7 +465,7 @@ def test_noisy_steady_load_stays_in_bounds_and_serves_the_objective(
     plant: Plant, max_limit: int, seed: int
 ) -> None:
     rng = random.Random(seed)
-    controller = SloController(objective=OBJECTIVE, max_limit=max_limit)
+    controller = SloController(objective=OBJECTIVE, max_limit=max_limit, now=0.0)
     now = 0.0
     limits = []
     for _ in range(200):

@@ -252,10 +252,10 @@ def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> N
     gate = AdmissionGate(engine_slots=1, queue_limit=2, waiting_limit=1)
     metrics = WorkerMetrics(gate)
     state = gate.state
-    running = state.arrive(5, "batch", 10)
-    queued = [state.arrive(5, "batch", 10), state.arrive(5, "batch", 10)]
-    state.arrive(0, "user", 3)  # displaces the newest batch request
-    state.arrive(9, "late", 3)  # nothing to displace: queue_full
+    running = state.arrive(5, "batch", 10, now=0.0)
+    queued = [state.arrive(5, "batch", 10, now=0.0), state.arrive(5, "batch", 10, now=0.0)]
+    state.arrive(0, "user", 3, now=0.0)  # displaces the newest batch request
+    state.arrive(9, "late", 3, now=0.0)  # nothing to displace: queue_full
     _invariant_holds(metrics)
     assert (
         _dynamo_sample(metrics, "dynamo_rejection_request_by_reason_total", reason="displaced") == 1
@@ -269,11 +269,11 @@ def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> N
     assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 1
     assert not isinstance(running, GateRefusal)
     state.charge(running, 4)
-    state.first_output(running)  # W frees, but the slot is still taken
+    state.first_output(running, now=0.0)  # W frees, but the slot is still taken
     assert _dynamo_sample(metrics, "dynamo_engine_request_waiting") == 0
     first = queued[0]
     assert not isinstance(first, GateRefusal)
-    state.cancel(first)
+    state.cancel(first, now=0.0)
     _invariant_holds(metrics)
     assert _dynamo_sample(metrics, "dynamo_backend_admission_cancellation_total") == 1
     assert _dynamo_sample(metrics, "dynamo_tenant_service_tokens_total", tenant="batch") == 18
@@ -290,9 +290,9 @@ def test_the_invariant_holds_through_admissions_displacements_and_cancels() -> N
 def test_priorities_beyond_sixteen_are_summed_under_other() -> None:
     gate = AdmissionGate(engine_slots=1, queue_limit=40)
     metrics = WorkerMetrics(gate)
-    gate.state.arrive(0, "", 1)
+    gate.state.arrive(0, "", 1, now=0.0)
     for priority in range(20):
-        gate.state.arrive(priority, "", 1)
+        gate.state.arrive(priority, "", 1, now=0.0)
     assert _dynamo_sample(metrics, "dynamo_request_queue_by_priority", priority="other") == 4
     body, _ = metrics.render(None)
     labels = [

@@ -76,8 +76,9 @@ class InstantEngine:
             The prepared request.
 
         Raises:
-            EngineInputError: The body lacks its prompt or has a bad ``max_tokens``
-                (see :func:`~worker_ingress.engines._base.requested_max_tokens`).
+            EngineInputError: The body lacks its prompt, has a bad ``max_tokens`` (see
+                :func:`~worker_ingress.engines._base.requested_max_tokens`) or asks for several
+                choices.
         """
         refuse_several_choices(endpoint, body)
         texts = prompt_texts(endpoint, body)

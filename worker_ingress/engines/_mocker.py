@@ -224,8 +224,9 @@ class MockerEngine:
         does (a completion's ``prompt`` may be token ids); embeddings read ``input`` as text.
 
         Raises:
-            EngineInputError: a missing or ill-typed prompt/messages/input or max_tokens, or a
-                request whose KV would not fit the whole cache of a rank.
+            EngineInputError: a missing or ill-typed prompt/messages/input or max_tokens, a
+                request for several choices, or a request whose KV would not fit the whole
+                cache of a rank.
         """
         if not isinstance(body, dict):
             raise EngineInputError("the request body must be a JSON object")
@@ -328,10 +329,11 @@ class MockerEngine:
     async def _step_loop(self, rank_index: int) -> None:
         rank = self._ranks[rank_index]
         speedup = self._settings.speedup_ratio
-        # Steps end on a timeline of absolute deadlines rather than after relative sleeps:
-        # trio rounds a sleep up to the millisecond, which at high speedup ratios would stretch
-        # every step, so lateness is made up on the next steps, but never more than
-        # _MAX_CATCH_UP_SECONDS of it (after a stall the engine does not burst).
+        # Steps end on a timeline of absolute deadlines rather than after relative sleeps: on
+        # the real clock a sleep wakes on the next whole millisecond (epoll's timeout is in
+        # milliseconds), which at high speedup ratios would stretch every step, so lateness is
+        # made up on the next steps, but never more than _MAX_CATCH_UP_SECONDS of it (after a
+        # stall the engine does not burst).
         deadline = trio.current_time()
         # How late past their target this loop's sleeps wake, on average: the real clock wakes
         # a sleep on the next whole millisecond, so each step aims that much early and its end

@@ -42,6 +42,8 @@ class UpstreamFacts(msgspec.Struct, kw_only=True):
 
 
 def positive_int(value: object) -> int | None:
+    """A count an upstream gave, as an integer or a string of digits; ``None`` for anything
+    else, zero and negatives included."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
