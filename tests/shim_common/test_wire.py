@@ -436,11 +436,11 @@ def test_without_the_new_fields_generate_and_end_are_the_same_bytes_as_before(
     # Fields at their defaults are left out: a frontend that never disaggregates, or a worker
     # answering a plain request, sends what an older peer sends, byte for byte.
     fields: dict[str, Any] = {"request_id": 5, "endpoint": "completions", "body": {"p": "x"}}
-    classes = {"priority": priority, "tenant": tenant, "dp_rank": dp_rank}
+    classes: dict[str, Any] = {"priority": priority, "tenant": tenant, "dp_rank": dp_rank}
     generate = Generate(**fields, **classes, frontend_ms=frontend_ms)
     before = _GenerateBefore(**fields, **classes, frontend_ms=frontend_ms)
     assert wire.encode(generate) == wire.encode(before)
-    frames = {"started_seq": seqs, "first_output_seq": seqs, "ended_seq": seqs}
+    frames: dict[str, Any] = {"started_seq": seqs, "first_output_seq": seqs, "ended_seq": seqs}
     end = End(request_id=5, prompt_tokens=3, completion_tokens=2, cached_tokens=cached, **frames)
     end_before = _EndBefore(
         request_id=5, prompt_tokens=3, completion_tokens=2, cached_tokens=cached, **frames
@@ -480,9 +480,8 @@ def test_the_role_is_in_the_hello_and_defaults_to_an_aggregated_worker() -> None
 
 def _with_handoff(**changes: Any) -> bytes:
     handoff = {**msgspec.to_builtins(HANDOFF), **changes}
-    return msgpack.packb(
-        {"type": "generate", "request_id": 1, "endpoint": "completions", "body": {}, "handoff": handoff}
-    )
+    message = {"type": "generate", "request_id": 1, "endpoint": "completions", "body": {}}
+    return bytes(msgpack.packb({**message, "handoff": handoff}))
 
 
 @pytest.mark.parametrize(

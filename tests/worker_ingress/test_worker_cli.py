@@ -278,7 +278,14 @@ def test_a_tokenizer_path_is_kept_and_an_empty_one_refused(monkeypatch: pytest.M
         ([], {"DYN_DISAGGREGATION_MODE": "Prefill"}, "DYN_DISAGGREGATION_MODE"),
         (["--disaggregation-mode", "decode", "--engine", "instant"], {}, "--disaggregation-mode"),
         (
-            ["--disaggregation-mode", "prefill", "--engine", "openai", "--upstream-url", "http://u"],
+            [
+                "--disaggregation-mode",
+                "prefill",
+                "--engine",
+                "openai",
+                "--upstream-url",
+                "http://u",
+            ],
             {},
             "--disaggregation-mode",
         ),
