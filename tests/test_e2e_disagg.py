@@ -37,12 +37,18 @@ FLAGS = ("--speedup-ratio", "50", "--block-size", str(BLOCK), "--num-gpu-blocks"
 PROMPT = " ".join(f"d{i}" for i in range(30))  # 30 tokens: 7 full blocks and a partial one
 
 
+async def binary(ws: WebSocketConnection) -> bytes:
+    message = await ws.get_message()
+    assert isinstance(message, bytes)
+    return message
+
+
 @asynccontextmanager
 async def request_plane(url: str) -> AsyncIterator[tuple[WebSocketConnection, Hello]]:
     async with open_websocket_url(
         url + wire.REQUESTS_PATH, max_message_size=wire.MAX_MESSAGE_BYTES
     ) as ws:
-        hello = wire.decode_worker_message(await ws.get_message())
+        hello = wire.decode_worker_message(await binary(ws))
         assert isinstance(hello, Hello)
         yield ws, hello
 
@@ -51,7 +57,7 @@ async def frames_of(ws: WebSocketConnection, request: Generate) -> list[wire.Wor
     await ws.send_message(wire.encode(request))
     frames: list[wire.WorkerMessage] = []
     while not frames or not isinstance(frames[-1], End | wire.Failed | wire.Rejected):
-        frame = wire.decode_worker_message(await ws.get_message())
+        frame = wire.decode_worker_message(await binary(ws))
         assert not isinstance(frame, Hello | wire.Batch)
         assert frame.request_id == request.request_id
         frames.append(frame)
