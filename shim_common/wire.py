@@ -42,12 +42,8 @@ Rules:
    subscriber that sees a jump sends a later :class:`Subscribe` with ``kv_snapshot=True`` and is
    sent a fresh snapshot. A worker whose subscriber cannot keep up sends it a fresh snapshot
    rather than an unbounded backlog. :attr:`Generate.dp_rank` names the rank the router chose.
-7. Disaggregated serving (:data:`FEATURE_DISAGG`, listed by a worker that can run a request's
-   two hops apart, whatever its role, :attr:`RuntimeConfig.worker_type`): a client may send it a
-   ``generate`` with :attr:`Generate.prefill_only`, answered ``started`` then an :class:`End`
-   whose :attr:`End.handoff` describes the prompt's KV, and a ``generate`` with
-   :attr:`Generate.handoff`, which decodes from that KV without prefilling the prompt again.
-   Any worker serves a plain ``generate`` whole, whatever its role.
+7. Disaggregated serving (:data:`FEATURE_DISAGG`, :mod:`shim_common._disagg`): a ``prefill_only``
+   hop's :class:`End` carries a :class:`Handoff`; a ``generate`` carrying it decodes from its KV.
 """
 
 from __future__ import annotations
@@ -58,7 +54,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from shim_common._busy import BusyThresholds
-from shim_common._numbers import MAX_COUNT, MAX_RANKS, PRIORITY, Count, Priority
+from shim_common._disagg import Handoff, WorkerType
+from shim_common._numbers import PRIORITY, Priority
 
 __all__ = [
     "Mailbox",
@@ -80,8 +77,6 @@ __all__ = [
     "SUBPROTOCOL_BATCH",
     "REQUEST_BATCH_BYTES",
     "REQUEST_BATCH_MESSAGES",
-    "MAX_HANDOFF_BLOCKS",
-    "MAX_HANDOFF_ID_CHARS",
     "MAX_KV_BLOCKS",
     "MAX_MESSAGE_BYTES",
     "PROTOCOL_VERSION",
@@ -298,10 +293,6 @@ CANCEL_REASON_CLIENT: Final = "client cancelled"
 
 Endpoint = Literal["chat_completions", "completions", "embeddings"]
 FailureKind = Literal["bad_request", "engine", "cancelled", "unavailable"]
-#: A worker's role in disaggregated serving (:attr:`RuntimeConfig.worker_type`): ``agg`` runs
-#: requests whole; ``prefill`` is meant for the prefill hops of a prefill pool; ``decode`` for
-#: the decode hops of a decode pool. Every role serves a plain ``generate`` whole.
-WorkerType = Literal["agg", "prefill", "decode"]
 
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -323,9 +314,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Seconds between two event batches to one subscriber at most (0: a worker from before
     #: the bound, which publishes on every change).
     load_publish_interval: float = 0.0
-    #: The worker's role (``--disaggregation-mode``); ``agg`` from workers that predate the
-    #: field. A frontend that does not know the field sees an aggregated worker, which is what
-    #: every role is to a plain ``generate``.
+    #: ``--disaggregation-mode``; ``agg`` from older workers, and to a frontend that ignores it.
     worker_type: WorkerType = "agg"
 
 
@@ -525,61 +514,8 @@ class KvBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv", tag_field="ty
 
 # ----------------------------------------------------------------------------- request plane
 
-#: Hello feature: the worker runs a request's two hops apart (:attr:`Generate.prefill_only`, then
-#: :attr:`Generate.handoff` on a decode worker), and honours :attr:`Generate.dp_rank`. Listed by
-#: a worker whose engine can hand KV off, whatever its role; a client sends those fields only to
-#: a worker that lists it (an older worker would ignore them and run the request whole).
+#: Hello feature: the worker runs ``prefill_only`` and ``handoff`` hops; it honours ``dp_rank``.
 FEATURE_DISAGG: Final = "disagg"
-#: The most block names a :class:`Handoff` carries (1 Mi, about 9 MiB of msgpack): one hand-off
-#: travels in an ``end`` and again, beside its prompt, in a ``generate``, and both must fit
-#: :data:`MAX_MESSAGE_BYTES`. At 16 tokens a block that is a 16 Mi-token prompt, past every
-#: model's context; a prompt with more full blocks is not handed off (``bad_request``).
-MAX_HANDOFF_BLOCKS: Final = 2**20
-#: The longest :attr:`Handoff.handle` and :attr:`Handoff.worker_id` (a worker id's own bound).
-MAX_HANDOFF_ID_CHARS: Final = 256
-
-_HandoffId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDOFF_ID_CHARS)]
-_BlockName = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-
-
-class Handoff(msgspec.Struct, frozen=True, kw_only=True):
-    """A prompt's KV, computed by a prefill worker and held for a decode worker to take.
-
-    What a real engine's hand-off carries, engine-neutral: the prefill worker answers a
-    :attr:`Generate.prefill_only` request with one in :attr:`End.handoff`, and the client passes
-    it on unchanged in the decode worker's :attr:`Generate.handoff`. Every field is checked on
-    decode (a message with a bad one does not decode: close 1007), the cross-field rules too.
-    """
-
-    #: Opaque, unique among the hand-offs of the prefill worker that made it.
-    handle: _HandoffId
-    #: The prefill worker (its hello's ``worker_id``).
-    worker_id: _HandoffId
-    #: The prefill worker's rank that holds the KV.
-    dp_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
-    #: Tokens per KV block on the prefill worker; a decode worker takes a hand-off of its own
-    #: block size only.
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
-    #: The prompt's tokens, all of whose KV is handed off (at least one).
-    prompt_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
-    #: Of the prompt's tokens, those found in the prefill worker's prefix cache.
-    cached_tokens: Count
-    #: The chained names of the prompt's full blocks (:func:`shim_common.prefix.block_names`),
-    #: all ``prompt_tokens // block_size`` of them, or none from a prefill worker that names no
-    #: blocks (its prefix cache off).
-    block_names: Annotated[list[_BlockName], msgspec.Meta(max_length=MAX_HANDOFF_BLOCKS)]
-    #: Bytes of KV to move: ``prompt_tokens`` times the model's KV bytes per token.
-    kv_bytes: Count
-
-    def __post_init__(self) -> None:
-        if self.cached_tokens > self.prompt_tokens:
-            raise ValueError("a hand-off's cached_tokens must be at most its prompt_tokens")
-        if self.block_names and len(self.block_names) != self.prompt_tokens // self.block_size:
-            raise ValueError(
-                "a hand-off's block_names must name every full block of its prompt, or none"
-            )
-
-
 class Generate(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="generate", tag_field="type"
 ):
@@ -606,13 +542,10 @@ class Generate(
     #: (parsing, routing, its own queue): the objective is the client's, so a worker that lists
     #: :data:`FEATURE_FRONTEND_TIME` counts it against the room a request has to wait.
     frontend_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_FRONTEND_MS)] = 0
-    #: Prefill the prompt, keep its KV for a hand-off and generate nothing: answered
-    #: ``started`` then an :class:`End` with ``completion_tokens`` 0 and :attr:`End.handoff`.
-    #: Sent only to a worker that lists :data:`FEATURE_DISAGG`.
+    #: Prefill, keep the KV for a hand-off, generate nothing (``started``, then an ``end`` with
+    #: :attr:`End.handoff`). This and ``handoff``: only to a worker listing :data:`FEATURE_DISAGG`.
     prefill_only: bool = False
-    #: Decode this request from a prefill worker's hand-off (the :attr:`End.handoff` of its
-    #: ``prefill_only`` hop, with the same body): the worker takes the prompt's KV instead of
-    #: prefilling it. Sent only to a worker that lists :data:`FEATURE_DISAGG`.
+    #: Decode from a prefill hop's :attr:`End.handoff` (same body) instead of prefilling.
     handoff: Handoff | None = None
 
 
@@ -687,8 +620,7 @@ class End(
     started_seq: int | None = None
     first_output_seq: int | None = None
     ended_seq: int | None = None
-    #: The prompt's KV, held for a decode worker: set on the end of a
-    #: :attr:`Generate.prefill_only` request, ``None`` on every other.
+    #: The prompt's KV held for a decode worker, on a ``prefill_only`` hop's end only.
     handoff: Handoff | None = None
 
 

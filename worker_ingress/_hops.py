@@ -10,7 +10,7 @@ before it meets the gate, so a refusal takes no slot:
    engine that does not is never given one, whatever a client sends (``bad_request``).
 3. A request is one hop or the other, never both, and never an embedding (no prompt KV).
 4. A prefill hop needs a prompt of at least one token, and of at most
-   :data:`~shim_common.wire.MAX_HANDOFF_BLOCKS` full blocks, so its hand-off fits a message.
+   :data:`~shim_common._disagg.MAX_HANDOFF_BLOCKS` full blocks, so its hand-off fits a message.
 5. A decode hop takes a hand-off of the worker's own block size only, and of the request's own
    prompt as this worker counts it (same tokens: same prompt, same tokenisation).
 6. A decode hop's prompt costs its tenant nothing in the gate's fair share: it is received,
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shim_common.wire import MAX_HANDOFF_BLOCKS, Generate
+from shim_common._disagg import MAX_HANDOFF_BLOCKS
+from shim_common.wire import Generate
 from worker_ingress.engines._base import EngineInputError, PreparedRequest
 
 __all__ = ["gate_prompt_tokens", "prepare_hop"]

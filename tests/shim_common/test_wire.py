@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shim_common import wire
+from shim_common._disagg import MAX_HANDOFF_BLOCKS, MAX_HANDOFF_ID_CHARS
 from shim_common.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -488,7 +489,7 @@ def _with_handoff(**changes: Any) -> bytes:
     "changes",
     [
         {"handle": ""},
-        {"handle": "h" * (wire.MAX_HANDOFF_ID_CHARS + 1)},
+        {"handle": "h" * (MAX_HANDOFF_ID_CHARS + 1)},
         {"worker_id": ""},
         {"dp_rank": -1},
         {"dp_rank": 1024},
@@ -528,7 +529,7 @@ def test_a_handoff_may_name_no_blocks_and_is_bounded_in_names() -> None:
     # A prefill worker without a prefix cache names no blocks; the bound keeps a hand-off, twice
     # over, inside one message.
     assert wire.decode_client_message(_with_handoff(block_names=[])) is not None
-    big = wire.MAX_HANDOFF_BLOCKS
+    big = MAX_HANDOFF_BLOCKS
     names = list(range(big))
     data = _with_handoff(block_names=names, prompt_tokens=big * 4, cached_tokens=0)
     assert 2 * len(data) < wire.MAX_MESSAGE_BYTES
