@@ -42,6 +42,8 @@ Rules:
    subscriber that sees a jump sends a later :class:`Subscribe` with ``kv_snapshot=True`` and is
    sent a fresh snapshot. A worker whose subscriber cannot keep up sends it a fresh snapshot
    rather than an unbounded backlog. :attr:`Generate.dp_rank` names the rank the router chose.
+7. Disaggregated serving (:data:`FEATURE_DISAGG`, :mod:`shim_common._disagg`): a ``prefill_only``
+   hop's :class:`End` carries a :class:`Handoff`; a ``generate`` carrying it decodes from its KV.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 
 from shim_common._busy import BusyThresholds
+from shim_common._disagg import Handoff, WorkerType
 from shim_common._numbers import PRIORITY, Priority
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "CLOSE_UNDECODABLE",
     "EVENTS_PATH",
     "FEATURE_BUSY_EDGES",
+    "FEATURE_DISAGG",
     "FEATURE_KV_EVENTS",
     "FEATURE_REQUEST_BATCH",
     "FEATURE_PUBLISH_INTERVAL",
@@ -99,6 +103,7 @@ __all__ = [
     "Failed",
     "FailureKind",
     "Generate",
+    "Handoff",
     "Heartbeat",
     "Hello",
     "KvBatch",
@@ -119,6 +124,7 @@ __all__ = [
     "Subscribe",
     "WorkerEvent",
     "WorkerMessage",
+    "WorkerType",
     "decode_client_message",
     "decode_event_message",
     "decode_subscriber_message",
@@ -316,6 +322,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     #: Seconds between two event batches to one subscriber at most (0: a worker from before
     #: the bound, which publishes on every change).
     load_publish_interval: float = 0.0
+    #: ``--disaggregation-mode``; ``agg`` from older workers, and to a frontend that ignores it.
+    worker_type: WorkerType = "agg"
 
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", tag_field="type"):
@@ -514,7 +522,8 @@ class KvBatch(msgspec.Struct, frozen=True, kw_only=True, tag="kv", tag_field="ty
 
 # ----------------------------------------------------------------------------- request plane
 
-
+#: Hello feature: the worker runs ``prefill_only`` and ``handoff`` hops; it honours ``dp_rank``.
+FEATURE_DISAGG: Final = "disagg"
 class Generate(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="generate", tag_field="type"
 ):
@@ -534,12 +543,18 @@ class Generate(
     #: is the shared tenant); sent only to a worker that lists :data:`FEATURE_CLASSES`.
     tenant: Annotated[str, msgspec.Meta(max_length=TENANT_MAX_CHARS)] = ""
     #: The data-parallel rank the router chose, honoured by a worker that lists
-    #: :data:`FEATURE_KV_EVENTS` (``None``, or a rank the worker does not have: its own pick).
+    #: :data:`FEATURE_KV_EVENTS` or :data:`FEATURE_DISAGG` (``None``, or a rank the worker does
+    #: not have: its own pick).
     dp_rank: int | None = None
     #: Whole milliseconds the request had already spent in the frontend when this was sent
     #: (parsing, routing, its own queue): the objective is the client's, so a worker that lists
     #: :data:`FEATURE_FRONTEND_TIME` counts it against the room a request has to wait.
     frontend_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_FRONTEND_MS)] = 0
+    #: Prefill, keep the KV for a hand-off, generate nothing (``started``, then an ``end`` with
+    #: :attr:`End.handoff`). This and ``handoff``: only to a worker listing :data:`FEATURE_DISAGG`.
+    prefill_only: bool = False
+    #: Decode from a prefill hop's :attr:`End.handoff` (same body) instead of prefilling.
+    handoff: Handoff | None = None
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True, tag="cancel", tag_field="type"):
@@ -613,6 +628,8 @@ class End(
     started_seq: int | None = None
     first_output_seq: int | None = None
     ended_seq: int | None = None
+    #: The prompt's KV held for a decode worker, on a ``prefill_only`` hop's end only.
+    handoff: Handoff | None = None
 
 
 class Failed(
@@ -684,7 +701,7 @@ def with_frontend_ms(data: bytes, frontend_ms: int) -> bytes:
     if frontend_ms == 0:
         return data
     head = data[0] if data else 0
-    # A Generate is a map of at most 8 fields: always a fixmap (0x80 | length, length < 16).
+    # A Generate is a map of at most 10 fields: always a fixmap (0x80 | length, length < 16).
     if head & 0xF0 != 0x80 or head == 0x8F:
         raise ValueError("not an encoded Generate without frontend_ms")
     return b"".join(

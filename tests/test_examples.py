@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import typing
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from example_scripts import EXAMPLES, load_example
 
 from frontend_shim._kv_routing import KvMetrics
 from frontend_shim._metrics import FrontendMetrics, LinkSample, RankLoadSample
+from shim_common.wire import WorkerType
 from worker_ingress._admission import AdmissionGate
 from worker_ingress._metrics import WorkerMetrics
 from worker_ingress.engines._cache_stats import PrefixCacheStats
@@ -230,6 +232,18 @@ def test_every_alert_is_shown_firing_by_the_rule_tests() -> None:
     for rule in _alert_rules():
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
+
+
+def test_the_pool_panels_and_alerts_name_the_protocols_roles() -> None:
+    # The frontends' per-worker gauges label a worker by its hello's worker_type: a matcher on
+    # any other value would select nothing, silently.
+    roles = set(typing.get_args(WorkerType))
+    exprs = [*_dashboard_exprs(), *(rule["expr"] for rule in _alert_rules())]
+    matched = {role for expr in exprs for role in re.findall(r'worker_type="([^"]*)"', expr)}
+    assert matched == {"prefill", "decode"}
+    assert matched <= roles
+    reasons = {reason for expr in exprs for reason in re.findall(r"\b\w+_busy\b", expr)}
+    assert reasons == {"prefill_busy", "decode_busy"}
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:

@@ -79,6 +79,17 @@ def _environment(container: dict[str, Any], pod_name: str) -> dict[str, str]:
 
 WORKER_ENV = _environment(_container("dynamo-worker", "worker-ingress"), "dynamo-worker-7d4f-x2")
 FRONTEND_ENV = _environment(_container("dynamo-frontend", "frontend-shim"), "dynamo-frontend-1")
+#: The worker Deployment of each role: the aggregated workers (worker.yaml) and the two pools of
+#: disaggregated.yaml.
+WORKER_DEPLOYMENTS = {
+    "agg": "dynamo-worker",
+    "prefill": "dynamo-prefill-worker",
+    "decode": "dynamo-decode-worker",
+}
+ROLE_ENV = {
+    role: _environment(_container(deployment, "worker-ingress"), f"{deployment}-5c9b-q7")
+    for role, deployment in WORKER_DEPLOYMENTS.items()
+}
 
 
 @pytest.fixture
@@ -96,10 +107,13 @@ def test_every_manifest_file_holds_resources() -> None:
     kinds = {(d["kind"], d["metadata"]["name"]) for d in DOCUMENTS}
     assert {
         ("Deployment", "dynamo-worker"),
+        ("Deployment", "dynamo-prefill-worker"),
+        ("Deployment", "dynamo-decode-worker"),
         ("Service", "dynamo-worker"),
         ("Deployment", "dynamo-frontend"),
         ("Service", "dynamo-frontend"),
         ("ConfigMap", "dynamo-worker-config"),
+        ("ConfigMap", "dynamo-disagg-worker-config"),
         ("ConfigMap", "dynamo-frontend-config"),
         ("Secret", "dynamo-shim-tokens"),
     } <= kinds
@@ -145,9 +159,10 @@ def test_worker_variables_are_read_by_the_worker() -> None:
         | ACCESS_TOKEN_VARIABLES
     )
     assert {"DYN_ENGINE_REQUEST_LIMIT", "DYN_DYNAMO_REQUEST_QUEUE_LIMIT", "DYN_LOG"} <= known
-    unknown = {name for name in WORKER_ENV if name.startswith("DYN_")} - known
-    assert not unknown, f"the worker does not read {sorted(unknown)}"
-    assert "DYN_ADMIN_TOKEN" not in WORKER_ENV  # the admin token stays with the frontends
+    for role, environment in ROLE_ENV.items():
+        unknown = {name for name in environment if name.startswith("DYN_")} - known
+        assert not unknown, f"the {role} worker does not read {sorted(unknown)}"
+        assert "DYN_ADMIN_TOKEN" not in environment  # the admin token stays with the frontends
 
 
 def test_frontend_variables_are_read_by_the_frontend() -> None:
@@ -159,8 +174,9 @@ def test_frontend_variables_are_read_by_the_frontend() -> None:
 
 
 def test_only_dyn_variables_are_configured() -> None:
-    for name in _one("ConfigMap", "dynamo-worker-config")["data"]:
-        assert name.startswith("DYN_"), name
+    for config in ("dynamo-worker-config", "dynamo-disagg-worker-config"):
+        for name in _one("ConfigMap", config)["data"]:
+            assert name.startswith("DYN_"), name
     for name in _one("ConfigMap", "dynamo-frontend-config")["data"]:
         assert name.startswith("DYN_"), name
 
@@ -183,6 +199,41 @@ def test_worker_settings_parse_and_listen_beyond_loopback(
     assert settings.engine_request_limit is not None
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["ws"], ports["system"]) == (settings.port, settings.system_port)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_prefill_and_decode_pools_parse_as_their_roles_of_a_model_of_their_own(
+    dyn_environment: pytest.MonkeyPatch, role: str
+) -> None:
+    deployment = WORKER_DEPLOYMENTS[role]
+    container = _container(deployment, "worker-ingress")
+    for name, value in ROLE_ENV[role].items():
+        dyn_environment.setenv(name, value)
+    settings, _ = worker_cli.parse_args(container["command"][1:])
+    assert settings.disaggregation_mode == role
+    # The mocker, the one engine that hands KV off; a model no aggregated (real) worker serves.
+    assert settings.engine == "mocker"
+    assert settings.model != WORKER_ENV["DYN_MODEL_NAME"]
+    assert settings.host == "0.0.0.0"
+    assert settings.worker_id == f"{deployment}-5c9b-q7"
+    assert settings.engine_request_limit is not None
+    assert settings.mocker.kv_transfer_bandwidth > 0
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (ports["ws"], ports["system"]) == (settings.port, settings.system_port)
+    assert "GPU" not in str(container["resources"]).upper()  # simulated: no GPU asked for
+
+
+def test_the_pools_have_disjoint_selectors_and_the_frontends_service_finds_every_role() -> None:
+    labels = {
+        role: _one("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        for role, name in WORKER_DEPLOYMENTS.items()
+    }
+    for role, name in WORKER_DEPLOYMENTS.items():
+        selector = _one("Deployment", name)["spec"]["selector"]["matchLabels"]
+        owned = {other for other, pod in labels.items() if selector.items() <= pod.items()}
+        assert owned == {role}, f"{name} selects the pods of {sorted(owned)}"
+    service = _one("Service", "dynamo-worker")["spec"]["selector"]
+    assert all(service.items() <= pod.items() for pod in labels.values())
 
 
 def test_engine_sidecar_serves_the_model_on_loopback_at_the_upstream_port() -> None:
@@ -209,10 +260,9 @@ def test_frontend_settings_parse_and_find_workers_through_the_headless_service(
     service = _one("Service", match.group(1))["spec"]
     assert service["clusterIP"] == "None"
     assert int(match.group(2)) in {p["port"] for p in service["ports"]}
-    assert (
-        service["selector"]
-        == _one("Deployment", "dynamo-worker")["spec"]["selector"]["matchLabels"]
-    )
+    # It selects the aggregated workers' pods (and the pools', checked above).
+    pods = _one("Deployment", "dynamo-worker")["spec"]["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= pods.items()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["http"] == settings.http_port
 
@@ -223,7 +273,7 @@ def test_frontend_settings_parse_and_find_workers_through_the_headless_service(
 @pytest.mark.parametrize(
     ("deployment", "container", "environment"),
     [
-        ("dynamo-worker", "worker-ingress", WORKER_ENV),
+        *((WORKER_DEPLOYMENTS[role], "worker-ingress", ROLE_ENV[role]) for role in ROLE_ENV),
         ("dynamo-frontend", "frontend-shim", FRONTEND_ENV),
     ],
 )
@@ -257,7 +307,7 @@ def test_engine_stops_only_after_the_worker_has_drained() -> None:
 def test_pods_carry_the_job_names_the_alert_rules_use() -> None:
     names = {
         _one("Deployment", name)["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-        for name in ("dynamo-worker", "dynamo-frontend")
+        for name in (*WORKER_DEPLOYMENTS.values(), "dynamo-frontend")
     }
     alerts = (ROOT / "examples" / "prometheus" / "alerts.yml").read_text()
     assert names == set(re.findall(r'job="([^"]+)"', alerts))

@@ -34,7 +34,7 @@ from shim_common._cli import (
 )
 from shim_common._client_text import shorten
 from shim_common._numbers import COUNT, RANKS, RATIO, SECONDS
-from shim_common.wire import MAX_KV_BLOCKS
+from shim_common.wire import MAX_KV_BLOCKS, WorkerType
 from worker_ingress._config import (
     DEFAULT_MAX_TRACKED_TENANTS,
     DEFAULT_QUEUE_LIMIT,
@@ -82,7 +82,12 @@ LOCAL_WORKER_FLAGS: Final = (
     "max_num_batched_tokens",
     "data_parallel_size",
     "speedup_ratio",
+    "kv_transfer_bandwidth",
+    "kv_bytes_per_token",
 )
+#: The most KV bytes a token of the simulated model may take (``--kv-bytes-per-token``): 1 GiB,
+#: thousands of times a large dense model's, so that a prompt's bytes stay a count.
+MAX_KV_BYTES_PER_TOKEN: Final = 2**30
 
 
 app = App(
@@ -107,6 +112,9 @@ def _worker(
     worker_id: Annotated[str | None, Parameter(env_var="DYN_WORKER_ID")] = None,
     engine: Annotated[str, Parameter(env_var="DYN_ENGINE")] = "mocker",
     upstream_url: Annotated[str | None, Parameter(env_var="DYN_UPSTREAM_URL")] = None,
+    disaggregation_mode: Annotated[
+        WorkerType, Parameter(env_var="DYN_DISAGGREGATION_MODE")
+    ] = "agg",
     engine_request_limit: Annotated[
         int | None,
         Parameter(
@@ -209,6 +217,18 @@ def _worker(
         float,
         Parameter(env_var="DYN_MOCKER_SPEEDUP_RATIO", validator=of_kind(RATIO, gt=0)),
     ] = 1.0,
+    kv_transfer_bandwidth: Annotated[
+        float,
+        Parameter(env_var="DYN_KV_TRANSFER_BANDWIDTH", validator=of_kind(RATIO)),
+    ] = 0.0,
+    kv_bytes_per_token: Annotated[
+        int,
+        Parameter(
+            converter=strict_int,
+            env_var="DYN_MOCKER_KV_BYTES_PER_TOKEN",
+            validator=of_kind(COUNT, gte=1, lte=MAX_KV_BYTES_PER_TOKEN),
+        ),
+    ] = 131_072,
     enable_prefix_caching: Annotated[bool, Parameter(env_var="DYN_ENABLE_PREFIX_CACHING")] = True,
     tokenizer: Annotated[str | None, Parameter(env_var="DYN_TOKENIZER")] = None,
     tls_cert_path: Annotated[str | None, Parameter(env_var="DYN_TLS_CERT_PATH")] = None,
@@ -246,6 +266,11 @@ def _worker(
         "package.module:factory" for an in-process engine.
     upstream_url
         Base URL of the upstream server for --engine openai, e.g. http://127.0.0.1:8001.
+    disaggregation_mode
+        The worker's role, announced to frontends: "agg" (prefill and decode, as before),
+        "prefill" (the prefill pool: prefills prompts and hands their KV off) or "decode" (the
+        decode pool: decodes from a hand-off). Every role still serves a plain request whole.
+        "prefill" and "decode" need an engine that can hand KV off (the mocker).
     engine_request_limit
         N: at most N requests run in the engine at once; setting it enables rejection. Unset: 10000
         slots, and 40000 queue places unless W is set. Also read from
@@ -295,7 +320,16 @@ def _worker(
     data_parallel_size
         Mocker: data-parallel ranks.
     speedup_ratio
-        Mocker: simulated step times are divided by this.
+        Mocker: simulated step times are divided by this (not the KV transfer's, as in
+        Dynamo's mocker).
+    kv_transfer_bandwidth
+        Mocker: GB/s at which a decode worker receives a hand-off's KV (its bytes divided by
+        this, in wall seconds); 0 (the default, as in Dynamo's mocker) moves it at once. About
+        64 is an InfiniBand link between nodes, about 450 NVLink within one.
+    kv_bytes_per_token
+        Mocker: KV bytes of one token of the simulated model, what a hand-off moves per
+        prompt token: layers x KV heads x head dimension x 2 (K and V) x bytes per element.
+        Default 131072, Llama-3-8B in fp16 (32 x 8 x 128 x 2 x 2).
     enable_prefix_caching
         Mocker: keep the KV blocks of the prompts seen and reuse a prompt's longest cached
         prefix (--no-enable-prefix-caching: every prompt is prefilled whole).
@@ -326,6 +360,7 @@ def _worker(
         else _non_empty("--worker-id", worker_id),
         engine=engine,
         upstream_url=upstream_url,
+        disaggregation_mode=disaggregation_mode,
         engine_request_limit=engine_request_limit,
         engine_request_waiting_limit=engine_request_waiting_limit,
         tenant_weights=_tenant_weights(tenant_weights),
@@ -347,6 +382,8 @@ def _worker(
             speedup_ratio=speedup_ratio,
             enable_prefix_caching=enable_prefix_caching,
             tokenizer=None if tokenizer is None else _non_empty("--tokenizer", tokenizer),
+            kv_transfer_bandwidth=kv_transfer_bandwidth,
+            kv_bytes_per_token=kv_bytes_per_token,
         ),
         token=token_from_env(WORKER_TOKEN_ENV),
         tls_cert_path=tls.cert_path,
@@ -474,6 +511,14 @@ def _check_objective(settings: WorkerSettings) -> None:
 
 
 def _check_engine(settings: WorkerSettings) -> None:
+    mode = settings.disaggregation_mode
+    if mode != "agg" and settings.engine in ("openai", "instant"):
+        # A role the engine cannot serve: a frontend would send this worker hops it must refuse.
+        raise CliError(
+            f'Invalid value "{mode}" for --disaggregation-mode (DYN_DISAGGREGATION_MODE): '
+            f"--engine {settings.engine} cannot hand KV off; a prefill or decode worker needs "
+            "the mocker."
+        )
     if settings.engine == "openai":
         if not settings.upstream_url:
             raise CliError("--engine openai needs --upstream-url (DYN_UPSTREAM_URL).")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from shim_common.wire import WorkerType
+
 __all__ = [
     "DEFAULT_MAX_TRACKED_TENANTS",
     "DEFAULT_QUEUE_LIMIT",
@@ -42,6 +44,11 @@ class MockerSettings:
     enable_prefix_caching: bool = True
     #: A model's ``tokenizer.json`` (``--tokenizer``); ``None``: one token per word.
     tokenizer: str | None = None
+    #: GB/s a decode worker receives a hand-off's KV at (``--kv-transfer-bandwidth``); 0: at once.
+    kv_transfer_bandwidth: float = 0.0
+    #: KV bytes of one token of the simulated model (``--kv-bytes-per-token``): Llama-3-8B in
+    #: fp16, 32 layers x 8 KV heads x 128 dimensions x 2 (K and V) x 2 bytes.
+    kv_bytes_per_token: int = 131_072
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +64,8 @@ class WorkerSettings:
     engine: str = "mocker"
     #: Base URL of the OpenAI-compatible server the ``openai`` engine forwards to.
     upstream_url: str | None = None
+    #: The worker's role in disaggregated serving (``--disaggregation-mode``).
+    disaggregation_mode: WorkerType = "agg"
     #: N as given; ``None`` when unset.
     engine_request_limit: int | None = None
     #: Q as given (``DYN_DYNAMO_REQUEST_QUEUE_LIMIT``); used only when N or W is set.

@@ -36,18 +36,20 @@ Rules of a request-plane connection:
    :meth:`~worker_ingress._admission.AdmissionGate.reject_now`) is written by the receive loop
    itself (its only frame, so no order is at stake): shedding stays as cheap as an echo.
 3. Per request: the gate's certain refusal first (``reject_now``: ``Rejected(reason)``, the
-   prompt never prepared), then ``engine.prepare`` (bad input: ``Failed(bad_request)``, no
-   slot used), then ``gate.slot(priority, tenant, prompt_tokens)`` (queue full, displaced, queue
-   timeout, the objective's refusal with its queue bound, or draining: ``Rejected(reason)``,
-   written by the receive loop when the arrival itself is refused),
-   then ``Started(prompt_tokens, queue_wait_ms)``, the chunks, and ``End``. A chunk is made from
-   an engine's output by :meth:`~worker_ingress.engines._base.EngineOutput.chunk` alone: a copy,
-   because the wire's chunk carries the request id an engine never sees, and an output carries
-   what is not sent (``cached_tokens``, reported in ``End``; :data:`FIRST_OUTPUT`, not
-   forwarded). An engine exception: ``Failed(engine)``. A client ``Cancel``:
-   ``Failed(cancelled)``. Drain grace expired (:meth:`RequestConnection.abandon`):
-   ``Failed(unavailable)``. Exactly one final frame per request id; the slot or queue place is
-   freed before or as it is sent.
+   prompt never prepared), then ``engine.prepare`` and the request's hop
+   (:func:`~worker_ingress._hops.prepare_hop`; bad input, or a hop this worker cannot run:
+   ``Failed(bad_request)``, no slot used), then ``gate.slot(priority, tenant, prompt_tokens)``
+   (queue full, displaced, queue timeout, the objective's refusal with its queue bound, or
+   draining: ``Rejected(reason)``, written by the receive loop when the arrival itself is
+   refused), then ``Started(prompt_tokens, queue_wait_ms)``, the chunks, and ``End``. A chunk
+   is made from an engine's output by :meth:`~worker_ingress.engines._base.EngineOutput.chunk`
+   alone: a copy, because the wire's chunk carries the request id an engine never sees, and an
+   output carries what is not sent (``cached_tokens`` and a hand-off, reported in ``End``;
+   :data:`FIRST_OUTPUT`, not forwarded). A prefill hop sends no chunk: its ``End`` carries the
+   engine's hand-off (none: ``Failed(engine)``). An engine exception: ``Failed(engine)``. A
+   client ``Cancel``: ``Failed(cancelled)``. Drain grace expired
+   (:meth:`RequestConnection.abandon`): ``Failed(unavailable)``. Exactly one final frame per
+   request id; the slot or queue place is freed before or as it is sent.
 4. A connection the worker closes writes every reply frame it holds before its close frame, the
    last frames of every request included (a chunk that finishes a choice waits for the next
    frame of its request, so a request's last frames leave together, after its slot is freed).
@@ -93,6 +95,7 @@ from shim_common.wire import (
     EventBatch,
     Failed,
     Generate,
+    Handoff,
     Hello,
     KvBatch,
     Rejected,
@@ -107,8 +110,15 @@ from shim_common.wire import (
 )
 from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._events import Subscription
+from worker_ingress._hops import gate_prompt_tokens, prepare_hop
 from worker_ingress._kv_events import KvEventLog, KvSubscription
-from worker_ingress.engines._base import FIRST_OUTPUT, Engine, EngineInputError, PreparedRequest
+from worker_ingress.engines._base import (
+    FIRST_OUTPUT,
+    Engine,
+    EngineInputError,
+    PreparedRequest,
+    hands_off_kv,
+)
 
 __all__ = [
     "EventConnection",
@@ -473,6 +483,13 @@ class RequestConnection:
             return None
         try:
             prepared = host.engine.prepare(generate.endpoint, generate.body)
+            if generate.prefill_only or generate.handoff is not None:
+                prepared = prepare_hop(
+                    generate,
+                    prepared,
+                    hands_off=hands_off_kv(host.engine),
+                    block_size=host.engine.config.block_size,
+                )
         except EngineInputError as error:
             await self._sender.send(
                 Failed(request_id=request_id, kind="bad_request", message=str(error))
@@ -495,7 +512,7 @@ class RequestConnection:
         lease = host.gate.slot(
             generate.priority,
             generate.tenant,
-            prepared.prompt_tokens,
+            gate_prompt_tokens(prepared),
             already_waited=already_waited,
             on_start=took_slot,
         )
@@ -570,6 +587,7 @@ class RequestConnection:
         request_id = generate.request_id
         completion_tokens = 0
         cached_tokens = 0
+        handoff: Handoff | None = None
         output_seen = False
         held: list[msgspec.Struct] = []
         try:
@@ -594,6 +612,10 @@ class RequestConnection:
                             continue
                         if output.cached_tokens is not None:
                             cached_tokens = output.cached_tokens
+                        if output.handoff is not None:
+                            handoff = output.handoff
+                        if prepared.prefill_only:
+                            continue  # a prefill hop sends no chunk: its end says it all
                         lease.charge(output.tokens)
                         completion_tokens += output.tokens
                         chunk = output.chunk(request_id)
@@ -610,12 +632,16 @@ class RequestConnection:
             logger.exception("engine failed on request %d", request_id)
             failed = Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             return [*held, failed]
+        if prepared.prefill_only and handoff is None:
+            message = "engine error: the prefill ended without a hand-off"
+            return [Failed(request_id=request_id, kind="engine", message=message)]
         held.append(
             End(
                 request_id=request_id,
                 prompt_tokens=prepared.prompt_tokens,
                 completion_tokens=completion_tokens,
                 cached_tokens=cached_tokens,
+                handoff=handoff,
             )
         )
         return held

@@ -72,6 +72,7 @@ from shim_common.wire import (
     EVENTS_PATH,
     FEATURE_BUSY_EDGES,
     FEATURE_CLASSES,
+    FEATURE_DISAGG,
     FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
     FEATURE_PUBLISH_INTERVAL,
@@ -99,7 +100,7 @@ from worker_ingress._planes import (
 )
 from worker_ingress._subscriber_places import Place, SubscriberPlaces
 from worker_ingress._system import serve_system
-from worker_ingress.engines._base import Engine
+from worker_ingress.engines._base import Engine, hands_off_kv
 
 __all__ = [
     "HealthStatus",
@@ -177,9 +178,12 @@ class Worker:
         self._places: SubscriberPlaces[EventConnection] = SubscriberPlaces(
             max_event_subscribers, max_subscribers_per_address, squatter_grace
         )
-        # An engine with a prefix cache offers its KV events (the mocker's ``kv_events``).
+        # An engine with a prefix cache offers its KV events (the mocker's ``kv_events``). A
+        # decode worker publishes none, as Dynamo's do not: a decode pool is routed with no
+        # cache overlap credit, so its events would cost every frontend an index for nothing.
         kv_events = getattr(engine, "kv_events", None)
-        self._kv_events = kv_events if isinstance(kv_events, KvEventLog) else None
+        publishes = isinstance(kv_events, KvEventLog) and settings.disaggregation_mode != "decode"
+        self._kv_events = kv_events if publishes else None
         self.gate = AdmissionGate.from_settings(settings, on_change=self._gate_changed)
         self.publisher = EventPublisher(
             load=engine.load,
@@ -230,6 +234,7 @@ class Worker:
                     request_queue_limit=self.settings.queue_limit,
                     heartbeat_interval=self.settings.heartbeat_interval,
                     load_publish_interval=self.settings.load_publish_interval,
+                    worker_type=self.settings.disaggregation_mode,
                 ),
                 features=[
                     FEATURE_BUSY_EDGES,
@@ -238,6 +243,7 @@ class Worker:
                     FEATURE_PUBLISH_INTERVAL,
                     FEATURE_REQUEST_BATCH,
                     *([FEATURE_KV_EVENTS] if self._kv_events is not None else []),
+                    *([FEATURE_DISAGG] if hands_off_kv(self.engine) else []),
                 ],
             )
         return self._hello

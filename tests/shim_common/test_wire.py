@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shim_common import wire
+from shim_common._disagg import MAX_HANDOFF_BLOCKS, MAX_HANDOFF_ID_CHARS
 from shim_common.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -347,3 +348,208 @@ def test_rejection_reasons_keep_their_wire_texts_and_classify_in_one_place() -> 
     assert (going.kind, going.key) == (wire.RejectionKind.UNAVAILABLE, "draining")
     neither = wire.RejectReason.parse("Unknown endpoint: x")
     assert (neither.kind, neither.key) == (wire.RejectionKind.OTHER, "other")
+
+
+# ----------------------------------------------------------------------------- disaggregation
+
+HANDOFF = wire.Handoff(
+    handle="9f2c-17",
+    worker_id="prefill-0",
+    dp_rank=1,
+    block_size=4,
+    prompt_tokens=10,
+    cached_tokens=4,
+    block_names=[11, 22],
+    kv_bytes=10 * 131072,
+)
+
+
+class _GenerateBefore(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="generate", tag_field="type"
+):
+    """``generate`` as the protocol had it before disaggregation."""
+
+    request_id: int
+    endpoint: str
+    body: dict[str, Any]
+    priority: int = 0
+    tenant: str = ""
+    dp_rank: int | None = None
+    frontend_ms: int = 0
+
+
+class _EndBefore(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="end", tag_field="type"
+):
+    """``end`` as the protocol had it before disaggregation."""
+
+    request_id: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    started_seq: int | None = None
+    first_output_seq: int | None = None
+    ended_seq: int | None = None
+
+
+class _ConfigBefore(msgspec.Struct, frozen=True, kw_only=True):
+    """An older frontend's hello config: it knows no ``worker_type``."""
+
+    worker_id: str
+    block_size: int
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Generate(request_id=1, endpoint="completions", body={"prompt": "a"}, prefill_only=True),
+        Generate(request_id=2, endpoint="chat_completions", body={"messages": []}, handoff=HANDOFF),
+        Generate(request_id=3, endpoint="completions", body={}, handoff=HANDOFF, dp_rank=0),
+    ],
+    ids=repr,
+)
+def test_disaggregated_generates_round_trip_as_plain_msgpack(message: Generate) -> None:
+    data = wire.encode(message)
+    assert wire.decode_client_message(data) == message
+    assert msgpack.unpackb(data) == msgspec.to_builtins(message)
+
+
+def test_an_end_with_a_handoff_round_trips_and_an_older_client_reads_it() -> None:
+    end = End(request_id=4, prompt_tokens=10, completion_tokens=0, cached_tokens=4, handoff=HANDOFF)
+    data = wire.encode(end)
+    assert wire.decode_worker_message(data) == end
+    assert msgspec.msgpack.decode(data, type=_EndBefore) == _EndBefore(
+        request_id=4, prompt_tokens=10, completion_tokens=0, cached_tokens=4
+    )
+
+
+@given(
+    priority=st.integers(-1000, 1000),
+    tenant=st.sampled_from(["", "t"]),
+    dp_rank=st.none() | st.integers(0, 7),
+    frontend_ms=st.integers(0, 1000),
+    cached=st.integers(0, 2**20),
+    seqs=st.none() | st.integers(0, 2**40),
+)
+def test_without_the_new_fields_generate_and_end_are_the_same_bytes_as_before(
+    priority: int, tenant: str, dp_rank: int | None, frontend_ms: int, cached: int, seqs: int | None
+) -> None:
+    # Fields at their defaults are left out: a frontend that never disaggregates, or a worker
+    # answering a plain request, sends what an older peer sends, byte for byte.
+    fields: dict[str, Any] = {"request_id": 5, "endpoint": "completions", "body": {"p": "x"}}
+    classes: dict[str, Any] = {"priority": priority, "tenant": tenant, "dp_rank": dp_rank}
+    generate = Generate(**fields, **classes, frontend_ms=frontend_ms)
+    before = _GenerateBefore(**fields, **classes, frontend_ms=frontend_ms)
+    assert wire.encode(generate) == wire.encode(before)
+    frames: dict[str, Any] = {"started_seq": seqs, "first_output_seq": seqs, "ended_seq": seqs}
+    end = End(request_id=5, prompt_tokens=3, completion_tokens=2, cached_tokens=cached, **frames)
+    end_before = _EndBefore(
+        request_id=5, prompt_tokens=3, completion_tokens=2, cached_tokens=cached, **frames
+    )
+    assert wire.encode(end) == wire.encode(end_before)
+
+
+def test_an_older_worker_reads_a_disaggregated_generate_as_a_plain_one() -> None:
+    # Sent only to a worker listing the feature; an older one would run the request whole.
+    message = Generate(request_id=6, endpoint="completions", body={"prompt": "a"}, handoff=HANDOFF)
+    assert msgspec.msgpack.decode(wire.encode(message), type=_GenerateBefore) == _GenerateBefore(
+        request_id=6, endpoint="completions", body={"prompt": "a"}
+    )
+
+
+def test_the_role_is_in_the_hello_and_defaults_to_an_aggregated_worker() -> None:
+    for role in ("agg", "prefill", "decode"):
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            config=msgspec.structs.replace(CONFIG, worker_type=role),
+            features=[wire.FEATURE_DISAGG],
+        )
+        data = wire.encode(hello)
+        assert wire.decode_event_message(data) == hello
+        # An older frontend ignores the field: to it every role is an aggregated worker.
+        config = msgpack.packb(msgpack.unpackb(data)["config"])
+        older = msgspec.msgpack.decode(config, type=_ConfigBefore)
+        assert older == _ConfigBefore(worker_id="w-1", block_size=16)
+    # A worker from before the field is an aggregated one.
+    config = msgspec.to_builtins(CONFIG)
+    del config["worker_type"]
+    data = msgpack.packb({"type": "hello", "protocol_version": PROTOCOL_VERSION, "config": config})
+    decoded = wire.decode_event_message(data)
+    assert isinstance(decoded, Hello)
+    assert decoded.config.worker_type == "agg"
+
+
+def _with_handoff(**changes: Any) -> bytes:
+    handoff = {**msgspec.to_builtins(HANDOFF), **changes}
+    message = {"type": "generate", "request_id": 1, "endpoint": "completions", "body": {}}
+    return bytes(msgpack.packb({**message, "handoff": handoff}))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"handle": ""},
+        {"handle": "h" * (MAX_HANDOFF_ID_CHARS + 1)},
+        {"worker_id": ""},
+        {"dp_rank": -1},
+        {"dp_rank": 1024},
+        {"block_size": 0},
+        {"prompt_tokens": 0},
+        {"prompt_tokens": 2**53 + 1},
+        {"cached_tokens": -1},
+        {"cached_tokens": 11},  # more than the prompt
+        {"kv_bytes": -1},
+        {"kv_bytes": 2**53 + 1},
+        {"block_names": [11]},  # not every full block (10 tokens of 4: two)
+        {"block_names": [11, 22, 33]},
+        {"block_names": [11, -2]},
+        {"block_names": [11, 2**63]},
+        {"block_names": "11,22"},
+        {"kv_bytes": 1.5},
+    ],
+    ids=repr,
+)
+def test_a_handoff_out_of_range_does_not_decode(changes: dict[str, Any]) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_client_message(_with_handoff(**changes))
+    end = msgpack.packb(
+        {
+            "type": "end",
+            "request_id": 1,
+            "prompt_tokens": 10,
+            "completion_tokens": 0,
+            "handoff": {**msgspec.to_builtins(HANDOFF), **changes},
+        }
+    )
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_worker_message(end)
+
+
+def test_a_handoff_may_name_no_blocks_and_is_bounded_in_names() -> None:
+    # A prefill worker without a prefix cache names no blocks; the bound keeps a hand-off, twice
+    # over, inside one message.
+    assert wire.decode_client_message(_with_handoff(block_names=[])) is not None
+    big = MAX_HANDOFF_BLOCKS
+    names = list(range(big))
+    data = _with_handoff(block_names=names, prompt_tokens=big * 4, cached_tokens=0)
+    assert 2 * len(data) < wire.MAX_MESSAGE_BYTES
+    assert wire.decode_client_message(data) is not None
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_client_message(
+            _with_handoff(block_names=[*names, big], prompt_tokens=(big + 1) * 4, cached_tokens=0)
+        )
+
+
+def test_a_generate_with_every_field_is_still_stamped_with_its_frontend_time() -> None:
+    full = Generate(
+        request_id=7,
+        endpoint="completions",
+        body={"prompt": "a"},
+        priority=3,
+        tenant="t",
+        dp_rank=1,
+        prefill_only=True,
+        handoff=HANDOFF,
+    )
+    stamped = wire.with_frontend_ms(wire.encode(full), 250)
+    assert wire.decode_client_message(stamped) == msgspec.structs.replace(full, frontend_ms=250)

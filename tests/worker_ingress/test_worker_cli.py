@@ -12,7 +12,7 @@ import pytest
 
 from shim_common._cli import LOG_OFF, LogFilter, apply_log_filter, parse_log_filter
 from worker_ingress._admission import AdmissionGate
-from worker_ingress._cli import CliError, parse_args
+from worker_ingress._cli import LOCAL_WORKER_FLAGS, CliError, parse_args
 from worker_ingress._config import UNLIMITED_ENGINE_SLOTS, UNLIMITED_QUEUE_LIMIT
 
 ALL_VARIABLES = [
@@ -171,6 +171,30 @@ def test_mocker_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> N
     assert settings.mocker.data_parallel_size == 2
 
 
+def test_the_role_and_the_transfer_flags_read_their_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings, _ = parse_args([])
+    assert settings.disaggregation_mode == "agg"
+    # As Dynamo's mocker: no transfer delay unless a bandwidth is given; Llama-3-8B's KV in fp16.
+    assert settings.mocker.kv_transfer_bandwidth == 0.0
+    assert settings.mocker.kv_bytes_per_token == 32 * 8 * 128 * 2 * 2
+    monkeypatch.setenv("DYN_DISAGGREGATION_MODE", "decode")
+    monkeypatch.setenv("DYN_KV_TRANSFER_BANDWIDTH", "64")
+    monkeypatch.setenv("DYN_MOCKER_KV_BYTES_PER_TOKEN", "4096")
+    settings, _ = parse_args([])
+    assert settings.disaggregation_mode == "decode"
+    assert (settings.mocker.kv_transfer_bandwidth, settings.mocker.kv_bytes_per_token) == (64, 4096)
+    settings, _ = parse_args(["--disaggregation-mode", "prefill", "--kv-transfer-bandwidth", "0"])
+    assert (settings.disaggregation_mode, settings.mocker.kv_transfer_bandwidth) == ("prefill", 0)
+
+
+def test_the_role_and_the_transfer_flags_pass_to_local_workers_but_the_role() -> None:
+    # A frontend's local workers stay aggregated; the transfer shapes the simulated engine.
+    assert "disaggregation_mode" not in LOCAL_WORKER_FLAGS
+    assert {"kv_transfer_bandwidth", "kv_bytes_per_token"} <= set(LOCAL_WORKER_FLAGS)
+
+
 def test_prefix_caching_is_on_by_default_and_both_spellings_turn_it_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -250,6 +274,28 @@ def test_a_tokenizer_path_is_kept_and_an_empty_one_refused(monkeypatch: pytest.M
         (["--worker-id", ""], {}, "--worker-id"),
         ([], {"DYN_WORKER_ID": " "}, "--worker-id"),
         (["--engine", "openai"], {}, "--upstream-url"),
+        (["--disaggregation-mode", "both"], {}, "--disaggregation-mode"),
+        ([], {"DYN_DISAGGREGATION_MODE": "Prefill"}, "DYN_DISAGGREGATION_MODE"),
+        (["--disaggregation-mode", "decode", "--engine", "instant"], {}, "--disaggregation-mode"),
+        (
+            [
+                "--disaggregation-mode",
+                "prefill",
+                "--engine",
+                "openai",
+                "--upstream-url",
+                "http://u",
+            ],
+            {},
+            "--disaggregation-mode",
+        ),
+        (["--kv-transfer-bandwidth", "-1"], {}, "--kv-transfer-bandwidth"),
+        (["--kv-transfer-bandwidth", "inf"], {}, "--kv-transfer-bandwidth"),
+        ([], {"DYN_KV_TRANSFER_BANDWIDTH": "fast"}, "DYN_KV_TRANSFER_BANDWIDTH"),
+        (["--kv-bytes-per-token", "0"], {}, "--kv-bytes-per-token"),
+        (["--kv-bytes-per-token", "1.5"], {}, "--kv-bytes-per-token"),
+        (["--kv-bytes-per-token", str(2**30 + 1)], {}, "--kv-bytes-per-token"),
+        ([], {"DYN_MOCKER_KV_BYTES_PER_TOKEN": "-4"}, "DYN_MOCKER_KV_BYTES_PER_TOKEN"),
         (["--log-level", "loud"], {}, "--log-level"),
         ([], {"DYN_LOG": "loud"}, "DYN_LOG"),
         ([], {"DYN_LOG": "info,worker_ingress=loud"}, "DYN_LOG"),

@@ -14,6 +14,13 @@ Life of a request inside a worker:
    which the worker does not forward; every other output goes to the client as
    :meth:`EngineOutput.chunk`.
 
+Disaggregated serving: an engine that can run a request's prefill and decode apart says so with
+``hands_off_kv = True`` (:func:`hands_off_kv`; the worker then lists the ``disagg`` feature). The
+worker gives it :attr:`PreparedRequest.prefill_only` requests, which it prefills and ends with one
+output carrying the :class:`~shim_common.wire.Handoff` (its text is not sent), and
+:attr:`PreparedRequest.handoff` requests, which it decodes from the hand-off's KV. The worker
+checks both against the request before the gate (docs/protocol.md lists the checks).
+
 Load reporting: the engine keeps :meth:`Engine.load` current for each data-parallel rank and bumps
 :attr:`Engine.load_changed` whenever a value there changes, so the event plane publishes on change.
 
@@ -38,7 +45,7 @@ import trio
 
 from shim_common import prefix
 from shim_common._client_text import quote
-from shim_common.wire import Chunk, Endpoint, RankLoad
+from shim_common.wire import Chunk, Endpoint, Handoff, RankLoad
 from worker_ingress._watch import ChangeSignal
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "PreparedRequest",
     "chat_texts",
     "count_words",
+    "hands_off_kv",
     "prompt_texts",
     "prompt_words",
     "refuse_several_choices",
@@ -89,6 +97,12 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: The data-parallel rank the router chose (``Generate.dp_rank``), set by the worker after
     #: :meth:`Engine.prepare`; an engine without ranks, or a rank it does not have: ignored.
     dp_rank: int | None = None
+    #: Prefill only and end with a hand-off (``Generate.prefill_only``); set by the worker, for
+    #: an engine that :func:`hands_off_kv` only.
+    prefill_only: bool = False
+    #: Decode from this hand-off's KV instead of prefilling (``Generate.handoff``); set by the
+    #: worker, for an engine that :func:`hands_off_kv` only.
+    handoff: Handoff | None = None
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +117,10 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     #: Prompt tokens found in the engine's prefix cache, on any one output of the request (the
     #: worker reports the last it saw in ``End.cached_tokens``); ``None``: not said here.
     cached_tokens: int | None = None
+    #: The prompt's KV held for a decode worker, on the output that ends a ``prefill_only``
+    #: request (the worker reports it in ``End.handoff`` and sends nothing of that request's
+    #: outputs); ``None`` on every other.
+    handoff: Handoff | None = None
 
     def chunk(self, request_id: int) -> Chunk:
         """The wire's chunk of this output for request ``request_id``: the one place an
@@ -165,6 +183,13 @@ class Engine(Protocol):
         Calls ``task_status.started()`` once requests may be submitted.
         """
         ...
+
+
+def hands_off_kv(engine: object) -> bool:
+    """Whether an engine runs a request's prefill and decode apart (``hands_off_kv = True``):
+    what makes its worker list the ``disagg`` feature. An engine that does not say so does not.
+    """
+    return getattr(engine, "hands_off_kv", False) is True
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 
 A factory is a callable taking the :class:`~worker_ingress._config.WorkerSettings` and returning an
 object that follows :class:`~worker_ingress.engines._base.Engine`. Loading happens before the worker
-binds any port, so a wrong path stops the process with exit code 2 and a clear line.
+binds any port, so a wrong path stops the process with exit code 2 and a clear line, as does a
+``--disaggregation-mode`` other than ``agg`` for an engine that cannot hand KV off.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from typing import cast
 
 from worker_ingress._config import WorkerSettings
-from worker_ingress.engines._base import Engine
+from worker_ingress.engines._base import Engine, hands_off_kv
 
 __all__ = ["EngineLoadError", "load_engine"]
 
@@ -48,6 +49,14 @@ def load_engine(settings: WorkerSettings) -> Engine:
             f'--engine "{settings.engine}": module "{module_name}" has no callable "{factory_name}"'
         )
     try:
-        return cast(Callable[[WorkerSettings], Engine], factory)(settings)
+        engine = cast(Callable[[WorkerSettings], Engine], factory)(settings)
     except (ValueError, TypeError) as exc:
         raise EngineLoadError(f'--engine "{settings.engine}": {exc}') from exc
+    mode = settings.disaggregation_mode
+    if mode != "agg" and not hands_off_kv(engine):
+        # A role the engine cannot serve: frontends would send it hops it must refuse.
+        raise EngineLoadError(
+            f'--engine "{settings.engine}" cannot hand KV off, so it cannot be a {mode} worker '
+            "(--disaggregation-mode)"
+        )
+    return engine

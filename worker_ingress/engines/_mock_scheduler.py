@@ -41,8 +41,9 @@ Rules of a sequence (one request) inside a rank:
    overtaking), and no waiting sequence is admitted in a step that preempted. The oldest running
    sequence can therefore always progress, so the rank never deadlocks.
 7. Load. ``active_decode_blocks`` and ``kv_used_blocks`` are both the blocks held by running
-   sequences, a block shared by several counted once; cached blocks nobody holds are free
-   capacity (:mod:`worker_ingress.engines._kv_pool` keeps the pool and its rules).
+   (and transferring, rule 9) sequences, a block shared by several counted once; cached blocks
+   nobody holds are free capacity (:mod:`worker_ingress.engines._kv_pool` keeps the pool and
+   its rules).
 8. Prefix cache (on unless ``prefix_caching=False``). A sequence carries the names of its prompt's
    full blocks. When it is admitted (again, after a preemption) it holds its longest cached
    prefix at once, those tokens count as computed and only the rest is prefilled; at least one
@@ -53,6 +54,18 @@ Rules of a sequence (one request) inside a rank:
    ``cached_tokens`` are those found at its first admission (0 with caching off), and with
    caching on that admission adds its prompt tokens to :attr:`RankScheduler.queried_tokens`
    and its cached ones to :attr:`RankScheduler.hit_tokens`.
+9. Hand-offs (a decode worker's request, ``handed_off``). The prompt's KV is received from a
+   prefill worker, not prefilled: the sequence never counts in ``active_prefill_tokens``. It
+   waits in the FIFO queue like any; admitted (a batch place and the blocks of its whole prompt,
+   the last partial block included, free), it becomes TRANSFERRING: it holds those blocks, and
+   a batch place, from the transfer's start, and no step computes for it. The caller reports
+   the transfer's end (:meth:`RankScheduler.finish_transfer`); the sequence then runs as a
+   decoding one whose prompt is all present, like a full prefix-cache hit: its next step
+   computes the prompt's last token and emits the first output, as a decode does. Its blocks
+   are named as its steps complete them (rule 8). A preemption throws the received KV away:
+   the sequence is prefilled again like any other; a transferring sequence is never preempted,
+   and a transfer ends, so the rank still never deadlocks. Aborting frees its blocks in every
+   state, in the middle of its transfer too.
 """
 
 from __future__ import annotations
@@ -131,6 +144,8 @@ class SequenceState(enum.Enum):
     """Where a sequence is in its life (rule 2 of the module docstring)."""
 
     WAITING = "waiting"
+    #: A hand-off's KV is arriving (rule 9): blocks held, no step computes for it.
+    TRANSFERRING = "transferring"
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
@@ -144,6 +159,7 @@ class MockSequence:
         "blocks",
         "cached_tokens",
         "generated",
+        "handed_off",
         "max_tokens",
         "named",
         "num_computed",
@@ -155,9 +171,16 @@ class MockSequence:
     )
 
     def __init__(
-        self, *, prompt_tokens: int, max_tokens: int, block_names: Sequence[int] = ()
+        self,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        block_names: Sequence[int] = (),
+        handed_off: bool = False,
     ) -> None:
         self.prompt_tokens = prompt_tokens
+        #: The prompt's KV comes from a hand-off (rule 9) until a preemption throws it away.
+        self.handed_off = handed_off
         #: The names of the prompt's full blocks (empty: nothing of it is cached or shared).
         self.block_names = block_names
         #: Of :attr:`blocks`, the leading ones that are named (held in the cache).
@@ -169,7 +192,8 @@ class MockSequence:
         self.num_computed = 0
         self.generated = 0
         self.blocks = 0
-        self.prefill_done = False
+        #: A handed-off prompt is never prefilled: it waits for no prefill (rule 9).
+        self.prefill_done = handed_off
         self.preemptions = 0
         self.state = SequenceState.WAITING
 
@@ -248,6 +272,10 @@ class RankScheduler:
         self._running: list[MockSequence] = []
         self._waiting: deque[MockSequence] = deque()
         self._dead_waiting = 0
+        #: Hand-offs whose KV is arriving (rule 9), in admission order (a dict: O(1) removal).
+        self._transferring: dict[MockSequence, None] = {}
+        #: Transfers that started since :meth:`take_started_transfers` was last called.
+        self._transfers_started: list[MockSequence] = []
 
     # --- inspection --------------------------------------------------------------------------
 
@@ -281,6 +309,11 @@ class RankScheduler:
         """Live sequences in the waiting queue."""
         return len(self._waiting) - self._dead_waiting
 
+    @property
+    def transferring(self) -> list[MockSequence]:
+        """Hand-offs whose KV is arriving (rule 9), oldest first (a copy)."""
+        return list(self._transferring)
+
     def load(self, dp_rank: int) -> RankLoad:
         """This rank's load as the event plane publishes it."""
         return RankLoad(
@@ -293,7 +326,7 @@ class RankScheduler:
     def recount(self) -> tuple[int, int]:
         """Blocks in use and prefill tokens counted from scratch (to check the counters): a
         named block held by several sequences counts once."""
-        live = [s for s in self._waiting if not s.done] + self._running
+        live = [s for s in self._waiting if not s.done] + self._running + self.transferring
         anonymous = sum(s.blocks - s.named for s in live)
         named = {name for s in live for name in s.block_names[: s.named]}
         return anonymous + len(named), sum(s.pending_prefill for s in live)
@@ -317,7 +350,7 @@ class RankScheduler:
         """Queue a new sequence at the tail of the waiting queue."""
         seq.state = SequenceState.WAITING
         self._waiting.append(seq)
-        self.prefill_tokens += seq.num_tokens
+        self.prefill_tokens += seq.pending_prefill
         self.live_sequences += 1
 
     def abort(self, seq: MockSequence) -> None:
@@ -326,15 +359,35 @@ class RankScheduler:
             return
         self.prefill_tokens -= seq.pending_prefill
         was_running = seq.state is SequenceState.RUNNING
+        was_transferring = seq.state is SequenceState.TRANSFERRING
         seq.state = SequenceState.ABORTED
         self.live_sequences -= 1
         if was_running:
             self._running.remove(seq)
             self._free(seq)
+        elif was_transferring:
+            del self._transferring[seq]
+            self._free(seq)
         else:
             # Left in the deque and skipped later: removing from the middle would cost O(queue).
             self._dead_waiting += 1
             self._maybe_compact_waiting()
+
+    def finish_transfer(self, seq: MockSequence) -> None:
+        """A hand-off's KV has arrived: the sequence joins the batch, decoding (rule 9); a
+        no-op unless it is transferring (it was aborted meanwhile)."""
+        if seq.state is not SequenceState.TRANSFERRING:
+            return
+        del self._transferring[seq]
+        seq.state = SequenceState.RUNNING
+        seq.num_computed = max(seq.num_tokens - 1, 0)
+        self._running.append(seq)
+
+    def take_started_transfers(self) -> list[MockSequence]:
+        """The hand-offs admitted since the last call, whose transfers the caller now times."""
+        started = self._transfers_started
+        self._transfers_started = []
+        return started
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -465,11 +518,15 @@ class RankScheduler:
 
     def _admit_waiting(self, scheduled: dict[MockSequence, int], budget: int) -> None:
         block_size = self.block_size
-        while self._waiting and len(self._running) < self.max_num_seqs:
+        while self._waiting and len(self._running) + len(self._transferring) < self.max_num_seqs:
             seq = self._waiting[0]
             if seq.done:
                 self._waiting.popleft()
                 self._dead_waiting -= 1
+                continue
+            if seq.handed_off:
+                if not self._start_transfer(seq):
+                    return
                 continue
             # Rule 8: the longest cached prefix, leaving at least one token to compute.
             hit, revived = self.pool.match(seq.block_names, (seq.num_tokens - 1) // block_size)
@@ -499,9 +556,23 @@ class RankScheduler:
             scheduled[seq] = chunk
             budget -= chunk
 
+    def _start_transfer(self, seq: MockSequence) -> bool:
+        # Rule 9: the whole prompt's blocks from the transfer's start, or wait (FIFO).
+        need = _blocks_for(seq.num_tokens, self.block_size)
+        if need > self.free_blocks:
+            return False
+        self._waiting.popleft()
+        seq.state = SequenceState.TRANSFERRING
+        seq.blocks = need
+        self.pool.allocate(need)
+        self._transferring[seq] = None
+        self._transfers_started.append(seq)
+        return True
+
     def _preempt(self, seq: MockSequence) -> None:
         # Recompute preemption: everything computed is thrown away and prefilled again.
         self.prefill_tokens += seq.num_tokens - seq.pending_prefill
+        seq.handed_off = False
         self._free(seq)
         seq.num_computed = 0
         seq.prefill_done = False

@@ -13,12 +13,21 @@ the prefix cache) are at the top of :mod:`worker_ingress.engines._mock_scheduler
 A prompt becomes token ids through :mod:`shim_common.prefix` (one token per word, or a model's
 ``tokenizer.json`` with ``--tokenizer``), the same tokenisation and block names a cache-aware
 frontend uses, so what the frontend predicts is what this engine caches.
+
+Disaggregated serving (every role of the mocker can do both hops): a ``prefill_only`` request is
+prefilled like any (prefix cache, KV events) and ends at once, its blocks back in the cache,
+evictable, with one output carrying the :class:`~shim_common.wire.Handoff` that names them. A
+request with a ``handoff`` is a decode hop: its rank admits it as a transfer (rule 9 of the
+scheduler), its generator then waits out the transfer, ``kv_bytes`` at
+``--kv-transfer-bandwidth`` GB/s in wall seconds (not divided by the speedup ratio, as in
+Dynamo's mocker, whose live engine sleeps the unscaled transfer time), and the rank decodes it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
@@ -26,6 +35,7 @@ from typing import Any, Final
 import msgspec
 import trio
 
+from shim_common._numbers import MAX_COUNT
 from shim_common.prefix import (
     FileTokenizer,
     PromptTokenizer,
@@ -33,7 +43,7 @@ from shim_common.prefix import (
     block_names,
     prompt_token_ids,
 )
-from shim_common.wire import Endpoint, RankLoad
+from shim_common.wire import Endpoint, Handoff, RankLoad
 from worker_ingress._config import MockerSettings, WorkerSettings
 from worker_ingress._kv_events import KvEventLog
 from worker_ingress._watch import ChangeSignal
@@ -48,7 +58,12 @@ from worker_ingress.engines._base import (
     requested_max_tokens,
 )
 from worker_ingress.engines._cache_stats import CacheHitCounter, PrefixCacheStats
-from worker_ingress.engines._mock_scheduler import GpuStepModel, MockSequence, RankScheduler
+from worker_ingress.engines._mock_scheduler import (
+    GpuStepModel,
+    MockSequence,
+    RankScheduler,
+    SequenceState,
+)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -122,8 +137,9 @@ class MockerEngine:
 
     Args:
         settings: the shape of the simulated engine (blocks, batch limits, ranks, speedup,
-            prefix caching, tokenizer).
+            prefix caching, tokenizer, KV transfer).
         model: the GPU step-time model; Dynamo's polynomial model when omitted.
+        worker_id: the worker's id, which its hand-offs name.
 
     Raises:
         ValueError: a setting out of range (the CLI validates first; this guards other callers),
@@ -131,19 +147,37 @@ class MockerEngine:
             missing).
     """
 
-    def __init__(self, settings: MockerSettings, *, model: GpuStepModel | None = None) -> None:
+    #: Every role of the mocker runs prefill-only and hand-off requests (the ``disagg`` feature).
+    hands_off_kv = True
+
+    def __init__(
+        self,
+        settings: MockerSettings,
+        *,
+        model: GpuStepModel | None = None,
+        worker_id: str = "mocker",
+    ) -> None:
         for name in (
             "num_gpu_blocks",
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
             "data_parallel_size",
+            "kv_bytes_per_token",
         ):
             if getattr(settings, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(settings, name)!r}")
         if not settings.speedup_ratio > 0 or math.isinf(settings.speedup_ratio):
             raise ValueError(f"speedup_ratio must be > 0, got {settings.speedup_ratio!r}")
+        bandwidth = settings.kv_transfer_bandwidth
+        if not bandwidth >= 0 or math.isinf(bandwidth):
+            raise ValueError(f"kv_transfer_bandwidth must be >= 0 and finite, got {bandwidth!r}")
         self._settings = settings
+        self._worker_id = worker_id
+        #: Hand-off handles are this process's prefix and a count: unique per worker, also
+        #: across a restart under the same id.
+        self._handle_prefix = secrets.token_hex(4)
+        self._handoffs = 0
         self._tokenizer: PromptTokenizer = WordTokenizer()
         if settings.tokenizer is not None:
             try:
@@ -267,8 +301,12 @@ class MockerEngine:
         per step at speedups the clock can follow; several when the step loop runs behind),
         the last with ``finish_reason="length"`` (a single empty one when ``max_tokens`` is 0),
         the first carrying ``cached_tokens``;
-        embeddings yield one vector per input once the prefill is done. Closing the generator
-        early frees the request's blocks at once.
+        embeddings yield one vector per input once the prefill is done. A ``prefill_only``
+        request yields one output once its prefill is done, with its ``cached_tokens`` and
+        its ``handoff``; a request with a ``handoff`` first receives the hand-off's KV (the
+        transfer), then decodes as a text request, its first output carrying the hand-off's
+        ``cached_tokens``. Closing the generator early frees the request's blocks at once, in
+        the middle of a transfer too.
         """
         chosen = request.dp_rank
         if chosen is not None and 0 <= chosen < len(self._ranks):
@@ -279,13 +317,30 @@ class MockerEngine:
         payload = request.payload
         names = payload.block_names if isinstance(payload, MockerPayload) else []
         inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
+        handoff = request.handoff
         seq = MockSequence(
-            prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, block_names=names
+            prompt_tokens=request.prompt_tokens,
+            # A prefill hop generates nothing: its prefill ends it (its one token is not sent).
+            max_tokens=0 if request.prefill_only else request.max_tokens,
+            block_names=names,
+            handed_off=handoff is not None,
         )
+        if handoff is not None:
+            # What the prompt found, in the prefill worker's cache; this rank looks nothing up.
+            seq.cached_tokens = handoff.cached_tokens
         rank.add(seq)
         self._loads_may_have_changed()
         self._wake_rank(rank_index)
         try:
+            if handoff is not None:
+                await self._receive(seq, rank_index, handoff.kv_bytes)
+            if request.prefill_only:
+                while not seq.done:
+                    await self._wait_for_progress(seq)
+                yield EngineOutput(
+                    cached_tokens=seq.cached_tokens, handoff=self._handoff_of(seq, rank_index)
+                )
+                return
             if request.endpoint == "embeddings":
                 while not seq.done:
                     await self._wait_for_progress(seq)
@@ -344,9 +399,11 @@ class MockerEngine:
         while True:
             started = time.perf_counter()
             step = rank.schedule()
+            self._start_transfers(rank)
             if step is None:
-                # A step that preempted everything it scheduled may still have evicted.
-                self._record_cache_changes()
+                # A step that preempted everything it scheduled may still have evicted, or
+                # started transfers (their blocks are held now).
+                self._loads_may_have_changed()
                 # Park until generate() adds work; no await between the check and the wait.
                 arrived = trio.Event()
                 self._work_arrived[rank_index] = arrived
@@ -382,6 +439,41 @@ class MockerEngine:
             self._loads_may_have_changed()
             self.steps += 1
             self.step_cpu_seconds += computed + time.perf_counter() - started
+
+    def _start_transfers(self, rank: RankScheduler) -> None:
+        # A hand-off admitted by this schedule: its generator times the transfer.
+        progress = self._progress
+        for seq in rank.take_started_transfers():
+            waiting = progress.pop(seq, None)
+            if waiting is not None:
+                waiting.set()
+
+    async def _receive(self, seq: MockSequence, rank_index: int, kv_bytes: int) -> None:
+        """Wait until the rank admits a hand-off, then out its transfer, then let it decode."""
+        while seq.state is SequenceState.WAITING:
+            await self._wait_for_progress(seq)
+        bandwidth = self._settings.kv_transfer_bandwidth
+        if bandwidth > 0:
+            await trio.sleep(kv_bytes / (bandwidth * 1e9))
+        self._ranks[rank_index].finish_transfer(seq)
+        self._loads_may_have_changed()
+        self._wake_rank(rank_index)
+
+    def _handoff_of(self, seq: MockSequence, rank_index: int) -> Handoff:
+        """The hand-off of a finished prefill hop: its blocks are cached now, evictable."""
+        self._handoffs += 1
+        prompt = seq.prompt_tokens
+        return Handoff(
+            handle=f"{self._handle_prefix}-{self._handoffs}",
+            worker_id=self._worker_id,
+            dp_rank=rank_index,
+            block_size=self._settings.block_size,
+            prompt_tokens=prompt,
+            cached_tokens=seq.cached_tokens or 0,
+            block_names=list(seq.block_names),
+            # A count (2**53 at most) however large the two flags' product.
+            kv_bytes=min(prompt * self._settings.kv_bytes_per_token, MAX_COUNT),
+        )
 
     async def _wait_for_progress(self, seq: MockSequence) -> None:
         """Sleep until the step loop reports progress (a token, the end) for ``seq``."""
@@ -441,4 +533,4 @@ class MockerEngine:
 
 def create(settings: WorkerSettings) -> MockerEngine:
     """The factory the worker CLI calls for ``--engine mocker``."""
-    return MockerEngine(settings.mocker)
+    return MockerEngine(settings.mocker, worker_id=settings.worker_id)
