@@ -40,7 +40,7 @@ from typing import Generic, TypeVar
 from frontend_shim._sequences import RankSequences, Sequences
 from frontend_shim._thresholds import max_batched, rank_busy
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 __all__ = [
     "FreeSet",

@@ -38,8 +38,8 @@ from frontend_shim._router import RejectionKind
 from frontend_shim._sequences import blocks_of
 from frontend_shim._shed_board import ShedBoard
 from shim_common import wire
-from shim_common._busy import BusyThresholds
 from shim_common.prefix import PromptTokenizer, prompt_token_ids
+from shim_common.wire import BusyThresholds
 
 __all__ = ["HostClient", "HostGone", "HostView", "RemotePicture", "RemoteTicket"]
 

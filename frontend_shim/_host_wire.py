@@ -39,7 +39,7 @@ import msgspec
 
 from frontend_shim._config import FrontendSettings
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 __all__ = [
     "MAX_FRAME_BYTES",

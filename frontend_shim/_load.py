@@ -74,7 +74,7 @@ from frontend_shim._free_sets import FreeSet, FreeSets, RankState, WorkerLoad, l
 from frontend_shim._releases import MAX_RELEASES
 from frontend_shim._sequences import InFlight
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 __all__ = [
     "DEFAULT_MARK_LEASE",

@@ -51,7 +51,7 @@ from frontend_shim._router import RejectionKind
 from frontend_shim._shed_board import ShedBoard
 from frontend_shim._waiting import WaitingRoom
 from shim_common import wire
-from shim_common._busy import BusyThresholds
+from shim_common.wire import BusyThresholds
 
 __all__ = ["Picker", "ProcessBooks"]
 
