@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
 
@@ -183,9 +182,6 @@ class MockerEngine:
         self._progress: dict[MockSequence, trio.Event] = {}
         self._load_changed = ChangeSignal()
         self._loads = [rank.load(i) for i, rank in enumerate(self._ranks)]
-        #: Steps run and wall seconds spent computing them (not sleeping), for benchmarks.
-        self.steps = 0
-        self.step_cpu_seconds = 0.0
 
     # --- Engine protocol ---------------------------------------------------------------------
 
@@ -340,7 +336,6 @@ class MockerEngine:
         lateness = 0.0
         steps_unyielded = 0
         while True:
-            started = time.perf_counter()
             step = rank.schedule()
             if step is None:
                 # A step that preempted everything it scheduled may still have evicted.
@@ -352,7 +347,6 @@ class MockerEngine:
                 deadline = trio.current_time()
                 continue
             self._loads_may_have_changed()
-            computed = time.perf_counter() - started
             deadline = max(
                 deadline + step.duration / speedup,
                 trio.current_time() - _MAX_CATCH_UP_SECONDS,
@@ -371,15 +365,12 @@ class MockerEngine:
                 if steps_unyielded >= _STEPS_PER_YIELD:
                     steps_unyielded = 0
                     await trio.lowlevel.checkpoint()
-            started = time.perf_counter()
             progress = self._progress
             for seq in rank.complete(step):
                 waiting = progress.pop(seq, None)
                 if waiting is not None:
                     waiting.set()
             self._loads_may_have_changed()
-            self.steps += 1
-            self.step_cpu_seconds += computed + time.perf_counter() - started
 
     async def _wait_for_progress(self, seq: MockSequence) -> None:
         """Sleep until the step loop reports progress (a token, the end) for ``seq``."""
