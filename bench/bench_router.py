@@ -170,9 +170,10 @@ def resident_bytes() -> int:
 
 def fill_index(
     fleet: Fleet, blocks: int, prompt_blocks: int, rng: random.Random
-) -> tuple[KvIndex, list[Prompt]]:
+) -> tuple[KvIndex, list[Prompt], int]:
     """An index whose every rank holds ``blocks`` names: the chains of a few conversations (so
-    that picks find prefixes) and random names for the rest; and the prompts to pick for."""
+    that picks find prefixes) and random names for the rest; the prompts to pick for; and the
+    names the index holds (those stored, less those its caps turned away)."""
     index = KvIndex()
     workers = list(fleet.workers(MODEL))
     conversations = []
@@ -180,6 +181,7 @@ def fill_index(
         tokens = [rng.randrange(50_000) for _ in range(prompt_blocks * 16)]
         conversations.append((tokens, block_names(tokens, 16)))
     prompts: list[Prompt] = []
+    stored = 0
     for worker_index, worker in enumerate(workers):
         config = worker.config
         index.add_worker(config, 0.0, events=True)
@@ -189,20 +191,20 @@ def fill_index(
             held = names[: rng.randrange(1, len(names) + 1)]
             filler = [rng.getrandbits(63) for _ in range(blocks - len(held))]
             ranks.append(held + filler)
+            stored += len(ranks[-1])
         index.apply(config.worker_id, [wire.KvSnapshot(seq=0, ranks=ranks)], 0.0)
     for tokens, _ in conversations:
         prompt = Prompt([*tokens, *(rng.randrange(50_000) for _ in range(8))])
         prompt.names(16)  # named before the timing: picks/s is the scoring alone
         prompts.append(prompt)
-    return index, prompts
+    return index, prompts, stored - index.stats.overflow
 
 
 def bench_kv(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> None:
     before = resident_bytes()
     start = time.perf_counter()
-    index, prompts = fill_index(fleet, args.kv_blocks, args.prompt_blocks, rng)
+    index, prompts, held = fill_index(fleet, args.kv_blocks, args.prompt_blocks, rng)
     filled = time.perf_counter() - start
-    held = index.blocks()
     # The prompts (their tokens and names) are not the index's: counted out.
     prompt_bytes = sum(len(p.tokens) * 8 + len(p.names(16)) * 44 for p in prompts)
     grown = resident_bytes() - before - prompt_bytes
