@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,25 +31,21 @@ from typing import Any
 from bench.bench_prefix import TRACE_WANTED, Window, load_generator, plan_of, window_items
 from bench.kv_twin import Request, TwinResult, replay
 from frontend_shim._kv_cost import CostWeights
+from shim_common.prefix import MAX_TOKEN_ID
 
 
 def requests_of(items: Sequence[Any]) -> list[Request]:
     """The twin's requests for the load generator's replay items.
 
-    A block's name chains the trace's block ids as :func:`shim_common.prefix.block_names`
-    chains token ids: equal names mean equal prefixes, and a partial last block has none.
+    A full block's id is the trace's block id; a block the trace does not name gets an id of
+    its request's own (from the top of the token ids down), shared with no other request.
     """
     out = []
     for item in items:
         full = item.prompt_tokens // item.block_tokens
-        names: list[int] = []
-        parent = b"root"
-        for block in range(full):
-            block_id = item.hash_ids[block] if block < len(item.hash_ids) else -1 - item.index
-            digest = hashlib.blake2b(parent + block_id.to_bytes(8, "little", signed=True))
-            parent = digest.digest()[:8]
-            names.append(int.from_bytes(parent, "little") >> 1)
-        out.append(Request(item.arrival, item.prompt_tokens, item.max_tokens, tuple(names)))
+        own = MAX_TOKEN_ID - item.index
+        ids = tuple(item.hash_ids[b] if b < len(item.hash_ids) else own for b in range(full))
+        out.append(Request(item.arrival, item.prompt_tokens, item.max_tokens, ids))
     return out
 
 

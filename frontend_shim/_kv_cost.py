@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 from frontend_shim._free_sets import WorkerLoad
@@ -91,19 +91,13 @@ class Prompt:
 
     Args:
         tokens: the prompt's token ids (empty: unknown, rule 4).
-        names: block names already known, by block size (a caller that named the blocks
-            itself, as a replay of a trace does); others are computed from ``tokens``.
     """
 
     __slots__ = ("_names", "tokens")
 
-    def __init__(
-        self, tokens: Sequence[int], names: Mapping[int, Sequence[int]] | None = None
-    ) -> None:
+    def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens = tokens
-        self._names: dict[int, list[int]] = {
-            size: list(known) for size, known in (names or {}).items()
-        }
+        self._names: dict[int, list[int]] = {}
 
     def names(self, block_size: int) -> list[int]:
         """The names of the prompt's full blocks of ``block_size`` tokens (computed once)."""
