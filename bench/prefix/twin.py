@@ -34,7 +34,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from bench.bench_goodput import percentile
+from bench.kit.stats import percentile
 from frontend_shim._free_sets import InFlight
 from frontend_shim._kv_cost import CostWeights, KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
