@@ -79,13 +79,12 @@ from bench.kit.dynamo import (
     PLANES,
     dynamo_env,
     dynamo_version,
-    free_port,
     skipped,
     write_model_folder,
 )
 from bench.kit.http import kept_busy, wait_connected, wait_status
 from bench.kit.proc import tree_cpu_seconds
-from bench.kit.processes import pin, serve
+from bench.kit.processes import free_port, pin, serve
 from bench.kit.stats import percentile
 from bench.kit.wrk import LOAD_CPU, SERVER_CPU, Wrk, need_wrk
 

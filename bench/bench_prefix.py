@@ -67,13 +67,12 @@ from bench.kit.dynamo import (
     PLANES,
     dynamo_env,
     dynamo_version,
-    free_port,
     skipped,
     write_model_folder,
 )
 from bench.kit.http import get, wait_connected, wait_status
 from bench.kit.metrics import metric_sum
-from bench.kit.processes import pinned, serve
+from bench.kit.processes import free_port, pinned, serve
 from bench.kit.table import Table, cell
 from bench.kit.wrk import LOAD_CPU
 from bench.prefix.window import (

@@ -12,7 +12,6 @@ Dynamo column and says why.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any, Final
@@ -25,7 +24,6 @@ __all__ = [
     "PLANES",
     "dynamo_env",
     "dynamo_version",
-    "free_port",
     "skipped",
     "write_model_folder",
 ]
@@ -155,11 +153,3 @@ def skipped(python: str) -> str:
         f"Dynamo: skipped, {python} cannot import dynamo.frontend and dynamo.mocker"
         " (see bench/bench_dynamo.py to install them)"
     )
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (Dynamo's frontend takes a port number, not 0)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port

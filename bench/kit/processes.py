@@ -26,6 +26,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ __all__ = [
     "Child",
     "Server",
     "clean_env",
+    "free_port",
     "pin",
     "pinned",
     "raise_fd_limit",
@@ -53,7 +55,8 @@ LINE_LIMIT: Final = 1 << 20
 def ready_fields(line: str) -> dict[str, str] | None:
     """The ``key=value`` fields of a ready line (``NAME ready key=value ...``); None for a line
     that is not one."""
-    if " ready " not in f"{line} ":
+    words = line.split(maxsplit=2)
+    if len(words) < 2 or words[1] != "ready":
         return None
     return dict(_FIELD.findall(line))
 
@@ -98,6 +101,14 @@ def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server that takes a port number rather than 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 def _end_session(pid: int) -> None:
