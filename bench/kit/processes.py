@@ -45,6 +45,7 @@ __all__ = [
     "ready_fields",
     "serve",
     "started",
+    "started_logging",
 ]
 
 _FIELD: Final = re.compile(r"(\w+)=(\S+)")
@@ -371,5 +372,35 @@ async def started(
         with trio.fail_after(ready_within):
             await child.ready()
         yield child
+    finally:
+        await child.stop()
+
+
+@contextlib.asynccontextmanager
+async def started_logging(
+    args: Sequence[str],
+    log: Path,
+    ready: re.Pattern[bytes],
+    env: Mapping[str, str] | None = None,
+    *,
+    name: str | None = None,
+    cpu: int | None = None,
+    ready_within: float = 60.0,
+) -> AsyncIterator[tuple[Child, re.Match[bytes]]]:
+    """A server that says it is ready somewhere in its log (llama.cpp's ``llama-server``, which
+    prints where it listens): its output all goes to the file ``log``, and the block starts once
+    ``ready`` is found there; yields the :class:`Child` and the match.
+
+    Raises:
+        RuntimeError: it exited first.
+        trio.TooSlowError: ``ready`` not found within ``ready_within`` seconds.
+    """
+    with log.open("wb") as sink:
+        child = Child(args, env, name=name, cpu=cpu, log=sink, log_stdout=True)
+        await child.start()
+    try:
+        with trio.fail_after(ready_within):
+            match = await child.ready_in_log(log, ready)
+        yield child, match
     finally:
         await child.stop()
