@@ -35,11 +35,17 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.proc import memory
 from frontend_shim._kv_cost import KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
@@ -161,11 +167,7 @@ def pick_prompts(router: Router, prompts: Sequence[Prompt], now: float) -> None:
 
 def resident_bytes() -> int:
     """This process's resident memory now (Linux), in bytes."""
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    import resource
-
-    return pages * resource.getpagesize()
+    return memory(os.getpid()).resident
 
 
 def fill_index(
