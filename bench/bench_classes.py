@@ -42,8 +42,9 @@ from trio_websocket import open_websocket_url
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.admission.loops import full_gate, loop_admitted, loop_rejected
+from bench.kit.children import started
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
-from bench.kit.processes import clean_env, pin, started
+from bench.kit.processes import clean_env, pin
 from bench.kit.stats import percentile
 from shim_common import wire
 from worker_ingress._admission import AdmissionGate, AdmissionState, GateRefusal, Rejection

@@ -58,9 +58,10 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import started
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, Client, wait_connected_trio
-from bench.kit.processes import clean_env, free_port, pin, raise_fd_limit, started
+from bench.kit.processes import clean_env, free_port, pin, raise_fd_limit
 from bench.kit.stats import median, percentile, poisson_arrivals
 from bench.kit.table import Table, cell
 

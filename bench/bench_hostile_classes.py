@@ -38,10 +38,11 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import started
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
-from bench.kit.processes import clean_env, started
+from bench.kit.processes import clean_env
 
 SLOTS: Final = 4
 SERVICE_SECONDS: Final = 0.1

@@ -34,9 +34,10 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import started
 from bench.kit.http import Client
 from bench.kit.proc import cpu_seconds
-from bench.kit.processes import clean_env, started
+from bench.kit.processes import clean_env
 from bench.kit.stats import percentile
 from bench.kit.table import Table
 from shim_common import wire

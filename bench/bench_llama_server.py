@@ -30,8 +30,8 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import started, started_logging
 from bench.kit.proc import cpu_seconds
-from bench.kit.processes import started, started_logging
 
 SERVER_READY = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 

@@ -38,7 +38,8 @@ from trio_websocket import (
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.processes import pin, started
+from bench.kit.children import started
+from bench.kit.processes import pin
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
 from worker_ingress.engines._base import EngineOutput, PreparedRequest

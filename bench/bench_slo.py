@@ -69,7 +69,7 @@ import trio.testing
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.processes import started_logging
+from bench.kit.children import started_logging
 from bench.kit.stats import poisson_arrivals
 from bench.slo.e2e import measure
 from bench.slo.figures import (

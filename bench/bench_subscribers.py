@@ -33,8 +33,9 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
 from bench.kit.proc import cpu_seconds, descriptors
-from bench.kit.processes import Child, clean_env, pin
+from bench.kit.processes import clean_env, pin
 from bench.kit.stats import percentile
 from bench.kit.table import Table
 from shim_common import wire

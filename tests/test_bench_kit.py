@@ -12,9 +12,10 @@ import h11
 import pytest
 import trio
 
+from bench.kit.children import Child, started
 from bench.kit.http import Client, fetch
 from bench.kit.metrics import by_label, metric_sum, sums
-from bench.kit.processes import Child, ready_fields, serve, started
+from bench.kit.processes import ready_fields, serve
 from bench.kit.stats import median, percentile, poisson_arrivals
 from bench.kit.table import Table, cell
 

@@ -1,8 +1,9 @@
 """The benchmark kit: what more than one benchmark of ``bench/`` needs, written once.
 
 - :mod:`~bench.kit.processes`: child processes (start, ready line, CPU pinning, environment,
-  stop), for a plain script (:func:`~bench.kit.processes.serve`) and for a Trio one
-  (:class:`~bench.kit.processes.Child`);
+  stop) for a plain script (:func:`~bench.kit.processes.serve`), without Trio;
+- :mod:`~bench.kit.children`: the same for a Trio benchmark (:class:`~bench.kit.children.Child`,
+  :func:`~bench.kit.children.started`), commands on a child's standard input included;
 - :mod:`~bench.kit.http`: the HTTP/1.1 client (h11 over Trio, keep-alive or one request), and
   blocking helpers for a plain script (``/health`` waits, a status awaited);
 - :mod:`~bench.kit.metrics`: a ``/metrics`` page read as numbers;

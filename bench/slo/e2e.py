@@ -21,9 +21,10 @@ from typing import Any, Final
 
 import trio
 
+from bench.kit.children import started
 from bench.kit.http import fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
-from bench.kit.processes import clean_env, pinned, started
+from bench.kit.processes import clean_env, pinned
 
 __all__ = ["LoadResult", "measure"]
 
