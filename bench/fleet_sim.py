@@ -49,17 +49,29 @@ import gc
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import Any, Final, Literal, TextIO
+from pathlib import Path
+from typing import Any, Final, TextIO
 
 import msgspec
 import trio
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fleet.model import (
+    BUSY_RANGE,
+    CURRENT_FEATURES,
+    FREE_RANGE,
+    KV_TOTAL_BLOCKS,
+    MODEL,
+    PROTOCOLS,
+    SLOTS,
+    Protocol,
+)
+from bench.kit.processes import pin, raise_fd_limit
 from shim_common.wire import (
-    FEATURE_BUSY_EDGES,
     BusyThresholds,
     Endpoint,
     Heartbeat,
@@ -74,24 +86,10 @@ from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import EngineConfig, EngineOutput, PreparedRequest
 from worker_ingress.engines._instant import InstantEngine
 
-__all__ = ["CURRENT_FEATURES", "CountingPublisher", "Counters", "FleetEngine", "main"]
+__all__ = ["CountingPublisher", "Counters", "FleetEngine", "main"]
 
-Protocol = Literal["new", "current", "v1"]
-PROTOCOLS: Final = ("new", "current", "v1")
-#: The features a worker of the fleet work's protocol lists.
-CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)
-
-MODEL: Final = "mock-model"
-KV_TOTAL_BLOCKS: Final = 1000
-#: Decode-block fractions of each mode, as [low, high): busy is above a 0.5 threshold, free is
-#: well below it.
-FREE_RANGE: Final = (0.0, 0.2)
-BUSY_RANGE: Final = (0.6, 0.9)
 #: Collector thresholds of the simulator process (the default is 700, 10, 10).
 GC_THRESHOLDS: Final = (100_000, 50, 50)
-#: The tick period is split into this many slots; each slot ticks its share of the engines, so
-#: the fleet's changes are spread over the period instead of arriving in one burst.
-SLOTS: Final = 10
 
 
 @dataclasses.dataclass
@@ -401,12 +399,6 @@ async def serve_fleet(fleet: Fleet, control: TextIO) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, required=True)
@@ -421,9 +413,9 @@ def main() -> None:
         "--paused", action="store_true", help="no load changes before the first busy/free"
     )
     options = parser.parse_args()
-    if options.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {options.cpu})
-    _raise_fd_limit()
+    if options.cpu is not None:
+        pin(options.cpu)
+    raise_fd_limit()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Every Worker prints its own ready line to stdout; stdout is the control channel here.
     control = os.fdopen(os.dup(sys.stdout.fileno()), "w")

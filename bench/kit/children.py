@@ -146,6 +146,11 @@ class Child:
         assert self.process.stdin is not None
         await self.process.stdin.send_all(line.encode() + b"\n")
 
+    async def wait(self) -> int:
+        """Its exit code, once it exits."""
+        assert self.process is not None
+        return await self.process.wait()
+
     def kill(self) -> None:
         """SIGKILL, at once (a crash, as a fault of a run)."""
         if self.process is not None and self.process.returncode is None:
