@@ -61,15 +61,7 @@ from typing import Any, Final
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.dynamo import (
-    DEFAULT_PYTHON,
-    MODEL,
-    PLANES,
-    dynamo_env,
-    dynamo_version,
-    skipped,
-    write_model_folder,
-)
+from bench.kit import dynamo
 from bench.kit.http import get, wait_connected, wait_status
 from bench.kit.metrics import metric_sum
 from bench.kit.processes import free_port, pinned, serve
@@ -90,7 +82,7 @@ DYNAMO_MODES: Final = ("round-robin", "kv")
 CHAT_PATH: Final = "/v1/chat/completions"
 #: A chat of one word: the probe that a deployment answers before it is measured.
 PROBE: Final = json.dumps(
-    {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
+    {"model": dynamo.MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
 )
 
 
@@ -146,13 +138,21 @@ def dynamo_fleet(
 ) -> Iterator[Fleet]:
     """Dynamo's frontend in ``mode`` and ``plan.workers`` mockers, one process each."""
     model = scratch / "model"
-    write_model_folder(model)  # its FILLER words include the prompts' w0...w499
+    dynamo.write_model_folder(model)  # its FILLER words include the prompts' w0...w499
     _allow_long_prompts(model)
-    env = dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
-    mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL]
+    env = dynamo.dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
+    mocker = [
+        python,
+        "-m",
+        "dynamo.mocker",
+        "--model-path",
+        str(model),
+        "--model-name",
+        dynamo.MODEL,
+    ]
     mocker += ["--block-size", str(plan.block_tokens)]
     mocker += ["--num-gpu-blocks-override", str(plan.blocks_per_worker)]
-    mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *PLANES]
+    mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *dynamo.PLANES]
     metrics = []
     with contextlib.ExitStack() as stack:
         for index in range(plan.workers):
@@ -163,7 +163,7 @@ def dynamo_fleet(
             metrics.append(f"http://127.0.0.1:{port}/metrics")
         port = free_port()
         frontend = [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
-        frontend += ["--http-port", str(port), "--router-mode", mode, *PLANES]
+        frontend += ["--http-port", str(port), "--router-mode", mode, *dynamo.PLANES]
         log_file = scratch / f"dynamo-frontend-{mode}.log"
         stack.enter_context(serve(frontend, env, log=log_file, ready=False, grace=15.0))
         url = f"http://127.0.0.1:{port}"
@@ -228,7 +228,7 @@ def replay(
     """
     out = scratch / f"replay-{time.monotonic_ns()}.json"
     args = [sys.executable, str(LOAD_GENERATOR), "--url", url]
-    args += ["--model", MODEL, "--endpoint", "chat", *window.flags()]
+    args += ["--model", dynamo.MODEL, "--endpoint", "chat", *window.flags()]
     args += ["--timeout", f"{timeout:g}", "--max-in-flight", str(max_in_flight)]
     args += ["--json", str(out)]
     # The load generator bounds its own run; this bound only catches one that hangs.
@@ -275,7 +275,7 @@ def aiperf_tokenizer(scratch: Path) -> tuple[str, dict[str, str]]:
     """
     revision = "0" * 40
     entry = scratch / "hub" / "models--local--words"
-    write_model_folder(entry / "snapshots" / revision)
+    dynamo.write_model_folder(entry / "snapshots" / revision)
     (entry / "refs").mkdir(parents=True, exist_ok=True)
     (entry / "refs" / "main").write_text(revision)
     return "local/words", {"HF_HUB_CACHE": str(scratch / "hub"), "HF_HUB_OFFLINE": "1"}
@@ -295,7 +295,7 @@ def replay_aiperf(
     aiperf_trace(window, trace)
     tokenizer, env = aiperf_tokenizer(scratch)
     artifacts = scratch / f"aiperf-{tag}"
-    args = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat"]
+    args = [aiperf, "profile", "--model", dynamo.MODEL, "--url", url, "--endpoint-type", "chat"]
     args += ["--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace"]
     args += ["--tokenizer", tokenizer, "--fixed-schedule", "--ui-type", "none"]
     args += ["--artifact-dir", str(artifacts)]
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--dynamo-python",
-        default=str(DEFAULT_PYTHON),
+        default=str(dynamo.DEFAULT_PYTHON),
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
@@ -524,12 +524,12 @@ def main(argv: list[str] | None = None) -> None:
     ours = [m for m in options.modes.split(",") if m]
     theirs = [m for m in options.dynamo_modes.split(",") if m]
     systems: list[tuple[str, str]] = [(OURS, mode) for mode in ours]
-    version = dynamo_version(options.dynamo_python) if theirs else None
-    dynamo = f"Dynamo {version}"
+    version = dynamo.dynamo_version(options.dynamo_python) if theirs else None
+    rival = f"Dynamo {version}"
     if theirs and version is None:
-        print(skipped(options.dynamo_python))
+        print(dynamo.skipped(options.dynamo_python))
     elif theirs:
-        systems += [(dynamo, mode) for mode in theirs]
+        systems += [(rival, mode) for mode in theirs]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = options.logs or Path(tmp)

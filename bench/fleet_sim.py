@@ -42,7 +42,6 @@ connection's sender. Everything else runs unchanged.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -66,11 +65,12 @@ from bench.fleet.model import (
     FREE_RANGE,
     KV_TOTAL_BLOCKS,
     MODEL,
-    PROTOCOLS,
     SLOTS,
+    Counters,
     Protocol,
+    set_up,
+    simulator_parser,
 )
-from bench.kit.processes import pin, raise_fd_limit
 from shim_common.wire import (
     BusyThresholds,
     Endpoint,
@@ -86,24 +86,10 @@ from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import EngineConfig, EngineOutput, PreparedRequest
 from worker_ingress.engines._instant import InstantEngine
 
-__all__ = ["CountingPublisher", "Counters", "FleetEngine", "main"]
+__all__ = ["CountingPublisher", "FleetEngine", "main"]
 
 #: Collector thresholds of the simulator process (the default is 700, 10, 10).
 GC_THRESHOLDS: Final = (100_000, 50, 50)
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the simulator process generated and sent, summed over its workers."""
-
-    #: Rank load changes made by the engines (each one should become a load event).
-    generated: int = 0
-    #: Load events the workers took from their subscriptions to send.
-    load_events: int = 0
-    #: Heartbeats likewise.
-    heartbeats: int = 0
-    #: Event-plane websocket messages (one per batch).
-    batches: int = 0
 
 
 class _CountingSubscription(Subscription):
@@ -400,22 +386,8 @@ async def serve_fleet(fleet: Fleet, control: TextIO) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
-    parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
-    parser.add_argument("--id-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1...")
-    parser.add_argument(
-        "--protocol", choices=PROTOCOLS, default="new", help="what the workers announce and do"
-    )
-    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
-    parser.add_argument(
-        "--paused", action="store_true", help="no load changes before the first busy/free"
-    )
-    options = parser.parse_args()
-    if options.cpu is not None:
-        pin(options.cpu)
-    raise_fd_limit()
+    options = simulator_parser(__doc__.splitlines()[0]).parse_args()
+    set_up(options)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Every Worker prints its own ready line to stdout; stdout is the control channel here.
     control = os.fdopen(os.dup(sys.stdout.fileno()), "w")

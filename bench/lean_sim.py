@@ -85,7 +85,6 @@ to 6: the event and request planes).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -118,7 +117,6 @@ from bench.fleet.lean_workers import (
     HEARTBEAT_SLOTS,
     KEEPALIVE_SWEEP,
     PUBLISH_INTERVAL,
-    Counters,
     SimWorker,
     hello_of,
 )
@@ -126,11 +124,12 @@ from bench.fleet.model import (
     BUSY_RANGE,
     FREE_RANGE,
     KV_TOTAL_BLOCKS,
-    PROTOCOLS,
     SLOTS,
+    Counters,
     Protocol,
+    set_up,
+    simulator_parser,
 )
-from bench.kit.processes import pin, raise_fd_limit
 
 __all__ = ["Fleet", "main"]
 
@@ -485,18 +484,7 @@ class Fleet:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
-    parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
-    parser.add_argument("--id-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1...")
-    parser.add_argument(
-        "--protocol", choices=PROTOCOLS, default="new", help="what the workers announce and do"
-    )
-    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
-    parser.add_argument(
-        "--paused", action="store_true", help="no load changes before the first busy/free"
-    )
+    parser = simulator_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--kv-blocks",
         type=int,
@@ -505,9 +493,7 @@ def main() -> None:
         "evicting the oldest once full (0: no KV events)",
     )
     options = parser.parse_args()
-    if options.cpu is not None:
-        pin(options.cpu)
-    raise_fd_limit()
+    set_up(options)
 
     def answer(line: str) -> None:
         sys.stdout.write(line + "\n")

@@ -41,11 +41,10 @@ from bench.fleet.lean_workers import (
     PING_TIMEOUT,
     RECEIVE_BYTES,
     TOKENS_PER_PASS,
-    Counters,
     SimWorker,
     busy_from,
 )
-from bench.fleet.model import Protocol
+from bench.fleet.model import Counters, Protocol
 from shim_common.wire import (
     CLOSE_DUPLICATE_REQUEST_ID,
     CLOSE_TEXT_MESSAGE,

@@ -1,13 +1,12 @@
 """The lean simulator's workers (``lean_sim.py`` rules 2 and 3): the features a simulated worker
 lists, the limits it announces and the real worker's defaults it keeps, its hello, the busy rule
-compiled once, and each worker's state; and the counters of what the fleet sent. A worker holds
+compiled once, and each worker's state. A worker holds
 its event-plane subscribers as :class:`Subscriber` (``lean_planes.EventPlane`` is the one), so
 that this module needs nothing of the planes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import typing
 from typing import Final
@@ -70,24 +69,6 @@ TOKENS_PER_PASS: Final = 64
 #: Bytes waiting in a request connection's output before its requests pause (backpressure).
 MAX_PENDING_OUTPUT: Final = 1 << 20
 RECEIVE_BYTES: Final = 64 * 1024
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the simulator generated and sent, summed over its workers (fleet_sim's keys)."""
-
-    #: Rank load changes made (each one should become a load event).
-    generated: int = 0
-    #: Load events taken into batches.
-    load_events: int = 0
-    #: Heartbeats likewise.
-    heartbeats: int = 0
-    #: Event-plane websocket messages (one per batch).
-    batches: int = 0
-    #: KV events sent (rule 6), snapshots included, and the ``kv`` messages that carried them.
-    kv_events: int = 0
-    kv_messages: int = 0
-    kv_snapshots: int = 0
 
 
 class Subscriber(typing.Protocol):
