@@ -141,15 +141,8 @@ def dynamo_fleet(
     dynamo.write_model_folder(model)  # its FILLER words include the prompts' w0...w499
     _allow_long_prompts(model)
     env = dynamo.dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
-    mocker = [
-        python,
-        "-m",
-        "dynamo.mocker",
-        "--model-path",
-        str(model),
-        "--model-name",
-        dynamo.MODEL,
-    ]
+    mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model)]
+    mocker += ["--model-name", dynamo.MODEL]
     mocker += ["--block-size", str(plan.block_tokens)]
     mocker += ["--num-gpu-blocks-override", str(plan.blocks_per_worker)]
     mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *dynamo.PLANES]
