@@ -166,17 +166,13 @@ def serve(
             start_new_session=True,
         )
     try:
-        addresses: dict[str, str] = {}
-        if ready:
-            assert process.stdout is not None
-            while (line := process.stdout.readline(LINE_LIMIT).decode(errors="replace")) and (
-                found := ready_fields(line)
-            ) is None:
-                pass
+        found: dict[str, str] | None = None
+        while process.stdout is not None and found is None:  # None: not waited for
+            line = process.stdout.readline(LINE_LIMIT)
             if not line:
                 raise RuntimeError(f"{list(args[:3])} exited before its ready line")
-            addresses = found or {}
-        yield Server(process.pid, addresses)
+            found = ready_fields(line.decode(errors="replace"))
+        yield Server(process.pid, found or {})
     finally:
         process.terminate()
         try:
