@@ -82,9 +82,10 @@ from bench.kit.dynamo import (
     skipped,
     write_model_folder,
 )
-from bench.kit.http import kept_busy, wait_connected, wait_status
+from bench.kit.http import kept_busy, wait_status
 from bench.kit.proc import tree_cpu_seconds
 from bench.kit.processes import free_port, pin, serve
+from bench.kit.shim import shim
 from bench.kit.stats import percentile
 from bench.kit.wrk import LOAD_CPU, SERVER_CPU, Wrk, need_wrk
 
@@ -156,24 +157,19 @@ class Deployment:
 def shim_deployment() -> Iterator[Deployment]:
     """Our worker and frontend, four times: busy (slow mocker, threshold 0.0), fast, stream
     (mocker sped up 10,000 times) and instant (the instant engine)."""
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning"]
-    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+    quiet = ["--log-level", "warning"]
     with contextlib.ExitStack() as stack:
         pairs: list[Pair] = []
-        for worker_args, frontend_args in (
+        for worker_flags, frontend_flags in (
             (["--speedup-ratio", SLOW], ["--active-decode-blocks-threshold", "0.0"]),
             (["--speedup-ratio", FAST], []),
             (["--speedup-ratio", STREAM], []),
             (["--engine", "instant"], []),
         ):
-            ours = stack.enter_context(serve([*worker, *worker_args], cpu=SERVER_CPU))
-            front = stack.enter_context(
-                serve([*frontend, "--worker", ours.addresses["ws"], *frontend_args], cpu=SERVER_CPU)
+            ours = stack.enter_context(
+                shim([*quiet, *worker_flags], [*quiet, *frontend_flags], cpu=SERVER_CPU)
             )
-            wait_connected(front.addresses["http"])
-            pairs.append(Pair(front.addresses["http"], front.pid, ours.pid))
+            pairs.append(Pair(ours.url, ours.frontend.pid, ours.worker.pid))
         busy, fast, stream, instant = pairs
         wait_status(fast.url, CHAT_PATH, CHAT, 200, timeout=60)
         stack.enter_context(kept_busy(busy.url, CHAT_PATH, LONG, CHAT))

@@ -28,8 +28,8 @@ from pathlib import Path
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.http import kept_busy, wait_connected
-from bench.kit.processes import serve
+from bench.kit.http import kept_busy
+from bench.kit.shim import shim
 from bench.kit.wrk import SERVER_CPU, Wrk, need_wrk
 
 COMPLETION = '{"model":"mock-model","prompt":"one two","max_tokens":1}'
@@ -43,27 +43,24 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     options = parser.parse_args()
     need_wrk()
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         wrk = Wrk(options.seconds, options.connections, Path(scratch))
-        mock = stack.enter_context(serve([*worker, "--speedup-ratio", "0.02"], cpu=SERVER_CPU))
-        instant = stack.enter_context(serve([*worker, "--engine", "instant"], cpu=SERVER_CPU))
-        busy_args = [*frontend, "--worker", mock.addresses["ws"]]
-        busy_args += ["--active-decode-blocks-threshold", "0.0"]
-        busy = stack.enter_context(serve(busy_args, cpu=SERVER_CPU)).addresses["http"]
-        free_args = [*frontend, "--worker", instant.addresses["ws"]]
-        free = stack.enter_context(serve(free_args, cpu=SERVER_CPU)).addresses["http"]
-        wait_connected(busy)
-        wait_connected(free)
+        frontend_flags = ["--log-level", "warning"]
+        busy = stack.enter_context(
+            shim(
+                ["--speedup-ratio", "0.02"],
+                [*frontend_flags, "--active-decode-blocks-threshold", "0.0"],
+                cpu=SERVER_CPU,
+            )
+        ).url
+        free = stack.enter_context(shim(["--engine", "instant"], frontend_flags, cpu=SERVER_CPU))
         with kept_busy(busy, "/v1/completions", LONG, "{}"):
             live_busy = wrk.run(busy + "/live")
             shed = wrk.run(busy + "/v1/completions", body=COMPLETION)
-        through = wrk.run(free + "/v1/completions", body=COMPLETION)
-        direct = wrk.run(instant.addresses["system"] + "/live")
-        one_completion = wrk.run(free + "/v1/completions", body=COMPLETION, connections=1)
-        one_live = wrk.run(free + "/live", connections=1)
+        through = wrk.run(free.url + "/v1/completions", body=COMPLETION)
+        direct = wrk.run(free.worker.addresses["system"] + "/live")
+        one_completion = wrk.run(free.url + "/v1/completions", body=COMPLETION, connections=1)
+        one_live = wrk.run(free.url + "/live", connections=1)
     print(f"wrk: {options.connections} connections, {options.seconds:.0f} s per figure")
     print(f"busy fleet: GET /live (keep-alive)       {live_busy['rps']:10.0f} /s")
     print(

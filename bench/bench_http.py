@@ -50,9 +50,10 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.http import kept_busy, wait_connected
+from bench.kit.http import kept_busy
 from bench.kit.proc import tree_cpu_seconds
 from bench.kit.processes import serve
+from bench.kit.shim import shim
 from bench.kit.table import Table
 from bench.kit.wrk import SERVER_CPU, Wrk, need_wrk
 
@@ -194,32 +195,22 @@ def bare_server(kind: str) -> Iterator[tuple[str, list[int]]]:
 def frontends() -> Iterator[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
     """A busy frontend (every completion answered 529) and a fast one; yields each one's URL
     with the pids of the frontend and its worker."""
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning"]
-    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+    quiet = ["--log-level", "warning"]
     long_body = json.dumps({**COMPLETION, "max_tokens": 100_000, "stream": True})
     with (
-        serve([*worker, "--speedup-ratio", "0.02"], cpu=SERVER_CPU) as slow,
-        serve([*worker, "--engine", "instant"], cpu=SERVER_CPU) as instant,
-        serve(
-            [
-                *frontend,
-                "--worker",
-                slow.addresses["ws"],
-                "--active-decode-blocks-threshold",
-                "0.0",
-            ],
+        shim(
+            [*quiet, "--speedup-ratio", "0.02"],
+            [*quiet, "--active-decode-blocks-threshold", "0.0"],
             cpu=SERVER_CPU,
         ) as busy,
-        serve([*frontend, "--worker", instant.addresses["ws"]], cpu=SERVER_CPU) as fast,
-    ):
-        busy_url, fast_url = busy.addresses["http"], fast.addresses["http"]
-        wait_connected(busy_url)
-        wait_connected(fast_url)
+        shim([*quiet, "--engine", "instant"], quiet, cpu=SERVER_CPU) as fast,
         # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
-        with kept_busy(busy_url, "/v1/completions", long_body, "{}"):
-            yield (busy_url, [busy.pid, slow.pid]), (fast_url, [fast.pid, instant.pid])
+        kept_busy(busy.url, "/v1/completions", long_body, "{}"),
+    ):
+        yield (
+            (busy.url, [busy.frontend.pid, busy.worker.pid]),
+            (fast.url, [fast.frontend.pid, fast.worker.pid]),
+        )
 
 
 # -- the run ------------------------------------------------------------------------------

@@ -35,9 +35,9 @@ from typing import Final
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.http import wait_connected
 from bench.kit.proc import cpu_seconds
-from bench.kit.processes import clean_env, serve
+from bench.kit.processes import clean_env
+from bench.kit.shim import shim
 from bench.kit.table import Table
 from bench.kit.wrk import SERVER_CPU, Wrk, need_wrk
 
@@ -116,21 +116,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         wrk = Wrk(options.seconds, options.connections, Path(scratch))
         systems: list[tuple[str, int, int, str]] = []
+        quiet = ["--log-level", "warning"]
         for tree in trees:
             # Each tree's code, run from the tree: ``python -m`` puts the working directory
             # first on the import path, so from anywhere else it could import other code.
-            env = clean_env(tree)
-            python = sys.executable
-            worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-            worker += ["--log-level", "warning", *engine]
-            worker_server = stack.enter_context(serve(worker, env, cpu=SERVER_CPU, cwd=tree))
-            frontend = [python, "-m", "frontend_shim", "--http-port", "0"]
-            frontend += ["--log-level", "warning", "--worker", worker_server.addresses["ws"]]
-            frontend_server = stack.enter_context(serve(frontend, env, cpu=SERVER_CPU, cwd=tree))
-            url = frontend_server.addresses["http"]
-            wait_connected(url)
-            wrk.run(url + PATH, body=CHAT, connections=16, seconds=1)  # warm-up
-            systems.append((tree, worker_server.pid, frontend_server.pid, url))
+            ours = stack.enter_context(
+                shim([*quiet, *engine], quiet, clean_env(tree), cpu=SERVER_CPU, cwd=tree)
+            )
+            wrk.run(ours.url + PATH, body=CHAT, connections=16, seconds=1)  # warm-up
+            systems.append((tree, ours.worker.pid, ours.frontend.pid, ours.url))
         rounds: dict[str, list[Round]] = {tree: [] for tree in trees}
         for number in range(options.rounds):
             for tree, worker_pid, frontend_pid, url in systems[:: 1 if number % 2 == 0 else -1]:
