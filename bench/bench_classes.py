@@ -45,6 +45,7 @@ from bench.admission.loops import full_gate, loop_admitted, loop_rejected
 from bench.kit.children import started
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.processes import clean_env, pin
+from bench.kit.shim import worker_command
 from bench.kit.stats import percentile
 from shim_common import wire
 from worker_ingress._admission import AdmissionGate, AdmissionState, GateRefusal, Rejection
@@ -94,11 +95,10 @@ class Phase:
 
 
 #: The worker: the fixed engine behind the gate, N = 4 and Q = 8.
-WORKER: Final = [
-    *(sys.executable, "-m", "worker_ingress", "--engine", "bench.kit.fixed_engine:create"),
-    *("--engine-request-limit", str(SLOTS), "--port", "0", "--system-port", "0"),
+WORKER: Final = worker_command(
+    *("--engine", "bench.kit.fixed_engine:create", "--engine-request-limit", str(SLOTS)),
     *("--log-level", "error"),
-]
+)
 
 
 def _binary(message: str | bytes) -> bytes:

@@ -62,6 +62,7 @@ from bench.kit.children import started
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, Client, wait_connected_trio
 from bench.kit.processes import clean_env, free_port, pin, raise_fd_limit
+from bench.kit.shim import frontend_command, worker_command
 from bench.kit.stats import median, percentile, poisson_arrivals
 from bench.kit.table import Table, cell
 
@@ -398,18 +399,12 @@ def shim_system(name: str, env: Mapping[str, str], limit: int | None) -> System:
 
     @contextlib.asynccontextmanager
     async def start(log: IO[bytes]) -> AsyncIterator[str]:
-        python = sys.executable
-        worker = [
-            python, "-m", "worker_ingress", "--engine", "bench.kit.fixed_engine:create",
-            "--port", "0", "--system-port", "0", "--log-level", "warning",
-        ]  # fmt: skip
-        if limit is not None:
-            worker += ["--engine-request-limit", str(limit)]
+        worker = worker_command(
+            "--engine", "bench.kit.fixed_engine:create", "--log-level", "warning",
+            *(("--engine-request-limit", str(limit)) if limit is not None else ()),
+        )  # fmt: skip
         async with server(worker, env=env, log=log, ready_within=60) as worker_urls:
-            frontend = [
-                python, "-m", "frontend_shim", "--worker", worker_urls["ws"],
-                "--http-port", "0", "--log-level", "warning",
-            ]  # fmt: skip
+            frontend = frontend_command("--worker", worker_urls["ws"], "--log-level", "warning")
             async with server(frontend, env=env, log=log, ready_within=60) as frontend_urls:
                 with trio.fail_after(60):
                     await wait_connected_trio(frontend_urls["http"])

@@ -43,6 +43,7 @@ from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
 from bench.kit.processes import clean_env
+from bench.kit.shim import frontend_command, worker_command
 
 SLOTS: Final = 4
 SERVICE_SECONDS: Final = 0.1
@@ -116,16 +117,14 @@ async def _phase(
         **{SLOTS_ENV: str(SLOTS), SERVICE_ENV: str(SERVICE_SECONDS)},
         DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(QUEUE_LIMIT),
     )
-    worker_args = [
-        *(sys.executable, "-m", "worker_ingress", "--engine", "bench.kit.fixed_engine:create"),
-        *("--engine-request-limit", str(SLOTS), "--port", "0", "--system-port", "0"),
+    worker_args = worker_command(
+        *("--engine", "bench.kit.fixed_engine:create", "--engine-request-limit", str(SLOTS)),
         *("--log-level", "error"),
-    ]
+    )
     async with started(worker_args, worker_env, cwd=tree, grace=5.0) as worker:
-        frontend_args = [
-            *(sys.executable, "-m", "frontend_shim", "--http-port", "0"),
-            *("--worker", worker.addresses["ws"], "--log-level", "error", *frontend_flags),
-        ]
+        frontend_args = frontend_command(
+            "--worker", worker.addresses["ws"], "--log-level", "error", *frontend_flags
+        )
         frontend_env = clean_env(tree, **({"DYN_GATEWAY_TOKEN": GATEWAY_TOKEN} if gateway else {}))
         async with started(frontend_args, frontend_env, cwd=tree, grace=5.0) as frontend:
             url = frontend.addresses["http"]

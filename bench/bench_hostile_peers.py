@@ -38,6 +38,7 @@ from bench.kit.children import started
 from bench.kit.http import Client
 from bench.kit.proc import cpu_seconds
 from bench.kit.processes import clean_env
+from bench.kit.shim import frontend_command
 from bench.kit.stats import percentile
 from bench.kit.table import Table
 from shim_common import wire
@@ -151,8 +152,7 @@ async def measure(tree: str, attack: str, seconds: float) -> tuple[float, float,
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, worker.handle, listeners)
-        command = [sys.executable, "-m", "frontend_shim", "--http-port", "0"]
-        command += ["--worker", f"ws://127.0.0.1:{port}"]
+        command = frontend_command("--worker", f"ws://127.0.0.1:{port}")
         # From the tree: ``-m`` puts the working directory first on the path.
         async with started(command, clean_env(tree), cwd=tree, ready_within=60) as frontend:
             pid = frontend.pid

@@ -32,6 +32,7 @@ if not __package__:  # run as a file: ``bench`` is in the folder above, as under
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kit.children import started, started_logging
 from bench.kit.proc import cpu_seconds
+from bench.kit.shim import frontend_command, worker_command
 
 SERVER_READY = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
@@ -63,9 +64,9 @@ async def main(args: argparse.Namespace) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-llama-"))
     server_args = [args.llama_server, "-m", args.model, "--alias", "tiny", "--host", "127.0.0.1"]
     server_args += ["--port", "0", "-np", "1", "-c", "8192", "-t", str(args.threads)]
-    worker_args = [sys.executable, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker_args += ["--model", "tiny", "--engine", "openai", "--engine-request-limit", "1"]
-    frontend_args = [sys.executable, "-m", "frontend_shim", "--http-port", "0", "--worker"]
+    worker_args = worker_command(
+        "--model", "tiny", "--engine", "openai", "--engine-request-limit", "1"
+    )
     # Opened once, before the run: the children write to them.
     worker_log = (logs / "worker.log").open("wb")
     frontend_log = (logs / "frontend.log").open("wb")
@@ -73,7 +74,9 @@ async def main(args: argparse.Namespace) -> None:
         async with (
             started_logging(server_args, logs / "server.log", SERVER_READY) as (_, ready),
             started([*worker_args, "--upstream-url", ready[1].decode()], log=worker_log) as worker,
-            started([*frontend_args, worker.addresses["ws"]], log=frontend_log) as front,
+            started(
+                frontend_command("--worker", worker.addresses["ws"]), log=frontend_log
+            ) as front,
             httpx.AsyncClient(trust_env=False, timeout=300) as client,
         ):
             server, frontend = ready[1].decode(), front.addresses["http"]

@@ -65,6 +65,7 @@ from bench.kit import dynamo
 from bench.kit.http import get, wait_connected, wait_status
 from bench.kit.metrics import metric_sum
 from bench.kit.processes import free_port, pinned, serve
+from bench.kit.shim import frontend_command, worker_command
 from bench.kit.table import Table, cell
 from bench.kit.wrk import LOAD_CPU
 from bench.prefix.window import (
@@ -109,17 +110,16 @@ def shim_fleet(
     mode: str, plan: Plan, speedup: float, frontend_args: Sequence[str] = ()
 ) -> Iterator[Fleet]:
     """Our frontend (with ``frontend_args`` added) and ``plan.workers`` mockers, in ``mode``."""
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning", "--block-size", str(plan.block_tokens)]
+    worker = worker_command("--log-level", "warning", "--block-size", str(plan.block_tokens))
     worker += ["--num-gpu-blocks", str(plan.blocks_per_worker), "--speedup-ratio", f"{speedup:g}"]
     if mode == "kv-nocache":
         worker.append("--no-enable-prefix-caching")
     router = "kv" if mode.startswith("kv") else mode
     with contextlib.ExitStack() as stack:
         workers = [stack.enter_context(serve(worker)).addresses for _ in range(plan.workers)]
-        frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
-        frontend += ["--router-mode", router, *frontend_args]
+        frontend = frontend_command(
+            "--log-level", "warning", "--router-mode", router, *frontend_args
+        )
         for addresses in workers:
             frontend += ["--worker", addresses["ws"]]
         http = stack.enter_context(serve(frontend)).addresses["http"]

@@ -36,6 +36,7 @@ if not __package__:  # run as a file: ``bench`` is in the folder above, as under
 from bench.kit.children import Child
 from bench.kit.proc import cpu_seconds, descriptors
 from bench.kit.processes import clean_env, pin
+from bench.kit.shim import worker_command
 from bench.kit.stats import percentile
 from bench.kit.table import Table
 from shim_common import wire
@@ -49,8 +50,9 @@ BODY: dict[str, Any] = {"prompt": "one two three four five six seven eight", "ma
 def _worker(tree: str) -> Child:
     """A mocker worker of ``tree`` on CPU 0, run from the tree (``python -m`` puts the working
     directory first on the path); it gets 40 s to stop (its idle connections close first)."""
-    args = [sys.executable, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    args += ["--engine-request-limit", "64", "--speedup-ratio", "4", "--log-level", "error"]
+    args = worker_command(
+        "--engine-request-limit", "64", "--speedup-ratio", "4", "--log-level", "error"
+    )
     return Child(args, clean_env(tree), name="the worker", cpu=0, cwd=tree, grace=40.0)
 
 

@@ -25,6 +25,7 @@ from bench.kit.children import started
 from bench.kit.http import fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
 from bench.kit.processes import clean_env, pinned
+from bench.kit.shim import frontend_command, worker_command
 
 __all__ = ["LoadResult", "measure"]
 
@@ -58,16 +59,14 @@ async def measure(
 ) -> LoadResult:
     """Start a worker and a frontend on CPU 0, play the load from CPU 1, stop them."""
     env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(queue))
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0", *worker_flags]
-    async with started(worker, env, cpu=0, grace=5.0) as worker_child:
+    async with started(worker_command(*worker_flags), env, cpu=0, grace=5.0) as worker_child:
         ws, system = worker_child.addresses["ws"], worker_child.addresses["system"]
-        frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--worker", ws]
+        frontend = frontend_command("--worker", ws)
         async with started(frontend, env, cpu=0, grace=5.0) as frontend_child:
             url = frontend_child.addresses["http"]
             with trio.fail_after(10):
                 await wait_connected_trio(url)
-            gen = [python, str(LOAD_GENERATOR), "loadgen", url, json.dumps(body)]
+            gen = [sys.executable, str(LOAD_GENERATOR), "loadgen", url, json.dumps(body)]
             if arrivals is not None:
                 gen += ["open", json.dumps(list(arrivals))]
             else:
