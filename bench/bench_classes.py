@@ -42,7 +42,7 @@ from trio_websocket import open_websocket_url
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.admission.loops import full_gate, loop_admitted, loop_rejected
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.processes import clean_env, pin
 from bench.kit.shim import worker_command
@@ -300,7 +300,7 @@ def main() -> None:
     )
 
     async def run() -> None:
-        async with started(WORKER, env, cpu=0, cwd=ROOT, name="the worker") as worker:
+        async with Child(WORKER, env, name="the worker", cpu=0, cwd=ROOT) as worker:
             ws = worker.addresses["ws"]
             # A quarter of capacity over four slots: no request waits for another.
             phases["idle"] = Phase("idle")

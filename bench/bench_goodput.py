@@ -58,7 +58,7 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, Client, wait_connected_trio
 from bench.kit.processes import clean_env, free_port, pin, raise_fd_limit
@@ -372,7 +372,7 @@ async def server(
     """Start a server on the server CPU, yield the ``key=url`` fields of its ready line, stop
     it: SIGTERM and 30 s to exit, then whatever is left of its session is killed (Ray leaves
     agents behind that ignore SIGTERM)."""
-    async with started(
+    async with Child(
         args,
         env,
         cpu=SERVER_CPU,

@@ -38,7 +38,7 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
 from bench.kit.http import HTTP_ERRORS, fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
@@ -121,12 +121,12 @@ async def _phase(
         *("--engine", "bench.kit.fixed_engine:create", "--engine-request-limit", str(SLOTS)),
         *("--log-level", "error"),
     )
-    async with started(worker_args, worker_env, cwd=tree, grace=5.0) as worker:
+    async with Child(worker_args, worker_env, cwd=tree, grace=5.0) as worker:
         frontend_args = frontend_command(
             "--worker", worker.addresses["ws"], "--log-level", "error", *frontend_flags
         )
         frontend_env = clean_env(tree, **({"DYN_GATEWAY_TOKEN": GATEWAY_TOKEN} if gateway else {}))
-        async with started(frontend_args, frontend_env, cwd=tree, grace=5.0) as frontend:
+        async with Child(frontend_args, frontend_env, cwd=tree, grace=5.0) as frontend:
             url = frontend.addresses["http"]
             with trio.fail_after(15):
                 await wait_connected_trio(url)

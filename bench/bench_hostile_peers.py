@@ -34,7 +34,7 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.http import Client
 from bench.kit.proc import cpu_seconds
 from bench.kit.processes import clean_env
@@ -154,7 +154,7 @@ async def measure(tree: str, attack: str, seconds: float) -> tuple[float, float,
         await nursery.start(trio.serve_listeners, worker.handle, listeners)
         command = frontend_command("--worker", f"ws://127.0.0.1:{port}")
         # From the tree: ``-m`` puts the working directory first on the path.
-        async with started(command, clean_env(tree), cwd=tree, ready_within=60) as frontend:
+        async with Child(command, clean_env(tree), cwd=tree, ready_within=60) as frontend:
             pid = frontend.pid
             await trio.sleep(SETTLE_SECONDS)
             cpu, start, sessions = cpu_seconds(pid), time.monotonic(), worker.sessions

@@ -30,7 +30,7 @@ import trio
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.children import started, started_logging
+from bench.kit.children import Child, started_logging
 from bench.kit.proc import cpu_seconds
 from bench.kit.shim import frontend_command, worker_command
 
@@ -73,10 +73,8 @@ async def main(args: argparse.Namespace) -> None:
     with worker_log, frontend_log:
         async with (
             started_logging(server_args, logs / "server.log", SERVER_READY) as (_, ready),
-            started([*worker_args, "--upstream-url", ready[1].decode()], log=worker_log) as worker,
-            started(
-                frontend_command("--worker", worker.addresses["ws"]), log=frontend_log
-            ) as front,
+            Child([*worker_args, "--upstream-url", ready[1].decode()], log=worker_log) as worker,
+            Child(frontend_command("--worker", worker.addresses["ws"]), log=frontend_log) as front,
             httpx.AsyncClient(trust_env=False, timeout=300) as client,
         ):
             server, frontend = ready[1].decode(), front.addresses["http"]

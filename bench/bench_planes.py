@@ -38,7 +38,7 @@ from trio_websocket import (
 
 if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.processes import pin
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
@@ -204,7 +204,7 @@ async def _run(seconds: float, rounds: int) -> None:
         urls = {}
         for name in SCENARIOS:
             command = [sys.executable, __file__, "--serve", name]
-            server = await stack.enter_async_context(started(command, cpu=0, name=name))
+            server = await stack.enter_async_context(Child(command, name=name, cpu=0))
             urls[name] = server.addresses["ws"] + wire.REQUESTS_PATH
         plan = [
             ("echo, 1 connection", "echo3", 1, 3),

@@ -12,7 +12,7 @@ import h11
 import pytest
 import trio
 
-from bench.kit.children import Child, started
+from bench.kit.children import Child
 from bench.kit.http import Client, fetch
 from bench.kit.metrics import by_label, metric_sum, sums
 from bench.kit.processes import ready_fields, serve
@@ -148,7 +148,7 @@ HELPER = (
 
 async def test_a_child_is_read_to_its_ready_line_commanded_and_reaped() -> None:
     with trio.fail_after(20):
-        async with started([sys.executable, "-c", HELPER], name="helper") as child:
+        async with Child([sys.executable, "-c", HELPER], name="helper") as child:
             assert child.addresses == {"http": "http://127.0.0.1:9"}
         assert child.process is not None
         assert child.process.returncode is not None
@@ -164,7 +164,7 @@ async def test_a_child_is_read_to_its_ready_line_commanded_and_reaped() -> None:
 
 async def test_a_child_that_exits_before_its_ready_line_says_so() -> None:
     with trio.fail_after(20), pytest.raises(RuntimeError, match="before it was ready"):
-        async with started([sys.executable, "-c", "print('no')"], name="quitter"):
+        async with Child([sys.executable, "-c", "print('no')"], name="quitter"):
             pass
 
 

@@ -3,7 +3,7 @@
 - :mod:`~bench.kit.processes`: child processes (start, ready line, CPU pinning, environment,
   stop) for a plain script (:func:`~bench.kit.processes.serve`), without Trio;
 - :mod:`~bench.kit.children`: the same for a Trio benchmark (:class:`~bench.kit.children.Child`,
-  :func:`~bench.kit.children.started`), commands on a child's standard input included;
+  ``async with``), commands on a child's standard input included;
 - :mod:`~bench.kit.shim`: one of our workers with a frontend in front of it, connected, for
   the length of a block (and the two command lines);
 - :mod:`~bench.kit.http`: the HTTP/1.1 client (h11 over Trio, keep-alive or one request), and

@@ -1,6 +1,11 @@
 """The children of a benchmark that runs in Trio: started, their ready line read (or their log
 searched), commanded on their standard input, and stopped however the run ends (the rules of
 :mod:`bench.kit.processes`, which starts the children of a plain script).
+
+``async with Child(args, env, cpu=0) as child:`` runs a server for the block, which starts once
+its ready line is read (``child.addresses``); a child driven by hand (a simulator taking
+commands, a worker killed and started again) uses :meth:`Child.start`, :meth:`Child.ready` and
+:meth:`Child.stop`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import trio
 
 from bench.kit.processes import LINE_LIMIT, clean_env, end_session, pinned, ready_fields
 
-__all__ = ["Child", "started", "started_logging"]
+__all__ = ["Child", "started_logging"]
 
 
 class Child:
@@ -35,8 +40,9 @@ class Child:
         log_stdout: Its standard output goes to ``log`` too, unread (a server that says it is
             ready somewhere in its log: :meth:`ready_in_log`).
         control: Open its standard input for :meth:`send`.
-        session: Start it in a session of its own (see the module's docstring).
+        session: Start it in a session of its own (see :mod:`bench.kit.processes`).
         grace: Seconds it gets to exit after SIGTERM before SIGKILL.
+        ready_within: Seconds ``async with`` waits for its ready line.
     """
 
     def __init__(
@@ -52,6 +58,7 @@ class Child:
         control: bool = False,
         session: bool = False,
         grace: float = 10.0,
+        ready_within: float = 30.0,
     ) -> None:
         self.args = list(args)
         self.env = dict(env if env is not None else clean_env())
@@ -63,10 +70,30 @@ class Child:
         self.control = control
         self.session = session
         self.grace = grace
+        self.ready_within = ready_within
         self.process: trio.Process | None = None
         #: The fields of its last ready line.
         self.addresses: dict[str, str] = {}
         self._buffer = b""
+
+    async def __aenter__(self) -> Child:
+        """Start it and read its ready line.
+
+        Raises:
+            RuntimeError: it exited before its ready line.
+            trio.TooSlowError: no ready line within ``ready_within`` seconds.
+        """
+        await self.start()
+        try:
+            with trio.fail_after(self.ready_within):
+                await self.ready()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()
 
     @property
     def pid(self) -> int:
@@ -174,36 +201,6 @@ class Child:
             for stream in (process.stdout, process.stdin):
                 if stream is not None:
                     await stream.aclose()
-
-
-@contextlib.asynccontextmanager
-async def started(
-    args: Sequence[str],
-    env: Mapping[str, str] | None = None,
-    *,
-    name: str | None = None,
-    cpu: int | None = None,
-    cwd: str | Path | None = None,
-    log: IO[bytes] | None = None,
-    session: bool = False,
-    grace: float = 10.0,
-    ready_within: float = 30.0,
-) -> AsyncIterator[Child]:
-    """A :class:`Child` (the same arguments) started until the block ends, which starts once
-    its ready line is read.
-
-    Raises:
-        RuntimeError: it exited before its ready line.
-        trio.TooSlowError: no ready line within ``ready_within`` seconds.
-    """
-    child = Child(args, env, name=name, cpu=cpu, cwd=cwd, log=log, session=session, grace=grace)
-    await child.start()
-    try:
-        with trio.fail_after(ready_within):
-            await child.ready()
-        yield child
-    finally:
-        await child.stop()
 
 
 @contextlib.asynccontextmanager

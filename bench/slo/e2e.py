@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import trio
 
-from bench.kit.children import started
+from bench.kit.children import Child
 from bench.kit.http import fetch, wait_connected_trio
 from bench.kit.metrics import metric_sum
 from bench.kit.processes import clean_env, pinned
@@ -59,10 +59,10 @@ async def measure(
 ) -> LoadResult:
     """Start a worker and a frontend on CPU 0, play the load from CPU 1, stop them."""
     env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(queue))
-    async with started(worker_command(*worker_flags), env, cpu=0, grace=5.0) as worker_child:
+    async with Child(worker_command(*worker_flags), env, cpu=0, grace=5.0) as worker_child:
         ws, system = worker_child.addresses["ws"], worker_child.addresses["system"]
         frontend = frontend_command("--worker", ws)
-        async with started(frontend, env, cpu=0, grace=5.0) as frontend_child:
+        async with Child(frontend, env, cpu=0, grace=5.0) as frontend_child:
             url = frontend_child.addresses["http"]
             with trio.fail_after(10):
                 await wait_connected_trio(url)
