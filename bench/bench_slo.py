@@ -214,9 +214,13 @@ async def capacity(workload: Workload, *, make_engine: EngineFactory, seconds: f
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         origin = trio.current_time()
-        for _ in range(workload.max_num_seqs):
-            nursery.start_soon(client)
-        await trio.sleep(seconds)
+        # The clients stop before the engine: an engine that stops first (the openai engine
+        # closes its HTTP client) would fail a client's request mid-way instead of cancelling it.
+        async with trio.open_nursery() as clients:
+            for _ in range(workload.max_num_seqs):
+                clients.start_soon(client)
+            await trio.sleep(seconds)
+            clients.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     warm = origin + seconds * WARMUP_SHARE
     return sum(1 for at in done if at >= warm) / (seconds * (1 - WARMUP_SHARE))
