@@ -87,6 +87,7 @@ from bench.kit.proc import tree_cpu_seconds
 from bench.kit.processes import free_port, pin, serve
 from bench.kit.shim import shim
 from bench.kit.stats import percentile
+from bench.kit.table import Table
 from bench.kit.wrk import LOAD_CPU, SERVER_CPU, Wrk, need_wrk
 
 SLOW: Final = "0.02"
@@ -416,46 +417,40 @@ def _non_2xx(figure: dict[str, float] | None) -> str:
 def report(columns: dict[str, Figures]) -> str:
     """The figures as a Markdown table, one column per system, then the ratios within each."""
     names = list(columns)
-    lines = [
-        "| figure | " + " | ".join(names) + " | non-2xx share |",
-        "|---|" + "---|" * len(names) + "---|",
-    ]
+    figures = Table("figure", *names, "non-2xx share")
     for label, key, show in ROWS:
         cells = [show(columns[name][key]) if key in columns[name] else "-" for name in names]
         checks = " / ".join(_non_2xx(columns[name].get(key)) for name in names)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {checks} |")
-    lines.append("")
-    lines.append("| ratio, within each system | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
+        figures.add(label, *cells, checks)
+    within = Table("ratio, within each system", *names)
     for label, top, bottom in (
         ("529s / GET /live", "shed", "live"),
         ("chat / GET /live", "chat", "live"),
         ("404s / GET /live", "unknown", "live"),
     ):
-        cells = [f"{columns[n][top]['rps'] / columns[n][bottom]['rps']:.2f}" for n in names]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    cells = []
-    for name in names:
-        chat1, live1 = columns[name]["chat1"], columns[name]["live1"]
-        added = chat1.get("p50_ms", float("nan")) - live1.get("p50_ms", float("nan"))
-        cells.append(f"{added:.2f} ms")
-    lines.append("| one connection: chat p50 - /live p50 | " + " | ".join(cells) + " |")
+        within.add(
+            label, *(f"{columns[n][top]['rps'] / columns[n][bottom]['rps']:.2f}" for n in names)
+        )
+    added = [
+        columns[n]["chat1"].get("p50_ms", float("nan"))
+        - columns[n]["live1"].get("p50_ms", float("nan"))
+        for n in names
+    ]
+    within.add("one connection: chat p50 - /live p50", *(f"{ms:.2f} ms" for ms in added))
+    tables = [str(figures), str(within)]
     if len(names) == 2:
         ours, theirs = names
-        lines.append("")
-        lines.append(f"| ratio, {ours} / {theirs} (same run) | requests/s |")
-        lines.append("|---|---|")
+        across = Table(f"ratio, {ours} / {theirs} (same run)", "requests/s")
         both = [key for key in COMPARED if key in columns[ours] and key in columns[theirs]]
         for label, key, show in ROWS:
             if key in both and show is _rate:
                 ratio = columns[ours][key]["rps"] / columns[theirs][key]["rps"]
-                lines.append(f"| {label.removesuffix(' (req/s)')} | {ratio:.2f} |")
+                across.add(label.removesuffix(" (req/s)"), f"{ratio:.2f}")
         if "itl" in columns[ours] and "itl" in columns[theirs]:
             itl = columns[ours]["itl"]["itl_p50_ms"] / columns[theirs]["itl"]["itl_p50_ms"]
-            lines.append(
-                f"| one connection, streamed: inter-token p50 (lower is better) | {itl:.2f} |"
-            )
-    return "\n".join(lines)
+            across.add("one connection, streamed: inter-token p50 (lower is better)", f"{itl:.2f}")
+        tables.append(str(across))
+    return "\n\n".join(tables)
 
 
 def main() -> None:
