@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
-import trio.testing
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.admission.loops import full_gate, loop_admitted, loop_rejected
 from worker_ingress._admission import AdmissionGate, Rejection
 from worker_ingress._watch import ChangeSignal
 
@@ -74,72 +78,25 @@ async def _run_batch(request: Callable[[], Awaitable[None]], count: int) -> floa
     return (time.perf_counter() - started) / count
 
 
-async def _loop_admitted(gate: AdmissionGate | None, count: int) -> float:
-    """Seconds per request for ``count`` requests in a row in one task (no gate if ``None``)."""
-    checkpoint = trio.lowlevel.checkpoint
-    started = time.perf_counter()
-    if gate is None:
-        for _ in range(count):
-            await checkpoint()
-    else:
-        for _ in range(count):
-            async with gate.slot():
-                await checkpoint()
-    return (time.perf_counter() - started) / count
-
-
-async def _loop_rejected(gate: AdmissionGate | None, count: int) -> float:
-    """Seconds per rejection of ``count`` tries in a row on a full gate (bare loop if ``None``)."""
-    started = time.perf_counter()
-    if gate is None:
-        for _ in range(count):
-            pass
-    else:
-        for _ in range(count):
-            try:
-                async with gate.slot():
-                    raise AssertionError("the gate is full: nothing may be admitted")
-            except Rejection:
-                pass
-    return (time.perf_counter() - started) / count
-
-
-async def _full_gate(task_status: trio.TaskStatus[AdmissionGate]) -> None:
-    """Hold a gate of N=1, Q=2 full (1 running, 2 queued) until cancelled."""
-    gate = AdmissionGate(engine_slots=1, queue_limit=2, on_change=ChangeSignal().bump)
-
-    async def hold() -> None:
-        async with gate.slot():
-            await trio.sleep_forever()
-
-    async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            nursery.start_soon(hold)
-        await trio.testing.wait_all_tasks_blocked()
-        if (gate.running, gate.queued) != (1, 2):
-            raise RuntimeError(f"gate not full: {gate.running} running, {gate.queued} queued")
-        task_status.started(gate)
-
-
 async def _round(count: int) -> dict[str, float]:
     # The event plane's real on_change is a ChangeSignal bump: measure with it.
     open_gate = AdmissionGate(engine_slots=count, queue_limit=2, on_change=ChangeSignal().bump)
     figures = {
         "baseline": await _run_batch(_bare_request, count),
         "admitted": await _run_batch(_admitting_request(open_gate), count),
-        "loop_bare": await _loop_admitted(None, count),
-        "loop_admitted": await _loop_admitted(open_gate, count),
+        "loop_bare": await loop_admitted(None, count),
+        "loop_admitted": await loop_admitted(open_gate, count),
     }
     if open_gate.in_flight or open_gate.rejected_total:
         raise RuntimeError("the open gate leaked a slot or rejected a request")
     async with trio.open_nursery() as nursery:
-        full_gate = await nursery.start(_full_gate)
+        full = await nursery.start(full_gate)
         figures["baseline_empty"] = await _run_batch(_nothing, count)
-        figures["rejected"] = await _run_batch(_rejected_request(full_gate), count)
-        figures["loop_bare_rejected"] = await _loop_rejected(None, count)
-        figures["loop_rejected"] = await _loop_rejected(full_gate, count)
-        if full_gate.rejected_total != 2 * count:
-            raise RuntimeError(f"{full_gate.rejected_total} of {2 * count} were rejected")
+        figures["rejected"] = await _run_batch(_rejected_request(full), count)
+        figures["loop_bare_rejected"] = await loop_rejected(None, count)
+        figures["loop_rejected"] = await loop_rejected(full, count)
+        if full.rejected_total != 2 * count:
+            raise RuntimeError(f"{full.rejected_total} of {2 * count} were rejected")
         nursery.cancel_scope.cancel()
     return figures
 

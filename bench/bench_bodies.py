@@ -20,23 +20,23 @@ Memory figures are the frontend's own process (not its worker's).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 
-from bench.bench_frontend import LOAD_CPU, SERVER_CPU, _pinned, _wait_connected
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.http import post, wait_connected
+from bench.kit.proc import memory
+from bench.kit.processes import clean_env, pin, serve
+from bench.kit.wrk import LOAD_CPU, SERVER_CPU
 
 MODEL = "mock-model"
 SMALL = json.dumps({"model": MODEL, "prompt": "one two", "max_tokens": 1}).encode()
+MIB = 1 << 20
 
 
 def hostile_body(keys: int) -> bytes:
@@ -51,54 +51,23 @@ def long_prompt_body(size: int) -> bytes:
     return b'{"model":"%s","max_tokens":1,"prompt":"' % MODEL.encode() + words + b'"}'
 
 
-def _status_kib(pid: int, field: str) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    assert match is not None, field
-    return int(match[1])
-
-
-def _post(url: str, body: bytes, timeout: float = 120.0) -> tuple[int, float]:
-    parts = urllib.parse.urlsplit(url)
-    assert parts.hostname is not None
-    assert parts.port is not None
+def _post(url: str, body: bytes) -> tuple[int, float]:
+    """Post a completion; its status and the seconds it took."""
     started = time.perf_counter()
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        connection.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-        reply = connection.getresponse()
-        reply.read()
-        return reply.status, time.perf_counter() - started
-    finally:
-        connection.close()
+    status = post(url, "/v1/completions", body, timeout=120.0)
+    return status, time.perf_counter() - started
 
 
 def measure(tree: Path, bodies: int, body: bytes) -> dict[str, object]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    process = subprocess.Popen(
-        _pinned(
-            SERVER_CPU,
-            [sys.executable, "-m", "frontend_shim", "--local-workers", "1", "--http-port", "0"],
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        text=True,
-        cwd=tree,
-    )
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        match = re.search(r"http=(\S+)", line)
-        if match is None:
-            raise RuntimeError(f"no ready line: {line!r}")
-        url = match[1]
-        _wait_connected(url)
+    frontend = [sys.executable, "-m", "frontend_shim", "--local-workers", "1", "--http-port", "0"]
+    with serve(frontend, clean_env(tree), cpu=SERVER_CPU, cwd=tree, grace=15.0) as server:
+        url = server.addresses["http"]
+        wait_connected(url)
         # The frontend's own pid: the child of taskset is the exec'd interpreter itself.
-        pid = process.pid
+        pid = server.pid
         for _ in range(20):
             assert _post(url, SMALL)[0] == 200
-        baseline = _status_kib(pid, "VmRSS")
+        baseline = memory(pid).resident
         statuses: list[int] = []
         small: list[float] = []
         done = threading.Event()
@@ -123,25 +92,19 @@ def measure(tree: Path, bodies: int, body: bytes) -> dict[str, object]:
         done.set()
         prober.join()
         time.sleep(1.0)
+        after = memory(pid)
         return {
             "tree": str(tree),
             "body_mb": len(body) / 1e6,
             "statuses": sorted(statuses),
-            "rss_baseline_mb": baseline / 1024,
-            "rss_peak_mb": _status_kib(pid, "VmHWM") / 1024,
-            "rss_after_mb": _status_kib(pid, "VmRSS") / 1024,
+            "rss_baseline_mb": baseline / MIB,
+            "rss_peak_mb": after.peak / MIB,
+            "rss_after_mb": after.resident / MIB,
             "bodies_answered_s": elapsed,
             "small_p50_ms": statistics.median(small) * 1000 if small else float("nan"),
             "small_max_ms": max(small) * 1000 if small else float("nan"),
             "small_requests": len(small),
         }
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def main() -> None:
@@ -158,8 +121,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     body = long_prompt_body(args.long_prompt) if args.long_prompt else hostile_body(args.keys)
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        os.sched_setaffinity(0, {int(LOAD_CPU)})
+    pin(LOAD_CPU)
     results = [measure(tree.resolve(), args.bodies, body) for tree in args.trees]
     for result in results:
         print(json.dumps(result))

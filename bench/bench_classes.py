@@ -2,7 +2,7 @@
 
 Run: ``python bench/bench_classes.py [--seconds S] [--rounds R]`` from the repository's root.
 
-One ``worker-ingress`` process serves :mod:`bench.fixed_engine` (4 slots, 0.1 s per request:
+One ``worker-ingress`` process serves :mod:`bench.kit.fixed_engine` (4 slots, 0.1 s per request:
 a capacity of 40 requests/s that does not depend on the gate) with N = 4 and Q = 8, pinned to
 CPU 0; this process, on CPU 1, speaks the request plane to it directly (the gate is what is
 measured, not a frontend's routing). Phases, each with the same seeded Poisson arrivals:
@@ -25,14 +25,11 @@ TTFT within 2x of idle; the gate's cost per decision within 2x of FIFO's.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -42,7 +39,14 @@ import trio
 import trio.testing
 from trio_websocket import open_websocket_url
 
-from bench.bench_admission import _full_gate, _loop_admitted, _loop_rejected
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.admission.loops import full_gate, loop_admitted, loop_rejected
+from bench.kit.children import Child
+from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
+from bench.kit.processes import clean_env, pin
+from bench.kit.shim import worker_command
+from bench.kit.stats import percentile
 from shim_common import wire
 from worker_ingress._admission import AdmissionGate, AdmissionState, GateRefusal, Rejection
 from worker_ingress._watch import ChangeSignal
@@ -90,54 +94,11 @@ class Phase:
         return counts
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(fraction * len(values)))]
-
-
-def _pinned(cpu: int, args: list[str]) -> list[str]:
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        return ["taskset", "-c", str(cpu), *args]
-    return args
-
-
-async def _start_worker() -> tuple[trio.Process, str]:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("DYN_")},
-        "PYTHONPATH": str(ROOT),
-        "BENCH_FIXED_SLOTS": str(SLOTS),
-        "BENCH_FIXED_SERVICE_SECONDS": str(SERVICE_SECONDS),
-        "DYN_DYNAMO_REQUEST_QUEUE_LIMIT": str(QUEUE_LIMIT),
-    }
-    args = [
-        sys.executable,
-        "-m",
-        "worker_ingress",
-        "--engine",
-        "bench.fixed_engine:create",
-        "--engine-request-limit",
-        str(SLOTS),
-        "--port",
-        "0",
-        "--system-port",
-        "0",
-        "--log-level",
-        "error",
-    ]
-    process = await trio.lowlevel.open_process(
-        _pinned(0, args), stdout=subprocess.PIPE, env=env, cwd=str(ROOT)
-    )
-    assert process.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while not line.endswith(b"\n"):
-            chunk = await process.stdout.receive_some(4096)
-            if not chunk:
-                raise RuntimeError("the worker exited before it was ready")
-            line += chunk
-    ws = next(part for part in line.decode().split() if part.startswith("ws="))[3:]
-    return process, ws
+#: The worker: the fixed engine behind the gate, N = 4 and Q = 8.
+WORKER: Final = worker_command(
+    *("--engine", "bench.kit.fixed_engine:create", "--engine-request-limit", str(SLOTS)),
+    *("--log-level", "error"),
+)
 
 
 def _binary(message: str | bytes) -> bytes:
@@ -276,15 +237,15 @@ def _queued_decisions(count: int, tenants: int, priorities: int) -> float:
 async def _gate_round(count: int) -> dict[str, float]:
     open_gate = AdmissionGate(engine_slots=count, queue_limit=2, on_change=ChangeSignal().bump)
     figures = {
-        "bare": await _loop_admitted(None, count),
-        "fifo_admit": await _loop_admitted(open_gate, count),
+        "bare": await loop_admitted(None, count),
+        "fifo_admit": await loop_admitted(open_gate, count),
         "classes_admit": await _loop_admitted_classes(open_gate, count),
-        "bare_loop": await _loop_rejected(None, count),
+        "bare_loop": await loop_rejected(None, count),
     }
     async with trio.open_nursery() as nursery:
-        fifo = await nursery.start(_full_gate)
+        fifo = await nursery.start(full_gate)
         classes = await nursery.start(_full_classes_gate)
-        figures["fifo_reject"] = await _loop_rejected(fifo, count)
+        figures["fifo_reject"] = await loop_rejected(fifo, count)
         figures["classes_reject"] = await _loop_rejected_classes(classes, count)
         nursery.cancel_scope.cancel()
     figures["fifo_queued"] = _queued_decisions(count, 1, 1)
@@ -330,13 +291,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="gate rounds (medians printed)")
     args = parser.parse_args()
     phases: dict[str, Phase] = {}
-    # This process on CPU 1, the worker on CPU 0 (see _pinned).
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(0, {1})
+    # This process on CPU 1, the worker on CPU 0.
+    pin(1)
+    env = clean_env(
+        ROOT,
+        **{SLOTS_ENV: str(SLOTS), SERVICE_ENV: str(SERVICE_SECONDS)},
+        DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(QUEUE_LIMIT),
+    )
 
     async def run() -> None:
-        process, ws = await _start_worker()
-        try:
+        async with Child(WORKER, env, name="the worker", cpu=0, cwd=ROOT) as worker:
+            ws = worker.addresses["ws"]
             # A quarter of capacity over four slots: no request waits for another.
             phases["idle"] = Phase("idle")
             await _drive(ws, phases["idle"], CAPACITY / 4, args.idle, _idle, False)
@@ -345,9 +310,6 @@ def main() -> None:
                     phase = phases[f"{scenario}-{mode}"] = Phase(f"{scenario}-{mode}")
                     await _drive(ws, phase, 2 * CAPACITY, args.seconds, choose, mode == "classes")
                     await trio.sleep(0.5)  # let the queue empty between phases
-        finally:
-            process.terminate()
-            await process.wait()
 
     trio.run(run)
     idle_p99 = percentile(phases["idle"].ttft(), 0.99)

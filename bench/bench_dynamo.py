@@ -49,13 +49,9 @@ needed by the frontend or the mocker, hence ``--no-deps`` and the list by hand):
         'redis>=6.2,<9' 'tqdm>=4' 'transformers>=4.56' 'typing-extensions>=4.10' \\
         'zstandard>=0.23,<1' 'pydantic>=2.10.6,<=2.13.5' 'uvloop>=0.21'
 
-(the ``Requires-Dist`` of both wheels, less ``aisimulate``). Dynamo 1.6 runs here without etcd
-or NATS: ``--discovery-backend file`` (a scratch folder in ``DYN_FILE_KV``), the TCP request
-plane and the ZMQ event plane, every address pinned to 127.0.0.1 by ``DYN_TCP_RPC_HOST``,
-``DYN_TCP_RESPONSE_STREAM_HOST`` and ``DYN_EVENT_PLANE_HOST``. Its mocker needs a model folder
-for the tokenizer, the chat template and the model's sizes; no model hub is reachable, so
-:func:`write_model_folder` makes a tiny one. Without a Dynamo interpreter the Dynamo column is
-skipped and says why.
+(the ``Requires-Dist`` of both wheels, less ``aisimulate``). How Dynamo runs here (file
+discovery, loopback, a tiny model folder) is :mod:`bench.kit.dynamo`. Without a Dynamo
+interpreter the Dynamo column is skipped and says why.
 """
 
 from __future__ import annotations
@@ -66,30 +62,40 @@ import http.client
 import itertools
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-from bench.bench_frontend import LOAD_CPU, Wrk, _pinned, _server, _wait_connected, cpu_seconds
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.dynamo import (
+    DEFAULT_PYTHON,
+    MODEL,
+    PLANES,
+    dynamo_env,
+    dynamo_version,
+    skipped,
+    write_model_folder,
+)
+from bench.kit.http import kept_busy, wait_status
+from bench.kit.proc import tree_cpu_seconds
+from bench.kit.processes import free_port, pin, serve
+from bench.kit.shim import shim
+from bench.kit.stats import percentile
+from bench.kit.table import Table
+from bench.kit.wrk import LOAD_CPU, SERVER_CPU, Wrk, need_wrk
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-SERVER_CPU: Final = "0"
-MODEL: Final = "mock-model"
 SLOW: Final = "0.02"
 FAST: Final = "100"
 STREAM: Final = "10000"
 #: Tokens of each streamed chat (figures 6 and 7); ``--stream-tokens`` changes it.
 STREAM_TOKENS: Final = 256
+CHAT_PATH: Final = "/v1/chat/completions"
 CHAT: Final = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "one two"}], "max_tokens": 1}
 )
@@ -122,183 +128,6 @@ def streamed_chat(tokens: int) -> str:
     )
 
 
-#: The words the tiny tokenizer knows besides its numbered filler; every prompt here uses them.
-#: The filler is large because Dynamo's mocker draws token ids beyond a few hundred: an id
-#: the vocabulary lacks decodes to no text, and Dynamo's frontend sends no event for it (with
-#: 500 words its streams carried three events, not one per token).
-WORDS: Final = ("one", "two", "a", "b", "c", "hello", "there", "user", "assistant", "system", ":")
-FILLER: Final = 32000
-
-
-# ----------------------------------------------------------------------------- the model folder
-
-
-def _special(token_id: int, content: str) -> dict[str, Any]:
-    return {
-        "id": token_id,
-        "content": content,
-        "single_word": False,
-        "lstrip": False,
-        "rstrip": False,
-        "normalized": False,
-        "special": True,
-    }
-
-
-def write_model_folder(folder: Path) -> None:
-    """Write the smallest model folder Dynamo's mocker and frontend accept.
-
-    - ``tokenizer.json``: a word-level tokenizer (split on whitespace and punctuation) of three
-      special tokens, the words of :data:`WORDS` and :data:`FILLER` numbered words, so that the
-      token ids the mocker draws decode to something;
-    - ``tokenizer_config.json``: the special tokens and a one-line chat template
-      (``role : content`` per message);
-    - ``config.json``: a two-layer Llama shape, from which the mocker derives the bytes of KV
-      cache per token;
-    - ``generation_config.json``: the end-of-sequence id.
-
-    Args:
-        folder: Created if missing; files in it are replaced.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab_words = ["<unk>", "<s>", "</s>", *WORDS, *(f"w{i}" for i in range(FILLER))]
-    vocab = {word: index for index, word in enumerate(vocab_words)}
-    tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [_special(0, "<unk>"), _special(1, "<s>"), _special(2, "</s>")],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": None,
-        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
-    }
-    template = (
-        "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} "
-        "{% endfor %}{% if add_generation_prompt %}assistant : {% endif %}"
-    )
-    files: dict[str, Any] = {
-        "tokenizer.json": tokenizer,
-        "tokenizer_config.json": {
-            "bos_token": "<s>",
-            "eos_token": "</s>",
-            "unk_token": "<unk>",
-            "model_max_length": 4096,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": template,
-        },
-        "config.json": {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": len(vocab_words),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 4096,
-            "torch_dtype": "float16",
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-        },
-        "generation_config.json": {"bos_token_id": 1, "eos_token_id": 2},
-    }
-    for name, content in files.items():
-        (folder / name).write_text(json.dumps(content, indent=1) + "\n")
-
-
-# ----------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
-def _post(url: str, body: str, timeout: float = 10.0) -> int:
-    request = urllib.request.Request(
-        url, data=body.encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            reply.read()
-            status: int = reply.status
-    except urllib.error.HTTPError as error:
-        status = error.code
-    return status
-
-
-def _wait_status(url: str, body: str, want: int, *, timeout: float) -> None:
-    """Post ``body`` until the answer is ``want`` (connection errors count as not yet)."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            last = _post(url, body)
-        except OSError as error:
-            last = error
-        if last == want:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} never answered {want} (last: {last!r})")
-
-
-@contextlib.contextmanager
-def _background(args: list[str], env: Mapping[str, str], log: Path) -> Iterator[int]:
-    """Run a server on the server CPU, its output to ``log``; yield its pid; stop it and its
-    group at the end."""
-    with log.open("ab") as sink:
-        process = subprocess.Popen(
-            _pinned(SERVER_CPU, args),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            cwd=ROOT,
-            start_new_session=True,
-        )
-    try:
-        yield process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, 9)
-
-
-@contextlib.contextmanager
-def _long_request(url: str, scratch: Path) -> Iterator[None]:
-    """Hold one long streamed chat open (it keeps KV blocks in use: the fleet is busy).
-
-    Probing for 529 starts only once the stream has begun: a probe sent alongside it could be
-    admitted first, make the fleet busy for a moment, and have the long request itself shed.
-    """
-    stream = scratch / f"long-{_free_port()}.out"
-    process = subprocess.Popen(
-        [
-            "curl", "-sN", "-o", str(stream), "-H", "Content-Type: application/json",
-            "-d", LONG, url + "/v1/chat/completions",
-        ]
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not (stream.exists() and stream.stat().st_size > 0):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the long request to {url} did not start streaming")
-            time.sleep(0.1)
-        _wait_status(url + "/v1/chat/completions", CHAT, 529, timeout=60)
-        yield
-    finally:
-        process.terminate()
-        process.wait()
-
-
 # ----------------------------------------------------------------------------- CPU per process
 
 
@@ -310,8 +139,8 @@ class Pair:
         self.pids = {"frontend": frontend, "worker": worker}
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds used so far by each process of the pair."""
-        return {role: cpu_seconds(pid) for role, pid in self.pids.items()}
+        """CPU seconds used so far by each process of the pair (and its children)."""
+        return {role: tree_cpu_seconds(pid) for role, pid in self.pids.items()}
 
 
 class Deployment:
@@ -326,45 +155,26 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def shim_deployment(scratch: Path) -> Iterator[Deployment]:
+def shim_deployment() -> Iterator[Deployment]:
     """Our worker and frontend, four times: busy (slow mocker, threshold 0.0), fast, stream
     (mocker sped up 10,000 times) and instant (the instant engine)."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning"]
-    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+    quiet = ["--log-level", "warning"]
     with contextlib.ExitStack() as stack:
         pairs: list[Pair] = []
-        for worker_args, frontend_args in (
+        for worker_flags, frontend_flags in (
             (["--speedup-ratio", SLOW], ["--active-decode-blocks-threshold", "0.0"]),
             (["--speedup-ratio", FAST], []),
             (["--speedup-ratio", STREAM], []),
             (["--engine", "instant"], []),
         ):
-            worker_pid, (ws, _) = stack.enter_context(_server([*worker, *worker_args], env))
-            frontend_pid, (url,) = stack.enter_context(
-                _server([*frontend, "--worker", ws, *frontend_args], env)
+            ours = stack.enter_context(
+                shim([*quiet, *worker_flags], [*quiet, *frontend_flags], cpu=SERVER_CPU)
             )
-            _wait_connected(url)
-            pairs.append(Pair(url, frontend_pid, worker_pid))
+            pairs.append(Pair(ours.url, ours.frontend.pid, ours.worker.pid))
         busy, fast, stream, instant = pairs
-        _wait_status(fast.url + "/v1/chat/completions", CHAT, 200, timeout=60)
-        stack.enter_context(_long_request(busy.url, scratch))
+        wait_status(fast.url, CHAT_PATH, CHAT, 200, timeout=60)
+        stack.enter_context(kept_busy(busy.url, CHAT_PATH, LONG, CHAT))
         yield Deployment(busy, fast, stream, instant)
-
-
-def dynamo_env(kv_folder: Path, log: str) -> dict[str, str]:
-    """Environment of a Dynamo process: file discovery in ``kv_folder``, loopback, ``log``."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    env.update(
-        DYN_FILE_KV=str(kv_folder),
-        DYN_TCP_RPC_HOST="127.0.0.1",
-        DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1",
-        DYN_EVENT_PLANE_HOST="127.0.0.1",
-        DYN_LOG=log,
-    )
-    return env
 
 
 @contextlib.contextmanager
@@ -373,7 +183,6 @@ def dynamo_deployment(python: str, scratch: Path, log: str) -> Iterator[Deployme
     discovery."""
     model = scratch / "model"
     write_model_folder(model)
-    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL]
     frontend = [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
     pairs: list[Pair] = []
@@ -384,54 +193,36 @@ def dynamo_deployment(python: str, scratch: Path, log: str) -> Iterator[Deployme
             ("stream", STREAM, []),
         ):
             env = dynamo_env(scratch / f"kv-{name}", log)
-            port = _free_port()
-            worker_pid = stack.enter_context(
-                _background(
-                    [*mocker, *planes, "--speedup-ratio", speedup],
+            port = free_port()
+            theirs = stack.enter_context(
+                serve(
+                    [*mocker, *PLANES, "--speedup-ratio", speedup],
                     env,
-                    scratch / f"dynamo-mocker-{name}.log",
+                    cpu=SERVER_CPU,
+                    log=scratch / f"dynamo-mocker-{name}.log",
+                    ready=False,
+                    grace=15.0,
                 )
             )
-            frontend_pid = stack.enter_context(
-                _background(
-                    [*frontend, "--http-port", str(port), *planes, *extra],
+            front = stack.enter_context(
+                serve(
+                    [*frontend, "--http-port", str(port), *PLANES, *extra],
                     env,
-                    scratch / f"dynamo-frontend-{name}.log",
+                    cpu=SERVER_CPU,
+                    log=scratch / f"dynamo-frontend-{name}.log",
+                    ready=False,
+                    grace=15.0,
                 )
             )
-            pairs.append(Pair(f"http://127.0.0.1:{port}", frontend_pid, worker_pid))
+            pairs.append(Pair(f"http://127.0.0.1:{port}", front.pid, theirs.pid))
         busy, fast, stream = pairs
         for pair in pairs:
-            _wait_status(pair.url + "/v1/chat/completions", CHAT, 200, timeout=180)
-        stack.enter_context(_long_request(busy.url, scratch))
+            wait_status(pair.url, CHAT_PATH, CHAT, 200, timeout=180)
+        stack.enter_context(kept_busy(busy.url, CHAT_PATH, LONG, CHAT))
         yield Deployment(busy, fast, stream, None)
 
 
-def dynamo_version(python: str) -> str | None:
-    """The installed ``ai-dynamo`` version, or None when ``python`` cannot import Dynamo."""
-    probe = (
-        "import importlib.metadata, dynamo.frontend, dynamo.mocker; "
-        "print(importlib.metadata.version('ai-dynamo'))"
-    )
-    try:
-        result = subprocess.run(
-            [python, "-c", probe], capture_output=True, text=True, timeout=120, check=False
-        )
-    except OSError:
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
 # ----------------------------------------------------------------------------- figures
-
-
-def _lua(path: Path, body: str) -> str:
-    path.write_text(
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body)}\n"
-    )
-    return str(path)
 
 
 def stream_gaps(url: str, tokens: int, requests: int) -> dict[str, float]:
@@ -478,10 +269,9 @@ def stream_gaps(url: str, tokens: int, requests: int) -> dict[str, float]:
             counts.append(len(stamps))
     finally:
         connection.close()
-    gaps.sort()
     return {
         "itl_p50_ms": statistics.median(per_token) if per_token else float("nan"),
-        "gap_p99_ms": gaps[int(len(gaps) * 0.99)] if gaps else float("nan"),
+        "gap_p99_ms": percentile(gaps, 0.99),
         "ttft_p50_ms": statistics.median(firsts) if firsts else float("nan"),
         "events": statistics.median(counts) if counts else 0.0,
     }
@@ -491,8 +281,7 @@ def stream_gaps(url: str, tokens: int, requests: int) -> dict[str, float]:
 def _on_load_cpu() -> Iterator[None]:
     """Run this process on the load CPU for the block, as wrk runs."""
     before = os.sched_getaffinity(0)
-    if (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(0, {int(LOAD_CPU)})
+    pin(LOAD_CPU)
     try:
         yield
     finally:
@@ -503,50 +292,50 @@ Figures = dict[str, dict[str, float]]
 
 
 class Figure:
-    """One figure: which pair it loads, how, and what its CPU is divided by."""
+    """One figure: which pair it loads, how (a ``GET``, or the body of ``body`` posted), and
+    what its CPU is divided by."""
 
     def __init__(
         self,
         pair: str,
-        wrk: str,
+        body: str | None,
         path: str,
         *,
-        post: bool = True,
         connections: int | None = None,
         tokens: bool = False,
     ) -> None:
         self.pair = pair
-        self.wrk = wrk
+        self.body = body
         self.path = path
-        self.post = post
         self.connections = connections
         self.tokens = tokens
 
 
 #: The figures of the module docstring (but 7), in the order they run.
 FIGURES: Final = {
-    "live": Figure("busy", "get", "/live", post=False),
-    "shed": Figure("busy", "chat", "/v1/chat/completions"),
-    "chat": Figure("fast", "chat", "/v1/chat/completions"),
-    "unknown": Figure("fast", "unknown", "/v1/chat/completions"),
-    "chat1": Figure("fast", "chat", "/v1/chat/completions", connections=1),
-    "live1": Figure("fast", "get", "/live", post=False, connections=1),
-    "stream": Figure("stream", "stream", "/v1/chat/completions", tokens=True),
-    "instant": Figure("instant", "stream", "/v1/chat/completions", tokens=True),
+    "live": Figure("busy", None, "/live"),
+    "shed": Figure("busy", "chat", CHAT_PATH),
+    "chat": Figure("fast", "chat", CHAT_PATH),
+    "unknown": Figure("fast", "unknown", CHAT_PATH),
+    "chat1": Figure("fast", "chat", CHAT_PATH, connections=1),
+    "live1": Figure("fast", None, "/live", connections=1),
+    "stream": Figure("stream", "stream", CHAT_PATH, tokens=True),
+    "instant": Figure("instant", "stream", CHAT_PATH, tokens=True),
 }
 
 
-def measure(deployment: Deployment, wrk: dict[str, Wrk], tokens: int, itl_requests: int) -> Figures:
+def measure(deployment: Deployment, wrk: Wrk, tokens: int, itl_requests: int) -> Figures:
     """The figures of the module docstring, on one system, each with the CPU per request (and
     per token, for streams) of the processes it loaded."""
+    bodies = {"chat": CHAT, "unknown": UNKNOWN, "stream": streamed_chat(tokens), None: None}
     figures: Figures = {}
     for name, figure in FIGURES.items():
         pair: Pair | None = getattr(deployment, figure.pair)
         if pair is None:
             continue
         before = pair.cpu()
-        result = wrk[figure.wrk].run(
-            pair.url + figure.path, post=figure.post, connections=figure.connections
+        result = wrk.run(
+            pair.url + figure.path, body=bodies[figure.body], connections=figure.connections
         )
         after = pair.cpu()
         for role in before:
@@ -628,46 +417,40 @@ def _non_2xx(figure: dict[str, float] | None) -> str:
 def report(columns: dict[str, Figures]) -> str:
     """The figures as a Markdown table, one column per system, then the ratios within each."""
     names = list(columns)
-    lines = [
-        "| figure | " + " | ".join(names) + " | non-2xx share |",
-        "|---|" + "---|" * len(names) + "---|",
-    ]
+    figures = Table("figure", *names, "non-2xx share")
     for label, key, show in ROWS:
         cells = [show(columns[name][key]) if key in columns[name] else "-" for name in names]
         checks = " / ".join(_non_2xx(columns[name].get(key)) for name in names)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {checks} |")
-    lines.append("")
-    lines.append("| ratio, within each system | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---|" * len(names))
+        figures.add(label, *cells, checks)
+    within = Table("ratio, within each system", *names)
     for label, top, bottom in (
         ("529s / GET /live", "shed", "live"),
         ("chat / GET /live", "chat", "live"),
         ("404s / GET /live", "unknown", "live"),
     ):
-        cells = [f"{columns[n][top]['rps'] / columns[n][bottom]['rps']:.2f}" for n in names]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    cells = []
-    for name in names:
-        chat1, live1 = columns[name]["chat1"], columns[name]["live1"]
-        added = chat1.get("p50_ms", float("nan")) - live1.get("p50_ms", float("nan"))
-        cells.append(f"{added:.2f} ms")
-    lines.append("| one connection: chat p50 - /live p50 | " + " | ".join(cells) + " |")
+        within.add(
+            label, *(f"{columns[n][top]['rps'] / columns[n][bottom]['rps']:.2f}" for n in names)
+        )
+    added = [
+        columns[n]["chat1"].get("p50_ms", float("nan"))
+        - columns[n]["live1"].get("p50_ms", float("nan"))
+        for n in names
+    ]
+    within.add("one connection: chat p50 - /live p50", *(f"{ms:.2f} ms" for ms in added))
+    tables = [str(figures), str(within)]
     if len(names) == 2:
         ours, theirs = names
-        lines.append("")
-        lines.append(f"| ratio, {ours} / {theirs} (same run) | requests/s |")
-        lines.append("|---|---|")
+        across = Table(f"ratio, {ours} / {theirs} (same run)", "requests/s")
         both = [key for key in COMPARED if key in columns[ours] and key in columns[theirs]]
         for label, key, show in ROWS:
             if key in both and show is _rate:
                 ratio = columns[ours][key]["rps"] / columns[theirs][key]["rps"]
-                lines.append(f"| {label.removesuffix(' (req/s)')} | {ratio:.2f} |")
+                across.add(label.removesuffix(" (req/s)"), f"{ratio:.2f}")
         if "itl" in columns[ours] and "itl" in columns[theirs]:
             itl = columns[ours]["itl"]["itl_p50_ms"] / columns[theirs]["itl"]["itl_p50_ms"]
-            lines.append(
-                f"| one connection, streamed: inter-token p50 (lower is better) | {itl:.2f} |"
-            )
-    return "\n".join(lines)
+            across.add("one connection, streamed: inter-token p50 (lower is better)", f"{itl:.2f}")
+        tables.append(str(across))
+    return "\n\n".join(tables)
 
 
 def main() -> None:
@@ -681,37 +464,26 @@ def main() -> None:
     )
     parser.add_argument(
         "--dynamo-python",
-        default=str(ROOT / ".venv-dynamo" / "bin" / "python"),
+        default=str(DEFAULT_PYTHON),
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
     parser.add_argument("--no-dynamo", action="store_true", help="measure ours alone")
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
     parser.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     options = parser.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk is needed (apt-get install -y wrk)")
+    need_wrk()
     version = None if options.no_dynamo else dynamo_version(options.dynamo_python)
     if version is None and not options.no_dynamo:
-        print(
-            f"Dynamo: skipped, {options.dynamo_python} cannot import dynamo.frontend and"
-            " dynamo.mocker (see this module's docstring to install them)"
-        )
+        print(skipped(options.dynamo_python))
     with tempfile.TemporaryDirectory() as tmp:
         scratch = options.logs or Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
-        seconds, connections = options.seconds, options.connections
-        stream_body = streamed_chat(options.stream_tokens)
-        wrk = {
-            "get": Wrk(seconds, connections, ""),
-            "chat": Wrk(seconds, connections, _lua(scratch / "chat.lua", CHAT)),
-            "unknown": Wrk(seconds, connections, _lua(scratch / "unknown.lua", UNKNOWN)),
-            "stream": Wrk(seconds, connections, _lua(scratch / "stream.lua", stream_body)),
-        }
+        wrk = Wrk(options.seconds, options.connections, scratch)
         runs: dict[str, list[Figures]] = {}
         ours = "dynamo-shim"
         theirs = f"Dynamo {version}"
         with contextlib.ExitStack() as stack:
-            deployments = {ours: stack.enter_context(shim_deployment(scratch))}
+            deployments = {ours: stack.enter_context(shim_deployment())}
             if version is not None:
                 deployments[theirs] = stack.enter_context(
                     dynamo_deployment(options.dynamo_python, scratch, options.dynamo_log)

@@ -61,7 +61,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import re
 import signal
 import sys
 import tempfile
@@ -70,28 +69,19 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import IO, Final
 
-import h11
 import trio
 
 if not __package__:
     # Run as ``python bench/bench_fleet.py``: the package ``bench`` is in the folder above, as it
     # is for ``python -m bench.bench_fleet``.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.fleet_figures import HEADER, SizeResult, event_metrics, table_row
-from bench.fleet_processes import (
-    Child,
-    HttpClient,
-    Simulator,
-    cpu_seconds,
-    fleet_stats,
-    flip_acks,
-    flip_fleet,
-    pin,
-    raise_fd_limit,
-    rss_mb,
-    unread_bytes,
-    wait_seconds,
-)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fleet.control import Simulator, fleet_stats, flip_acks, flip_fleet
+from bench.fleet.figures import HEADER, SizeResult, event_metrics, table_row
+from bench.fleet.model import PROTOCOLS
+from bench.kit.children import Child
+from bench.kit.http import HTTP_ERRORS, Client
+from bench.kit.proc import cpu_seconds, memory, unread_bytes, wait_seconds
+from bench.kit.processes import pin, raise_fd_limit
 
 FRONTEND_CPU: Final = 0
 SIM_CPU: Final = 1
@@ -108,7 +98,7 @@ LIVE_PERIOD: Final = 0.010
 COMPLETION_PERIOD: Final = 0.020
 HEALTH_PERIOD: Final = 0.050
 DEFAULT_SIZES: Final = "64,256,1024,2048,4096"
-PROTOCOLS: Final = ("new", "current", "v1")
+MIB: Final = 1 << 20
 
 # ----------------------------------------------------------------------------- one size
 
@@ -133,31 +123,30 @@ class Options:
     kv_blocks: int = 0
 
 
-async def _wait_live(client: HttpClient, deadline: float) -> bool:
+async def _wait_live(client: Client, deadline: float) -> bool:
     while trio.current_time() < deadline:
-        with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
-            status, _ = await client.request("GET", "/live")
-            if status == 200:
+        with contextlib.suppress(*HTTP_ERRORS):
+            if (await client.request("GET", "/live")).status == 200:
                 return True
         await trio.sleep(0.005)
     return False
 
 
-async def _connected(client: HttpClient) -> int:
-    status, body = await client.request("GET", "/health")
-    if status != 200:
+async def _connected(client: Client) -> int:
+    reply = await client.request("GET", "/health")
+    if reply.status != 200:
         return -1
-    connected: int = json.loads(body)["workers_connected"]
+    connected: int = json.loads(reply.body)["workers_connected"]
     return connected
 
 
 async def _wait_connected(
-    client: HttpClient, want: int, began: float, deadline: float, curve: list[tuple[float, int]]
+    client: Client, want: int, began: float, deadline: float, curve: list[tuple[float, int]]
 ) -> bool:
     """Poll ``/health`` until ``want`` workers are connected; note the count every 0.5 s."""
     noted = -math.inf
     while trio.current_time() < deadline:
-        with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
+        with contextlib.suppress(*HTTP_ERRORS):
             connected = await _connected(client)
             now = trio.current_time()
             if now - noted >= 0.5 or connected >= want:
@@ -179,19 +168,19 @@ async def _watch_exits(
 
 
 async def _watch_exit(child: Child, result: SizeResult, stop: trio.CancelScope) -> None:
-    code = await child.process.wait()
+    code = await child.wait()
     if result.error is None:
         result.error = f"the {child.name} exited with code {code} ({result.phase})"
     stop.cancel()
 
 
-async def _probe_live(client: HttpClient, until: float, result: SizeResult) -> None:
+async def _probe_live(client: Client, until: float, result: SizeResult) -> None:
     result.live_errors += await _probe(
         client, "GET", "/live", b"", until, LIVE_PERIOD, result.live_ms
     )
 
 
-async def _probe_completions(client: HttpClient, until: float, result: SizeResult) -> None:
+async def _probe_completions(client: Client, until: float, result: SizeResult) -> None:
     result.completion_errors += await _probe(
         client,
         "POST",
@@ -204,7 +193,7 @@ async def _probe_completions(client: HttpClient, until: float, result: SizeResul
 
 
 async def _probe(
-    client: HttpClient,
+    client: Client,
     method: str,
     target: str,
     body: bytes,
@@ -223,8 +212,8 @@ async def _probe(
         await trio.sleep_until(next_at)
         started = trio.current_time()
         try:
-            status, _ = await client.request(method, target, body)
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError):
+            status = (await client.request(method, target, body)).status
+        except HTTP_ERRORS:
             status = 0
         if status == 200:
             latencies_ms.append((trio.current_time() - started) * 1000)
@@ -235,7 +224,7 @@ async def _probe(
 
 
 async def _flip(
-    sims: Sequence[Simulator], client: HttpClient, mode: str, bound: float
+    sims: Sequence[Simulator], client: Client, mode: str, bound: float
 ) -> tuple[float | None, float]:
     """Flip the fleet.
 
@@ -251,8 +240,8 @@ async def _flip(
     with trio.move_on_after(bound):
         while True:
             try:
-                status, _ = await client.request("POST", "/v1/completions", COMPLETION)
-            except (OSError, trio.BrokenResourceError, h11.ProtocolError):
+                status = (await client.request("POST", "/v1/completions", COMPLETION)).status
+            except HTTP_ERRORS:
                 await trio.sleep(0.01)
                 continue
             if status == want:
@@ -262,9 +251,9 @@ async def _flip(
     return elapsed, applied - began
 
 
-async def _scrape(client: HttpClient, result: SizeResult) -> tuple[float, float | None]:
+async def _scrape(client: Client, result: SizeResult) -> tuple[float, float | None]:
     started = trio.current_time()
-    _, body = await client.request("GET", "/metrics")
+    body = (await client.request("GET", "/metrics")).body
     finished = trio.current_time()
     result.metrics_scrape_ms = (finished - started) * 1000
     found = event_metrics(body.decode())
@@ -326,13 +315,7 @@ async def measure_size(
 
 
 #: What a failing process or connection raises into a measurement (reported, not raised).
-_MEASURE_ERRORS: Final = (
-    OSError,
-    EOFError,
-    RuntimeError,
-    trio.BrokenResourceError,
-    h11.ProtocolError,
-)
+_MEASURE_ERRORS: Final = (*HTTP_ERRORS, EOFError, RuntimeError)
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -372,8 +355,9 @@ async def _start_simulators(
             args.append("--paused")
         if options.kv_blocks:
             args += ["--kv-blocks", str(options.kv_blocks)]
-        child = await Child.start(args, cpu=SIM_CPU, stderr=log, name=f"simulator {shard}")
+        child = Child(args, name=f"simulator {shard}", cpu=SIM_CPU, log=log, control=True)
         children.append(child)
+        await child.start()
         sims.append(Simulator(child))
     with trio.move_on_after(options.start_timeout):
         for sim in sims:
@@ -385,7 +369,7 @@ async def _start_simulators(
 
 async def _start_frontend(
     ports: Sequence[int], options: Options, log: IO[bytes], children: list[Child]
-) -> tuple[Child, str, int]:
+) -> tuple[Child, str]:
     args = [
         sys.executable, "-m", "frontend_shim", "--router-mode", "kv",
         "--active-decode-blocks-threshold", "0.5", "--http-port", "0",
@@ -393,15 +377,12 @@ async def _start_frontend(
     ]  # fmt: skip
     for port in ports:
         args += ["--worker", f"ws://127.0.0.1:{port}"]
-    frontend = await Child.start(args, cpu=FRONTEND_CPU, stderr=log, name="frontend")
+    frontend = Child(args, name="frontend", cpu=FRONTEND_CPU, log=log, control=True)
     children.append(frontend)
-    line = ""
+    await frontend.start()
     with trio.move_on_after(options.start_timeout):
-        line = await frontend.readline()
-    match = re.search(r"frontend-shim ready http=http://([\d.]+):(\d+)", line)
-    if match is None:
-        raise _Failed(f"no frontend ready line within {options.start_timeout:.0f} s: {line!r}")
-    return frontend, match[1], int(match[2])
+        return frontend, (await frontend.ready())["http"]
+    raise _Failed(f"no frontend ready line within {options.start_timeout:.0f} s")
 
 
 async def _measure(
@@ -420,27 +401,26 @@ async def _measure(
 
             result.phase = "starting the frontend"
             began = trio.current_time()
-            frontend, host, port = await _start_frontend(ports, options, frontend_log, children)
+            frontend, url = await _start_frontend(ports, options, frontend_log, children)
             result.ready_line_s = trio.current_time() - began
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch_exits, list(children), result, nursery.cancel_scope)
-                await _measure_frontend(sims, frontend, host, port, began, options, result)
+                await _measure_frontend(sims, frontend, url, began, options, result)
                 nursery.cancel_scope.cancel()
 
 
 async def _measure_frontend(
     sims: Sequence[Simulator],
     frontend: Child,
-    host: str,
-    port: int,
+    url: str,
     began: float,
     options: Options,
     result: SizeResult,
 ) -> None:
     workers = result.workers
     worker_ports = {worker_port for sim in sims for worker_port in sim.ports}
-    pid = frontend.process.pid
-    probe = HttpClient(host, port)
+    pid = frontend.pid
+    probe = Client(url)
     if not await _wait_live(probe, began + options.start_timeout):
         raise _Failed("the frontend never answered /live")
     result.http_first_s = trio.current_time() - began
@@ -460,12 +440,12 @@ async def _measure_frontend(
     stats0 = await fleet_stats(sims)
     window_start = trio.current_time()
     cpu0, wait0 = cpu_seconds(pid), wait_seconds(pid)
-    sim_pids = [sim.child.process.pid for sim in sims]
+    sim_pids = [sim.child.pid for sim in sims]
     sim_cpu0 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
     sim_wait0 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
     result.unread_kb_start = unread_bytes(worker_ports) / 1024
-    live = HttpClient(host, port)
-    completions = HttpClient(host, port)
+    live = Client(url)
+    completions = Client(url)
     async with trio.open_nursery() as probes:
         probes.start_soon(_probe_live, live, window_start + options.seconds, result)
         probes.start_soon(_probe_completions, completions, window_start + options.seconds, result)
@@ -483,8 +463,10 @@ async def _measure_frontend(
     result.frontend_wait = (wait1 - wait0) / window
     result.simulator_cpu = (sim_cpu1 - sim_cpu0) / window
     result.simulator_wait = (sim_wait1 - sim_wait0) / window
-    result.frontend_rss_mb, result.frontend_peak_rss_mb = rss_mb(pid)
-    result.simulator_rss_mb = sum(rss_mb(sim_pid)[0] for sim_pid in sim_pids)
+    frontend_memory = memory(pid)
+    result.frontend_rss_mb = frontend_memory.resident / MIB
+    result.frontend_peak_rss_mb = frontend_memory.peak / MIB
+    result.simulator_rss_mb = sum(memory(sim_pid).resident for sim_pid in sim_pids) / MIB
     delta = {key: stats1[key] - stats0[key] for key in stats1}
     result.generated_per_s = delta["generated"] / window
     result.offered_events_per_s = (delta["load_events"] + delta["heartbeats"]) / window
@@ -509,7 +491,7 @@ async def _measure_frontend(
                 result.free_ms.append(elapsed * 1000)
                 result.saw_200 = True
             await trio.sleep(options.settle)
-    with contextlib.suppress(OSError, trio.BrokenResourceError, h11.ProtocolError):
+    with contextlib.suppress(*HTTP_ERRORS):
         result.connected_after = await _connected(probe)
     await probe.aclose()
     result.phase = "done"
@@ -642,7 +624,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.kv_blocks and args.simulator != "lean":
         parser.error("--kv-blocks needs --simulator lean")
-    pin(0, SIM_CPU)
+    pin(SIM_CPU)
     raise_fd_limit()
     options = Options(
         seconds=args.seconds,

@@ -3,12 +3,13 @@
 Run from the repository's root: ``python -m bench.bench_goodput [--seconds 10] [--repeats 3]
 [--loads 0.5,1,2,4] [--json results.json]``.
 
-The work: :mod:`bench.fixed_engine`, 4 slots of 200 ms each, so a capacity of 20 requests/s
+The work: :mod:`bench.kit.fixed_engine`, 4 slots of 200 ms each, so a capacity of 20 requests/s
 whoever serves it. Three systems serve it, each on CPU 0 (``taskset``), while this process, the
 client, runs on CPU 1:
 
-- ``shim N=4 Q=4``: ``worker-ingress --engine bench.fixed_engine:create --engine-request-limit 4``
-  with ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT=4``, behind ``frontend-shim`` (no busy thresholds);
+- ``shim N=4 Q=4``: ``worker-ingress --engine bench.kit.fixed_engine:create``
+  ``--engine-request-limit 4`` with ``DYN_DYNAMO_REQUEST_QUEUE_LIMIT=4``, behind
+  ``frontend-shim`` (no busy thresholds);
 - ``shim no limit``: the same without ``--engine-request-limit``: every request is admitted and
   waits in the engine for a slot;
 - ``Ray Serve N=4 Q=4``: ``bench/ray_fixed_app.py``, one replica sleeping 200 ms under a 4-slot
@@ -47,22 +48,23 @@ import json
 import math
 import os
 import random
-import resource
-import shutil
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Final
 
-import h11
 import trio
 
-from bench.fixed_engine import SERVICE_ENV, SLOTS_ENV
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
+from bench.kit.http import HTTP_ERRORS, Client, wait_connected_trio
+from bench.kit.processes import clean_env, free_port, pin, raise_fd_limit
+from bench.kit.shim import frontend_command, worker_command
+from bench.kit.stats import median, percentile, poisson_arrivals
+from bench.kit.table import Table, cell
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 RAY_APP: Final = Path(__file__).resolve().with_name("ray_fixed_app.py")
@@ -76,40 +78,7 @@ OVERLOAD_STATUSES: Final = frozenset({503, 529})
 PREOPENED: Final = 32
 FLOOR_SECONDS: Final = 3.0
 
-
 # ----------------------------------------------------------------------------- pure parts
-
-
-def poisson_arrivals(rate: float, seconds: float, rng: random.Random) -> list[float]:
-    """Arrival offsets of a Poisson process: exponential gaps of mean ``1 / rate``.
-
-    Args:
-        rate: Mean arrivals per second (> 0).
-        seconds: Length of the window; every offset is in ``[0, seconds)``.
-        rng: The source of randomness (seeded, so a run can be replayed).
-
-    Returns:
-        The offsets in seconds, increasing.
-    """
-    if not rate > 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
-    offsets: list[float] = []
-    now = rng.expovariate(rate)
-    while now < seconds:
-        offsets.append(now)
-        now += rng.expovariate(rate)
-    return offsets
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    """The ``share`` quantile (0 to 1) with linear interpolation; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = share * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +154,10 @@ def summarize(outcomes: Sequence[Outcome], *, capacity: float, seconds: float, s
     )
 
 
-def _median(values: Sequence[float]) -> float:
-    present = [value for value in values if not math.isnan(value)]
-    return statistics.median(present) if present else math.nan
-
-
 def median_row(rows: Sequence[Row]) -> Row:
     """Each figure's median over repeats (NaNs ignored; NaN when all are NaN)."""
     fields = [field.name for field in dataclasses.fields(Row)]
-    medians = {name: _median([float(getattr(row, name)) for row in rows]) for name in fields}
+    medians = {name: median(float(getattr(row, name)) for row in rows) for name in fields}
     return Row(sent=round(medians.pop("sent")), **medians)
 
 
@@ -258,112 +222,66 @@ def check_targets(
     return verdicts
 
 
-def _ms(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.1f}"
-
-
-def _share(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.0%}"
-
-
 def format_table(rows: Mapping[tuple[str, float], Row], capacity: float) -> str:
     """The rows as a Markdown table, in the order given."""
-    lines = [
-        "| system | load | sent | goodput | rejected | late | errors "
-        "| completed p50 / p99 ms | rejection p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    table = Table(
+        "system", "load", "sent", "goodput", "rejected", "late", "errors",
+        "completed p50 / p99 ms", "rejection p50 / p99 ms",
+    )  # fmt: skip
     for (system, load), row in rows.items():
-        lines.append(
-            f"| {system} | {load:g}x ({load * capacity:g}/s) | {row.sent} | {_share(row.goodput)}"
-            f" | {_share(row.rejected)} | {_share(row.late)} | {_share(row.errors)}"
-            f" | {_ms(row.ok_p50_ms)} / {_ms(row.ok_p99_ms)}"
-            f" | {_ms(row.reject_p50_ms)} / {_ms(row.reject_p99_ms)} |"
+        table.add(
+            system,
+            f"{load:g}x ({load * capacity:g}/s)",
+            row.sent,
+            *(cell(share, ".0%") for share in (row.goodput, row.rejected, row.late, row.errors)),
+            f"{cell(row.ok_p50_ms, '.1f')} / {cell(row.ok_p99_ms, '.1f')}",
+            f"{cell(row.reject_p50_ms, '.1f')} / {cell(row.reject_p99_ms, '.1f')}",
         )
-    return "\n".join(lines)
+    return str(table)
 
 
 # ----------------------------------------------------------------------------- the client
 
 
-class Connection:
-    """One keep-alive HTTP/1.1 connection: h11 over a Trio socket stream."""
-
-    def __init__(self, stream: trio.SocketStream, host: str) -> None:
-        self.stream = stream
-        self.host = host
-        self.h11 = h11.Connection(h11.CLIENT)
-
-    @classmethod
-    async def open(cls, host: str, port: int) -> Connection:
-        stream = await trio.open_tcp_stream(host, port)
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(stream, f"{host}:{port}")
-
-    async def request(self, method: str, target: str, body: bytes) -> tuple[int, bool]:
-        """Send one request, read the whole answer; return its status and whether to reuse."""
-        conn = self.h11
-        headers = [("host", self.host), ("content-length", str(len(body)))]
-        if body:
-            headers.append(("content-type", "application/json"))
-        data = conn.send(h11.Request(method=method, target=target, headers=headers)) or b""
-        if body:
-            data += conn.send(h11.Data(data=body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-        await self.stream.send_all(data)
-        status = 0
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await self.stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
-        reusable = conn.our_state is h11.DONE and conn.their_state is h11.DONE
-        if reusable:
-            conn.start_next_cycle()
-        return status, reusable
-
-
 class Pool:
     """Keep-alive connections to one server, opened ahead and on demand."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host = host
-        self.port = port
-        self._idle: list[Connection] = []
-        self._all: set[Connection] = set()
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._idle: list[Client] = []
+        self._all: set[Client] = set()
         self.opened_on_demand = 0
+
+    async def _open(self) -> Client:
+        client = Client(self.url)
+        await client.connect()
+        self._all.add(client)
+        return client
 
     async def fill(self, count: int) -> None:
         for _ in range(count):
-            connection = await Connection.open(self.host, self.port)
-            self._all.add(connection)
-            self._idle.append(connection)
+            self._idle.append(await self._open())
 
-    async def acquire(self) -> Connection:
+    async def acquire(self) -> Client:
         if self._idle:
             return self._idle.pop()
         self.opened_on_demand += 1
-        connection = await Connection.open(self.host, self.port)
-        self._all.add(connection)
-        return connection
+        return await self._open()
 
-    def release(self, connection: Connection, reusable: bool) -> None:
-        if reusable:
-            self._idle.append(connection)
+    def release(self, client: Client) -> None:
+        """Take a connection back after an answer (it is dropped if the server closed it)."""
+        if client.connected:
+            self._idle.append(client)
         else:
-            self._all.discard(connection)
-            connection.stream.socket.close()
+            self._all.discard(client)
 
-    def discard(self, connection: Connection) -> None:
-        self._all.discard(connection)
-        connection.stream.socket.close()
+    def discard(self, client: Client) -> None:
+        client.close()
+        self._all.discard(client)
 
     def close(self) -> None:
-        for connection in self._all:
-            connection.stream.socket.close()
+        for client in self._all:
+            client.close()
         self._all.clear()
         self._idle.clear()
 
@@ -392,30 +310,29 @@ async def play(
     Requests still unanswered ``drain`` seconds after the window are cancelled (their
     connections closed) and count as ``unfinished``.
     """
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    pool = Pool(host, int(port))
+    pool = Pool(url)
     await pool.fill(PREOPENED)
     outcomes: dict[int, Outcome] = {}
     lags: list[float] = []
 
     async def one(index: int) -> None:
-        connection: Connection | None = None
+        client: Client | None = None
         sent = trio.current_time()
         try:
-            connection = await pool.acquire()
+            client = await pool.acquire()
             sent = trio.current_time()
-            status, reusable = await connection.request(method, path, body)
-        except (OSError, trio.BrokenResourceError, h11.ProtocolError):
-            if connection is not None:
-                pool.discard(connection)
+            status = (await client.request(method, path, body)).status
+        except HTTP_ERRORS:
+            if client is not None:
+                pool.discard(client)
             outcomes[index] = Outcome("error", trio.current_time() - sent, sent - start)
             return
         except trio.Cancelled:
-            if connection is not None:
-                pool.discard(connection)
+            if client is not None:
+                pool.discard(client)
             raise
         elapsed = trio.current_time() - sent
-        pool.release(connection, reusable)
+        pool.release(client)
         if 200 <= status < 300:
             kind = "ok"
         elif status in OVERLOAD_STATUSES:
@@ -448,74 +365,24 @@ async def play(
 # ----------------------------------------------------------------------------- servers
 
 
-def _pinned(cpu: int, args: Sequence[str]) -> list[str]:
-    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
-        return ["taskset", "-c", str(cpu), *args]
-    return list(args)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def server(
-    args: Sequence[str], *, env: Mapping[str, str], log: IO[bytes], start_timeout: float
+    args: Sequence[str], *, env: Mapping[str, str], log: IO[bytes], ready_within: float
 ) -> AsyncIterator[dict[str, str]]:
-    """Start a server on the server CPU, yield the ``key=url`` pairs of its ready line, stop it.
-
-    The server runs in a session of its own: it gets SIGTERM and 30 s to exit, then whatever is
-    left of its process group is killed.
-    """
-    process = await trio.lowlevel.open_process(
-        _pinned(SERVER_CPU, args),
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=dict(env),
+    """Start a server on the server CPU, yield the ``key=url`` fields of its ready line, stop
+    it: SIGTERM and 30 s to exit, then whatever is left of its session is killed (Ray leaves
+    agents behind that ignore SIGTERM)."""
+    async with Child(
+        args,
+        env,
+        cpu=SERVER_CPU,
         cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        assert process.stdout is not None
-        pending = b""
-        ready: bytes | None = None
-        with trio.fail_after(start_timeout):
-            while ready is None:
-                chunk = await process.stdout.receive_some(4096)
-                if not chunk:
-                    raise RuntimeError(f"{args[:3]} exited before its ready line")
-                *lines, pending = (pending + chunk).split(b"\n")
-                ready = next((line for line in lines if b" ready " in line), None)
-        yield dict(part.split("=", 1) for part in ready.decode().split() if "=" in part)
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                with trio.move_on_after(30):
-                    await process.wait()
-            # Whatever is left of its session (Ray leaves agents behind that ignore SIGTERM).
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-
-
-async def wait_connected(url: str) -> None:
-    """Wait (a minute at most) until the frontend at ``url`` follows at least one worker."""
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    with trio.fail_after(60):
-        while True:
-            connection = await Connection.open(host, int(port))
-            try:
-                status, _ = await connection.request("GET", "/health", b"")
-            finally:
-                connection.stream.socket.close()
-            # /health answers 503 until a worker is connected.
-            if status == 200:
-                return
-            await trio.sleep(0.05)
+        log=log,
+        session=True,
+        grace=30.0,
+        ready_within=ready_within,
+    ) as child:
+        yield child.addresses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,20 +399,15 @@ def shim_system(name: str, env: Mapping[str, str], limit: int | None) -> System:
 
     @contextlib.asynccontextmanager
     async def start(log: IO[bytes]) -> AsyncIterator[str]:
-        python = sys.executable
-        worker = [
-            python, "-m", "worker_ingress", "--engine", "bench.fixed_engine:create",
-            "--port", "0", "--system-port", "0", "--log-level", "warning",
-        ]  # fmt: skip
-        if limit is not None:
-            worker += ["--engine-request-limit", str(limit)]
-        async with server(worker, env=env, log=log, start_timeout=60) as worker_urls:
-            frontend = [
-                python, "-m", "frontend_shim", "--worker", worker_urls["ws"],
-                "--http-port", "0", "--log-level", "warning",
-            ]  # fmt: skip
-            async with server(frontend, env=env, log=log, start_timeout=60) as frontend_urls:
-                await wait_connected(frontend_urls["http"])
+        worker = worker_command(
+            "--engine", "bench.kit.fixed_engine:create", "--log-level", "warning",
+            *(("--engine-request-limit", str(limit)) if limit is not None else ()),
+        )  # fmt: skip
+        async with server(worker, env=env, log=log, ready_within=60) as worker_urls:
+            frontend = frontend_command("--worker", worker_urls["ws"], "--log-level", "warning")
+            async with server(frontend, env=env, log=log, ready_within=60) as frontend_urls:
+                with trio.fail_after(60):
+                    await wait_connected_trio(frontend_urls["http"])
                 yield frontend_urls["http"]
 
     return System(name, "/live", start)
@@ -557,10 +419,10 @@ def ray_system(name: str, env: Mapping[str, str], slots: int, service: float, qu
     @contextlib.asynccontextmanager
     async def start(log: IO[bytes]) -> AsyncIterator[str]:
         args = [
-            sys.executable, str(RAY_APP), "--port", str(_free_port()), "--slots", str(slots),
+            sys.executable, str(RAY_APP), "--port", str(free_port()), "--slots", str(slots),
             "--service-seconds", str(service), "--queue", str(queue),
         ]  # fmt: skip
-        async with server(args, env=env, log=log, start_timeout=300) as urls:
+        async with server(args, env=env, log=log, ready_within=300) as urls:
             yield urls["http"]
 
     return System(name, "/-/healthz", start)
@@ -653,14 +515,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     options = parser.parse_args()
-    if (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {CLIENT_CPU})
+    pin(CLIENT_CPU)
     # An ungated server under overload holds hundreds of connections of this client.
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    env[SLOTS_ENV] = str(options.slots)
-    env[SERVICE_ENV] = str(options.service_seconds)
+    raise_fd_limit()
+    env = clean_env(**{SLOTS_ENV: str(options.slots), SERVICE_ENV: str(options.service_seconds)})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     gated_env = {**env, "DYN_DYNAMO_REQUEST_QUEUE_LIMIT": str(options.queue)}
     gated = f"shim N={options.slots} Q={options.queue}"
@@ -696,26 +554,28 @@ def main() -> None:
     print()
     print(format_table(rows, capacity))
     print()
-    print(
-        "| client floor (same client, same run) | p50 ms | p99 ms"
-        " | send lag p99 ms, worst run | connections opened mid-run, most |"
-    )
-    print("|---|---|---|---|---|")
+    floor = Table(
+        "client floor (same client, same run)", "p50 ms", "p99 ms",
+        "send lag p99 ms, worst run", "connections opened mid-run, most",
+    )  # fmt: skip
     for system in systems:
         floors = measured.floors[system.name]
         client = measured.client[system.name]
-        print(
-            f"| {system.name}: GET {system.live_path} |"
-            f" {_ms(_median([f[0] for f in floors]))} | {_ms(_median([f[1] for f in floors]))} |"
-            f" {_ms(max(c[0] for c in client))} | {max(c[1] for c in client)} |"
+        floor.add(
+            f"{system.name}: GET {system.live_path}",
+            cell(median(f[0] for f in floors), ".1f"),
+            cell(median(f[1] for f in floors), ".1f"),
+            cell(max(c[0] for c in client), ".1f"),
+            max(c[1] for c in client),
         )
+    print(floor)
     if 0.5 in options.loads and 4.0 in options.loads:
         print()
-        print("| target | measured | met |")
-        print("|---|---|---|")
+        targets = Table("target", "measured", "met")
         for verdict in check_targets(rows, gated, rival):
             met = "n/a" if verdict.met is None else ("yes" if verdict.met else "no")
-            print(f"| {verdict.target} | {verdict.figure} | {met} |")
+            targets.add(verdict.target, verdict.figure, met)
+        print(targets)
     if options.json is not None:
         options.json.write_text(
             json.dumps(

@@ -4,7 +4,7 @@ Run: ``python -m bench.bench_hostile_classes [--trees before=PATH,after=.] [--se
 the repository's root.
 
 Per checkout (``label=path``: a tree of this repository each) and per setup, one
-``worker-ingress`` serving :mod:`bench.fixed_engine` (4 slots, 0.1 s per request: 40 requests/s
+``worker-ingress`` serving :mod:`bench.kit.fixed_engine` (4 slots, 0.1 s per request: 40 requests/s
 whatever the gate does; N = 4, Q = 8) behind one ``frontend-shim``, both from that tree. Two
 clients send Poisson arrivals over fresh HTTP connections for ``--seconds``:
 
@@ -26,20 +26,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import h11
 import trio
 
-from bench.trio_servers import http_get, started
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.fixed_engine import SERVICE_ENV, SLOTS_ENV
+from bench.kit.http import HTTP_ERRORS, fetch, wait_connected_trio
+from bench.kit.metrics import metric_sum
+from bench.kit.processes import clean_env
+from bench.kit.shim import frontend_command, worker_command
 
 SLOTS: Final = 4
 SERVICE_SECONDS: Final = 0.1
@@ -56,6 +60,7 @@ SETUPS: Final = {
     "gateway": (("--max-client-priority", "0"), True),
 }
 GATEWAY_TOKEN: Final = "bench-gateway-token"
+COMPLETION: Final = json.dumps({"model": "mock-model", "prompt": "one two", "max_tokens": 1})
 
 
 @dataclass
@@ -63,55 +68,6 @@ class Tally:
     sent: int = 0
     completed: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
-
-
-def _env(tree: Path, **extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    env["PYTHONPATH"] = str(tree)
-    env.update(extra)
-    return env
-
-
-async def _post(url: str, headers: Sequence[tuple[str, str]]) -> int:
-    parts = urllib.parse.urlsplit(url)
-    assert parts.hostname is not None
-    assert parts.port is not None
-    body = json.dumps({"model": "mock-model", "prompt": "one two", "max_tokens": 1}).encode()
-    head = [("host", parts.netloc), ("content-length", str(len(body))), *headers]
-    stream = await trio.open_tcp_stream(parts.hostname, parts.port)
-    async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        request = h11.Request(method="POST", target="/v1/completions", headers=head)
-        await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
-        status = 0
-        for _ in range(10_000):
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return status
-                conn.receive_data(data)
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return status
-    return status
-
-
-def _displaced(metrics: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith('dynamo_rejection_request_by_reason_total{reason="displaced"} '):
-            return float(line.split()[-1])
-    return 0.0
-
-
-async def _wait_connected(url: str) -> None:
-    for _ in range(300):
-        if json.loads(await http_get(url, "/health") or "{}").get("workers_connected") == 1:
-            return
-        await trio.sleep(0.05)
-    raise RuntimeError("the frontend never connected to its worker")
 
 
 async def _client(
@@ -135,8 +91,11 @@ async def _client(
             async def one(headers: Sequence[tuple[str, str]] = headers) -> None:
                 try:
                     with trio.fail_after(30):
-                        status = await _post(url, headers)
-                except (OSError, trio.TooSlowError, h11.RemoteProtocolError):
+                        reply = await fetch(
+                            url, "POST", "/v1/completions", COMPLETION.encode(), headers=headers
+                        )
+                    status = reply.status
+                except (*HTTP_ERRORS, trio.TooSlowError):
                     status = 0
                 tally.statuses[status] = tally.statuses.get(status, 0) + 1
                 if status == 200:
@@ -153,25 +112,24 @@ async def _phase(
     seconds: float,
     seed: int,
 ) -> tuple[Tally, Tally, float]:
-    worker_env = _env(
+    worker_env = clean_env(
         tree,
-        BENCH_FIXED_SLOTS=str(SLOTS),
-        BENCH_FIXED_SERVICE_SECONDS=str(SERVICE_SECONDS),
+        **{SLOTS_ENV: str(SLOTS), SERVICE_ENV: str(SERVICE_SECONDS)},
         DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(QUEUE_LIMIT),
     )
-    worker_args = [
-        *(sys.executable, "-m", "worker_ingress", "--engine", "bench.fixed_engine:create"),
-        *("--engine-request-limit", str(SLOTS), "--port", "0", "--system-port", "0"),
+    worker_args = worker_command(
+        *("--engine", "bench.kit.fixed_engine:create", "--engine-request-limit", str(SLOTS)),
         *("--log-level", "error"),
-    ]
-    async with started(worker_args, worker_env, cwd=tree) as (ws, system):
-        frontend_args = [
-            *(sys.executable, "-m", "frontend_shim", "--http-port", "0", "--worker", ws),
-            *("--log-level", "error", *frontend_flags),
-        ]
-        frontend_env = _env(tree, **({"DYN_GATEWAY_TOKEN": GATEWAY_TOKEN} if gateway else {}))
-        async with started(frontend_args, frontend_env, cwd=tree) as (url,):
-            await _wait_connected(url)
+    )
+    async with Child(worker_args, worker_env, cwd=tree, grace=5.0) as worker:
+        frontend_args = frontend_command(
+            "--worker", worker.addresses["ws"], "--log-level", "error", *frontend_flags
+        )
+        frontend_env = clean_env(tree, **({"DYN_GATEWAY_TOKEN": GATEWAY_TOKEN} if gateway else {}))
+        async with Child(frontend_args, frontend_env, cwd=tree, grace=5.0) as frontend:
+            url = frontend.addresses["http"]
+            with trio.fail_after(15):
+                await wait_connected_trio(url)
             good, bad = Tally(), Tally()
 
             def good_headers(number: int) -> list[tuple[str, str]]:
@@ -191,14 +149,20 @@ async def _phase(
                 nursery.start_soon(
                     _client, url, ATTACK_RATE, seconds, bad_headers, bad, random.Random(seed + 1)
                 )
-            return good, bad, _displaced(await http_get(system, "/metrics"))
+            metrics = await fetch(worker.addresses["system"], "GET", "/metrics")
+            displaced = metric_sum(
+                metrics.body.decode(),
+                "dynamo_rejection_request_by_reason_total",
+                reason="displaced",
+            )
+            return good, bad, displaced
 
 
 def _knows_flag(tree: Path, flag: str) -> bool:
     result = subprocess.run(
         [sys.executable, "-m", "frontend_shim", "--help"],
         capture_output=True,
-        env=_env(tree),
+        env=clean_env(tree),
         cwd=str(tree),
         timeout=60,
         check=False,

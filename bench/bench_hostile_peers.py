@@ -26,13 +26,21 @@ import hashlib
 import os
 import statistics
 import struct
-import subprocess
 import sys
 import time
+from pathlib import Path
 
-import httpx
 import trio
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.http import Client
+from bench.kit.proc import cpu_seconds
+from bench.kit.processes import clean_env
+from bench.kit.shim import frontend_command
+from bench.kit.stats import percentile
+from bench.kit.table import Table
 from shim_common import wire
 
 HELLO = wire.encode(
@@ -137,12 +145,6 @@ async def _drain(stream: trio.SocketStream) -> None:
         pass
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure(tree: str, attack: str, seconds: float) -> tuple[float, float, float, int]:
     """One frontend of ``tree`` under ``attack``: (CPU share, /live p50 s, p99 s, sessions)."""
     worker = HostileWorker(attack)
@@ -150,42 +152,26 @@ async def measure(tree: str, attack: str, seconds: float) -> tuple[float, float,
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, worker.handle, listeners)
-        command = [sys.executable, "-m", "frontend_shim", "--http-port", "0"]
-        command += ["--worker", f"ws://127.0.0.1:{port}"]
-        process = await trio.lowlevel.open_process(
-            command,
-            cwd=tree,  # ``-m`` puts the working directory first on the path
-            env={**os.environ, "PYTHONPATH": tree},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            assert process.stdout is not None
-            printed = b""
-            with trio.fail_after(60):
-                while b"ready http=" not in printed:
-                    printed += await process.stdout.receive_some(4096)
-            url = printed.split(b"ready http=")[1].split()[0].decode()
+        command = frontend_command("--worker", f"ws://127.0.0.1:{port}")
+        # From the tree: ``-m`` puts the working directory first on the path.
+        async with Child(command, clean_env(tree), cwd=tree, ready_within=60) as frontend:
+            pid = frontend.pid
             await trio.sleep(SETTLE_SECONDS)
-            cpu, start, sessions = _cpu_seconds(process.pid), time.monotonic(), worker.sessions
+            cpu, start, sessions = cpu_seconds(pid), time.monotonic(), worker.sessions
             latencies: list[float] = []
-            async with httpx.AsyncClient(base_url=url) as client:
+            client = Client(frontend.addresses["http"])
+            try:
                 while time.monotonic() - start < seconds:
                     sent = time.perf_counter()
-                    await client.get("/live")
+                    await client.request("GET", "/live")
                     latencies.append(time.perf_counter() - sent)
                     await trio.sleep(0.01)
-            share = (_cpu_seconds(process.pid) - cpu) / (time.monotonic() - start)
-            latencies.sort()
-            p50 = latencies[len(latencies) // 2]
-            p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-            return share, p50, p99, worker.sessions - sessions
-        finally:
-            process.terminate()
-            with trio.move_on_after(10):
-                await process.wait()
-            process.kill()
-            nursery.cancel_scope.cancel()
+            finally:
+                client.close()
+            share = (cpu_seconds(pid) - cpu) / (time.monotonic() - start)
+            result = percentile(latencies, 0.5), percentile(latencies, 0.99)
+        nursery.cancel_scope.cancel()
+    return share, *result, worker.sessions - sessions
 
 
 def main() -> None:
@@ -204,15 +190,16 @@ def main() -> None:
                 row = trio.run(measure, os.path.abspath(path), attack, args.seconds)
                 results.setdefault((attack, label), []).append(row)
     print(f"medians of {args.rounds} rounds, {args.seconds:g} s each")
-    print("| attack | tree | frontend CPU | /live p50 ms | /live p99 ms | event-plane sessions |")
-    print("|---|---|---|---|---|---|")
+    table = Table(
+        "attack", "tree", "frontend CPU", "/live p50 ms", "/live p99 ms", "event-plane sessions"
+    )
     for (attack, label), rows in results.items():
         columns = zip(*rows, strict=True)
         share, p50, p99, sessions = (statistics.median(column) for column in columns)
-        print(
-            f"| {attack} | {label} | {share:.0%} | {p50 * 1000:.1f} | {p99 * 1000:.1f} "
-            f"| {sessions:g} |"
+        table.add(
+            attack, label, f"{share:.0%}", f"{p50 * 1000:.1f}", f"{p99 * 1000:.1f}", f"{sessions:g}"
         )
+    print(table)
 
 
 if __name__ == "__main__":

@@ -37,10 +37,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -51,12 +48,18 @@ import h11
 import httptools
 import trio
 
-from bench.bench_frontend import Wrk, _made_busy, _pinned, _server, _wait_connected, cpu_seconds
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.http import kept_busy
+from bench.kit.proc import tree_cpu_seconds
+from bench.kit.processes import serve
+from bench.kit.shim import shim
+from bench.kit.table import Table
+from bench.kit.wrk import SERVER_CPU, Wrk, need_wrk
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 
-SERVER_CPU: Final = "0"
 HELLO_BODY: Final = b'{"message":"hello"}'
 HELLO_RESPONSE: Final = (
     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 19\r\n\r\n" + HELLO_BODY
@@ -68,6 +71,10 @@ STREAMED: Final = {
     "max_tokens": 64,
     "stream": True,
 }
+
+
+def _ready(port: int) -> None:
+    print(f"bench-http ready http=http://127.0.0.1:{port}", flush=True)
 
 
 # -- the bare servers (each run in a child process) -------------------------------------------
@@ -98,7 +105,7 @@ async def serve_bare_llhttp() -> None:
                 return  # wrk resets its connections at the end of a run
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    print(listeners[0].socket.getsockname()[1], flush=True)
+    _ready(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(connection, listeners)
 
 
@@ -129,7 +136,7 @@ async def serve_bare_h11() -> None:
             return
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    print(listeners[0].socket.getsockname()[1], flush=True)
+    _ready(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(connection, listeners)
 
 
@@ -164,7 +171,7 @@ async def serve_hypercorn() -> None:
         binds: list[str] = await nursery.start(
             lambda task_status: serve(asgi_hello, config, task_status=task_status)
         )
-        print(binds[0].rsplit(":", 1)[1], flush=True)
+        _ready(int(binds[0].rsplit(":", 1)[1]))
 
 
 BARE_SERVERS: Final = {
@@ -176,20 +183,9 @@ BARE_SERVERS: Final = {
 
 @contextlib.contextmanager
 def bare_server(kind: str) -> Iterator[tuple[str, list[int]]]:
-    """Start a bare server in a pinned child process (a session of its own); yield its URL and
-    its pid."""
-    process = subprocess.Popen(
-        _pinned(SERVER_CPU, [sys.executable, "-m", "bench.bench_http", "--serve", kind]),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert process.stdout is not None
-        yield f"http://127.0.0.1:{int(process.stdout.readline())}", [process.pid]
-    finally:
-        process.terminate()
-        process.wait(10)
+    """Start a bare server in a pinned child process; yield its URL and its pid."""
+    with serve([sys.executable, __file__, "--serve", kind], cpu=SERVER_CPU) as server:
+        yield server.addresses["http"], [server.pid]
 
 
 # -- our frontend -------------------------------------------------------------------------
@@ -199,25 +195,22 @@ def bare_server(kind: str) -> Iterator[tuple[str, list[int]]]:
 def frontends() -> Iterator[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
     """A busy frontend (every completion answered 529) and a fast one; yields each one's URL
     with the pids of the frontend and its worker."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning"]
-    frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
+    quiet = ["--log-level", "warning"]
     long_body = json.dumps({**COMPLETION, "max_tokens": 100_000, "stream": True})
     with (
-        _server([*worker, "--speedup-ratio", "0.02"], env) as (slow_pid, (slow_ws, _)),
-        _server([*worker, "--engine", "instant"], env) as (instant_pid, (instant_ws, _)),
-        _server(
-            [*frontend, "--worker", slow_ws, "--active-decode-blocks-threshold", "0.0"], env
-        ) as (busy_pid, (busy,)),
-        _server([*frontend, "--worker", instant_ws], env) as (fast_pid, (fast,)),
-    ):
-        _wait_connected(busy)
-        _wait_connected(fast)
+        shim(
+            [*quiet, "--speedup-ratio", "0.02"],
+            [*quiet, "--active-decode-blocks-threshold", "0.0"],
+            cpu=SERVER_CPU,
+        ) as busy,
+        shim([*quiet, "--engine", "instant"], quiet, cpu=SERVER_CPU) as fast,
         # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
-        with _made_busy(busy, long_body):
-            yield (busy, [busy_pid, slow_pid]), (fast, [fast_pid, instant_pid])
+        kept_busy(busy.url, "/v1/completions", long_body, "{}"),
+    ):
+        yield (
+            (busy.url, [busy.frontend.pid, busy.worker.pid]),
+            (fast.url, [fast.frontend.pid, fast.worker.pid]),
+        )
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -234,16 +227,6 @@ ROWS: Final = [
 ]
 
 
-def _lua(folder: Path, name: str, body: dict[str, object]) -> str:
-    path = folder / f"{name}.lua"
-    path.write_text(
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(json.dumps(body))}\n"
-    )
-    return str(path)
-
-
 def report(
     rates: dict[str, list[float]], cpu: dict[str, list[tuple[float, float]]] | None = None
 ) -> str:
@@ -256,11 +239,14 @@ def report(
     """
     medians = {key: statistics.median(values) for key, values in rates.items() if values}
     floor = medians.get("llhttp")
-    lines = [
-        "| server | requests/s | core time per request (us) | CPU per request measured (us),"
-        " all (frontend) | ratio to the llhttp floor | runs |",
-        "|---|---|---|---|---|---|",
-    ]
+    table = Table(
+        "server",
+        "requests/s",
+        "core time per request (us)",
+        "CPU per request measured (us), all (frontend)",
+        "ratio to the llhttp floor",
+        "runs",
+    )
     for label, key in ROWS:
         if key not in medians:
             continue
@@ -272,9 +258,8 @@ def report(
             total = statistics.median(every for every, _ in cpu[key])
             first = statistics.median(part for _, part in cpu[key])
             measured = f"{total:.1f}" if key in BARE_SERVERS else f"{total:.1f} ({first:.1f})"
-        lines.append(
-            f"| {label} | {rate:,.0f} | {1e6 / rate:.1f} | {measured} | {ratio} | {runs} |"
-        )
+        table.add(label, f"{rate:,.0f}", f"{1e6 / rate:.1f}", measured, ratio, runs)
+    lines = [str(table)]
     if "live" in medians and "shed" in medians:
         extra = statistics.median(
             1e6 / shed - 1e6 / live for shed, live in zip(rates["shed"], rates["live"], strict=True)
@@ -302,8 +287,7 @@ def main() -> None:
         with contextlib.suppress(KeyboardInterrupt):
             trio.run(BARE_SERVERS[options.serve])
         return
-    if not shutil.which("wrk"):
-        sys.exit("wrk is needed (apt-get install -y wrk)")
+    need_wrk()
     bare = ["llhttp", "h11"]
     if importlib.util.find_spec("hypercorn") is not None:
         bare.append("hypercorn")
@@ -312,26 +296,26 @@ def main() -> None:
     rates: dict[str, list[float]] = {key: [] for _, key in ROWS}
     cpu: dict[str, list[tuple[float, float]]] = {key: [] for _, key in ROWS}
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
-        completion = _lua(Path(scratch), "completion", COMPLETION)
-        streamed = _lua(Path(scratch), "streamed", STREAMED)
-        plain = Wrk(options.seconds, options.connections, completion)
-        stream_wrk = Wrk(options.seconds, options.connections, streamed)
+        wrk = Wrk(options.seconds, options.connections, Path(scratch))
+        completion, streamed = json.dumps(COMPLETION), json.dumps(STREAMED)
         servers = {kind: stack.enter_context(bare_server(kind)) for kind in bare}
         (busy, busy_pids), (fast, fast_pids) = stack.enter_context(frontends())
         figures = {
-            **{kind: (plain, url + "/", False, pids) for kind, (url, pids) in servers.items()},
-            "live": (plain, busy + "/live", False, busy_pids),
-            "shed": (plain, busy + "/v1/completions", True, busy_pids),
-            "one_token": (plain, fast + "/v1/completions", True, fast_pids),
-            "streamed": (stream_wrk, fast + "/v1/completions", True, fast_pids),
+            **{kind: (url + "/", None, pids) for kind, (url, pids) in servers.items()},
+            "live": (busy + "/live", None, busy_pids),
+            "shed": (busy + "/v1/completions", completion, busy_pids),
+            "one_token": (fast + "/v1/completions", completion, fast_pids),
+            "streamed": (fast + "/v1/completions", streamed, fast_pids),
         }
-        for wrk, url, post, _ in figures.values():
-            Wrk(1.0, options.connections, wrk.lua).run(url, post=post)  # warm-up
+        for url, body, _ in figures.values():
+            wrk.run(url, body=body, seconds=1.0)  # warm-up
         for _ in range(options.rounds):
-            for key, (wrk, url, post, pids) in figures.items():
-                before = [cpu_seconds(pid) for pid in pids]
-                result = wrk.run(url, post=post)
-                used = [cpu_seconds(pid) - start for pid, start in zip(pids, before, strict=True)]
+            for key, (url, body, pids) in figures.items():
+                before = [tree_cpu_seconds(pid) for pid in pids]
+                result = wrk.run(url, body=body)
+                used = [
+                    tree_cpu_seconds(pid) - start for pid, start in zip(pids, before, strict=True)
+                ]
                 expected_non_2xx = key == "shed"
                 if (result["non_2xx"] > 0) != expected_non_2xx:
                     raise RuntimeError(f"{key}: {result['non_2xx']:.0f} non-2xx answers")

@@ -1,5 +1,6 @@
-"""Where cache-aware routing pays: a trace window replayed on a virtual clock (``bench/kv_twin.py``)
-at several rates and prompt lengths, in round-robin, ``kv`` and ``kv`` without prefix caching.
+"""Where cache-aware routing pays: a trace window replayed on a virtual clock
+(``bench/prefix/twin.py``) at several rates and prompt lengths, in round-robin, ``kv`` and
+``kv`` without prefix caching.
 
 Run from the repository's root::
 
@@ -7,11 +8,12 @@ Run from the repository's root::
         --trace-duration 600 --length-scales 0.125,0.5 --time-scales 0.25,0.2 \\
         [--scales 1,4,16] [--workers 4] [--cache-share 0.333]
 
-The window is cut, scaled and sized as ``bench/bench_prefix.py`` does it (the same load generator
-functions, the caches of all workers together holding ``--cache-share`` of the window's distinct
-blocks), so a row here and the same row through real processes can be read side by side. Each
-``--scales`` value adds ``kv`` rows with that ``--router-prefill-load-scale``. The whole grid
-runs in seconds to minutes of one core, and gives the same figures on any machine.
+The window is cut, scaled and sized as ``bench/bench_prefix.py`` does it
+(``bench/prefix/window.py``: the same load generator functions, the caches of all workers
+together holding ``--cache-share`` of the window's distinct blocks), so a row here and the
+same row through real processes can be read side by side. Each ``--scales`` value adds ``kv``
+rows with that ``--router-prefill-load-scale``. The whole grid runs in seconds to minutes of
+one core, and gives the same figures on any machine.
 
 Per row: TTFT p50 / p90 (arrival at the frontend to first token there), the hit rate
 (``cached_tokens`` over prompt tokens), the busiest worker's share of requests, and ``kv``'s
@@ -22,35 +24,32 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench.bench_prefix import TRACE_WANTED, Window, load_generator, plan_of, window_items
-from bench.kv_twin import Request, TwinResult, replay
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.prefix.twin import Request, TwinResult, replay
+from bench.prefix.window import TRACE_WANTED, Window, load_generator, plan_of, window_items
 from frontend_shim._kv_cost import CostWeights
+from shim_common.prefix import MAX_TOKEN_ID
 
 
 def requests_of(items: Sequence[Any]) -> list[Request]:
     """The twin's requests for the load generator's replay items.
 
-    A block's name chains the trace's block ids as :func:`shim_common.prefix.block_names`
-    chains token ids: equal names mean equal prefixes, and a partial last block has none.
+    A full block's id is the trace's block id; a block the trace does not name gets an id of
+    its request's own (from the top of the token ids down), shared with no other request.
     """
     out = []
     for item in items:
         full = item.prompt_tokens // item.block_tokens
-        names: list[int] = []
-        parent = b"root"
-        for block in range(full):
-            block_id = item.hash_ids[block] if block < len(item.hash_ids) else -1 - item.index
-            digest = hashlib.blake2b(parent + block_id.to_bytes(8, "little", signed=True))
-            parent = digest.digest()[:8]
-            names.append(int.from_bytes(parent, "little") >> 1)
-        out.append(Request(item.arrival, item.prompt_tokens, item.max_tokens, tuple(names)))
+        own = MAX_TOKEN_ID - item.index
+        ids = tuple(item.hash_ids[b] if b < len(item.hash_ids) else own for b in range(full))
+        out.append(Request(item.arrival, item.prompt_tokens, item.max_tokens, ids))
     return out
 
 

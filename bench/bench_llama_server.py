@@ -18,56 +18,23 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import trio
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child, started_logging
+from bench.kit.proc import cpu_seconds
+from bench.kit.shim import frontend_command, worker_command
+
 SERVER_READY = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
-SHIM_READY = re.compile(rb" ready \w+=(\S+)")
-
-
-@asynccontextmanager
-async def started(
-    args: Sequence[str], log: Path, ready: re.Pattern[bytes], pids: list[int] | None = None
-) -> AsyncIterator[str]:
-    """Run a process until the block ends; yield the URL its ready line names."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    with log.open("wb") as out:
-        process = await trio.lowlevel.open_process(
-            list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env
-        )
-    if pids is not None:
-        pids.append(process.pid)
-    try:
-        with trio.fail_after(60):
-            while not (match := ready.search(await trio.Path(log).read_bytes())):
-                if process.poll() is not None:
-                    raise RuntimeError(f"{args[0]} exited, see {log}")
-                await trio.sleep(0.05)
-        yield match[1].decode()
-    finally:
-        with trio.CancelScope(shield=True):
-            process.terminate()
-            await process.wait()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process so far (0 where ``/proc`` is missing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def tokens_per_second(client: httpx.AsyncClient, url: str, max_tokens: int) -> float:
@@ -97,33 +64,36 @@ async def main(args: argparse.Namespace) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-llama-"))
     server_args = [args.llama_server, "-m", args.model, "--alias", "tiny", "--host", "127.0.0.1"]
     server_args += ["--port", "0", "-np", "1", "-c", "8192", "-t", str(args.threads)]
-    async with started(server_args, logs / "server.log", SERVER_READY) as server:
-        worker_args = [sys.executable, "-m", "worker_ingress", "--port", "0", "--system-port"]
-        worker_args += ["0", "--model", "tiny", "--engine", "openai", "--upstream-url", server]
-        worker_args += ["--engine-request-limit", "1"]
-        shims: list[int] = []
-        async with started(worker_args, logs / "worker.log", SHIM_READY, shims) as worker:
-            frontend_args = [sys.executable, "-m", "frontend_shim", "--http-port", "0"]
-            frontend_args += ["--worker", worker]
-            async with (
-                started(frontend_args, logs / "frontend.log", SHIM_READY, shims) as frontend,
-                httpx.AsyncClient(trust_env=False, timeout=300) as client,
-            ):
-                for _ in range(200):
-                    if (await client.get(f"{frontend}/health")).json()["workers_connected"]:
-                        break
-                    await trio.sleep(0.05)
-                targets = {"alone": server, "through the gate": frontend}
-                results: dict[str, list[float]] = {name: [] for name in targets}
-                for url in targets.values():  # warm-up: prompt cache, connections
-                    await tokens_per_second(client, url, args.max_tokens)
-                cpu = 0.0
-                for _ in range(args.runs):
-                    for name, url in targets.items():
-                        before = sum(cpu_seconds(pid) for pid in shims)
-                        results[name].append(await tokens_per_second(client, url, args.max_tokens))
-                        if url == frontend:
-                            cpu += sum(cpu_seconds(pid) for pid in shims) - before
+    worker_args = worker_command(
+        "--model", "tiny", "--engine", "openai", "--engine-request-limit", "1"
+    )
+    # Opened once, before the run: the children write to them.
+    worker_log = (logs / "worker.log").open("wb")
+    frontend_log = (logs / "frontend.log").open("wb")
+    with worker_log, frontend_log:
+        async with (
+            started_logging(server_args, logs / "server.log", SERVER_READY) as (_, ready),
+            Child([*worker_args, "--upstream-url", ready[1].decode()], log=worker_log) as worker,
+            Child(frontend_command("--worker", worker.addresses["ws"]), log=frontend_log) as front,
+            httpx.AsyncClient(trust_env=False, timeout=300) as client,
+        ):
+            server, frontend = ready[1].decode(), front.addresses["http"]
+            shims = [worker.pid, front.pid]
+            for _ in range(200):
+                if (await client.get(f"{frontend}/health")).json()["workers_connected"]:
+                    break
+                await trio.sleep(0.05)
+            targets = {"alone": server, "through the gate": frontend}
+            results: dict[str, list[float]] = {name: [] for name in targets}
+            for url in targets.values():  # warm-up: prompt cache, connections
+                await tokens_per_second(client, url, args.max_tokens)
+            cpu = 0.0
+            for _ in range(args.runs):
+                for name, url in targets.items():
+                    before = sum(cpu_seconds(pid) for pid in shims)
+                    results[name].append(await tokens_per_second(client, url, args.max_tokens))
+                    if url == frontend:
+                        cpu += sum(cpu_seconds(pid) for pid in shims) - before
     print(f"{args.runs} runs of {args.max_tokens} tokens, streamed, llama-server -t {args.threads}")
     for name, values in results.items():
         spread = ", ".join(f"{value:.0f}" for value in values)

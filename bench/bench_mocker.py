@@ -10,8 +10,9 @@ prompt of its own (its words numbered apart from the others'), so with caching o
 looked up, filled and evicted but never hit: the rows compare what the cache's bookkeeping
 costs. It prints, as medians over the rounds:
 
-- ``cpu/step``: wall time the step loop spends computing a step (schedule + complete + wakeups),
-  sleeping excluded;
+- ``cpu/step``: this process's CPU time (user + system, as the kernel counts it) divided by the
+  steps run: the step loop's work, the wake-ups and the clients reading their tokens (the engine
+  keeps no timer of its own; steps are counted where the loop asks its rank for one);
 - ``wall/step``: elapsed wall time divided by the steps run, everything included (the clients
   reading their tokens too);
 - ``sim/step``: the simulated step time after the speedup ratio (what the loop sleeps);
@@ -38,11 +39,11 @@ from worker_ingress.engines._mocker import MockerEngine
 class _Result:
     __slots__ = ("cpu_per_step", "keep_up", "sim_per_step", "steps", "wall_per_step")
 
-    def __init__(self, engine: MockerEngine, elapsed: float, simulated: float) -> None:
-        self.steps = engine.steps
-        self.cpu_per_step = engine.step_cpu_seconds / max(engine.steps, 1)
-        self.wall_per_step = elapsed / max(engine.steps, 1)
-        self.sim_per_step = simulated / max(engine.steps, 1)
+    def __init__(self, steps: int, cpu: float, elapsed: float, simulated: float) -> None:
+        self.steps = steps
+        self.cpu_per_step = cpu / max(steps, 1)
+        self.wall_per_step = elapsed / max(steps, 1)
+        self.sim_per_step = simulated / max(steps, 1)
         self.keep_up = simulated / elapsed if elapsed > 0 else 0.0
 
 
@@ -61,13 +62,16 @@ async def _one_run(
         for client in range(concurrency)
     ]
     simulated_total = 0.0
+    steps = 0
     original_schedule = engine.ranks[0].schedule
 
     def schedule_and_account() -> object:
-        # Sum the simulated time the loop sleeps, to compare with the wall time it took.
-        nonlocal simulated_total
+        # Count the steps and sum the simulated time the loop sleeps, to compare with the wall
+        # time and the CPU time they took.
+        nonlocal simulated_total, steps
         step = original_schedule()
         if step is not None:
+            steps += 1
             simulated_total += step.duration / speedup
         return step
 
@@ -80,13 +84,13 @@ async def _one_run(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as clients:
             for request in requests:
                 clients.start_soon(client, request)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         nursery.cancel_scope.cancel()
-    return _Result(engine, elapsed, simulated_total)
+    return _Result(steps, cpu, elapsed, simulated_total)
 
 
 async def _main(args: argparse.Namespace) -> None:

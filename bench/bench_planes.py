@@ -20,12 +20,12 @@ These are figures, not a test: this machine is small and noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import os
 import statistics
-import subprocess
 import sys
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Final
 
 import trio
@@ -36,6 +36,10 @@ from trio_websocket import (
     serve_websocket,
 )
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.processes import pin
 from shim_common import wire
 from worker_ingress._config import WorkerSettings
 from worker_ingress.engines._base import EngineOutput, PreparedRequest
@@ -44,11 +48,11 @@ from worker_ingress.engines._instant import InstantEngine, create
 WINDOW: Final = 64
 REQUEST_BODY: Final = {"prompt": "bench the planes", "max_tokens": 1}
 HELD_REQUESTS: Final = 3  # N + Q of the reject scenario
+SCENARIOS: Final = ("serve", "reject", "echo3", "echo1")
 
 
-def _pin(cpu: int) -> None:
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
-        os.sched_setaffinity(0, {cpu})
+def _ready(url: str) -> None:
+    print(f"bench-planes ready ws={url}", flush=True)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -91,7 +95,7 @@ async def _serve_echo(replies: tuple[bytes, ...]) -> None:
 
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve_websocket, handler, "127.0.0.1", 0, None)
-        print(f"ready ws://127.0.0.1:{server.port}", flush=True)
+        _ready(f"ws://127.0.0.1:{server.port}")
 
 
 def _config() -> wire.RuntimeConfig:
@@ -121,11 +125,10 @@ async def _serve_worker(scenario: str) -> None:
     worker = Worker(settings, engine)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(worker.serve)
-        print(f"ready {address.ws_url}", flush=True)
+        _ready(address.ws_url)
 
 
 def _serve(scenario: str) -> None:
-    _pin(0)
     if scenario == "echo3":
         trio.run(_serve_echo, _sample_frames())
     elif scenario == "echo1":
@@ -194,36 +197,15 @@ async def _hold_gate_full(url: str, *, task_status: trio.TaskStatus[None]) -> No
         await trio.sleep_forever()
 
 
-@dataclasses.dataclass
-class _Child:
-    scenario: str
-    process: subprocess.Popen[str]
-    url: str
-
-
-def _start(scenario: str) -> _Child:
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--serve", scenario],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert process.stdout is not None
-    for _ in range(20):
-        line = process.stdout.readline()
-        if line.startswith("ready "):
-            return _Child(scenario, process, line.split()[1] + "/v1/requests")
-        if not line:
-            break
-    process.kill()
-    raise RuntimeError(f"{scenario} server did not start")
-
-
 async def _run(seconds: float, rounds: int) -> None:
-    _pin(1)
-    children = {name: _start(name) for name in ("serve", "reject", "echo3", "echo1")}
+    pin(1)
     results: dict[str, list[float]] = {}
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {}
+        for name in SCENARIOS:
+            command = [sys.executable, __file__, "--serve", name]
+            server = await stack.enter_async_context(Child(command, name=name, cpu=0))
+            urls[name] = server.addresses["ws"] + wire.REQUESTS_PATH
         plan = [
             ("echo, 1 connection", "echo3", 1, 3),
             ("worker, 1 connection", "serve", 1, 3),
@@ -235,16 +217,12 @@ async def _run(seconds: float, rounds: int) -> None:
             ("worker rejecting, 8 connections", "reject", 8, 1),
         ]
         async with trio.open_nursery() as nursery:
-            await nursery.start(_hold_gate_full, children["reject"].url)
+            await nursery.start(_hold_gate_full, urls["reject"])
             for _ in range(rounds):
                 for label, name, connections, frames in plan:
-                    rate = await _measure(children[name].url, connections, frames, seconds)
+                    rate = await _measure(urls[name], connections, frames, seconds)
                     results.setdefault(label, []).append(rate)
             nursery.cancel_scope.cancel()
-    finally:
-        for child in children.values():
-            child.process.terminate()
-            child.process.wait(timeout=10)
     medians = {label: statistics.median(rates) for label, rates in results.items()}
     print(f"requests/s, median of {rounds} rounds of {seconds:.1f} s, window {WINDOW}/connection")
     for label, rate in medians.items():
@@ -264,7 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--serve", choices=["serve", "reject", "echo3", "echo1"])
+    parser.add_argument("--serve", choices=SCENARIOS)
     args = parser.parse_args()
     if args.serve:
         _serve(args.serve)

@@ -46,220 +46,45 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
-import math
 import os
 import random
-import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
-from bench.bench_dynamo import (
-    _background,
-    _free_port,
-    _wait_status,
-    dynamo_env,
-    dynamo_version,
-    write_model_folder,
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit import dynamo
+from bench.kit.http import get, wait_connected, wait_status
+from bench.kit.metrics import metric_sum
+from bench.kit.processes import free_port, pinned, serve
+from bench.kit.shim import frontend_command, worker_command
+from bench.kit.table import Table, cell
+from bench.kit.wrk import LOAD_CPU
+from bench.prefix.window import (
+    LOAD_GENERATOR,
+    TRACE_WANTED,
+    Plan,
+    Window,
+    load_generator,
+    make_plan,
 )
-from bench.bench_frontend import _pinned, _wait_connected
 
-ROOT: Final = Path(__file__).resolve().parent.parent
-MODEL: Final = "mock-model"
-CLIENT_CPU: Final = "1"
 OURS: Final = "dynamo-shim"
 MODES: Final = ("round-robin", "kv", "kv-nocache")
 DYNAMO_MODES: Final = ("round-robin", "kv")
-#: What ``--trace`` names, said when it is missing: the two public traces this replays.
-TRACE_WANTED: Final = (
-    "a Mooncake (JSONL) or Azure (CSV) trace, e.g. conversation_trace.jsonl of the"
-    " kvcache-ai/Mooncake repository's FAST25 release (FAST25-release/traces/) or"
-    " data/AzureLLMInferenceTrace_conv.csv of Azure/AzurePublicDataset"
-)
-#: The mockers' own default ``--num-gpu-blocks``, for a window with no block to share.
-DEFAULT_BLOCKS: Final = 16384
+CHAT_PATH: Final = "/v1/chat/completions"
 #: A chat of one word: the probe that a deployment answers before it is measured.
 PROBE: Final = json.dumps(
-    {"model": MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
+    {"model": dynamo.MODEL, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
 )
-
-
-def load_generator() -> ModuleType:
-    """The load generator of ``examples/`` (a script, not a package), loaded from its path."""
-    path = ROOT / "examples" / "load_generator.py"
-    spec = importlib.util.spec_from_file_location("examples_load_generator", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-# ----------------------------------------------------------------------------- the plan
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """The part of the trace replayed and how it is scaled (the load generator's flags)."""
-
-    trace: Path
-    start: float = 0.0
-    duration: float | None = None
-    requests: int | None = None
-    time_scale: float = 1.0
-    length_scale: float = 1.0 / 32
-    output_scale: float | None = None
-
-    def flags(self) -> list[str]:
-        """The load generator's arguments for this window."""
-        flags = ["--trace", str(self.trace), "--trace-start", f"{self.start:g}"]
-        if self.duration is not None:
-            flags += ["--trace-duration", f"{self.duration:g}"]
-        if self.requests is not None:
-            flags += ["--trace-requests", str(self.requests)]
-        flags += [
-            "--time-scale",
-            f"{self.time_scale:g}",
-            "--length-scale",
-            f"{self.length_scale:g}",
-        ]
-        if self.output_scale is not None:
-            flags += ["--output-scale", f"{self.output_scale:g}"]
-        return flags
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What the window holds and the fleet's sizes chosen for it.
-
-    Attributes:
-        requests: Requests of the window.
-        span: Replay seconds from its first arrival to its last.
-        block_tokens: Tokens per block (the mockers' ``--block-size``).
-        distinct_blocks: Distinct full blocks of the window's prompts.
-        unbounded_hit_rate: Prompt tokens an unbounded single cache would find.
-        pooled_hit_rate: Prompt tokens one LRU cache of all the workers' blocks together would
-            find: the ceiling for caches that size, wherever the router sends a prompt.
-        largest_blocks: Blocks the largest request holds at its peak.
-        blocks_per_worker: The mockers' ``--num-gpu-blocks``.
-        workers: Mockers.
-    """
-
-    requests: int
-    span: float
-    block_tokens: int
-    distinct_blocks: int
-    unbounded_hit_rate: float
-    pooled_hit_rate: float
-    largest_blocks: int
-    blocks_per_worker: int
-    workers: int
-
-
-def blocks_per_worker(distinct: int, workers: int, largest: int, share: float) -> int:
-    """Blocks per mocker so that all together hold ``share`` of ``distinct`` blocks.
-
-    Never fewer than ``largest`` + 1 (a request must fit one rank's cache, or the mocker refuses
-    it; the one more leaves room for its first generated token). A window without block names
-    (Azure: nothing to share) gets the mockers' default of :data:`DEFAULT_BLOCKS`.
-    """
-    if workers < 1 or not share > 0:
-        raise ValueError("workers and share must be positive")
-    if distinct == 0:
-        return max(largest + 1, DEFAULT_BLOCKS)
-    return max(largest + 1, math.ceil(distinct * share / workers))
-
-
-def lru_hit_rate(items: Sequence[Any], capacity: int) -> float:
-    """The share of prompt tokens one LRU cache of ``capacity`` blocks finds, in arrival order.
-
-    As :func:`unbounded_hit_rate` of the load generator, but a prompt's full blocks, once looked
-    up, become the most recent, and the least recent leave when more than ``capacity`` are held
-    (a running request's blocks are not pinned here: an upper bound, not a mocker).
-    """
-    cache: OrderedDict[int, None] = OrderedDict()
-    cached = total = 0
-    for item in items:
-        total += item.prompt_tokens
-        full = item.hash_ids[: item.prompt_tokens // item.block_tokens]
-        hits = 0
-        while hits < len(full) and full[hits] in cache:
-            hits += 1
-        cached += hits * item.block_tokens
-        for name in full:
-            cache[name] = None
-            cache.move_to_end(name)
-        while len(cache) > capacity:
-            cache.popitem(last=False)
-    return cached / total if total else 0.0
-
-
-def make_plan(
-    generator: ModuleType, window: Window, workers: int, share: float, blocks: int | None
-) -> Plan:
-    """Read and scale the window (as the load generator will) and size the caches for it."""
-    return plan_of(generator, window_items(generator, window), workers, share, blocks)
-
-
-def window_items(generator: ModuleType, window: Window, trace: Any = None) -> list[Any]:
-    """The window's requests as the load generator replays them, scaled.
-
-    Args:
-        generator: the load generator's module.
-        window: the window and its scales.
-        trace: the trace already read (``generator.read_trace``); ``None``: read it now.
-
-    Raises:
-        ValueError: no request falls in the window.
-    """
-    if trace is None:
-        trace = generator.read_trace(window.trace)
-    chosen = generator.select_window(
-        trace, start=window.start, duration=window.duration, count=window.requests
-    )
-    items: list[Any] = generator.scale_requests(
-        chosen,
-        time_scale=window.time_scale,
-        length_scale=window.length_scale,
-        output_scale=window.output_scale,
-    )
-    if not items:
-        raise ValueError(f"no request of {window.trace} falls in the window")
-    return items
-
-
-def plan_of(
-    generator: ModuleType, items: Sequence[Any], workers: int, share: float, blocks: int | None
-) -> Plan:
-    """The plan of a window's scaled requests: the caches sized for them (``blocks`` per
-    worker when given) and what an unbounded cache and one pooled LRU cache would hit."""
-    block = items[0].block_tokens
-    largest = max(math.ceil((i.prompt_tokens + i.max_tokens) / block) for i in items)
-    distinct = generator.distinct_blocks(items)
-    per_worker = blocks or blocks_per_worker(distinct, workers, largest, share)
-    return Plan(
-        requests=len(items),
-        span=items[-1].arrival,
-        block_tokens=block,
-        distinct_blocks=distinct,
-        unbounded_hit_rate=generator.unbounded_hit_rate(items),
-        pooled_hit_rate=lru_hit_rate(items, per_worker * workers),
-        largest_blocks=largest,
-        blocks_per_worker=per_worker,
-        workers=workers,
-    )
 
 
 # ----------------------------------------------------------------------------- deployments
@@ -275,42 +100,9 @@ class Fleet:
     counter: str
 
 
-def _scrape(url: str, counter: str) -> float:
-    """The sum of ``counter``'s samples on the metrics page at ``url``."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(counter) and line[len(counter) : len(counter) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def started(fleet: Fleet) -> list[float]:
     """Requests each worker has started so far."""
-    return [_scrape(url, fleet.counter) for url in fleet.worker_metrics]
-
-
-@contextlib.contextmanager
-def _server(args: list[str], env: Mapping[str, str]) -> Iterator[list[str]]:
-    """Start one of our servers, yield the URLs of its ready line, stop it."""
-    process = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(env), text=True
-    )
-    assert process.stdout is not None
-    with process.stdout:
-        try:
-            line = process.stdout.readline()
-            if " ready " not in line:
-                raise RuntimeError(f"no ready line from {args[:3]}: {line!r}")
-            yield re.findall(r"\w+=(\S+)", line)
-        finally:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    return [metric_sum(get(url, "")[1].decode(), fleet.counter) for url in fleet.worker_metrics]
 
 
 @contextlib.contextmanager
@@ -318,37 +110,26 @@ def shim_fleet(
     mode: str, plan: Plan, speedup: float, frontend_args: Sequence[str] = ()
 ) -> Iterator[Fleet]:
     """Our frontend (with ``frontend_args`` added) and ``plan.workers`` mockers, in ``mode``."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    python = sys.executable
-    worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-    worker += ["--log-level", "warning", "--block-size", str(plan.block_tokens)]
+    worker = worker_command("--log-level", "warning", "--block-size", str(plan.block_tokens))
     worker += ["--num-gpu-blocks", str(plan.blocks_per_worker), "--speedup-ratio", f"{speedup:g}"]
     if mode == "kv-nocache":
         worker.append("--no-enable-prefix-caching")
     router = "kv" if mode.startswith("kv") else mode
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(_server(worker, env)) for _ in range(plan.workers)]
-        frontend = [python, "-m", "frontend_shim", "--http-port", "0", "--log-level", "warning"]
-        frontend += ["--router-mode", router, *frontend_args]
-        for ws, _ in urls:
-            frontend += ["--worker", ws]
-        (http,) = stack.enter_context(_server(frontend, env))
-        _wait_connected(http)
-        _wait_all_connected(http, plan.workers)
-        _wait_status(http + "/v1/chat/completions", PROBE, 200, timeout=60)
-        yield Fleet(
-            http, [system + "/metrics" for _, system in urls], "dynamo_worker_started_request_total"
+        workers = [stack.enter_context(serve(worker)).addresses for _ in range(plan.workers)]
+        frontend = frontend_command(
+            "--log-level", "warning", "--router-mode", router, *frontend_args
         )
-
-
-def _wait_all_connected(url: str, workers: int) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/health", timeout=5) as reply:
-            if json.load(reply)["workers_connected"] >= workers:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not connect to its {workers} workers")
+        for addresses in workers:
+            frontend += ["--worker", addresses["ws"]]
+        http = stack.enter_context(serve(frontend)).addresses["http"]
+        wait_connected(http, plan.workers)
+        wait_status(http, CHAT_PATH, PROBE, 200, timeout=60)
+        yield Fleet(
+            http,
+            [addresses["system"] + "/metrics" for addresses in workers],
+            "dynamo_worker_started_request_total",
+        )
 
 
 @contextlib.contextmanager
@@ -357,29 +138,29 @@ def dynamo_fleet(
 ) -> Iterator[Fleet]:
     """Dynamo's frontend in ``mode`` and ``plan.workers`` mockers, one process each."""
     model = scratch / "model"
-    write_model_folder(model)  # its FILLER words include the prompts' w0...w499
+    dynamo.write_model_folder(model)  # its FILLER words include the prompts' w0...w499
     _allow_long_prompts(model)
-    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
-    env = dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
-    mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL]
+    env = dynamo.dynamo_env(scratch / f"kv-{mode}-{time.monotonic_ns()}", log)
+    mocker = [python, "-m", "dynamo.mocker", "--model-path", str(model)]
+    mocker += ["--model-name", dynamo.MODEL]
     mocker += ["--block-size", str(plan.block_tokens)]
     mocker += ["--num-gpu-blocks-override", str(plan.blocks_per_worker)]
-    mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *planes]
+    mocker += ["--speedup-ratio", f"{speedup:g}", "--enable-prefix-caching", *dynamo.PLANES]
     metrics = []
     with contextlib.ExitStack() as stack:
         for index in range(plan.workers):
             port = _free_system_port()
             worker_env = {**env, "DYN_SYSTEM_ENABLED": "true", "DYN_SYSTEM_PORT": str(port)}
-            stack.enter_context(
-                _background(mocker, worker_env, scratch / f"dynamo-mocker-{mode}-{index}.log")
-            )
+            log_file = scratch / f"dynamo-mocker-{mode}-{index}.log"
+            stack.enter_context(serve(mocker, worker_env, log=log_file, ready=False, grace=15.0))
             metrics.append(f"http://127.0.0.1:{port}/metrics")
-        port = _free_port()
+        port = free_port()
         frontend = [python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
-        frontend += ["--http-port", str(port), "--router-mode", mode, *planes]
-        stack.enter_context(_background(frontend, env, scratch / f"dynamo-frontend-{mode}.log"))
+        frontend += ["--http-port", str(port), "--router-mode", mode, *dynamo.PLANES]
+        log_file = scratch / f"dynamo-frontend-{mode}.log"
+        stack.enter_context(serve(frontend, env, log=log_file, ready=False, grace=15.0))
         url = f"http://127.0.0.1:{port}"
-        _wait_status(url + "/v1/chat/completions", PROBE, 200, timeout=180)
+        wait_status(url, CHAT_PATH, PROBE, 200, timeout=180)
         fleet = Fleet(url, metrics, "dynamo_component_requests_total")
         _wait_dynamo_workers(fleet, plan.workers)
         yield fleet
@@ -418,7 +199,7 @@ def _wait_dynamo_workers(fleet: Fleet, workers: int) -> None:
                 return
         except OSError:
             pass
-        _wait_status(fleet.url + "/v1/chat/completions", PROBE, 200, timeout=30)
+        wait_status(fleet.url, CHAT_PATH, PROBE, 200, timeout=30)
     raise RuntimeError(f"{fleet.url} did not route to all {workers} mockers")
 
 
@@ -439,16 +220,16 @@ def replay(
         max_in_flight: Requests out at once at most.
     """
     out = scratch / f"replay-{time.monotonic_ns()}.json"
-    args = [sys.executable, str(ROOT / "examples" / "load_generator.py"), "--url", url]
-    args += ["--model", MODEL, "--endpoint", "chat", *window.flags()]
+    args = [sys.executable, str(LOAD_GENERATOR), "--url", url]
+    args += ["--model", dynamo.MODEL, "--endpoint", "chat", *window.flags()]
     args += ["--timeout", f"{timeout:g}", "--max-in-flight", str(max_in_flight)]
     args += ["--json", str(out)]
     # The load generator bounds its own run; this bound only catches one that hangs.
     done = subprocess.run(
-        _pinned(CLIENT_CPU, args),
+        pinned(LOAD_CPU, args),
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=LOAD_GENERATOR.parents[1],
         check=False,
         timeout=span + 2 * timeout + 120.0,
     )
@@ -487,7 +268,7 @@ def aiperf_tokenizer(scratch: Path) -> tuple[str, dict[str, str]]:
     """
     revision = "0" * 40
     entry = scratch / "hub" / "models--local--words"
-    write_model_folder(entry / "snapshots" / revision)
+    dynamo.write_model_folder(entry / "snapshots" / revision)
     (entry / "refs").mkdir(parents=True, exist_ok=True)
     (entry / "refs" / "main").write_text(revision)
     return "local/words", {"HF_HUB_CACHE": str(scratch / "hub"), "HF_HUB_OFFLINE": "1"}
@@ -507,12 +288,12 @@ def replay_aiperf(
     aiperf_trace(window, trace)
     tokenizer, env = aiperf_tokenizer(scratch)
     artifacts = scratch / f"aiperf-{tag}"
-    args = [aiperf, "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat"]
+    args = [aiperf, "profile", "--model", dynamo.MODEL, "--url", url, "--endpoint-type", "chat"]
     args += ["--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace"]
     args += ["--tokenizer", tokenizer, "--fixed-schedule", "--ui-type", "none"]
     args += ["--artifact-dir", str(artifacts)]
     done = subprocess.run(
-        _pinned(CLIENT_CPU, args),
+        pinned(LOAD_CPU, args),
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -542,8 +323,11 @@ def aiperf_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     elapsed = (max(ends) - min(starts)) / 1e9 if records else 0.0
     shed = sum(1 for r in records if (r.get("error") or {}).get("code") == 529)
 
-    def pick(fraction: float) -> float | None:
-        return ttfts[min(len(ttfts) - 1, int(fraction * len(ttfts)))] if ttfts else None
+    # The load generator's percentile (nearest rank), so that both replays' figures compare.
+    nearest_rank = load_generator().percentile
+
+    def pick(share: float) -> float | None:
+        return float(nearest_rank(ttfts, share)) if ttfts else None
 
     return {
         "sent": len(records),
@@ -604,10 +388,6 @@ def median_run(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _cell(value: float | None, form: str) -> str:
-    return "-" if value is None else format(value, form)
-
-
 def _ratio(top: float | None, bottom: float | None) -> str:
     if top is None or bottom is None or bottom == 0:
         return "-"
@@ -629,42 +409,43 @@ def report(plan: Plan, results: Mapping[str, Mapping[str, Mapping[str, Any]]]) -
         " of the distinct blocks)",
         f"unbounded single cache: hit rate {plan.unbounded_hit_rate:.3f}; one LRU cache of all"
         f" {plan.workers * plan.blocks_per_worker} blocks: {plan.pooled_hit_rate:.3f}",
-        "",
-        "| system | mode | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | throughput (req/s)"
-        " | shed | busiest worker | requests per worker |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = Table(
+        "system", "mode", "hit rate", "TTFT p50 (ms)", "TTFT p90 (ms)", "throughput (req/s)",
+        "shed", "busiest worker", "requests per worker",
+    )  # fmt: skip
     for system, modes in results.items():
         for mode, row in modes.items():
-            shares = " / ".join(f"{share:.0%}" for share in row["shares"])
-            ttft50 = row["ttft_p50"] * 1e3 if row["ttft_p50"] is not None else None
-            ttft90 = row["ttft_p90"] * 1e3 if row["ttft_p90"] is not None else None
-            lines.append(
-                f"| {system} | {mode} | {_cell(row['hit_rate'], '.3f')}"
-                f" | {_cell(ttft50, '.1f')} | {_cell(ttft90, '.1f')}"
-                f" | {_cell(row['throughput'], '.2f')} | {_cell(row['shed_rate'], '.1%')}"
-                f" | {_cell(row['max_share'], '.0%')} | {shares} |"
+            rows.add(
+                system,
+                mode,
+                cell(row["hit_rate"], ".3f", missing="-"),
+                cell(row["ttft_p50"], ".1f", scale=1e3, missing="-"),
+                cell(row["ttft_p90"], ".1f", scale=1e3, missing="-"),
+                cell(row["throughput"], ".2f", missing="-"),
+                cell(row["shed_rate"], ".1%", missing="-"),
+                cell(row["max_share"], ".0%", missing="-"),
+                " / ".join(f"{share:.0%}" for share in row["shares"]),
             )
-    lines += [
-        "",
-        "| system | kv hit rate / round-robin's | kv hit rate / unbounded"
-        " | kv TTFT p50 / round-robin's | kv TTFT p50 / kv-nocache's"
-        " | kv throughput / round-robin's |",
-        "|---|---|---|---|---|---|",
-    ]
+    ratios = Table(
+        "system", "kv hit rate / round-robin's", "kv hit rate / unbounded",
+        "kv TTFT p50 / round-robin's", "kv TTFT p50 / kv-nocache's",
+        "kv throughput / round-robin's",
+    )  # fmt: skip
     for system, modes in results.items():
         kv, rr = modes.get("kv"), modes.get("round-robin")
         if kv is None or rr is None:
             continue
         nocache = modes.get("kv-nocache")
-        lines.append(
-            f"| {system} | {_ratio(kv['hit_rate'], rr['hit_rate'])}"
-            f" | {_ratio(kv['hit_rate'], plan.unbounded_hit_rate)}"
-            f" | {_ratio(kv['ttft_p50'], rr['ttft_p50'])}"
-            f" | {_ratio(kv['ttft_p50'], nocache['ttft_p50']) if nocache else '-'}"
-            f" | {_ratio(kv['throughput'], rr['throughput'])} |"
+        ratios.add(
+            system,
+            _ratio(kv["hit_rate"], rr["hit_rate"]),
+            _ratio(kv["hit_rate"], plan.unbounded_hit_rate),
+            _ratio(kv["ttft_p50"], rr["ttft_p50"]),
+            _ratio(kv["ttft_p50"], nocache["ttft_p50"]) if nocache else "-",
+            _ratio(kv["throughput"], rr["throughput"]),
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", str(rows), "", str(ratios)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -697,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--dynamo-python",
-        default=str(ROOT / ".venv-dynamo" / "bin" / "python"),
+        default=str(dynamo.DEFAULT_PYTHON),
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
@@ -736,15 +517,12 @@ def main(argv: list[str] | None = None) -> None:
     ours = [m for m in options.modes.split(",") if m]
     theirs = [m for m in options.dynamo_modes.split(",") if m]
     systems: list[tuple[str, str]] = [(OURS, mode) for mode in ours]
-    version = dynamo_version(options.dynamo_python) if theirs else None
-    dynamo = f"Dynamo {version}"
+    version = dynamo.dynamo_version(options.dynamo_python) if theirs else None
+    rival = f"Dynamo {version}"
     if theirs and version is None:
-        print(
-            f"Dynamo: skipped, {options.dynamo_python} cannot import dynamo.frontend and"
-            " dynamo.mocker"
-        )
+        print(dynamo.skipped(options.dynamo_python))
     elif theirs:
-        systems += [(dynamo, mode) for mode in theirs]
+        systems += [(rival, mode) for mode in theirs]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         scratch = options.logs or Path(tmp)

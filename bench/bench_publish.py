@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import resource
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.table import Table
 from frontend_shim._links import LinkSettings, WorkerLink
 from shim_common import wire
 from worker_ingress._config import MockerSettings, WorkerSettings
@@ -53,11 +58,6 @@ class Counter:
         return None
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def _measure(speedup: float, interval: float, seconds: float) -> tuple[float, float, float]:
     settings = WorkerSettings(
         port=0,
@@ -87,12 +87,12 @@ async def _measure(speedup: float, interval: float, seconds: float) -> tuple[flo
         for _ in range(48):
             nursery.start_soon(client)
         await trio.sleep(1.0)  # warm up
-        batches, events, cpu = counter.batches, counter.events, _cpu()
+        batches, events, cpu = counter.batches, counter.events, time.process_time()
         await trio.sleep(seconds)
         result = (
             (counter.batches - batches) / seconds,
             (counter.events - events) / seconds,
-            (_cpu() - cpu) / seconds,
+            (time.process_time() - cpu) / seconds,
         )
         nursery.cancel_scope.cancel()
     return result
@@ -104,17 +104,20 @@ def main() -> None:
     parser.add_argument("--speedups", default="1,10,100")
     parser.add_argument("--interval", type=float, default=0.1)
     args = parser.parse_args()
-    print(
-        "| speedup | batches/s bounded | load events/s bounded | process CPU bounded "
-        "| batches/s unbounded | load events/s unbounded | process CPU unbounded |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    table = Table(
+        "speedup", "batches/s bounded", "load events/s bounded", "process CPU bounded",
+        "batches/s unbounded", "load events/s unbounded", "process CPU unbounded",
+    )  # fmt: skip
+    print(table.head)
     for speedup in (float(s) for s in args.speedups.split(",")):
         bounded = trio.run(_measure, speedup, args.interval, args.seconds)
         unbounded = trio.run(_measure, speedup, 0.0, args.seconds)
         print(
-            f"| {speedup:g} | {bounded[0]:.0f} | {bounded[1]:.0f} | {bounded[2]:.0%} "
-            f"| {unbounded[0]:.0f} | {unbounded[1]:.0f} | {unbounded[2]:.0%} |"
+            table.row(
+                f"{speedup:g}",
+                *(f"{bounded[0]:.0f}", f"{bounded[1]:.0f}", f"{bounded[2]:.0%}"),
+                *(f"{unbounded[0]:.0f}", f"{unbounded[1]:.0f}", f"{unbounded[2]:.0%}"),
+            )
         )
 
 

@@ -35,11 +35,17 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.proc import memory
 from frontend_shim._kv_cost import KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
@@ -161,18 +167,15 @@ def pick_prompts(router: Router, prompts: Sequence[Prompt], now: float) -> None:
 
 def resident_bytes() -> int:
     """This process's resident memory now (Linux), in bytes."""
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    import resource
-
-    return pages * resource.getpagesize()
+    return memory(os.getpid()).resident
 
 
 def fill_index(
     fleet: Fleet, blocks: int, prompt_blocks: int, rng: random.Random
-) -> tuple[KvIndex, list[Prompt]]:
+) -> tuple[KvIndex, list[Prompt], int]:
     """An index whose every rank holds ``blocks`` names: the chains of a few conversations (so
-    that picks find prefixes) and random names for the rest; and the prompts to pick for."""
+    that picks find prefixes) and random names for the rest; the prompts to pick for; and the
+    names the index holds (those stored, less those its caps turned away)."""
     index = KvIndex()
     workers = list(fleet.workers(MODEL))
     conversations = []
@@ -180,6 +183,7 @@ def fill_index(
         tokens = [rng.randrange(50_000) for _ in range(prompt_blocks * 16)]
         conversations.append((tokens, block_names(tokens, 16)))
     prompts: list[Prompt] = []
+    stored = 0
     for worker_index, worker in enumerate(workers):
         config = worker.config
         index.add_worker(config, 0.0, events=True)
@@ -189,20 +193,20 @@ def fill_index(
             held = names[: rng.randrange(1, len(names) + 1)]
             filler = [rng.getrandbits(63) for _ in range(blocks - len(held))]
             ranks.append(held + filler)
+            stored += len(ranks[-1])
         index.apply(config.worker_id, [wire.KvSnapshot(seq=0, ranks=ranks)], 0.0)
     for tokens, _ in conversations:
         prompt = Prompt([*tokens, *(rng.randrange(50_000) for _ in range(8))])
         prompt.names(16)  # named before the timing: picks/s is the scoring alone
         prompts.append(prompt)
-    return index, prompts
+    return index, prompts, stored - index.stats.overflow
 
 
 def bench_kv(fleet: Fleet, args: argparse.Namespace, rng: random.Random) -> None:
     before = resident_bytes()
     start = time.perf_counter()
-    index, prompts = fill_index(fleet, args.kv_blocks, args.prompt_blocks, rng)
+    index, prompts, held = fill_index(fleet, args.kv_blocks, args.prompt_blocks, rng)
     filled = time.perf_counter() - start
-    held = index.blocks()
     # The prompts (their tokens and names) are not the index's: counted out.
     prompt_bytes = sum(len(p.tokens) * 8 + len(p.names(16)) * 44 for p in prompts)
     grown = resident_bytes() - before - prompt_bytes

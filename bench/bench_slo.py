@@ -4,7 +4,7 @@ Run from the repository's root: ``python -m bench.bench_slo [--seconds 30] [--lo
 [--objective 0.3] [--sweep 2,4,8,12,16,24,32,64] [--sweep-queues 2,8] [--plot slo.png]
 [--json slo.json]`` (``--plot`` needs ``pip install -e '.[plot]'``). ``--mode e2e`` measures the
 same table through real worker and frontend processes at the client instead
-(:mod:`bench.slo_e2e`), e.g. ``--mode e2e --seconds 10 --loads 0.5,2 --sweep 8,16,32``.
+(:mod:`bench.slo.e2e`), e.g. ``--mode e2e --seconds 10 --loads 0.5,2 --sweep 8,16,32``.
 
 What runs: the worker's own admission gate (:class:`worker_ingress._admission.AdmissionGate`)
 in front of the mocker engine (:class:`worker_ingress.engines._mocker.MockerEngine`), in this
@@ -55,7 +55,7 @@ import functools
 import json
 import math
 import random
-import shutil
+import re
 import statistics
 import sys
 import tempfile
@@ -67,8 +67,12 @@ from typing import Final, TypeVar
 import trio
 import trio.testing
 
-from bench.bench_goodput import poisson_arrivals
-from bench.slo_figures import (
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import started_logging
+from bench.kit.stats import poisson_arrivals
+from bench.slo.e2e import measure
+from bench.slo.figures import (
     TABLE_HEAD,
     WORKLOADS,
     Config,
@@ -89,6 +93,8 @@ from worker_ingress.engines._mocker import MockerEngine
 
 _T = TypeVar("_T")
 
+#: What llama-server prints once it serves (its address).
+LLAMA_READY: Final = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 #: How often the effective limit is sampled for "L over time" (seconds).
 LIMIT_SAMPLE_SECONDS: Final = 0.25
 #: Share of the run at the start whose arrivals are not counted (the adaptive limit starts at N).
@@ -208,9 +214,13 @@ async def capacity(workload: Workload, *, make_engine: EngineFactory, seconds: f
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         origin = trio.current_time()
-        for _ in range(workload.max_num_seqs):
-            nursery.start_soon(client)
-        await trio.sleep(seconds)
+        # The clients stop before the engine: an engine that stops first (the openai engine
+        # closes its HTTP client) would fail a client's request mid-way instead of cancelling it.
+        async with trio.open_nursery() as clients:
+            for _ in range(workload.max_num_seqs):
+                clients.start_soon(client)
+            await trio.sleep(seconds)
+            clients.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     warm = origin + seconds * WARMUP_SHARE
     return sum(1 for at in done if at >= warm) / (seconds * (1 - WARMUP_SHARE))
@@ -251,9 +261,7 @@ def e2e_records(raw: Sequence[Sequence[float]]) -> list[Record]:
 
 
 async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> None:
-    """The table through real processes, TTFT at the client (module :mod:`bench.slo_e2e`)."""
-    from bench import slo_e2e
-
+    """The table through real processes, TTFT at the client (module :mod:`bench.slo.e2e`)."""
     objective = args.objective
     warmup = args.seconds * WARMUP_SHARE
     loads = [float(v) for v in args.loads.split(",")]
@@ -276,7 +284,7 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
             "max_tokens": workload.max_tokens,
             "stream": True,
         }
-        probe = await slo_e2e.measure(
+        probe = await measure(
             worker_flags=shape,
             queue=workload.usual_queue,
             body=body,
@@ -288,16 +296,15 @@ async def e2e_section(args: argparse.Namespace, chosen: Sequence[Workload]) -> N
         print(f"\n{workload.name}: {workload.describe()}; capacity {cap:.1f}/s (closed loop)")
         configs = configs_for(workload, sweep, objective, (2,))
         for load in loads:
-            arrivals = slo_e2e.arrivals_for(
-                load * cap, args.seconds, f"{args.seed}:{workload.name}:{load}"
-            )
+            rng = random.Random(f"{args.seed}:{workload.name}:{load}")
+            arrivals = poisson_arrivals(load * cap, args.seconds, rng)
             rows: dict[str, Row] = {}
             refusals: dict[str, tuple[float, float, float]] = {}
             for config in configs:
                 flags = [*shape, "--engine-request-limit", str(config.limit)]
                 if config.objective is not None:
                     flags += ["--ttft-slo", str(config.objective)]
-                result = await slo_e2e.measure(
+                result = await measure(
                     worker_flags=flags, queue=config.queue, body=body, arrivals=arrivals
                 )
                 records = e2e_records(result.records)
@@ -335,7 +342,6 @@ async def llama_section(args: argparse.Namespace) -> None:
     there); the gate and the ``openai`` engine run in this process. The usual setting is N = the
     server's slots with Q = 16; the sweep is N = 1, 2, 4, ... up to the slots with Q = 2.
     """
-    from bench.bench_llama_server import SERVER_READY, started
     from worker_ingress._config import WorkerSettings
     from worker_ingress.engines.upstream._engine import create
 
@@ -351,10 +357,9 @@ async def llama_section(args: argparse.Namespace) -> None:
     )
     server = [args.llama_server, "-m", args.llama_model, "--alias", "tiny", "--host"]
     server += ["127.0.0.1", "--port", "0", "-np", str(slots), "-c", str(slots * 4096), "-t", "1"]
-    if shutil.which("taskset"):
-        server = ["taskset", "-c", "0", *server]
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
-    async with started(server, log, SERVER_READY) as url:
+    async with started_logging(server, log, LLAMA_READY, cpu=0, name="llama-server") as (_, ready):
+        url = ready[1].decode()
 
         def engine_with(limit: int) -> EngineFactory:
             settings = WorkerSettings(

@@ -22,48 +22,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.proc import cpu_seconds, descriptors
+from bench.kit.processes import clean_env, pin
+from bench.kit.shim import worker_command
+from bench.kit.stats import percentile
+from bench.kit.table import Table
 from shim_common import wire
 
 #: Seconds after the idle subscribers connected before measuring, and of the measure at rest.
 SETTLE_SECONDS = 5.0
 IDLE_SECONDS = 3.0
 BODY: dict[str, Any] = {"prompt": "one two three four five six seven eight", "max_tokens": 32}
-READY = re.compile(rb"ws=(\S+) system=(\S+)")
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _start_worker(tree: str) -> tuple[trio.Process, str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_")}
-    env["PYTHONPATH"] = tree  # and run from it: `python -m` puts the working directory first
-    process = await trio.lowlevel.open_process(
-        ["taskset", "-c", "0", sys.executable, "-m", "worker_ingress", "--port", "0",
-         "--system-port", "0", "--engine-request-limit", "64", "--speedup-ratio", "4",
-         "--log-level", "error"],
-        stdout=subprocess.PIPE, env=env, cwd=tree,
-    )  # fmt: skip
-    assert process.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while b"\n" not in line:
-            line += await process.stdout.receive_some(4096)
-    match = READY.search(line)
-    assert match is not None, line
-    return process, match[1].decode(), match[2].decode()
+def _worker(tree: str) -> Child:
+    """A mocker worker of ``tree`` on CPU 0, run from the tree (``python -m`` puts the working
+    directory first on the path); it gets 40 s to stop (its idle connections close first)."""
+    args = worker_command(
+        "--engine-request-limit", "64", "--speedup-ratio", "4", "--log-level", "error"
+    )
+    return Child(args, clean_env(tree), name="the worker", cpu=0, cwd=tree, grace=40.0)
 
 
 async def _idle_subscriber(host: str, port: int, opened: trio.MemorySendChannel[None]) -> None:
@@ -153,39 +143,37 @@ async def _phase(
         for _ in range(idle):
             await opened_rx.receive()
         await trio.sleep(SETTLE_SECONDS)  # the handshakes done, the publisher settled
-        descriptors = len(os.listdir(f"/proc/{pid}/fd"))
-        cpu = _cpu_seconds(pid)
+        held = descriptors(pid)
+        cpu = cpu_seconds(pid)
         await trio.sleep(IDLE_SECONDS)
-        idle_share = (_cpu_seconds(pid) - cpu) / IDLE_SECONDS
-        cpu = _cpu_seconds(pid)
+        idle_share = (cpu_seconds(pid) - cpu) / IDLE_SECONDS
+        cpu = cpu_seconds(pid)
         await _completions(ws_url, clients, seconds, latencies)
-        per_completion = (_cpu_seconds(pid) - cpu) / max(len(latencies), 1)
+        per_completion = (cpu_seconds(pid) - cpu) / max(len(latencies), 1)
         nursery.cancel_scope.cancel()
-    quantiles = statistics.quantiles(latencies, n=20)
     return (
-        descriptors,
+        held,
         idle_share,
         per_completion,
         len(latencies),
         statistics.median(latencies),
-        quantiles[18],
+        percentile(latencies, 0.95),
     )
 
 
 async def _tree(tree: str, idle: list[int], clients: int, seconds: float) -> list[tuple[Any, ...]]:
-    process, ws_url, _system = await _start_worker(tree)
+    worker = _worker(tree)
+    await worker.start()
     try:
+        with trio.fail_after(30):
+            ws_url = (await worker.ready())["ws"]
         rows = []
         for count in (0, *idle):
-            rows.append((count, *await _phase(ws_url, process.pid, count, clients, seconds)))
+            rows.append((count, *await _phase(ws_url, worker.pid, count, clients, seconds)))
             await trio.sleep(1.0)
         return rows
     finally:
-        process.terminate()
-        with trio.move_on_after(40):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
+        await worker.stop()
 
 
 def main() -> None:
@@ -197,24 +185,24 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--trees", default="this=.", help="label=path,... (a checkout each)")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {1})
-    print(
-        "| tree | idle subscribers | worker fds | worker CPU at rest | CPU ms per completion "
-        "| completions | p50 ms | p95 ms | p50 x | p95 x |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    pin(1)
+    table = Table(
+        "tree", "idle subscribers", "worker fds", "worker CPU at rest", "CPU ms per completion",
+        "completions", "p50 ms", "p95 ms", "p50 x", "p95 x",
+    )  # fmt: skip
+    print(table.head)
     for label, path in (item.split("=", 1) for item in args.trees.split(",")):
         tree = os.path.abspath(path)
         idle = [int(count) for count in args.idle.split(",")]
         rows = trio.run(_tree, tree, idle, args.clients, args.seconds)
         base = rows[0]
         for count, fds, rest, per_completion, done, p50, p95 in rows:
-            print(
-                f"| {label} | {count} | {fds} | {rest:.0%} | {per_completion * 1000:.1f} | {done} "
-                f"| {p50 * 1000:.0f} | {p95 * 1000:.0f} | {p50 / base[5]:.2f} "
-                f"| {p95 / base[6]:.2f} |",
-                flush=True,
-            )
+            row = table.row(
+                label, count, fds, f"{rest:.0%}", f"{per_completion * 1000:.1f}", done,
+                f"{p50 * 1000:.0f}", f"{p95 * 1000:.0f}", f"{p50 / base[5]:.2f}",
+                f"{p95 / base[6]:.2f}",
+            )  # fmt: skip
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

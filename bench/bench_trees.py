@@ -25,21 +25,26 @@ import argparse
 import contextlib
 import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
-from bench.bench_frontend import LOAD_CPU, _pinned, _server, _wait_connected
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.proc import cpu_seconds
+from bench.kit.processes import clean_env
+from bench.kit.shim import shim
+from bench.kit.table import Table
+from bench.kit.wrk import SERVER_CPU, Wrk, need_wrk
 
 CHAT: Final = json.dumps(
     {"model": "mock-model", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 1}
 )
+PATH: Final = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -53,50 +58,23 @@ class Round:
     live_p50_ms: float | None = None
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.contextmanager
-def _process(args: list[str], tree: str) -> Iterator[tuple[int, list[str]]]:
-    """Start a server of ``tree``, yield its pid and the URLs of its ready line, stop it."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("DYN_")}
-    env["PYTHONPATH"] = tree
-    # Run from the tree: ``python -m`` puts the working directory first on the import path, so
-    # from anywhere else (a checkout of another tree above all) it could import other code.
-    with _server(args, env, cwd=tree) as started:
-        yield started
-
-
-def _wrk(url: str, lua: str | None, connections: int, seconds: int) -> tuple[float, float, float]:
-    """Run wrk; return requests/s, requests, p50 in milliseconds."""
-    args = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency"]
-    if lua is not None:
-        args += ["-s", lua]
-    output = subprocess.run(
-        _pinned(LOAD_CPU, [*args, url]), capture_output=True, text=True, check=True
-    ).stdout
-    if re.search(r"Non-2xx or 3xx responses: (\d+)", output):
-        raise RuntimeError(f"{url}: non-2xx answers:\n{output}")
-    rate = re.search(r"Requests/sec:\s+([\d.]+)", output)
-    total = re.search(r"(\d+) requests in", output)
-    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", output)
-    if rate is None or total is None or p50 is None:
-        raise RuntimeError(f"unexpected wrk output:\n{output}")
-    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p50[2]]
-    return float(rate[1]), float(total[1]), float(p50[1]) * scale
+def _checked(figures: dict[str, float], url: str) -> dict[str, float]:
+    if figures["non_2xx"]:
+        raise RuntimeError(f"{url}: {figures['non_2xx']:.0f} non-2xx answers")
+    return figures
 
 
 def report(trees: Sequence[str], rounds: dict[str, list[Round]]) -> str:
     """The medians per tree, and each tree's median per-round rate ratio to the first tree."""
     first = rounds[trees[0]]
-    lines = [
-        "| tree | requests/s | frontend CPU per completion (us) | worker CPU (us)"
-        " | one connection: completion p50 / GET /live p50 (ms) | rate / first tree's |",
-        "|---|---|---|---|---|---|",
-    ]
+    table = Table(
+        "tree",
+        "requests/s",
+        "frontend CPU per completion (us)",
+        "worker CPU (us)",
+        "one connection: completion p50 / GET /live p50 (ms)",
+        "rate / first tree's",
+    )
     for tree in trees:
         mine = rounds[tree]
         ratios = [m.rate / f.rate for m, f in zip(mine, first, strict=True)]
@@ -107,14 +85,15 @@ def report(trees: Sequence[str], rounds: dict[str, list[Round]]) -> str:
             if one and live
             else "n/a"
         )
-        lines.append(
-            f"| {tree} | {statistics.median(m.rate for m in mine):,.0f}"
-            f" | {statistics.median(m.frontend_us for m in mine):.0f}"
-            f" | {statistics.median(m.worker_us for m in mine):.0f}"
-            f" | {latency} | {statistics.median(ratios):.2f}"
-            f" ({', '.join(f'{r:.2f}' for r in ratios)}) |"
+        table.add(
+            tree,
+            f"{statistics.median(m.rate for m in mine):,.0f}",
+            f"{statistics.median(m.frontend_us for m in mine):.0f}",
+            f"{statistics.median(m.worker_us for m in mine):.0f}",
+            latency,
+            f"{statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})",
         )
-    return "\n".join(lines)
+    return str(table)
 
 
 def main() -> None:
@@ -127,47 +106,39 @@ def main() -> None:
     parser.add_argument("--speedup-ratio", default="100", help="the mocker's")
     parser.add_argument("--one", action="store_true", help="also the one-connection p50s")
     options = parser.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk is needed (apt-get install -y wrk)")
+    need_wrk()
     trees = [os.path.abspath(tree) for tree in options.trees]
     engine = (
         ["--engine", "instant"]
         if options.engine == "instant"
         else ["--speedup-ratio", options.speedup_ratio]
     )
-    path = "/v1/chat/completions"
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
-        lua = os.path.join(scratch, "chat.lua")
-        with open(lua, "w") as script:
-            script.write(
-                'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                f"wrk.body = {json.dumps(CHAT)}\n"
-            )
+        wrk = Wrk(options.seconds, options.connections, Path(scratch))
         systems: list[tuple[str, int, int, str]] = []
+        quiet = ["--log-level", "warning"]
         for tree in trees:
-            python = sys.executable
-            worker = [python, "-m", "worker_ingress", "--port", "0", "--system-port", "0"]
-            worker += ["--log-level", "warning", *engine]
-            worker_pid, (worker_url, _) = stack.enter_context(_process(worker, tree))
-            frontend = [python, "-m", "frontend_shim", "--http-port", "0"]
-            frontend += ["--log-level", "warning", "--worker", worker_url]
-            frontend_pid, (url,) = stack.enter_context(_process(frontend, tree))
-            _wait_connected(url)
-            _wrk(url + path, lua, 16, 1)  # warm-up
-            systems.append((tree, worker_pid, frontend_pid, url))
+            # Each tree's code, run from the tree: ``python -m`` puts the working directory
+            # first on the import path, so from anywhere else it could import other code.
+            ours = stack.enter_context(
+                shim([*quiet, *engine], quiet, clean_env(tree), cpu=SERVER_CPU, cwd=tree)
+            )
+            wrk.run(ours.url + PATH, body=CHAT, connections=16, seconds=1)  # warm-up
+            systems.append((tree, ours.worker.pid, ours.frontend.pid, ours.url))
         rounds: dict[str, list[Round]] = {tree: [] for tree in trees}
         for number in range(options.rounds):
             for tree, worker_pid, frontend_pid, url in systems[:: 1 if number % 2 == 0 else -1]:
-                worker_cpu, frontend_cpu = _cpu_seconds(worker_pid), _cpu_seconds(frontend_pid)
-                rate, total, _ = _wrk(url + path, lua, options.connections, options.seconds)
-                worker_us = (_cpu_seconds(worker_pid) - worker_cpu) / total * 1e6
-                frontend_us = (_cpu_seconds(frontend_pid) - frontend_cpu) / total * 1e6
+                worker_cpu, frontend_cpu = cpu_seconds(worker_pid), cpu_seconds(frontend_pid)
+                figures = _checked(wrk.run(url + PATH, body=CHAT), url)
+                total = figures["requests"]
+                worker_us = (cpu_seconds(worker_pid) - worker_cpu) / total * 1e6
+                frontend_us = (cpu_seconds(frontend_pid) - frontend_cpu) / total * 1e6
                 one = live = None
                 if options.one:
-                    one = _wrk(url + path, lua, 1, options.seconds)[2]
-                    live = _wrk(url + "/live", None, 1, options.seconds)[2]
-                rounds[tree].append(Round(rate, frontend_us, worker_us, one, live))
-                print(f"round {number + 1}: {tree}: {rate:,.0f}/s", file=sys.stderr)
+                    one = _checked(wrk.run(url + PATH, body=CHAT, connections=1), url)["p50_ms"]
+                    live = _checked(wrk.run(url + "/live", connections=1), url)["p50_ms"]
+                rounds[tree].append(Round(figures["rps"], frontend_us, worker_us, one, live))
+                print(f"round {number + 1}: {tree}: {figures['rps']:,.0f}/s", file=sys.stderr)
     print(
         f"wrk: {options.connections} connections, {options.seconds} s per figure,"
         f" {options.engine} engine, medians of {options.rounds} rounds"

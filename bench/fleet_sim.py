@@ -42,24 +42,36 @@ connection's sender. Everything else runs unchanged.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
-from typing import Any, Final, Literal, TextIO
+from pathlib import Path
+from typing import Any, Final, TextIO
 
 import msgspec
 import trio
 
+if not __package__:  # run as a file: ``bench`` is in the folder above, as under ``python -m``
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fleet.model import (
+    BUSY_RANGE,
+    CURRENT_FEATURES,
+    FREE_RANGE,
+    KV_TOTAL_BLOCKS,
+    MODEL,
+    SLOTS,
+    Counters,
+    Protocol,
+    set_up,
+    simulator_parser,
+)
 from shim_common.wire import (
-    FEATURE_BUSY_EDGES,
     BusyThresholds,
     Endpoint,
     Heartbeat,
@@ -74,38 +86,10 @@ from worker_ingress._watch import ChangeSignal
 from worker_ingress.engines._base import EngineConfig, EngineOutput, PreparedRequest
 from worker_ingress.engines._instant import InstantEngine
 
-__all__ = ["CURRENT_FEATURES", "CountingPublisher", "Counters", "FleetEngine", "main"]
+__all__ = ["CountingPublisher", "FleetEngine", "main"]
 
-Protocol = Literal["new", "current", "v1"]
-PROTOCOLS: Final = ("new", "current", "v1")
-#: The features a worker of the fleet work's protocol lists.
-CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)
-
-MODEL: Final = "mock-model"
-KV_TOTAL_BLOCKS: Final = 1000
-#: Decode-block fractions of each mode, as [low, high): busy is above a 0.5 threshold, free is
-#: well below it.
-FREE_RANGE: Final = (0.0, 0.2)
-BUSY_RANGE: Final = (0.6, 0.9)
 #: Collector thresholds of the simulator process (the default is 700, 10, 10).
 GC_THRESHOLDS: Final = (100_000, 50, 50)
-#: The tick period is split into this many slots; each slot ticks its share of the engines, so
-#: the fleet's changes are spread over the period instead of arriving in one burst.
-SLOTS: Final = 10
-
-
-@dataclasses.dataclass
-class Counters:
-    """What the simulator process generated and sent, summed over its workers."""
-
-    #: Rank load changes made by the engines (each one should become a load event).
-    generated: int = 0
-    #: Load events the workers took from their subscriptions to send.
-    load_events: int = 0
-    #: Heartbeats likewise.
-    heartbeats: int = 0
-    #: Event-plane websocket messages (one per batch).
-    batches: int = 0
 
 
 class _CountingSubscription(Subscription):
@@ -401,29 +385,9 @@ async def serve_fleet(fleet: Fleet, control: TextIO) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
-    parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
-    parser.add_argument("--id-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1...")
-    parser.add_argument(
-        "--protocol", choices=PROTOCOLS, default="new", help="what the workers announce and do"
-    )
-    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
-    parser.add_argument(
-        "--paused", action="store_true", help="no load changes before the first busy/free"
-    )
-    options = parser.parse_args()
-    if options.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {options.cpu})
-    _raise_fd_limit()
+    options = simulator_parser(__doc__.splitlines()[0]).parse_args()
+    set_up(options)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Every Worker prints its own ready line to stdout; stdout is the control channel here.
     control = os.fdopen(os.dup(sys.stdout.fileno()), "w")

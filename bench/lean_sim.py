@@ -77,14 +77,14 @@ Control, one command per line on stdin, one answer line per command on stdout (f
 
 Left out, as no frontend of a benchmark needs them: the bearer token, TLS, the system port,
 draining, the worker's cap on event subscribers.
-The pieces, beside this file (the loop and the control): ``lean_sim_frames.py`` (rule 1's
-websocket), ``lean_sim_workers.py`` (rules 2 and 3: the hello, the limits, the load) and
-``lean_sim_planes.py`` (rule 1's upgrade, rules 4 to 6: the event and request planes).
+The pieces, in ``bench/fleet/`` (this file is the loop and the control): ``lean_frames.py``
+(rule 1's websocket), ``lean_workers.py`` (rules 2 and 3: the hello, the limits, the load; the
+load model is both simulators', ``model.py``) and ``lean_planes.py`` (rule 1's upgrade, rules 4
+to 6: the event and request planes).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -92,7 +92,6 @@ import heapq
 import itertools
 import json
 import os
-import resource
 import selectors
 import socket
 import sys
@@ -111,22 +110,25 @@ from shim_common.wire import (
 if not __package__:
     # Run as ``python bench/lean_sim.py``: the package ``bench`` is in the folder above, as it is
     # for ``python -m bench.lean_sim``.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lean_sim_planes import Connection, EventPlane, RequestPlane
-from bench.lean_sim_workers import (
-    BUSY_RANGE,
-    FREE_RANGE,
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fleet.lean_planes import Connection, EventPlane, RequestPlane
+from bench.fleet.lean_workers import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_SLOTS,
     KEEPALIVE_SWEEP,
-    KV_TOTAL_BLOCKS,
-    PROTOCOLS,
     PUBLISH_INTERVAL,
+    SimWorker,
+    hello_of,
+)
+from bench.fleet.model import (
+    BUSY_RANGE,
+    FREE_RANGE,
+    KV_TOTAL_BLOCKS,
     SLOTS,
     Counters,
     Protocol,
-    SimWorker,
-    hello_of,
+    set_up,
+    simulator_parser,
 )
 
 __all__ = ["Fleet", "main"]
@@ -481,25 +483,8 @@ class Fleet:
         self.selector.close()
 
 
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--ranks", type=int, default=4, help="data-parallel ranks per worker")
-    parser.add_argument("--rate", type=float, default=20.0, help="load changes per rank per s")
-    parser.add_argument("--id-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1...")
-    parser.add_argument(
-        "--protocol", choices=PROTOCOLS, default="new", help="what the workers announce and do"
-    )
-    parser.add_argument("--cpu", type=int, default=None, help="pin this process to one CPU")
-    parser.add_argument(
-        "--paused", action="store_true", help="no load changes before the first busy/free"
-    )
+    parser = simulator_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--kv-blocks",
         type=int,
@@ -508,9 +493,7 @@ def main() -> None:
         "evicting the oldest once full (0: no KV events)",
     )
     options = parser.parse_args()
-    if options.cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {options.cpu})
-    _raise_fd_limit()
+    set_up(options)
 
     def answer(line: str) -> None:
         sys.stdout.write(line + "\n")

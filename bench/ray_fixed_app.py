@@ -5,7 +5,7 @@ Run (the benchmark does it): ``python bench/ray_fixed_app.py --port P [--slots 4
 
 One replica of one deployment whose handler reads the JSON body, then holds one of ``--slots``
 places of an asyncio semaphore for ``--service-seconds`` and answers a small chat completion, as
-:mod:`bench.fixed_engine` does. Ray Serve's own admission is set to the same N and Q as the
+:mod:`bench.kit.fixed_engine` does. Ray Serve's own admission is set to the same N and Q as the
 worker's gate: ``max_ongoing_requests=slots`` and ``max_queued_requests=queue``; beyond them its
 proxy answers 503. Everything stays on loopback (Ray's node address is 127.0.0.1) and usage
 reporting is off.

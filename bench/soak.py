@@ -58,8 +58,12 @@ import trio
 if not __package__:
     # Run as ``python bench/soak.py``: the package ``bench`` is in the folder above, as it is for
     # ``python -m bench.soak``.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.soak_io import Child, Reply, by_label, clean_env, http, parse_metrics, rss_bytes
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kit.children import Child
+from bench.kit.http import HTTP_ERRORS, Reply, fetch
+from bench.kit.metrics import by_label, sums
+from bench.kit.proc import memory
+from bench.kit.processes import clean_env
 
 MODEL: Final = "mock-model"
 #: Mocker shape: a small cache and slow steps, so requests hold their slots for a while.
@@ -69,6 +73,8 @@ MOCKER_FLAGS: Final = ("--num-gpu-blocks", "512", "--block-size", "4")
 #: own rejections take over again).
 BUSY_THRESHOLD: Final = 0.04
 FREE_THRESHOLD: Final = 0.5
+#: Seconds a process gets to print its ready line.
+READY_TIMEOUT: Final = 30.0
 
 # ----------------------------------------------------------------------------- the report
 
@@ -187,12 +193,20 @@ class Options:
     logs: Path
 
 
-def classify_stream(lines: list[str]) -> str:
-    if "data: [DONE]" in lines:
-        return "answered"
-    if any(line.startswith("event: error") for line in lines):
-        return "clean-error"
-    return "broken"
+async def ask(url: str, method: str, path: str, payload: Any = None) -> Reply:
+    """One request (``payload`` as JSON); what came back, as far as it came (status 0 when no
+    answer did: the checks judge it, the run goes on)."""
+    reply = Reply()
+    with contextlib.suppress(*HTTP_ERRORS):
+        await fetch(url, method, path, json=payload, reply=reply)
+    return reply
+
+
+async def start_child(child: Child, args: Sequence[str] | None = None) -> dict[str, str]:
+    """Start ``child`` (again, with ``args`` if given); the fields of its ready line."""
+    await child.start(args)
+    with trio.fail_after(READY_TIMEOUT):
+        return await child.ready()
 
 
 async def one_request(url: str, rng: random.Random, options: Options, report: Report) -> None:
@@ -215,9 +229,11 @@ async def one_request(url: str, rng: random.Random, options: Options, report: Re
     with trio.move_on_after(abandon_after) as hang_up:
         with trio.move_on_after(options.answer_timeout) as late:
             try:
-                await http(url, "POST", path, body, reply)
+                await fetch(url, "POST", path, json=body, reply=reply)
             except OSError as exc:
                 outcome = f"broken (connect: {exc.strerror or exc})"
+            except HTTP_ERRORS:
+                outcome = classify(reply, stream)
             else:
                 outcome = classify(reply, stream)
         if late.cancelled_caught:
@@ -289,7 +305,7 @@ async def calibrate(url: str, options: Options, report: Report) -> float:
 
         async def one() -> None:
             nonlocal done
-            reply = await http(url, "POST", "/v1/completions", body)
+            reply = await ask(url, "POST", "/v1/completions", body)
             done += reply.status == 200
 
         for _ in range(slots):
@@ -320,13 +336,13 @@ class Sampler:
         for index, worker in enumerate(self.workers):
             book = report.books[index]
             reply = Reply()
-            with trio.move_on_after(5.0), contextlib.suppress(OSError):
-                await http(worker.urls[1], "GET", "/metrics", reply=reply)
+            with trio.move_on_after(5.0), contextlib.suppress(*HTTP_ERRORS):
+                await fetch(worker.addresses["system"], "GET", "/metrics", reply=reply)
             if not reply.complete:
                 if index not in self.down:
                     report.fail(f"worker {index}: /metrics unreachable while it should be up")
                 continue
-            values = parse_metrics(reply.body.decode())
+            values = sums(reply.body.decode())
             running = int(values.get("dynamo_engine_request", 0))
             queued = int(values.get("dynamo_request_queue", 0))
             book.samples += 1
@@ -353,13 +369,13 @@ class Sampler:
                     f"cancelled while queued + queued = {accounted:.0f}"
                 )
         reply = Reply()
-        with trio.move_on_after(5.0), contextlib.suppress(OSError):
-            await http(self.frontend.urls[0], "GET", "/metrics", reply=reply)
+        with trio.move_on_after(5.0), contextlib.suppress(*HTTP_ERRORS):
+            await fetch(self.frontend.addresses["http"], "GET", "/metrics", reply=reply)
         if reply.complete:
             text = reply.body.decode()
-            self.frontend_metrics = parse_metrics(text)
+            self.frontend_metrics = sums(text)
             report.frontend_statuses = by_label(text, "dynamo_frontend_requests_total", "status")
-        rss = rss_bytes(self.frontend.pid)
+        rss = memory(self.frontend.pid).resident
         report.frontend_rss_peak = max(report.frontend_rss_peak, rss)
 
     async def run(self) -> None:
@@ -389,31 +405,30 @@ async def _faults(
 
     await at(0.3)
     update = {"model": MODEL, "active_decode_blocks_threshold": BUSY_THRESHOLD}
-    reply = await http(frontend_url, "POST", "/busy_threshold", update)
+    reply = await ask(frontend_url, "POST", "/busy_threshold", update)
     note(f"decode threshold set to {BUSY_THRESHOLD}: HTTP {reply.status}")
     if reply.status != 200:
         report.fail(f"POST /busy_threshold answered {reply.status}")
     await at(0.4)
     victim = workers[1 % len(workers)]
     index = workers.index(victim)
-    ws_port = victim.urls[0].rsplit(":", 1)[1]
-    system_port = victim.urls[1].rsplit(":", 1)[1]
+    ws_port = victim.addresses["ws"].rsplit(":", 1)[1]
+    system_port = victim.addresses["system"].rsplit(":", 1)[1]
     sampler.down.add(index)
     victim.kill()
-    assert victim.process is not None
-    await victim.process.wait()
+    await victim.wait()
     report.books[index].restarted = True
     note(f"worker {index} killed with SIGKILL")
     await trio.sleep(2.0)
     args = [*victim.args]
     args[args.index("--port") + 1] = ws_port
     args[args.index("--system-port") + 1] = system_port
-    await victim.start(args)
+    await start_child(victim, args)
     sampler.down.discard(index)
     note(f"worker {index} started again on its ports")
     await at(0.7)
     update = {"model": MODEL, "active_decode_blocks_threshold": FREE_THRESHOLD}
-    reply = await http(frontend_url, "POST", "/busy_threshold", update)
+    reply = await ask(frontend_url, "POST", "/busy_threshold", update)
     note(f"decode threshold changed to {FREE_THRESHOLD}: HTTP {reply.status}")
     if reply.status != 200:
         report.fail(f"POST /busy_threshold answered {reply.status}")
@@ -458,9 +473,10 @@ async def run(options: Options) -> Report:
     env = clean_env(DYN_DYNAMO_REQUEST_QUEUE_LIMIT=str(options.queue_limit))
     logs, frontend_log = _open_logs(options)
     workers = [
-        Child(f"worker {i}", _worker_args(options, i), env, logs[i]) for i in range(options.workers)
+        Child(_worker_args(options, i), env, name=f"worker {i}", log=logs[i])
+        for i in range(options.workers)
     ]
-    frontend = Child("frontend", [], env, frontend_log)
+    frontend = Child([], env, name="frontend", log=frontend_log)
     phase = trio.current_time()
 
     def note(text: str) -> None:
@@ -473,15 +489,15 @@ async def run(options: Options) -> Report:
         async with _processes([frontend, *workers]):
             async with trio.open_nursery() as starting:
                 for worker in workers:
-                    starting.start_soon(worker.start)
-            frontend.args = [
+                    starting.start_soon(start_child, worker)
+            frontend_args = [
                 sys.executable, "-m", "frontend_shim", "--http-port", "0",
                 "--migration-limit", "1",
-                *(arg for worker in workers for arg in ("--worker", worker.urls[0])),
+                *(arg for worker in workers for arg in ("--worker", worker.addresses["ws"])),
             ]  # fmt: skip
-            (url,) = await frontend.start()
+            url = (await start_child(frontend, frontend_args))["http"]
             for _ in range(600):
-                health = (await http(url, "GET", "/health")).json()
+                health = (await ask(url, "GET", "/health")).json()
                 if health["workers_connected"] == options.workers:
                     break
                 await trio.sleep(0.05)
@@ -490,8 +506,8 @@ async def run(options: Options) -> Report:
             note("started")
             report.capacity_rps = await calibrate(url, options, report)
             report.offered_rps = options.overload * report.capacity_rps
-            report.frontend_counted_before = parse_metrics(
-                (await http(url, "GET", "/metrics")).body.decode()
+            report.frontend_counted_before = sums(
+                (await ask(url, "GET", "/metrics")).body.decode()
             ).get("dynamo_frontend_requests_total", 0.0)
             note("calibrated")
             sampler = Sampler(workers, frontend, options, report)
@@ -500,9 +516,9 @@ async def run(options: Options) -> Report:
 
                 async def remember_warm_memory() -> None:
                     await trio.sleep(options.warmup * options.seconds)
-                    report.frontend_rss_start = rss_bytes(frontend.pid)
+                    report.frontend_rss_start = memory(frontend.pid).resident
                     for book, worker in zip(report.books, workers, strict=True):
-                        book.rss_start = rss_bytes(worker.pid)
+                        book.rss_start = memory(worker.pid).resident
 
                 nursery.start_soon(remember_warm_memory)
                 nursery.start_soon(_faults, workers, url, sampler, options, report)
@@ -528,9 +544,9 @@ async def run(options: Options) -> Report:
                 sampler.frontend_metrics.get("dynamo_frontend_requests_total", 0.0)
                 - report.frontend_counted_before
             )
-            report.frontend_rss_end = rss_bytes(frontend.pid)
+            report.frontend_rss_end = memory(frontend.pid).resident
             for book, worker in zip(report.books, workers, strict=True):
-                book.rss_end = rss_bytes(worker.pid)
+                book.rss_end = memory(worker.pid).resident
     finally:
         for file in (*logs, frontend_log):
             file.close()

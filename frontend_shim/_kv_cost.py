@@ -92,19 +92,13 @@ class Prompt:
 
     Args:
         tokens: the prompt's token ids (empty: unknown, rule 4).
-        names: block names already known, by block size (a caller that named the blocks
-            itself, as a replay of a trace does); others are computed from ``tokens``.
     """
 
     __slots__ = ("_names", "tokens")
 
-    def __init__(
-        self, tokens: Sequence[int], names: Mapping[int, Sequence[int]] | None = None
-    ) -> None:
+    def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens = tokens
-        self._names: dict[int, list[int]] = {
-            size: list(known) for size, known in (names or {}).items()
-        }
+        self._names: dict[int, list[int]] = {}
 
     def names(self, block_size: int) -> list[int]:
         """The names of the prompt's full blocks of ``block_size`` tokens (computed once)."""
@@ -123,11 +117,11 @@ class NamedPrompt(Prompt):
     process that tokenised it sends to the one that routes it. A block size it was not named
     for has no names (no cached prefix can be credited there)."""
 
-    __slots__ = ("_length",)
+    __slots__ = ()
 
     def __init__(self, length: int, names: Mapping[int, Sequence[int]] | None) -> None:
-        super().__init__(range(length), names)
-        self._length = length
+        super().__init__(range(length))
+        self._names = {size: list(known) for size, known in (names or {}).items()}
 
     def names(self, block_size: int) -> list[int]:
         """The names given for ``block_size``, or none."""

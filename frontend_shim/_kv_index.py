@@ -150,11 +150,6 @@ class WorkerBlocks:
         self.awaiting = events
         self.asked_at = now
 
-    @property
-    def blocks(self) -> int:
-        """Names held in the cached layer, all ranks together."""
-        return sum(len(rank.cached) for rank in self.ranks)
-
 
 class KvIndex:
     """Per worker and rank, the block names held (rules at the top of the module).
@@ -358,7 +353,3 @@ class KvIndex:
         if worker is None or not 0 <= dp_rank < len(worker.ranks):
             return 0
         return worker.ranks[dp_rank].depth(names, now)
-
-    def blocks(self) -> int:
-        """Names in the cached layers of every worker (for the docs' memory figures)."""
-        return sum(worker.blocks for worker in self._workers.values())

@@ -1,4 +1,5 @@
-"""The pure parts of ``bench/bench_dynamo.py``: the tiny model folder and the report."""
+"""The pure parts of ``bench/bench_dynamo.py``: the tiny model folder (``bench/kit/dynamo.py``)
+and the report."""
 
 from __future__ import annotations
 
@@ -8,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_dynamo import (
-    CHAT,
-    LONG,
-    UNKNOWN,
-    WORDS,
-    median_figures,
-    report,
-    write_model_folder,
-)
+from bench.bench_dynamo import CHAT, LONG, UNKNOWN, median_figures, report
+from bench.kit.dynamo import WORDS, write_model_folder
 
 
 def test_model_folder_has_the_files_dynamo_reads(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,32 +22,11 @@ from bench.bench_goodput import (
     check_targets,
     format_table,
     median_row,
-    percentile,
     play,
-    poisson_arrivals,
     summarize,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_poisson_arrivals_are_increasing_inside_the_window_and_replayable() -> None:
-    arrivals = poisson_arrivals(50.0, 4.0, random.Random("x"))
-    assert arrivals == sorted(arrivals)
-    assert all(0 <= offset < 4.0 for offset in arrivals)
-    assert arrivals == poisson_arrivals(50.0, 4.0, random.Random("x"))
-    # 200 expected; a seeded draw far from it would mean a wrong rate.
-    assert 120 < len(arrivals) < 280
-    with pytest.raises(ValueError, match="rate"):
-        poisson_arrivals(0.0, 1.0, random.Random())
-
-
-def test_percentile_interpolates() -> None:
-    assert math.isnan(percentile([], 0.5))
-    assert percentile([3.0], 0.99) == 3.0
-    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 1.0) == 5.0
-    assert percentile([0.0, 10.0], 0.99) == pytest.approx(9.9)
 
 
 def test_summarize_counts_goodput_within_the_slo_and_the_window() -> None:

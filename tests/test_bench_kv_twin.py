@@ -1,4 +1,4 @@
-"""``bench/kv_twin.py`` and ``bench/bench_kv_twin.py``: the virtual-clock replay through the
+"""``bench/prefix/twin.py`` and ``bench/bench_kv_twin.py``: the virtual-clock replay through the
 frontend's routing core and the mockers' schedulers (no process, no socket)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_kv_twin
-from bench.kv_twin import Link, Request, replay
+from bench.prefix.twin import Link, Request, replay
 from frontend_shim._kv_cost import CostWeights
 
 

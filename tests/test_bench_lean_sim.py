@@ -1,5 +1,6 @@
-"""Tests of ``bench/lean_sim.py``: its wire pieces against the real ones, and the whole simulator
-against the real frontend and the frontend's own websocket client.
+"""Tests of ``bench/lean_sim.py`` (its pieces in ``bench/fleet/``): its wire pieces against the
+real ones, and the whole simulator against the real frontend and the frontend's own websocket
+client.
 
 The end-to-end tests start real processes on loopback with port 0 (the simulator, and the
 frontend); every check is one a broken simulator would fail: a wrong hello leaves the workers
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench import fleet_sim, lean_sim_frames, lean_sim_workers
 from bench.bench_fleet import COMPLETION, FRONTEND_CPU, SIM_CPU
-from bench.fleet_processes import Child, HttpClient
+from bench.fleet import lean_frames, lean_workers
+from bench.fleet.model import KV_TOTAL_BLOCKS, PROTOCOLS, Protocol
 from bench.fleet_sim import Fleet as WorkerFleet
+from bench.kit.children import Child
+from bench.kit.http import Client
 from frontend_shim._connection import PlaneClosed, PlaneConnection, open_plane
 from frontend_shim._websocket import OP_BINARY, OP_PING, FrameReader, encode_frame
 from shim_common import wire
@@ -38,23 +40,14 @@ WORKERS = 3
 # ----------------------------------------------------------------------------- pieces
 
 
-@pytest.mark.parametrize("protocol", lean_sim_workers.PROTOCOLS)
-def test_the_hello_is_the_real_workers_byte_for_byte(protocol: lean_sim_workers.Protocol) -> None:
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_hello_is_the_real_workers_byte_for_byte(protocol: Protocol) -> None:
     real = WorkerFleet(1, 4, 20.0, "sim", True, protocol).workers[0].hello
-    assert wire.encode(lean_sim_workers.hello_of("sim-0", 4, protocol)) == wire.encode(real)
-
-
-def test_the_load_model_is_fleet_sims() -> None:
-    # The lean simulator cannot import fleet_sim (Trio and the worker): the same values, twice.
-    for name in (
-        "PROTOCOLS", "CURRENT_FEATURES", "MODEL", "KV_TOTAL_BLOCKS", "FREE_RANGE", "BUSY_RANGE",
-        "SLOTS",
-    ):  # fmt: skip
-        assert getattr(lean_sim_workers, name) == getattr(fleet_sim, name), name
+    assert wire.encode(lean_workers.hello_of("sim-0", 4, protocol)) == wire.encode(real)
 
 
 def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
-    parser = lean_sim_frames.FrameParser()
+    parser = lean_frames.FrameParser()
     first = encode_frame(OP_BINARY, b"a" * 300)
     # A fragmented message: a first frame without FIN, then a final continuation.
     fragment = bytearray(encode_frame(OP_BINARY, b"hello "))
@@ -68,23 +61,23 @@ def test_client_frames_masked_fragmented_and_split_are_read_whole() -> None:
 
 
 def test_an_unmasked_client_frame_is_a_protocol_error() -> None:
-    with pytest.raises(lean_sim_frames.FrameError) as caught:
-        lean_sim_frames.FrameParser().receive(lean_sim_frames.server_frame(OP_BINARY, b"x"))
+    with pytest.raises(lean_frames.FrameError) as caught:
+        lean_frames.FrameParser().receive(lean_frames.server_frame(OP_BINARY, b"x"))
     assert caught.value.code == wire.CLOSE_PROTOCOL_ERROR
 
 
 def test_server_frames_read_as_the_frontend_reads_them() -> None:
     reader = FrameReader(wire.MAX_MESSAGE_BYTES)
     payloads = [b"", b"s" * 125, b"m" * 126, b"l" * 70_000]
-    data = b"".join(lean_sim_frames.server_frame(OP_BINARY, payload) for payload in payloads)
+    data = b"".join(lean_frames.server_frame(OP_BINARY, payload) for payload in payloads)
     assert reader.receive(data) == [(OP_BINARY, payload) for payload in payloads]
 
 
 def test_busy_from_follows_the_shared_rule() -> None:
     # 501 of 1,000 blocks is the first count over 0.5 (strict >).
-    assert lean_sim_workers.busy_from(wire.BusyThresholds(active_decode_blocks=0.5)) == 501
+    assert lean_workers.busy_from(wire.BusyThresholds(active_decode_blocks=0.5)) == 501
     # No check set: never busy.
-    assert lean_sim_workers.busy_from(wire.BusyThresholds()) == lean_sim_workers.KV_TOTAL_BLOCKS + 1
+    assert lean_workers.busy_from(wire.BusyThresholds()) == KV_TOTAL_BLOCKS + 1
 
 
 # ----------------------------------------------------------------------------- processes
@@ -92,12 +85,12 @@ def test_busy_from_follows_the_shared_rule() -> None:
 
 @contextlib.asynccontextmanager
 async def _started(args: list[str], cpu: int, name: str) -> AsyncIterator[Child]:
-    with open(os.devnull, "wb") as devnull:  # noqa: ASYNC230 - the null device never blocks
-        child = await Child.start(args, cpu=cpu, stderr=devnull, name=name)
-        try:
-            yield child
-        finally:
-            await child.stop()
+    child = Child(args, name=name, cpu=cpu, control=True)
+    await child.start()
+    try:
+        yield child
+    finally:
+        await child.stop()
 
 
 async def _command(child: Child, line: str) -> str:
@@ -119,17 +112,17 @@ async def _simulator(
         yield sim, [int(port) for port in match[1].split(",")]
 
 
-async def _until_status(client: HttpClient, want: int, bound: float) -> bytes:
+async def _until_status(client: Client, want: int, bound: float) -> bytes:
     """Send the cheap completion back to back until it is answered ``want``; its body."""
     with trio.fail_after(bound):
         while True:
-            status, body = await client.request("POST", "/v1/completions", COMPLETION)
-            if status == want:
-                return body
+            reply = await client.request("POST", "/v1/completions", COMPLETION)
+            if reply.status == want:
+                return bytes(reply.body)
             await trio.sleep(0.01)
 
 
-@pytest.mark.parametrize("protocol", lean_sim_workers.PROTOCOLS)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
     with trio.fail_after(90):
         async with _simulator(protocol) as (sim, ports):
@@ -140,21 +133,18 @@ async def test_the_real_frontend_follows_the_lean_fleet(protocol: str) -> None:
             for port in ports:
                 args += ["--worker", f"ws://127.0.0.1:{port}"]
             async with _started(args, FRONTEND_CPU, "frontend") as frontend:
-                ready = await frontend.readline()
-                match = re.search(r"ready http=http://([\d.]+):(\d+)", ready)
-                assert match is not None, ready
-                client = HttpClient(match[1], int(match[2]))
+                client = Client((await frontend.ready())["http"])
                 try:
                     await _check_the_fleet(sim, client, protocol)
                 finally:
                     await client.aclose()
 
 
-async def _check_the_fleet(sim: Child, client: HttpClient, protocol: str) -> None:
+async def _check_the_fleet(sim: Child, client: Client, protocol: str) -> None:
     with trio.fail_after(30):
         while True:
-            status, body = await client.request("GET", "/health")
-            if status == 200 and json.loads(body)["workers_connected"] == WORKERS:
+            health = await client.request("GET", "/health")
+            if health.status == 200 and health.json()["workers_connected"] == WORKERS:
                 break
             await trio.sleep(0.05)
     # A real answer of a simulated worker: one token, through the router and the request plane.
@@ -176,7 +166,7 @@ async def _check_the_fleet(sim: Child, client: HttpClient, protocol: str) -> Non
     # 4 changes per worker): at least a quarter of that, whatever the machine's load.
     nominal = (stats1["monotonic"] - stats0["monotonic"]) * 20 * 4 * WORKERS
     assert stats1["generated"] - stats0["generated"] > nominal / 4
-    _, metrics = await client.request("GET", "/metrics")
+    metrics = bytes((await client.request("GET", "/metrics")).body)
     negotiated = re.search(rb"^dynamo_frontend_workers_event_interval_negotiated (\S+)$",
                            metrics, re.MULTILINE)  # fmt: skip
     assert negotiated is not None
@@ -279,7 +269,7 @@ async def test_the_event_plane_honours_the_asked_interval_but_sends_edges_at_onc
                 messages += await plane.messages()
             hello = wire.decode_event_message(messages[0])
             assert isinstance(hello, wire.Hello)
-            assert hello.features == list(lean_sim_workers.NEW_FEATURES)
+            assert hello.features == list(lean_workers.NEW_FEATURES)
             first = wire.decode_event_message(messages[1])
             assert isinstance(first, wire.EventBatch)
             [heartbeat] = first.events  # whole at once: the state of every rank
@@ -348,9 +338,7 @@ async def test_kv_events_a_snapshot_then_every_event_in_order_and_a_fresh_snapsh
                             assert set(event.blocks) <= cached[event.dp_rank]
                             cached[event.dp_rank].difference_update(event.blocks)
                             evictions += 1
-                    assert all(
-                        len(names) <= lean_sim_workers.KV_TOTAL_BLOCKS for names in cached.values()
-                    )
+                    assert all(len(names) <= KV_TOTAL_BLOCKS for names in cached.values())
                 if evictions and not asked:
                     fresh = wire.Subscribe(
                         thresholds=ask.thresholds, kv_events=True, kv_snapshot=True
@@ -361,12 +349,10 @@ async def test_kv_events_a_snapshot_then_every_event_in_order_and_a_fresh_snapsh
                     break
             assert len(snapshots) == 2
             # The fresh snapshot is the full cache of each rank, and events went on from it.
-            assert [len(names) for names in snapshots[1].ranks] == [
-                lean_sim_workers.KV_TOTAL_BLOCKS
-            ] * 2
+            assert [len(names) for names in snapshots[1].ranks] == [KV_TOTAL_BLOCKS] * 2
             assert seq is not None
             assert seq > snapshots[1].seq
-            assert all(len(names) == lean_sim_workers.KV_TOTAL_BLOCKS for names in cached.values())
+            assert all(len(names) == KV_TOTAL_BLOCKS for names in cached.values())
             stats = json.loads((await _command(sim, "stats")).partition(" ")[2])
             assert stats["kv_snapshots"] == 2
             assert stats["kv_events"] >= seq - snapshots[1].seq

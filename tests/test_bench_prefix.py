@@ -1,5 +1,5 @@
-"""``bench/bench_prefix.py``: its pure parts (the plan of a window, the sizing, the report) and
-one tiny run of our side through real processes."""
+"""``bench/bench_prefix.py``: its pure parts (the plan of a window and the sizing, in
+``bench/prefix/window.py``; the report) and one tiny run of our side through real processes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from bench import bench_prefix
-from bench.bench_dynamo import write_model_folder
+from bench.kit.dynamo import write_model_folder
+from bench.prefix import window as windows
 
-generator = bench_prefix.load_generator()
+generator = windows.load_generator()
 
 #: Three turns of one conversation, another conversation sharing its system prompt, a lone one.
 ROWS = [
@@ -31,8 +32,8 @@ def _trace(tmp_path: Path) -> Path:
 
 
 def test_the_plan_reads_the_window_as_the_load_generator_replays_it(tmp_path: Path) -> None:
-    window = bench_prefix.Window(_trace(tmp_path), time_scale=0.5, length_scale=1 / 32)
-    plan = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=None)
+    window = windows.Window(_trace(tmp_path), time_scale=0.5, length_scale=1 / 32)
+    plan = windows.make_plan(generator, window, workers=2, share=1 / 3, blocks=None)
     assert plan.requests == 6
     assert plan.span == pytest.approx(0.5)
     assert plan.block_tokens == 16
@@ -44,27 +45,27 @@ def test_the_plan_reads_the_window_as_the_load_generator_replays_it(tmp_path: Pa
     # The largest request, 66 words + 2 generated, spans 5 blocks: a cache must fit it.
     assert plan.largest_blocks == 5
     assert plan.blocks_per_worker == 6
-    sized = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=40)
+    sized = windows.make_plan(generator, window, workers=2, share=1 / 3, blocks=40)
     assert sized.blocks_per_worker == 40
     assert sized.pooled_hit_rate == pytest.approx(plan.unbounded_hit_rate)  # 80 blocks: no miss
 
 
 def test_a_pooled_lru_cache_loses_what_it_evicted(tmp_path: Path) -> None:
-    window = bench_prefix.Window(_trace(tmp_path), length_scale=1 / 32)
+    window = windows.Window(_trace(tmp_path), length_scale=1 / 32)
     items = generator.scale_requests(generator.read_trace(window.trace), length_scale=1 / 32)
     unbounded = generator.unbounded_hit_rate(items)
-    assert bench_prefix.lru_hit_rate(items, 100) == pytest.approx(unbounded)
+    assert windows.lru_hit_rate(items, 100) == pytest.approx(unbounded)
     prompts = 34 + 50 + 19 + 66 + 9 + 34
     # Two blocks: r1 finds 0 1 and keeps 1 3; r2 misses 0; r3 finds 0 (r2's) but not 1; r5
     # misses 0, pushed out by r3's 1 3 6.
-    assert bench_prefix.lru_hit_rate(items, 2) == pytest.approx((32 + 16) / prompts)
+    assert windows.lru_hit_rate(items, 2) == pytest.approx((32 + 16) / prompts)
     # Three: r1 finds 0 1; r2 finds 0; r3 finds 0 1 3; r5 misses 0, the least recent at r3's 6.
-    assert bench_prefix.lru_hit_rate(items, 3) == pytest.approx((32 + 16 + 48) / prompts)
+    assert windows.lru_hit_rate(items, 3) == pytest.approx((32 + 16 + 48) / prompts)
     assert unbounded == pytest.approx((32 + 16 + 48 + 16) / prompts)
 
 
 def test_window_flags_are_the_load_generators(tmp_path: Path) -> None:
-    window = bench_prefix.Window(tmp_path / "t.jsonl", 5.0, 60.0, 100, 0.25, 0.0625, 0.5)
+    window = windows.Window(tmp_path / "t.jsonl", 5.0, 60.0, 100, 0.25, 0.0625, 0.5)
     args = generator._parse_args(["--url", "http://127.0.0.1:1", *window.flags()])
     assert (args.trace, args.trace_start, args.trace_duration) == (tmp_path / "t.jsonl", 5, 60)
     assert (args.trace_requests, args.time_scale) == (100, 0.25)
@@ -72,13 +73,13 @@ def test_window_flags_are_the_load_generators(tmp_path: Path) -> None:
 
 
 def test_caches_together_hold_the_share_asked_for() -> None:
-    assert bench_prefix.blocks_per_worker(12_000, 4, largest=100, share=1 / 3) == 1000
-    assert bench_prefix.blocks_per_worker(12_001, 4, largest=100, share=1 / 3) == 1001
-    assert bench_prefix.blocks_per_worker(300, 4, largest=100, share=1 / 3) == 101
+    assert windows.blocks_per_worker(12_000, 4, largest=100, share=1 / 3) == 1000
+    assert windows.blocks_per_worker(12_001, 4, largest=100, share=1 / 3) == 1001
+    assert windows.blocks_per_worker(300, 4, largest=100, share=1 / 3) == 101
     # Nothing to share (an Azure window): the mockers' default, not a cache of one request.
-    assert bench_prefix.blocks_per_worker(0, 4, largest=20, share=1 / 3) == 16384
+    assert windows.blocks_per_worker(0, 4, largest=20, share=1 / 3) == 16384
     with pytest.raises(ValueError, match="positive"):
-        bench_prefix.blocks_per_worker(300, 0, largest=1, share=1 / 3)
+        windows.blocks_per_worker(300, 0, largest=1, share=1 / 3)
 
 
 def test_the_prompts_words_are_words_of_dynamos_tiny_tokenizer(tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def _run(hit: float, ttft: float, rps: float, shares: list[float]) -> dict[str, 
 
 
 def test_report_rows_and_each_systems_kv_over_its_own_round_robin(tmp_path: Path) -> None:
-    plan = bench_prefix.Plan(
+    plan = windows.Plan(
         requests=100, span=60.0, block_tokens=16, distinct_blocks=3000,
         unbounded_hit_rate=0.4, pooled_hit_rate=0.3, largest_blocks=50, blocks_per_worker=250,
         workers=4,
@@ -133,10 +134,10 @@ def test_report_rows_and_each_systems_kv_over_its_own_round_robin(tmp_path: Path
 
 @pytest.mark.e2e
 def test_a_tiny_replay_through_our_frontend_and_two_mockers(tmp_path: Path) -> None:
-    window = bench_prefix.Window(
+    window = windows.Window(
         _trace(tmp_path), time_scale=0.2, length_scale=1 / 32, output_scale=1 / 16
     )
-    plan = bench_prefix.make_plan(generator, window, workers=2, share=1 / 3, blocks=64)
+    plan = windows.make_plan(generator, window, workers=2, share=1 / 3, blocks=64)
     results = {}
     for mode in ("round-robin", "kv"):
         with bench_prefix.shim_fleet(mode, plan, speedup=10.0) as fleet:
@@ -152,7 +153,7 @@ def test_a_tiny_replay_through_our_frontend_and_two_mockers(tmp_path: Path) -> N
 
 
 def test_the_aiperf_window_scales_time_only(tmp_path: Path) -> None:
-    window = bench_prefix.Window(_trace(tmp_path), start=0.3, duration=0.5, time_scale=0.5)
+    window = windows.Window(_trace(tmp_path), start=0.3, duration=0.5, time_scale=0.5)
     bench_prefix.aiperf_trace(window, tmp_path / "window.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "window.jsonl").read_text().splitlines()]
     assert [row["timestamp"] for row in rows] == [0, 100]  # 400 and 600 ms, from 400, x 0.5

@@ -1,4 +1,4 @@
-"""The pure parts of ``bench/bench_slo.py`` (``bench/slo_figures.py``), and one short run of its
+"""The pure parts of ``bench/bench_slo.py`` (``bench/slo/figures.py``), and one short run of its
 driver on a virtual clock.
 
 No figure of a real run is asserted: the arithmetic is checked on made-up records, and the driver
@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from bench.bench_goodput import poisson_arrivals
 from bench.bench_slo import configs_for, e2e_records, mocker_for, play, run_async
-from bench.slo_figures import (
+from bench.kit.stats import poisson_arrivals
+from bench.slo.figures import (
     WORKLOADS,
     Config,
     Record,
@@ -104,28 +104,11 @@ def test_the_load_generators_records_become_the_tables_records() -> None:
     assert records[0].ttft == pytest.approx(0.12)
 
 
-def test_a_metric_is_summed_over_the_samples_that_carry_the_labels() -> None:
-    from bench.slo_e2e import metric_sum
-
-    text = "\n".join(
-        [
-            "# TYPE dynamo_frontend_rejection_by_reason_total counter",
-            'dynamo_frontend_rejection_by_reason_total{model="m",reason="marked"} 3.0',
-            'dynamo_frontend_rejection_by_reason_total{model="n",reason="marked"} 2.0',
-            'dynamo_frontend_rejection_by_reason_total{model="m",reason="busy"} 7.0',
-        ]
-    )
-    name = "dynamo_frontend_rejection_by_reason_total"
-    assert metric_sum(text, name, reason="marked") == 5.0
-    assert metric_sum(text, name) == 12.0
-    assert metric_sum(text, name, reason="slo") == 0.0
-
-
 @pytest.mark.e2e
 def test_the_end_to_end_mode_measures_through_real_processes_at_the_client() -> None:
     import trio
 
-    from bench.slo_e2e import measure
+    from bench.slo.e2e import measure
 
     body = {"model": "mock-model", "prompt": "a b c d", "max_tokens": 4, "stream": True}
 

@@ -1,4 +1,4 @@
-"""The benchmark engine of ``bench/fixed_engine.py``: its shape, its slots and its load.
+"""The benchmark engine of ``bench/kit/fixed_engine.py``: its shape, its slots and its load.
 
 Timing runs on the autojump clock; what is checked is order and counts, never durations.
 """
@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from bench.fixed_engine import (
+from bench.kit.fixed_engine import (
     DEFAULT_SERVICE_SECONDS,
     DEFAULT_SLOTS,
     SERVICE_ENV,

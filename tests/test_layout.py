@@ -50,10 +50,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Every module of the three packages -> the modules of them it imports, anywhere in the
-    file: at the top, under ``if TYPE_CHECKING:`` and inside functions alike."""
-    paths = {_module_name(p): p for package in PACKAGES for p in modules_of(package)}
+def _import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Every module of the packages -> the modules of them it imports, anywhere in the file: at
+    the top, under ``if TYPE_CHECKING:`` and inside functions alike."""
+    paths = {_module_name(p): p for package in packages for p in modules_of(package)}
 
     def owner(name: str) -> str | None:
         # ``from a.b import c`` names a module ``a.b.c`` or a name in ``a.b``: the longest match.
@@ -132,6 +132,111 @@ def test_the_circle_finder_finds_a_circle() -> None:
 
 def test_no_import_circle_between_modules() -> None:
     assert _circles(_import_graph()) == []
+
+
+# -- bench/: entry points over one kit ---------------------------------------------------------
+#
+# A module at the top of bench/ is a script: a benchmark's entry point (or a child process one
+# starts), with a ``__main__`` guard; no script imports another. What benchmarks of different
+# families share is the kit (bench/kit/), which imports nothing else of bench/. A family's own
+# pieces live in a folder of its own, whose ``__init__`` names the scripts it serves in
+# ``SCRIPTS``: only they, and the folder's own modules, import it.
+
+BENCH_KIT = "bench.kit"
+
+
+def _is_script(path: Path) -> bool:
+    """The module has an ``if __name__ == "__main__":`` at its top level."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+        ):
+            return True
+    return False
+
+
+def _family_scripts(init: Path) -> tuple[str, ...]:
+    """The ``SCRIPTS`` a family folder's ``__init__`` names (none when it names none)."""
+    for node in ast.parse(init.read_text(), str(init)).body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "SCRIPTS" for t in targets):
+                scripts: tuple[str, ...] = ast.literal_eval(node.value)
+                return scripts
+    return ()
+
+
+def _bench_layout_faults(
+    graph: dict[str, set[str]], scripts: set[str], families: dict[str, tuple[str, ...]]
+) -> list[str]:
+    """What breaks the rules above in ``graph`` (bench's modules -> those of bench they import).
+
+    Args:
+        graph: Every module of bench/ and the modules of bench/ it imports.
+        scripts: The top-level modules that are scripts (``bench.NAME``).
+        families: Each family folder (``bench.NAME``) and the scripts it serves (bare names).
+    """
+    faults = []
+    for module, targets in sorted(graph.items()):
+        parts = module.split(".")
+        if len(parts) == 2 and module not in scripts | families.keys() | {BENCH_KIT}:
+            faults.append(f"{module} is at the top of bench/ but has no __main__ guard")
+        folder = ".".join(parts[:2]) if len(parts) > 2 else None
+        for target in sorted(targets):
+            home = ".".join(target.split(".")[:2])
+            if target in scripts:
+                faults.append(f"{module} imports the script {target}")
+            elif module.startswith(BENCH_KIT + ".") and not target.startswith(BENCH_KIT):
+                faults.append(f"the kit's {module} imports {target}, outside the kit")
+            elif home in families and home != folder:
+                allowed = {f"bench.{name}" for name in families[home]}
+                if module not in allowed:
+                    faults.append(f"{module} imports {target}, of a family it does not belong to")
+    for family, served in sorted(families.items()):
+        if not served:
+            faults.append(f"{family} names no SCRIPTS it serves")
+        faults += [
+            f"{family} serves {name}, no script"
+            for name in served
+            if f"bench.{name}" not in scripts
+        ]
+    return faults
+
+
+def test_the_bench_layout_rules_find_what_breaks_them() -> None:
+    graph = {
+        "bench.a": {"bench.b", "bench.kit.x"},  # a script importing a script
+        "bench.b": {"bench.fam.y"},  # a family's piece used by a script it does not serve
+        "bench.helper": set(),  # no __main__ guard at the top
+        "bench.kit.x": {"bench.fam.y"},  # the kit reaching out
+        "bench.fam.y": {"bench.kit.x"},
+    }
+    faults = _bench_layout_faults(graph, {"bench.a", "bench.b"}, {"bench.fam": ("a", "gone")})
+    assert faults == [
+        "bench.a imports the script bench.b",
+        "bench.b imports bench.fam.y, of a family it does not belong to",
+        "bench.helper is at the top of bench/ but has no __main__ guard",
+        "the kit's bench.kit.x imports bench.fam.y, outside the kit",
+        "bench.fam serves gone, no script",
+    ]
+
+
+def test_bench_is_entry_points_over_one_kit_without_import_circles() -> None:
+    graph = _import_graph(("bench",))
+    assert _circles(graph) == []
+    graph.pop("bench")  # the package itself: its __init__ holds nothing
+    top = [p for p in (ROOT / "bench").glob("*.py") if p.name != "__init__.py"]
+    scripts = {_module_name(p) for p in top if _is_script(p)}
+    families = {
+        _module_name(init.parent): _family_scripts(init)
+        for init in (ROOT / "bench").glob("*/__init__.py")
+        if init.parent.name != "kit"
+    }
+    assert _bench_layout_faults(graph, scripts, families) == []
 
 
 # -- rooms by concept: each module says what it is ---------------------------------------------

@@ -212,9 +212,9 @@ def test_a_reconnected_worker_starts_empty_and_a_removed_one_is_forgotten() -> N
     index = KvIndex()
     index.add_worker(config(), 0.0, events=True)
     index.apply("w", [wire.KvSnapshot(seq=4, ranks=[[1], [2]])], 0.0)
-    assert index.blocks() == 2
+    assert (index.depth("w", 0, [1], 0.0), index.depth("w", 1, [2], 0.0)) == (1, 1)
     index.add_worker(config(), 1.0, events=True)
-    assert index.blocks() == 0
+    assert (index.depth("w", 0, [1], 1.0), index.depth("w", 1, [2], 1.0)) == (0, 0)
     assert index.worker("w").last_seq == 0  # type: ignore[union-attr]
     index.remove_worker("w")
     assert index.worker("w") is None

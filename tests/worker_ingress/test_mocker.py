@@ -566,11 +566,20 @@ async def test_load_changes_bump_the_signal_and_the_loop_parks_when_idle(
             assert any(prefill == 6 for prefill, _ in seen)
             assert any(blocks > 0 for _, blocks in seen)
             assert seen[-1] == (0, 0)
-            steps = engine.steps
             settled = engine.load_changed.version
+            (rank,) = engine.ranks
+            scheduled = rank.schedule
+            asked: list[object] = []
+
+            def schedule() -> ScheduledStep | None:
+                asked.append(None)
+                return scheduled()
+
+            rank.schedule = schedule  # type: ignore[method-assign]
             await trio.sleep(30)
-            # Idle: no step ran and nothing was published while virtual time passed.
-            assert engine.steps == steps
+            # Idle: the loop parked (no step asked for) and nothing was published while virtual
+            # time passed.
+            assert asked == []
             assert engine.load_changed.version == settled
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final
 
@@ -217,9 +216,6 @@ class MockerEngine:
         self._progress: dict[MockSequence, trio.Event] = {}
         self._load_changed = ChangeSignal()
         self._loads = [rank.load(i) for i, rank in enumerate(self._ranks)]
-        #: Steps run and wall seconds spent computing them (not sleeping), for benchmarks.
-        self.steps = 0
-        self.step_cpu_seconds = 0.0
 
     # --- Engine protocol ---------------------------------------------------------------------
 
@@ -397,7 +393,6 @@ class MockerEngine:
         lateness = 0.0
         steps_unyielded = 0
         while True:
-            started = time.perf_counter()
             step = rank.schedule()
             self._start_transfers(rank)
             if step is None:
@@ -411,7 +406,6 @@ class MockerEngine:
                 deadline = trio.current_time()
                 continue
             self._loads_may_have_changed()
-            computed = time.perf_counter() - started
             deadline = max(
                 deadline + step.duration / speedup,
                 trio.current_time() - _MAX_CATCH_UP_SECONDS,
@@ -430,15 +424,12 @@ class MockerEngine:
                 if steps_unyielded >= _STEPS_PER_YIELD:
                     steps_unyielded = 0
                     await trio.lowlevel.checkpoint()
-            started = time.perf_counter()
             progress = self._progress
             for seq in rank.complete(step):
                 waiting = progress.pop(seq, None)
                 if waiting is not None:
                     waiting.set()
             self._loads_may_have_changed()
-            self.steps += 1
-            self.step_cpu_seconds += computed + time.perf_counter() - started
 
     def _start_transfers(self, rank: RankScheduler) -> None:
         # A hand-off admitted by this schedule: its generator times the transfer.

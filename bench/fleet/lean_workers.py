@@ -1,15 +1,18 @@
-"""The lean simulator's workers (``lean_sim.py`` rules 2 and 3): the protocols a simulated worker
-speaks, the limits it announces and the real worker's defaults it keeps, its hello, the busy
-rule compiled once, and each worker's state; and the counters of what the fleet sent.
+"""The lean simulator's workers (``lean_sim.py`` rules 2 and 3): the features a simulated worker
+lists, the limits it announces and the real worker's defaults it keeps, its hello, the busy rule
+compiled once, and each worker's state. A worker holds
+its event-plane subscribers as :class:`Subscriber` (``lean_planes.EventPlane`` is the one), so
+that this module needs nothing of the planes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import socket
-from typing import TYPE_CHECKING, Final, Literal
+import typing
+from typing import Final
 
-from bench.lean_sim_frames import OP_BINARY, server_frame
+from bench.fleet.lean_frames import OP_BINARY, server_frame
+from bench.fleet.model import CURRENT_FEATURES, KV_TOTAL_BLOCKS, MODEL, Protocol
 from shim_common._busy import rank_busy
 from shim_common.wire import (
     FEATURE_BUSY_EDGES,
@@ -22,16 +25,12 @@ from shim_common.wire import (
     BusyThresholds,
     Heartbeat,
     Hello,
+    KvEvent,
     RankLoad,
     RuntimeConfig,
     encode,
 )
 
-if TYPE_CHECKING:
-    from bench.lean_sim_planes import EventPlane
-
-Protocol = Literal["new", "current", "v1"]
-PROTOCOLS: Final = ("new", "current", "v1")
 #: What the real worker lists in its hello now (``Worker.hello``; a test keeps them equal).
 NEW_FEATURES: Final = (
     FEATURE_BUSY_EDGES,
@@ -40,12 +39,7 @@ NEW_FEATURES: Final = (
     FEATURE_PUBLISH_INTERVAL,
     FEATURE_REQUEST_BATCH,
 )
-#: What a worker of the fleet work's protocol lists.
-CURRENT_FEATURES: Final = (FEATURE_BUSY_EDGES,)
-
-# The load model and the announced limits: those of bench/fleet_sim.py.
-MODEL: Final = "mock-model"
-KV_TOTAL_BLOCKS: Final = 1000
+# The announced limits: those of bench/fleet_sim.py.
 BLOCK_SIZE: Final = 16
 MAX_NUM_BATCHED_TOKENS: Final = 8192
 MAX_NUM_SEQS: Final = 256
@@ -54,9 +48,6 @@ UNLIMITED_QUEUE_LIMIT: Final = 40_000
 UNLIMITED_ENGINE_SLOTS: Final = 10_000
 #: Requests one request plane holds at most (every slot and queue place); more are rejected.
 MAX_IN_FLIGHT: Final = UNLIMITED_ENGINE_SLOTS + UNLIMITED_QUEUE_LIMIT
-FREE_RANGE: Final = (0.0, 0.2)
-BUSY_RANGE: Final = (0.6, 0.9)
-SLOTS: Final = 10
 
 # The real worker's defaults.
 HEARTBEAT_INTERVAL: Final = 1.0
@@ -81,22 +72,20 @@ MAX_PENDING_OUTPUT: Final = 1 << 20
 RECEIVE_BYTES: Final = 64 * 1024
 
 
-@dataclasses.dataclass
-class Counters:
-    """What the simulator generated and sent, summed over its workers (fleet_sim's keys)."""
+class Subscriber(typing.Protocol):
+    """What a worker asks of an event-plane subscriber it holds."""
 
-    #: Rank load changes made (each one should become a load event).
-    generated: int = 0
-    #: Load events taken into batches.
-    load_events: int = 0
-    #: Heartbeats likewise.
-    heartbeats: int = 0
-    #: Event-plane websocket messages (one per batch).
-    batches: int = 0
-    #: KV events sent (rule 6), snapshots included, and the ``kv`` messages that carried them.
-    kv_events: int = 0
-    kv_messages: int = 0
-    kv_snapshots: int = 0
+    #: The subscriber asked for KV events (rule 6).
+    kv_on: bool
+
+    def changed(self, now: float) -> None:
+        """The worker's loads changed: send or schedule a batch."""
+
+    def schedule(self, now: float) -> None:
+        """Something is pending (a heartbeat, say): send it if due, else note when."""
+
+    def kv_event(self, event: KvEvent, names: int) -> None:
+        """Queue a KV event of ``names`` block names."""
 
 
 # ----------------------------------------------------------------------------- the workers
@@ -188,7 +177,7 @@ class SimWorker:
         self.kv_chains = [[0, 0] for _ in range(ranks)]
         #: The newest heartbeat published to every subscriber.
         self.heartbeat: Heartbeat | None = None
-        self.subscribers: list[EventPlane] = []
+        self.subscribers: list[Subscriber] = []
 
     def new_heartbeat(self, wall: float) -> Heartbeat:
         self.seq += 1

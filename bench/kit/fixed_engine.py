@@ -1,6 +1,6 @@
 """An engine with a fixed number of slots and a fixed service time, for goodput benchmarks.
 
-Load it with ``worker-ingress --engine bench.fixed_engine:create`` from the repository's root
+Load it with ``worker-ingress --engine bench.kit.fixed_engine:create`` from the repository's root
 (so that ``bench`` is importable). Two environment variables shape it:
 
 - ``BENCH_FIXED_SLOTS``: how many requests it serves at once (default 4);
@@ -180,7 +180,7 @@ class FixedEngine:
 
 
 def create(settings: WorkerSettings) -> FixedEngine:
-    """Build the engine (the ``--engine bench.fixed_engine:create`` entry point).
+    """Build the engine (the ``--engine bench.kit.fixed_engine:create`` entry point).
 
     Args:
         settings: The worker's settings; the mocker's block size and batch budget are announced.

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from bench.lean_sim_frames import (
+from bench.fleet.lean_frames import (
     OP_BINARY,
     OP_CLOSE,
     OP_PING,
@@ -29,7 +29,7 @@ from bench.lean_sim_frames import (
     refusal,
     server_frame,
 )
-from bench.lean_sim_workers import (
+from bench.fleet.lean_workers import (
     DEFAULT_MAX_TOKENS,
     EDGE_GAP_SHARE,
     EMBEDDING_SIZE,
@@ -41,11 +41,10 @@ from bench.lean_sim_workers import (
     PING_TIMEOUT,
     RECEIVE_BYTES,
     TOKENS_PER_PASS,
-    Counters,
-    Protocol,
     SimWorker,
     busy_from,
 )
+from bench.fleet.model import Counters, Protocol
 from shim_common.wire import (
     CLOSE_DUPLICATE_REQUEST_ID,
     CLOSE_TEXT_MESSAGE,

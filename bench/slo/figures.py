@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from bench.bench_goodput import percentile
+from bench.kit.stats import percentile
 
 #: The recovery target: L within this share of its steady value.
 RECOVERY_BAND: Final = 0.1

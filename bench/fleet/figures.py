@@ -5,23 +5,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Final
+
+from bench.kit.metrics import samples
+from bench.kit.stats import percentile
 
 BUDGET_METRIC: Final = "dynamo_frontend_event_budget_messages_per_second"
 INTERVAL_METRIC: Final = "dynamo_frontend_event_interval_seconds"
 COST_METRIC: Final = "dynamo_frontend_event_message_cost_seconds"
 
 # ----------------------------------------------------------------------------- figures
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile; ``None`` for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 @dataclasses.dataclass
@@ -47,15 +41,7 @@ def event_metrics(text: str) -> EventMetrics:
     lag: float | None = None
     lag_sum: float | None = None
     lag_count: float | None = None
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value_part = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        try:
-            value = float(value_part)
-        except ValueError:
-            continue
+    for name, _, value in samples(text):
         if name == BUDGET_METRIC:
             found.budget = value
         elif name == COST_METRIC:
@@ -144,8 +130,8 @@ class SizeResult:
             values = data.pop(name)
             data[name] = {
                 "n": len(values),
-                "p50": quantile(values, 0.5),
-                "p99": quantile(values, 0.99),
+                "p50": percentile(values, 0.5) if values else None,
+                "p99": percentile(values, 0.99) if values else None,
             }
         data["target_events_per_s"] = self.target_events_per_s
         return data
@@ -155,10 +141,9 @@ class SizeResult:
 
 
 def _ms(values: Sequence[float]) -> str:
-    p50, p99 = quantile(values, 0.5), quantile(values, 0.99)
-    if p50 is None or p99 is None:
+    if not values:
         return "n/a"
-    return f"{p50:.0f} / {p99:.0f}"
+    return f"{percentile(values, 0.5):.0f} / {percentile(values, 0.99):.0f}"
 
 
 def _num(value: float | None, spec: str, scale: float = 1.0) -> str:

@@ -34,13 +34,14 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from bench.bench_goodput import percentile
+from bench.kit.stats import percentile
 from frontend_shim._kv_cost import CostWeights, KvScorer, Prompt
 from frontend_shim._kv_index import KvIndex
 from frontend_shim._load import Fleet
 from frontend_shim._router import Routed, Router, RouterMode
 from frontend_shim._sequences import InFlight
 from shim_common import wire
+from shim_common.prefix import block_names
 from shim_common.wire import BusyThresholds
 from worker_ingress.engines._kv_pool import STORED, PoolEvent
 from worker_ingress.engines._mock_scheduler import MockSequence, RankScheduler, ScheduledStep
@@ -55,13 +56,23 @@ MAX_NUM_BATCHED_TOKENS: Final = 8192
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """One request of the window: when it arrives, its prompt's length and block names (the
-    same names on both sides, as one tokenisation gives them), and the tokens it asks for."""
+    """One request of the window: when it arrives, its prompt's length, the tokens it asks for,
+    and an id for each full block of its prompt: two prompts whose first ``i`` ids are equal
+    share their first ``i`` blocks (ids are token ids, in ``[0, 2**32)``)."""
 
     arrival: float
     prompt_tokens: int
     max_tokens: int
-    block_names: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+    def tokens(self, block_size: int) -> list[int]:
+        """The prompt as token ids: each full block's tokens its id, the partial last block's 0.
+
+        Both sides name these tokens' blocks as the real frontend and mocker do
+        (:func:`shim_common.prefix.block_names`), so equal ids make equal names.
+        """
+        tail = self.prompt_tokens - len(self.block_ids) * block_size
+        return [block for block in self.block_ids for _ in range(block_size)] + [0] * tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +114,15 @@ class _Worker:
 class Replayed:
     """One request on its way: where it went and what the frontend charged for it."""
 
-    __slots__ = ("first_at", "first_seq", "in_flight", "request", "sequence", "started_seq", "wid")
+    __slots__ = (
+        "first_at", "first_seq", "in_flight", "prompt", "request", "sequence", "started_seq", "wid",
+    )  # fmt: skip
 
-    def __init__(self, request: Request, wid: str, in_flight: InFlight | None) -> None:
+    def __init__(
+        self, request: Request, prompt: Prompt, wid: str, in_flight: InFlight | None
+    ) -> None:
         self.request = request
+        self.prompt = prompt
         self.wid = wid
         self.in_flight = in_flight
         self.sequence: MockSequence | None = None
@@ -201,8 +217,7 @@ class _Twin:
     # --- the frontend ------------------------------------------------------------------------
 
     def arrive(self, now: float, request: Request) -> None:
-        # The names both sides would compute from the same tokens (see replay()).
-        prompt = Prompt(range(request.prompt_tokens), {self.block_size: request.block_names})
+        prompt = Prompt(request.tokens(self.block_size))
         routed = self.router.pick(MODEL, now, prompt=prompt)
         if not isinstance(routed, Routed):
             self.unrouted += 1
@@ -213,7 +228,7 @@ class _Twin:
         )
         if routed.kv is not None:
             self.index.predict(routed.worker_id, routed.kv.dp_rank, routed.kv.names, now)
-        replayed = Replayed(request, routed.worker_id, in_flight)
+        replayed = Replayed(request, prompt, routed.worker_id, in_flight)
         self.started[routed.worker_id] += 1
         self.at(now + self.link.hop, self.deliver, replayed)
 
@@ -236,10 +251,11 @@ class _Twin:
     def deliver(self, now: float, replayed: Replayed) -> None:
         worker = self.workers[replayed.wid]
         request = replayed.request
+        # The worker names the blocks of the tokens it was sent, as the mocker does.
         sequence = MockSequence(
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
-            block_names=request.block_names,
+            block_names=block_names(replayed.prompt.tokens, self.block_size),
         )
         replayed.sequence = sequence
         replayed.started_seq = worker.seq
@@ -335,8 +351,8 @@ def replay(
     """Replay ``requests`` through ``workers`` simulated workers and the frontend's router.
 
     Args:
-        requests: In arrival order; their ``block_names`` are the names of their prompts' full
-            blocks of ``block_size`` tokens (the twin does not tokenise: both sides use them).
+        requests: In arrival order; their ``block_ids`` stand for their prompts' full blocks
+            of ``block_size`` tokens.
         workers: Mockers, one rank each.
         block_size: Tokens per KV block.
         num_blocks: KV blocks per mocker.
