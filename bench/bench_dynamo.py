@@ -1,8 +1,10 @@
 """The frontend figures of ``bench/bench_frontend.py``, ours and NVIDIA Dynamo's, side by side.
 
 Run from the repository's root: ``python -m bench.bench_dynamo [--seconds 5] [--connections 64]
-[--repeats 3] [--dynamo-python .venv-dynamo/bin/python]`` (needs ``wrk``:
-``apt-get install -y wrk``). Servers are pinned to CPU 0 and wrk to CPU 1 with ``taskset``.
+[--repeats 3] [--processes 1] [--dynamo-python .venv-dynamo/bin/python]`` (needs ``wrk``:
+``apt-get install -y wrk``). Servers are pinned to CPU 0 and wrk to CPU 1 with ``taskset``;
+``--processes`` runs our frontends as that many HTTP processes (their CPU is summed over the
+frontend's process tree). Several cores beside Dynamo: ``bench/bench_cores.py``.
 
 Each system runs two deployments, both on loopback:
 
@@ -155,10 +157,12 @@ class Deployment:
 
 
 @contextlib.contextmanager
-def shim_deployment() -> Iterator[Deployment]:
-    """Our worker and frontend, four times: busy (slow mocker, threshold 0.0), fast, stream
-    (mocker sped up 10,000 times) and instant (the instant engine)."""
+def shim_deployment(processes: int = 1) -> Iterator[Deployment]:
+    """Our worker and frontend (of ``processes`` HTTP processes: its CPU is read over its
+    process tree), four times: busy (slow mocker, threshold 0.0), fast, stream (mocker sped up
+    10,000 times) and instant (the instant engine)."""
     quiet = ["--log-level", "warning"]
+    front = [*quiet, "--processes", str(processes)]
     with contextlib.ExitStack() as stack:
         pairs: list[Pair] = []
         for worker_flags, frontend_flags in (
@@ -168,7 +172,7 @@ def shim_deployment() -> Iterator[Deployment]:
             (["--engine", "instant"], []),
         ):
             ours = stack.enter_context(
-                shim([*quiet, *worker_flags], [*quiet, *frontend_flags], cpu=SERVER_CPU)
+                shim([*quiet, *worker_flags], [*front, *frontend_flags], cpu=SERVER_CPU)
             )
             pairs.append(Pair(ours.url, ours.frontend.pid, ours.worker.pid))
         busy, fast, stream, instant = pairs
@@ -468,6 +472,9 @@ def main() -> None:
         help="an interpreter that can import dynamo.frontend and dynamo.mocker",
     )
     parser.add_argument("--no-dynamo", action="store_true", help="measure ours alone")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="our frontends' --processes (HTTP processes)"
+    )
     parser.add_argument("--dynamo-log", default="warn", help="DYN_LOG of the Dynamo processes")
     parser.add_argument("--logs", type=Path, default=None, help="keep the servers' logs here")
     options = parser.parse_args()
@@ -483,7 +490,7 @@ def main() -> None:
         ours = "dynamo-shim"
         theirs = f"Dynamo {version}"
         with contextlib.ExitStack() as stack:
-            deployments = {ours: stack.enter_context(shim_deployment())}
+            deployments = {ours: stack.enter_context(shim_deployment(options.processes))}
             if version is not None:
                 deployments[theirs] = stack.enter_context(
                     dynamo_deployment(options.dynamo_python, scratch, options.dynamo_log)

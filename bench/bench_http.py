@@ -1,7 +1,9 @@
 """The HTTP floor: our frontend's answers side by side with bare Trio servers on the same client.
 
 Every server runs in its own process pinned to CPU 0; ``wrk`` (one thread, keep-alive
-connections) runs pinned to CPU 1, so each figure is one core's worth of server. Rows, all
+connections) runs pinned to CPU 1, so each figure is one core's worth of server
+(``--processes N`` runs our frontends as N HTTP processes, their CPU summed over the
+frontend's process tree: what several processes cost a request on one core). Rows, all
 measured in this one run, the servers taking turns within each round, medians of ``--rounds``:
 
 1. floor: a bare Trio keep-alive hello world parsing with httptools (llhttp, the parser our
@@ -192,18 +194,22 @@ def bare_server(kind: str) -> Iterator[tuple[str, list[int]]]:
 
 
 @contextlib.contextmanager
-def frontends() -> Iterator[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
-    """A busy frontend (every completion answered 529) and a fast one; yields each one's URL
-    with the pids of the frontend and its worker."""
+def frontends(
+    processes: int = 1,
+) -> Iterator[tuple[tuple[str, list[int]], tuple[str, list[int]]]]:
+    """A busy frontend (every completion answered 529) and a fast one, each of ``processes``
+    HTTP processes; yields each one's URL with the pids of the frontend and its worker (the
+    frontend's pid stands for all its processes: CPU is read over its process tree)."""
     quiet = ["--log-level", "warning"]
+    front = [*quiet, "--processes", str(processes)]
     long_body = json.dumps({**COMPLETION, "max_tokens": 100_000, "stream": True})
     with (
         shim(
             [*quiet, "--speedup-ratio", "0.02"],
-            [*quiet, "--active-decode-blocks-threshold", "0.0"],
+            [*front, "--active-decode-blocks-threshold", "0.0"],
             cpu=SERVER_CPU,
         ) as busy,
-        shim([*quiet, "--engine", "instant"], quiet, cpu=SERVER_CPU) as fast,
+        shim([*quiet, "--engine", "instant"], front, cpu=SERVER_CPU) as fast,
         # One long request makes the busy fleet busy (it holds KV blocks for the whole run).
         kept_busy(busy.url, "/v1/completions", long_body, "{}"),
     ):
@@ -281,6 +287,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per figure")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the servers taking turns")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="the frontends' --processes (HTTP processes)"
+    )
     parser.add_argument("--serve", choices=sorted(BARE_SERVERS), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.serve:
@@ -299,7 +308,7 @@ def main() -> None:
         wrk = Wrk(options.seconds, options.connections, Path(scratch))
         completion, streamed = json.dumps(COMPLETION), json.dumps(STREAMED)
         servers = {kind: stack.enter_context(bare_server(kind)) for kind in bare}
-        (busy, busy_pids), (fast, fast_pids) = stack.enter_context(frontends())
+        (busy, busy_pids), (fast, fast_pids) = stack.enter_context(frontends(options.processes))
         figures = {
             **{kind: (url + "/", None, pids) for kind, (url, pids) in servers.items()},
             "live": (busy + "/live", None, busy_pids),
