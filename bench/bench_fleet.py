@@ -30,7 +30,8 @@ Per size K, with the frontend pinned to CPU 0 and everything else to CPU 1 (when
    then measure the simulator (``--startup-under-load`` changes loads from the start anyway).
 3. Every rank's load then changes 20 times a second, the fleet free; after ``--warmup`` s,
    for ``--seconds`` while events flow: events the workers sent (counted in the simulator) and
-   the frontend's CPU share (``/proc/<pid>/stat``), its RSS, the simulators' CPU share, the bytes
+   the frontend's CPU share (``/proc``, over its process tree: its HTTP processes too with
+   ``--frontend-arg=--processes=N``), its RSS, the simulators' CPU share, the bytes
    the frontend had not read yet from its worker sockets (``/proc/net/tcp``), and ``GET /live``
    latency (one request every 10 ms on a keep-alive connection), and completion latency (one
    small completion every 20 ms on another connection: a real 200 from a worker, through the
@@ -80,7 +81,7 @@ from bench.fleet.figures import HEADER, SizeResult, event_metrics, table_row
 from bench.fleet.model import PROTOCOLS
 from bench.kit.children import Child
 from bench.kit.http import HTTP_ERRORS, Client
-from bench.kit.proc import cpu_seconds, memory, unread_bytes, wait_seconds
+from bench.kit.proc import cpu_seconds, memory, tree_cpu_seconds, unread_bytes, wait_seconds
 from bench.kit.processes import pin, raise_fd_limit
 
 FRONTEND_CPU: Final = 0
@@ -439,7 +440,7 @@ async def _measure_frontend(
     _, applied0 = await _scrape(probe, result)
     stats0 = await fleet_stats(sims)
     window_start = trio.current_time()
-    cpu0, wait0 = cpu_seconds(pid), wait_seconds(pid)
+    cpu0, wait0 = tree_cpu_seconds(pid), wait_seconds(pid)
     sim_pids = [sim.child.pid for sim in sims]
     sim_cpu0 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
     sim_wait0 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
@@ -452,7 +453,7 @@ async def _measure_frontend(
     await live.aclose()
     await completions.aclose()
     result.unread_kb_end = unread_bytes(worker_ports) / 1024
-    cpu1, wait1 = cpu_seconds(pid), wait_seconds(pid)
+    cpu1, wait1 = tree_cpu_seconds(pid), wait_seconds(pid)
     sim_cpu1 = sum(cpu_seconds(sim_pid) for sim_pid in sim_pids)
     sim_wait1 = sum(wait_seconds(sim_pid) for sim_pid in sim_pids)
     window = trio.current_time() - window_start
