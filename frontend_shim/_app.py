@@ -193,9 +193,11 @@ def worker_pool(
     make_room: Callable[[], int] | None,
     *,
     event_plane: bool = True,
+    request_plane: bool = True,
 ) -> WorkerPool:
     """The links to every worker URL, as the settings say (``event_plane`` off: the request
-    planes alone, for an HTTP process whose host follows the events)."""
+    planes alone, for an HTTP process whose host follows the events; ``request_plane`` off:
+    the event planes alone, for that host, which sends no request)."""
     return WorkerPool(
         urls,
         settings=LinkSettings(
@@ -205,6 +207,7 @@ def worker_pool(
             make_room=make_room,
             kv_events=event_plane and settings.router_mode == "kv" and settings.router_kv_events,
             event_plane=event_plane,
+            request_plane=request_plane,
         ),
         resolve_interval=settings.resolve_interval,
         connect_concurrency=settings.connect_concurrency,

@@ -83,7 +83,10 @@ Rules of a session (the state machine of a link):
 8. A link without its event plane (``LinkSettings.event_plane`` off: an HTTP process whose host
    follows the events) opens the request plane alone: a session is that plane's, its liveness
    the request plane's pings (rule 2), and the listener hears ``worker_up`` and ``worker_down``
-   only; rules 3, 5, 6 and 7 do not apply.
+   only; rules 3, 5, 6 and 7 do not apply. A link without its request plane
+   (``LinkSettings.request_plane`` off: that host, which sends no request) opens the event
+   plane alone, its liveness the events' (rule 2); its :meth:`WorkerLink.request` fails at
+   once as for a worker not connected.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -186,8 +189,13 @@ class LinkSettings:
     #: Open the event plane (rule 8): off in an HTTP process of several, whose host follows
     #: the workers' events once for all of them.
     event_plane: bool = True
+    #: Open the request plane (rule 8): off in the host of a frontend of several processes,
+    #: which follows the events and sends no request itself.
+    request_plane: bool = True
 
     def __post_init__(self) -> None:
+        if not (self.event_plane or self.request_plane):
+            raise ValueError("a link needs one of its planes at least")
         if self.request_buffer < 1 or self.send_queue < 1:
             raise ValueError("request_buffer and send_queue must be at least 1")
         if not 0.0 <= self.backoff_jitter <= 1.0:
@@ -464,7 +472,9 @@ class WorkerLink:
         try:
             async with self._limiter if self._limiter is not None else _NO_LIMIT:
                 with trio.fail_after(self._settings.connect_timeout):
-                    if self._settings.event_plane:
+                    if not self._settings.request_plane:
+                        events, hello = await self._connect_events()
+                    elif self._settings.event_plane:
                         events, requests, hello = await self._connect()
                     else:
                         requests, hello = await self._connect_requests()
@@ -495,6 +505,15 @@ class WorkerLink:
             await events.aclose(0)
             raise
         return events, requests, hello
+
+    async def _connect_events(self) -> tuple[PlaneConnection, wire.Hello]:
+        events = await self._open(wire.EVENTS_PATH, EVENTS_RECEIVE_BUFFER)
+        try:
+            hello = await _read_hello(events, wire.decode_event_message)
+        except BaseException:
+            await events.aclose(0)
+            raise
+        return events, hello
 
     async def _connect_requests(self) -> tuple[PlaneConnection, wire.Hello]:
         batch = (wire.SUBPROTOCOL_BATCH,)
@@ -547,10 +566,10 @@ class WorkerLink:
         )
 
     async def _serve(
-        self, events: PlaneConnection | None, requests: PlaneConnection, hello: wire.Hello
+        self, events: PlaneConnection | None, requests: PlaneConnection | None, hello: wire.Hello
     ) -> None:
         config = hello.config
-        plane = RequestPlane(
+        plane = None if requests is None else RequestPlane(
             request_buffer=self._settings.request_buffer,
             send_queue=self._settings.send_queue,
             stats=self.stats,
@@ -573,7 +592,8 @@ class WorkerLink:
         # room for KV events only when this link asks for them).
         if events is not None:
             events.limit_messages(event_message_bound(config, kv_events=self.kv_events))
-        requests.limit_messages(wire.MAX_MESSAGE_BYTES)
+        if requests is not None:
+            requests.limit_messages(wire.MAX_MESSAGE_BYTES)
         self._events = events
         self.lag = self._new_lag_meter()
         self._up(config, plane)
@@ -583,9 +603,10 @@ class WorkerLink:
             async with trio.open_nursery() as nursery:
                 if events is not None:
                     nursery.start_soon(self._read_events, events)
-                nursery.start_soon(self._read_replies, requests, plane)
-                batches = wire.FEATURE_REQUEST_BATCH in hello.features
-                nursery.start_soon(self._send_requests, requests, plane, batches)
+                if requests is not None and plane is not None:
+                    nursery.start_soon(self._read_replies, requests, plane)
+                    batches = wire.FEATURE_REQUEST_BATCH in hello.features
+                    nursery.start_soon(self._send_requests, requests, plane, batches)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
                 if self.kv_events:
                     nursery.start_soon(self._resync_kv)
@@ -597,7 +618,7 @@ class WorkerLink:
             # requests and tell the listener now.
             self._down(plane, reason)
 
-    def _up(self, config: wire.RuntimeConfig, plane: RequestPlane) -> None:
+    def _up(self, config: wire.RuntimeConfig, plane: RequestPlane | None) -> None:
         self.config = config
         self.connected = True
         self._plane = plane
@@ -614,8 +635,9 @@ class WorkerLink:
         )
         self._listener.worker_up(self.key, config, trio.current_time())
 
-    def _down(self, plane: RequestPlane, reason: str) -> None:
-        self.stats.requests_failed_by_disconnect += plane.close(reason)
+    def _down(self, plane: RequestPlane | None, reason: str) -> None:
+        if plane is not None:
+            self.stats.requests_failed_by_disconnect += plane.close(reason)
         self._plane = None
         self._events = None
         self.connected = False
@@ -740,7 +762,10 @@ class WorkerLink:
                 await requests.send_messages([first, *rest])
 
     async def _watch(
-        self, events: PlaneConnection | None, requests: PlaneConnection, heartbeat_interval: float
+        self,
+        events: PlaneConnection | None,
+        requests: PlaneConnection | None,
+        heartbeat_interval: float,
     ) -> None:
         """The watchdog of rule 2."""
         settings = self._settings
@@ -762,6 +787,8 @@ class WorkerLink:
                         f"a write on {plane.path} made no progress for "
                         f"{settings.keepalive_timeout} s: the worker is not reading"
                     )
+            if requests is None:
+                continue
             if requests.ping_sent_at is not None:
                 if now - requests.ping_sent_at > settings.keepalive_timeout:
                     raise self._keepalive_failed(

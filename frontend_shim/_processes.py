@@ -366,7 +366,8 @@ async def run_frontend_processes(
             elif not settings.workers:
                 _log.warning("no --worker and no --local-workers: every request will get 503")
             workers = [*settings.workers, *local_urls]
-            pool = worker_pool(settings, workers, None)
+            # The host follows the events and sends no request: its links are event planes.
+            pool = worker_pool(settings, workers, None, request_plane=False)
             picker = Picker(
                 LocalPicture(fleet, parts.router, parts.kv_routing),
                 board,

@@ -312,3 +312,36 @@ async def test_other_connect_errors_never_close_idle_connections(
         await nursery.start(link.run)
         await link.wait_connected()
         assert made_room == []
+
+
+async def test_a_link_of_one_plane_serves_that_plane_alone(nursery: trio.Nursery) -> None:
+    """The host of several processes follows events alone; its processes send requests alone."""
+    with trio.fail_after(TIMEOUT):
+        _, url, _ = await _worker(nursery)
+        events_only = RecordingListener()
+        follower = WorkerLink(
+            url, events_only, dataclasses.replace(FAST, request_plane=False), rng=random.Random(1)
+        )
+        requests_only = RecordingListener()
+        sender = WorkerLink(
+            url, requests_only, dataclasses.replace(FAST, event_plane=False), rng=random.Random(2)
+        )
+        await nursery.start(follower.run)
+        await nursery.start(sender.run)
+        await follower.wait_connected()
+        await sender.wait_connected()
+        # The sender's request runs; the follower hears the load it makes, the sender nothing.
+        async with sender.request("completions", PROMPT) as stream:
+            assert isinstance(await stream.first(), wire.Started)
+            replies = [reply async for reply in stream]
+        assert isinstance(replies[-1], wire.End)
+        version = 0
+        while not events_only.events:
+            version = await events_only.changed.wait_past(version)
+        assert not requests_only.events
+        # The follower sends nothing: its requests fail at once, as to a worker not connected.
+        async with follower.request("completions", PROMPT) as stream:
+            first = await stream.first()
+        assert isinstance(first, wire.Failed)
+        assert first.kind == "unavailable"
+        assert follower.connected
