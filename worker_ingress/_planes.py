@@ -69,6 +69,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Final, Protocol, cast
 
@@ -307,13 +308,44 @@ class _PongTimeout(Exception):
     """A peer did not answer a keepalive ping in time."""
 
 
-async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: float) -> None:
+class _PeerWaits:
+    """Since when each of a connection's sends waits on its peer (a write, a ping's pong): what
+    says whether an event-plane subscriber reads what it is sent (:meth:`EventConnection.reading`).
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Note that ``what`` waits on the peer for as long as the ``with`` block runs."""
+        self._since[what] = trio.current_time()
+        try:
+            yield
+        finally:
+            del self._since[what]
+
+    def longest(self, now: float) -> float:
+        """Seconds the oldest wait under way has lasted at ``now`` (0 with none)."""
+        return now - min(self._since.values(), default=now)
+
+
+async def _keepalive(
+    ws: WebSocketConnection,
+    interval: float,
+    pong_deadline: float,
+    waits: _PeerWaits | None = None,
+) -> None:
     """Ping every ``interval`` seconds; return when a pong is late or the connection closed."""
     while True:
         await trio.sleep(interval)
         with trio.move_on_after(pong_deadline) as ping_scope:
             try:
-                await ws.ping()
+                if waits is None:
+                    await ws.ping()
+                else:
+                    with waits.waiting("ping"):
+                        await ws.ping()
             except ConnectionClosed:
                 return
         if ping_scope.cancelled_caught:
@@ -322,11 +354,14 @@ async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: fl
 
 
 async def _keepalive_then_stop(
-    host: PlaneHost, ws: WebSocketConnection, stop: trio.CancelScope
+    host: PlaneHost,
+    ws: WebSocketConnection,
+    stop: trio.CancelScope,
+    waits: _PeerWaits | None = None,
 ) -> None:
     """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
     try:
-        await _keepalive(ws, host.ping_interval, host.ping_timeout)
+        await _keepalive(ws, host.ping_interval, host.ping_timeout, waits)
     except _PongTimeout:
         host.count_connection_error()
     stop.cancel()
@@ -661,13 +696,25 @@ class EventConnection:
         self.opened_at = trio.current_time()
         self.remote = ws.remote
         self._subscription: Subscription | None = None
+        #: What this connection sends that waits on the subscriber (batches, pings).
+        self._waits = _PeerWaits()
+
+    @property
+    def _subscribed(self) -> bool:
+        subscription = self._subscription
+        return subscription is not None and subscription.subscribed
 
     def squatting(self, now: float, grace: float) -> bool:
         """Whether the subscriber has sent no ``Subscribe`` in the ``grace`` seconds since it
         was accepted (what a frontend sends first: ``_events`` rule 9)."""
-        subscription = self._subscription
-        subscribed = subscription is not None and subscription.subscribed
-        return not subscribed and now - self.opened_at >= grace
+        return not self._subscribed and now - self.opened_at >= grace
+
+    def reading(self, now: float, grace: float) -> bool:
+        """Whether the subscriber has sent a ``Subscribe`` and reads what it is sent: no batch
+        being written to it, nor a keepalive ping, has waited ``grace`` seconds on it. Such a
+        subscriber is a frontend's, as far as the worker can tell, and keeps its place
+        (:mod:`worker_ingress._subscriber_places`)."""
+        return self._subscribed and self._waits.longest(now) < grace
 
     async def serve(self) -> None:
         """Serve the subscriber until it leaves or the worker shuts it."""
@@ -684,7 +731,11 @@ class EventConnection:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
                     nursery.start_soon(
-                        _keepalive_then_stop, self._host, self._ws, nursery.cancel_scope
+                        _keepalive_then_stop,
+                        self._host,
+                        self._ws,
+                        nursery.cancel_scope,
+                        self._waits,
                     )
                     kv_events = self._host.kv_events
                     if kv_events is not None:
@@ -693,7 +744,8 @@ class EventConnection:
                         while True:
                             events = await subscription.next_batch()
                             batch = EventBatch(events=events, sent=time.time())
-                            await self._ws.send_message(encode(batch))
+                            with self._waits.waiting("events"):
+                                await self._ws.send_message(encode(batch))
                     nursery.cancel_scope.cancel()
             if self._send_scope.cancelled_caught:
                 # close() stopped the sender: the worker is draining.
@@ -733,7 +785,8 @@ class EventConnection:
             self._kv = kv
             while True:
                 events = await kv.next_batch(subscription.publish_interval)
-                await self._ws.send_message(encode(KvBatch(events=events)))
+                with self._waits.waiting("kv"):
+                    await self._ws.send_message(encode(KvBatch(events=events)))
 
     async def close(self) -> None:
         """Stop sending batches, close with 1001, and return after."""
