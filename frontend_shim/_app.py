@@ -167,9 +167,13 @@ async def run_frontend(
             cost_min_messages=settings.event_cost_min_messages,
         )
         bridge = FleetBridge(
-            fleet, on_change=waiting.release, links=pool.links, kv_index=kv_index
+            fleet,
+            on_change=waiting.release,
+            links=pool.links,
+            kv_index=kv_index,
+            on_collision=metrics.count_worker_id_collision,
         )
-        metrics.watch_links(lambda: _link_samples(pool))
+        metrics.watch_links(lambda: _link_samples(pool, bridge))
         admin = AdminRoutes(
             fleet,
             disabled=settings.admin_api_disabled,
@@ -301,10 +305,12 @@ def _worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
     return client_context(settings.tls_ca_path, also_trust=local_cert)
 
 
-def _link_samples(pool: WorkerPool) -> list[LinkSample]:
+def _link_samples(pool: WorkerPool, bridge: FleetBridge) -> list[LinkSample]:
     return [
         LinkSample(
-            worker_id=link.config.worker_id if link.config is not None else link.key,
+            # The id the fleet knows it by (apart from another address's, rule of the bridge).
+            worker_id=bridge.worker_id_of(link.key)
+            or (link.config.worker_id if link.config is not None else link.key),
             connected=link.connected,
             lagging=link.lag.lagging,
             lag=link.lag.lag,
