@@ -24,11 +24,17 @@ Rules of a request-plane connection:
    all three synchronous, rule 3), and answers there what needs no task (a rejection, bad
    input); it waits only to hand over that answer. Every other ``Generate`` runs in its own
    task in the connection's nursery, under its own cancel scope, which waits for its slot when
-   it was queued. The messages of a :class:`~wire.RequestBatch` are taken one after the other
-   exactly as if each had come alone, so its requests meet the gate in the order they came
-   (their tasks run, in no set order, once the receive loop next waits). A ``Cancel`` gives
-   back at once the place of a request that has not begun to run
-   (:meth:`~worker_ingress._admission.SlotLease.cancel`), so the next message finds it free.
+   it was queued. The engine prepares the requests of a message larger than
+   :data:`PREPARE_ON_LOOP_BYTES` in a worker thread, which the receive loop waits for: the
+   order of the connection's requests is kept, and the work one message makes (tokenising a
+   prompt of megabytes) no longer holds every other connection of the worker for as long; the
+   interpreter hands the event loop its turn between the thread's steps (every 5 ms, save for
+   a single long call in C: decoding the message stays one). The messages of a
+   :class:`~wire.RequestBatch` are taken one after the other exactly as if each had come
+   alone, so its requests meet the gate in the order they came (their tasks run, in no set
+   order, once the receive loop next waits). A ``Cancel`` gives back at once the place of a
+   request that has not begun to run (:meth:`~worker_ingress._admission.SlotLease.cancel`),
+   so the next message finds it free.
 2. One sender task writes the frames of running requests; request tasks hand it their frames
    through a bounded queue, so a slow client slows only its own requests (backpressure reaches
    the engine's stream through the queue). A frame handed over while there is room costs no
@@ -124,6 +130,11 @@ CLOSE_FLUSH_SECONDS: Final = 5.0
 #: Frames waiting for a connection's sender. Small: it only smooths bursts; beyond it the
 #: request tasks wait, which is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
+#: A request-plane message larger than this has its requests prepared in a worker thread (rule
+#: 1): preparing costs about its size (a 64 KiB prompt of one-letter words takes the mocker some
+#: 20 ms to tokenise and name its blocks), and on the event loop a 7.7 MB one stalled every
+#: other connection of the worker for a second or more.
+PREPARE_ON_LOOP_BYTES: Final = 64 * 1024
 
 
 class PlaneHost(Protocol):
@@ -446,11 +457,14 @@ class RequestConnection:
             # A batch is taken exactly as its messages one by one, in order, without a read
             # (and a wake-up of this task) between them.
             batch = message.messages if isinstance(message, RequestBatch) else (message,)
+            off_loop = len(data) > PREPARE_ON_LOOP_BYTES
             for each in batch:
-                if not await self._take(each, nursery):
+                if not await self._take(each, nursery, off_loop):
                     return
 
-    async def _take(self, message: Generate | Cancel, nursery: trio.Nursery) -> bool:
+    async def _take(
+        self, message: Generate | Cancel, nursery: trio.Nursery, off_loop: bool = False
+    ) -> bool:
         """Act on one client message; ``False`` when the connection is to stop reading."""
         if isinstance(message, Cancel):
             request = self._requests.get(message.request_id)
@@ -465,7 +479,7 @@ class RequestConnection:
             await self._protocol_error(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
             return False
         try:
-            admitted = await self._admit(message)
+            admitted = await self._admit(message, off_loop)
         except ConnectionClosed:
             return False
         if admitted is None:
@@ -485,9 +499,12 @@ class RequestConnection:
             return Rejected.of(request_id, reason, slo.queue_bound)
         return Rejected.of(request_id, reason)
 
-    async def _admit(self, generate: Generate) -> tuple[PreparedRequest, SlotLease] | None:
+    async def _admit(
+        self, generate: Generate, off_loop: bool = False
+    ) -> tuple[PreparedRequest, SlotLease] | None:
         """Validate a request and have it meet the gate; answer it here when that needs no task
         (bad input, a refusal), else return the prepared request and its hold on the gate.
+        With ``off_loop`` (a large message, rule 1) the engine prepares it in a worker thread.
 
         Raises:
             ConnectionClosed: writing the answer found the connection gone.
@@ -504,7 +521,12 @@ class RequestConnection:
             await self._write_rejected(request_id, reason)
             return None
         try:
-            prepared = host.engine.prepare(generate.endpoint, generate.body)
+            if off_loop:
+                prepared = await trio.to_thread.run_sync(
+                    host.engine.prepare, generate.endpoint, generate.body
+                )
+            else:
+                prepared = host.engine.prepare(generate.endpoint, generate.body)
         except EngineInputError as error:
             await self._sender.send(
                 Failed(request_id=request_id, kind="bad_request", message=str(error))
