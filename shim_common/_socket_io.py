@@ -108,6 +108,15 @@ class ConnectionIO:
         except OSError as exc:
             raise trio.BrokenResourceError(f"writing failed: {exc}") from exc
 
+    def pending_error(self) -> int:
+        """The socket's pending error (``SO_ERROR``, read and cleared), 0 with none; 0 for a
+        stream other than plain TCP or a closed socket. A reset from a peer that had sent its
+        FIN shows here (``EPIPE`` on Linux) while reads still find a clean EOF."""
+        sock = self._socket
+        if sock is None or sock.fileno() < 0:
+            return 0
+        return int(sock.getsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_ERROR))
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``, waiting for room as long as it takes (rule 3); a
         checkpoint only when it has to wait."""

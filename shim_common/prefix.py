@@ -83,10 +83,19 @@ class WordTokenizer:
         if len(text) <= TOKENIZE_PIECE_CHARS:
             return self._encode(text)
         ids: list[int] = []
+        piece = TOKENIZE_PIECE_CHARS
         start, size = 0, len(text)
         while start < size:
-            space = _SPACE.search(text, min(start + TOKENIZE_PIECE_CHARS, size))
-            end = size if space is None else space.start()
+            # The piece ends at the first whitespace from ``start + piece`` on, looked for a
+            # window at a time (a search over a whole long word would be one long call).
+            end = start + piece
+            while end < size:
+                space = _SPACE.search(text, end, end + piece)
+                if space is not None:
+                    end = space.start()
+                    break
+                end += piece
+            end = min(end, size)
             ids.extend(self._encode(text[start:end]))
             start = end
         return ids
