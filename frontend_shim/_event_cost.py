@@ -3,8 +3,9 @@
 Without ``--event-budget`` the frontend sets its budget (:mod:`frontend_shim._event_budget`) to
 the messages a second that fit in a share of one core, :data:`DEFAULT_CORE_SHARE`, at the cost
 per message it measures on itself. :class:`EventCostMeter` is the sans-IO estimator; the pool
-(:mod:`frontend_shim._pool`) feeds it every ``window`` seconds the process's CPU time and the
-event messages and connection attempts its links have counted so far (running totals).
+(:mod:`frontend_shim._pool`) feeds it every ``window`` seconds the CPU time of the reads made
+in place and of the whole process, and the event messages and connection attempts its links
+have counted so far (running totals).
 
 An event message, for the budget, is one *read* of a worker's event plane: a negotiating
 worker's batch, read as it comes, or whatever one paced read of a worker that does not
@@ -82,12 +83,12 @@ __all__ = [
     "EventCostMeter",
 ]
 
-#: The share of one core the measured budget gives to following the fleet (the target is the
-#: whole frontend at no more than half of a core; what the frontend does besides is charged to
-#: the measured cost already, as the top of this module says, so the whole process settles at
-#: this share). At 2,048 workers of the previous protocol a read costs about 40 us with that
-#: charge, and every hundredth of a core is about 250 reads a second, about 4 ms off the
-#: interval and so off the busy/free edges of workers read at it.
+#: The share of one core the measured budget gives to following the fleet: to the reads'
+#: own CPU where they are timed (whatever the frontend's HTTP work takes besides), to the
+#: whole process where the process's CPU is the measure (TLS links, see the top of the module).
+#: At 2,048 workers of the previous protocol a read costs about 40 us, and every hundredth of
+#: a core is about 250 reads a second, about 4 ms off the interval and so off the busy/free
+#: edges of workers read at it.
 DEFAULT_CORE_SHARE: Final = 0.48
 #: The measured budget never goes below this (messages a second): at 1,000 workers the
 #: interval is then 1 s, the most the budget hands out anyway.
