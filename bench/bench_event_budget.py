@@ -96,7 +96,7 @@ async def _round(tree: str, args: argparse.Namespace) -> list[dict[str, float]]:
         [sys.executable, "-m", "frontend_shim", "--http-port", "0", "--log-level", "error",
          "--local-workers", str(args.workers), "--speedup-ratio", "10",
          "--engine-request-limit", "64"],
-        stdout=subprocess.PIPE, env=env, cwd=tree,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tree,
     )  # fmt: skip
     try:
         assert process.stdout is not None
