@@ -34,18 +34,10 @@ Rules of one connection (a loop of request/response cycles):
    a head or of a body) means the client left: the reader cancels the connection's main task,
    so a handler that writes nothing for a while (a long prefill) is cancelled all the same, its
    ``finally:`` blocks run, and the connection closes without a response. EOF after whole
-   requests only is a half-close (``shutdown(SHUT_WR)``; rule 7 of
-   :mod:`shim_common._http_cycle`): as nginx and h11-based servers do, every request received
-   whole is answered, in order, the one in flight running to its answer, and the connection
-   closes after the last. A TCP peer cannot tell a half-close from a close, so the choice for
-   a request in flight is to serve it and find out: while its answer has not begun, an HTTP/1.1
-   client on plain TCP is sent one ``100 Continue`` (RFC 9110 15.2: any client must accept an
-   interim answer it did not ask for), which a client that closed both ways answers with a
-   reset; the reader looks for that reset for :data:`HALF_CLOSE_WATCH` seconds after the EOF
-   and, when it comes, cancels the main task as for any departure. So a client that closes
-   during a silent prefill still frees its request at once; one that half-closed reads the
-   ``100 Continue`` and then its answer. Over TLS, or from an HTTP/1.0 client (to which no
-   interim answer may go), a close is noticed only at the first write that fails.
+   requests only is a half-close (rule 7 of :mod:`shim_common._http_cycle`): they are answered,
+   in order, the one in flight to its end, then the connection closes; the reader tells a
+   client that closed both ways by the reset one ``100 Continue`` draws, and cancels it then
+   (:mod:`shim_common._http_half_close`).
    The reader runs ahead of what the main task took from the parser by at most
    ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
    has not asked for yet; a read counts at least 512 bytes, each being an object of its own);
@@ -139,6 +131,7 @@ from shim_common._http_exchange import (
     RequestTimeout,
     error_body,
 )
+from shim_common._http_half_close import watch_half_closed
 from shim_common._http_head_writer import (
     CHUNKED_LINE,
     CLOSE_LINE,
@@ -147,10 +140,9 @@ from shim_common._http_head_writer import (
     header_lines,
     status_line,
 )
-from shim_common._http_idle import MIN_IDLE_SECONDS, IdleConnections
+from shim_common._http_idle import IdleConnections
 from shim_common._http_parser import (
     END,
-    EndOfRequest,
     ParseFailure,
     RequestHead,
     RequestParser,
@@ -158,17 +150,7 @@ from shim_common._http_parser import (
 )
 from shim_common._socket_io import ConnectionIO
 
-# The parser's names are re-exported: this module was their home before the parser had one.
-__all__ = [
-    "END",
-    "Connection",
-    "EndOfRequest",
-    "IdleConnections",
-    "MIN_IDLE_SECONDS",
-    "ParseFailure",
-    "RequestHead",
-    "RequestParser",
-]
+__all__ = ["Connection"]
 
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
@@ -176,13 +158,6 @@ logger = logging.getLogger("shim_common._httpserver")
 # The most answers given at once in one write (rule 10): what a burst of pipelined requests may
 # make the reader hold before it writes.
 _MOST_ANSWERS_PER_WRITE = 64
-#: Seconds after a half-close the reader looks for the reset of a client that closed both ways
-#: (rule 3): a reset arrives a round trip after the probe, milliseconds on a LAN.
-HALF_CLOSE_WATCH = 5.0
-# The interim answer that makes a client that closed both ways send a reset (rule 3), and the
-# first pause before looking for it (then four times longer each look, up to a second).
-_HALF_CLOSE_PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_HALF_CLOSE_FIRST_LOOK = 0.002
 # The least a read counts toward the read-ahead budget (rule 3): a read is an event of its own,
 # some 40 bytes besides its data, and a client sending a byte per segment must not make the
 # reader hold 64 Ki of them.
@@ -254,9 +229,6 @@ class Connection:
         self._request_started = 0.0
         # The server stops: no request after the current one (rule 9).
         self._winding_down = False
-        # The part of the half-close probe the kernel did not take (rule 3): the next write
-        # sends it first, so bytes never interleave.
-        self._owed = b""
 
     @property
     def response_started(self) -> bool:
@@ -320,8 +292,6 @@ class Connection:
     # -- moving bytes -------------------------------------------------------------------------
 
     async def _send_all(self, data: bytes) -> None:
-        if self._owed:
-            data, self._owed = self._owed + data, b""
         timeout = self._limits.send_timeout
         piece = self._limits.send_piece_bytes
         try:
@@ -358,11 +328,10 @@ class Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 break  # a reset: the client left
             if not received:
-                if cycle.ours != CLOSED and not parser.mid_request:
-                    # Whole requests only: a half-close (rule 3). They are answered.
+                if cycle.ours != CLOSED and not parser.mid_request:  # a half-close (rule 3)
                     cycle.input_ended()
                     self._wake_main_task()
-                    if await self._watch_half_closed():
+                    if await watch_half_closed(cycle, self._io, lambda: self._request):
                         return
                 break
             if cycle.ours == CLOSED:  # closing: what the client still sends is dropped
@@ -382,39 +351,6 @@ class Connection:
         # The client left: stop whatever the main task does, a running handler included.
         self._scope.cancel()
         self._data_arrived.unpark_all()
-
-    async def _watch_half_closed(self) -> bool:
-        """After a half-close, probe a request in flight and look for the reset of a client that
-        closed both ways (rule 3); ``False`` when it came (the client left)."""
-        cycle = self._cycle
-        io = self._io
-        probed = False
-        pause = _HALF_CLOSE_FIRST_LOOK
-        watch_until = trio.current_time() + HALF_CLOSE_WATCH
-        # Bounded: a look at most every second until the watch ends, then the task returns.
-        while trio.current_time() < watch_until:
-            request = self._request
-            if (
-                not probed
-                and cycle.ours == SEND_RESPONSE
-                and request is not None
-                and request.http_version >= b"1.1"
-            ):
-                try:
-                    sent = io.send_now(_HALF_CLOSE_PROBE)
-                except trio.BusyResourceError:
-                    sent = 0  # the main task waits to write its 100 Continue: look again later
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return False
-                if sent:
-                    probed = True
-                    self._owed = _HALF_CLOSE_PROBE[sent:]
-                    cycle.waiting_for_continue = False  # the probe is the 100 it waited for
-            if probed and io.pending_error():
-                return False
-            await trio.sleep(pause)
-            pause = min(pause * 4, 1.0)
-        return True
 
     def _wake_main_task(self) -> None:
         self._awaiting_head = False  # what is in the parser is the main task's now
