@@ -24,12 +24,10 @@ Rules of a request-plane connection:
    all three synchronous, rule 3), and answers there what needs no task (a rejection, bad
    input); it waits only to hand over that answer. Every other ``Generate`` runs in its own
    task in the connection's nursery, under its own cancel scope, which waits for its slot when
-   it was queued. The engine prepares the requests of a message larger than
-   :data:`PREPARE_ON_LOOP_BYTES` in a worker thread, which the receive loop waits for: the
-   order of the connection's requests is kept, and the work one message makes (tokenising a
-   prompt of megabytes) no longer holds every other connection of the worker for as long; the
-   interpreter hands the event loop its turn between the thread's steps (every 5 ms, save for
-   a single long call in C: decoding the message stays one). The messages of a
+   it was queued. The requests of a message over :data:`PREPARE_ON_LOOP_BYTES` are prepared in
+   a worker thread, which the receive loop waits for (their order kept): tokenising a prompt of
+   megabytes no longer holds the worker's other connections, the interpreter handing the loop
+   its turn every 5 ms (save in one long call in C: the decode stays one). The messages of a
    :class:`~wire.RequestBatch` are taken one after the other exactly as if each had come
    alone, so its requests meet the gate in the order they came (their tasks run, in no set
    order, once the receive loop next waits). A ``Cancel`` gives back at once the place of a
@@ -75,7 +73,6 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Final, Protocol, cast
 
@@ -113,6 +110,7 @@ from shim_common.wire import (
 from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._events import Subscription
 from worker_ingress._kv_events import KvEventLog, KvSubscription
+from worker_ingress._subscriber_places import PeerWaits
 from worker_ingress.engines._base import FIRST_OUTPUT, Engine, EngineInputError, PreparedRequest
 
 __all__ = [
@@ -131,9 +129,7 @@ CLOSE_FLUSH_SECONDS: Final = 5.0
 #: request tasks wait, which is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
 #: A request-plane message larger than this has its requests prepared in a worker thread (rule
-#: 1): preparing costs about its size (a 64 KiB prompt of one-letter words takes the mocker some
-#: 20 ms to tokenise and name its blocks), and on the event loop a 7.7 MB one stalled every
-#: other connection of the worker for a second or more.
+#: 1): on the event loop, the mocker took a second or more for a 7.7 MB prompt of short words.
 PREPARE_ON_LOOP_BYTES: Final = 64 * 1024
 
 
@@ -319,33 +315,11 @@ class _PongTimeout(Exception):
     """A peer did not answer a keepalive ping in time."""
 
 
-class _PeerWaits:
-    """Since when each of a connection's sends waits on its peer (a write, a ping's pong): what
-    says whether an event-plane subscriber reads what it is sent (:meth:`EventConnection.reading`).
-    """
-
-    def __init__(self) -> None:
-        self._since: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def waiting(self, what: str) -> Iterator[None]:
-        """Note that ``what`` waits on the peer for as long as the ``with`` block runs."""
-        self._since[what] = trio.current_time()
-        try:
-            yield
-        finally:
-            del self._since[what]
-
-    def longest(self, now: float) -> float:
-        """Seconds the oldest wait under way has lasted at ``now`` (0 with none)."""
-        return now - min(self._since.values(), default=now)
-
-
 async def _keepalive(
     ws: WebSocketConnection,
     interval: float,
     pong_deadline: float,
-    waits: _PeerWaits | None = None,
+    waits: PeerWaits | None = None,
 ) -> None:
     """Ping every ``interval`` seconds; return when a pong is late or the connection closed."""
     while True:
@@ -355,7 +329,7 @@ async def _keepalive(
                 if waits is None:
                     await ws.ping()
                 else:
-                    with waits.waiting("ping"):
+                    with waits.waiting("ping", trio.current_time()):
                         await ws.ping()
             except ConnectionClosed:
                 return
@@ -368,7 +342,7 @@ async def _keepalive_then_stop(
     host: PlaneHost,
     ws: WebSocketConnection,
     stop: trio.CancelScope,
-    waits: _PeerWaits | None = None,
+    waits: PeerWaits | None = None,
 ) -> None:
     """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
     try:
@@ -719,7 +693,7 @@ class EventConnection:
         self.remote = ws.remote
         self._subscription: Subscription | None = None
         #: What this connection sends that waits on the subscriber (batches, pings).
-        self._waits = _PeerWaits()
+        self._waits = PeerWaits()
 
     @property
     def _subscribed(self) -> bool:
@@ -766,7 +740,7 @@ class EventConnection:
                         while True:
                             events = await subscription.next_batch()
                             batch = EventBatch(events=events, sent=time.time())
-                            with self._waits.waiting("events"):
+                            with self._waits.waiting("events", trio.current_time()):
                                 await self._ws.send_message(encode(batch))
                     nursery.cancel_scope.cancel()
             if self._send_scope.cancelled_caught:
@@ -807,7 +781,7 @@ class EventConnection:
             self._kv = kv
             while True:
                 events = await kv.next_batch(subscription.publish_interval)
-                with self._waits.waiting("kv"):
+                with self._waits.waiting("kv", trio.current_time()):
                     await self._ws.send_message(encode(KvBatch(events=events)))
 
     async def close(self) -> None:

@@ -49,9 +49,11 @@ any frontend already linked. Only a worker token keeps them out.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["Place", "SubscriberPlaces", "Subscriber"]
+__all__ = ["PeerWaits", "Place", "SubscriberPlaces", "Subscriber"]
 
 
 class Subscriber(Protocol):
@@ -68,6 +70,27 @@ class Subscriber(Protocol):
 
 
 S = TypeVar("S", bound=Subscriber)
+
+
+class PeerWaits:
+    """Since when each of a connection's sends waits on its peer (an event batch being written,
+    a ping's pong): what says whether a subscriber reads what it is sent (a reader, above)."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+
+    @contextmanager
+    def waiting(self, what: str, now: float) -> Iterator[None]:
+        """Note that ``what`` waits on the peer from ``now`` for as long as the block runs."""
+        self._since[what] = now
+        try:
+            yield
+        finally:
+            del self._since[what]
+
+    def longest(self, now: float) -> float:
+        """Seconds the oldest wait under way has lasted at ``now`` (0 with none)."""
+        return now - min(self._since.values(), default=now)
 
 
 class Place(Generic[S]):
