@@ -254,9 +254,13 @@ async def run_frontend(
             lambda: idle_http.close_oldest(CLOSE_BATCH),
         )
         bridge = FleetBridge(
-            fleet, on_change=waiting.release, links=pool.links, kv_index=kv_index
+            fleet,
+            on_change=waiting.release,
+            links=pool.links,
+            kv_index=kv_index,
+            on_collision=metrics.count_worker_id_collision,
         )
-        metrics.watch_links(lambda: link_samples(pool))
+        metrics.watch_links(lambda: link_samples(pool, bridge))
         admin = AdminRoutes(
             FleetThresholds(fleet, on_change=pool.thresholds_changed),
             disabled=settings.admin_api_disabled,
@@ -388,10 +392,12 @@ def worker_tls(settings: FrontendSettings) -> ssl.SSLContext | None:
     return client_context(settings.tls_ca_path, also_trust=local_cert)
 
 
-def link_samples(pool: WorkerPool) -> list[LinkSample]:
+def link_samples(pool: WorkerPool, bridge: FleetBridge) -> list[LinkSample]:
     return [
         LinkSample(
-            worker_id=link.config.worker_id if link.config is not None else link.key,
+            # The id the fleet knows it by (apart from another address's, rule of the bridge).
+            worker_id=bridge.worker_id_of(link.key)
+            or (link.config.worker_id if link.config is not None else link.key),
             connected=link.connected,
             lagging=link.lag.lagging,
             lag=link.lag.lag,

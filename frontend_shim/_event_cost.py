@@ -3,8 +3,9 @@
 Without ``--event-budget`` the frontend sets its budget (:mod:`frontend_shim._event_budget`) to
 the messages a second that fit in a share of one core, :data:`DEFAULT_CORE_SHARE`, at the cost
 per message it measures on itself. :class:`EventCostMeter` is the sans-IO estimator; the pool
-(:mod:`frontend_shim._pool`) feeds it every ``window`` seconds the process's CPU time and the
-event messages and connection attempts its links have counted so far (running totals).
+(:mod:`frontend_shim._pool`) feeds it every ``window`` seconds the CPU time of the reads made
+in place and of the whole process, and the event messages and connection attempts its links
+have counted so far (running totals).
 
 An event message, for the budget, is one *read* of a worker's event plane: a negotiating
 worker's batch, read as it comes, or whatever one paced read of a worker that does not
@@ -12,20 +13,23 @@ negotiate finds (one batch or several, or none). The budget hands out reads, so 
 counts reads (``LinkStats.event_reads``), not batches: counting batches let a fleet of paced
 workers, whose reads bring more than one, use more of the core than the share.
 
-What is measured, and why: **the process's CPU time over a window divided by the event messages
-(reads) in it** (``time.process_time()``). A clock around the synchronous part of a read (decode,
-latest wins, apply) would miss most of what an event message costs: the wake-up of the reader
-task, the scheduler's pass, the poll of the socket, the websocket frame parsing inside the
-await, the pacer and the slices, none of which can be timed from inside the reader (a
-``thread_time()`` around an ``await`` counts every other task that ran meanwhile). The whole
-process's CPU counts all of it, and it is also what the CPU target is stated in (a share of a
-core for the frontend). What it counts too is the frontend's other work (HTTP, the request
-planes, scrapes), charged to the event messages; the cost so measured is an upper bound on the
-marginal one, so the budget errs low, and the budget it gives is the one at which the whole
-frontend would use the share (at a base cost ``b`` and a true cost ``c`` per message, the
-budget settles at ``(share - b) / c``: the other work is served first). Windows in which many
-links connected or tried to (TLS, hellos, and the teardown of the session before: costly, not
-event work) are not counted.
+What is measured, and why: **the CPU the reads themselves take, where they can be timed**.
+On plain TCP the pacer reads every event plane in place, in its own task, and times each slice
+of reads with the thread's CPU clock (:mod:`frontend_shim._pacer`, rule 7): nothing else runs
+inside a slice, so the time is the reads' own (the syscall, the websocket framing, the decode,
+latest wins, the update of the fleet). What it leaves out is the pacer's tick (a timer and a
+task switch a tick, whatever the fleet sends) and a pass of the scheduler per slice, a few
+microseconds against the 20-60 us of a read. A window whose reads were mostly made that way
+(:data:`DIRECT_SHARE` of them) is measured by them alone. Otherwise (links that read in their
+own task: TLS, or no epoll), where a clock around the synchronous part would miss the wake-up,
+the receive and the framing inside an ``await``, the window falls back to **the process's CPU
+time divided by the reads** (``time.process_time()``), an upper bound: it also charges the
+frontend's other work (HTTP, the request planes, scrapes) to the messages. That charge is what
+held the budget at its floor under HTTP load before the reads were timed: 17 % of a core serving
+completions over 76 reads a second measured 2.2 ms a read (480 us after the clamp), so the
+budget sat at 1,000 a second in every loaded run while a read cost tens of microseconds. Windows
+in which many links connected or tried to (TLS, hellos, and the teardown of the session before:
+costly, not event work) are not counted.
 
 Rules of :meth:`EventCostMeter.sample` (one call per window, with running totals):
 
@@ -37,9 +41,11 @@ Rules of :meth:`EventCostMeter.sample` (one call per window, with running totals
 3. A window with fewer than ``min_messages`` messages goes on (the next call extends it) until
    it has them, or until it is ``max_window`` seconds old, when it is dropped: a few messages
    over a long quiet spell would charge the whole idle cost to them.
-4. A counted window gives one sample, CPU seconds over messages, clamped to the costs that map
-   inside ``[min_budget, max_budget]``; the estimate :attr:`cost` is the median of the last
-   ``samples`` samples, once there are ``first_samples`` of them (0 before). A median, not a
+4. A counted window gives one sample, CPU seconds over messages (the timed reads' own when they
+   made :data:`DIRECT_SHARE` of the window's reads, else the process's over all of them),
+   clamped to the costs that map inside ``[min_budget, max_budget]``; the estimate
+   :attr:`cost` is the median of the last ``samples`` samples, once there are
+   ``first_samples`` of them (0 before). A median, not a
    mean: the windows right after start-up and those with a burst of HTTP work are outliers of
    several times the steady cost (measured: 40 to 450 us a message at 2,048 workers, where the
    steady cost was 85-90 us), and one of them must not move the budget; a step in the cost
@@ -77,12 +83,12 @@ __all__ = [
     "EventCostMeter",
 ]
 
-#: The share of one core the measured budget gives to following the fleet (the target is the
-#: whole frontend at no more than half of a core; what the frontend does besides is charged to
-#: the measured cost already, as the top of this module says, so the whole process settles at
-#: this share). At 2,048 workers of the previous protocol a read costs about 40 us with that
-#: charge, and every hundredth of a core is about 250 reads a second, about 4 ms off the
-#: interval and so off the busy/free edges of workers read at it.
+#: The share of one core the measured budget gives to following the fleet: to the reads'
+#: own CPU where they are timed (whatever the frontend's HTTP work takes besides), to the
+#: whole process where the process's CPU is the measure (TLS links, see the top of the module).
+#: At 2,048 workers of the previous protocol a read costs about 40 us, and every hundredth of
+#: a core is about 250 reads a second, about 4 ms off the interval and so off the busy/free
+#: edges of workers read at it.
 DEFAULT_CORE_SHARE: Final = 0.48
 #: The measured budget never goes below this (messages a second): at 1,000 workers the
 #: interval is then 1 s, the most the budget hands out anyway.
@@ -103,6 +109,9 @@ DEFAULT_FIRST_SAMPLES: Final = 3
 DEFAULT_HOLD: Final = 5 * DEFAULT_COST_WINDOW
 #: Share of the links that may try to connect in a counted window (rule 2).
 SETUP_SHARE: Final = 0.01
+#: Share of a window's reads that must have been timed for the window to be measured by them
+#: (rule 4): reads out of a link's own task are the rest.
+DIRECT_SHARE: Final = 0.9
 
 
 class EventCostMeter:
@@ -179,8 +188,9 @@ class EventCostMeter:
         self._hold = hold
         # When the budget last moved (-inf: never; the first estimate is taken at once).
         self._moved_at = -math.inf
-        # The totals at the start of the window (now, cpu, messages, connects); None: none yet.
-        self._start: tuple[float, float, int, int] | None = None
+        # The totals at the start of the window (now, cpu, messages, connects, timed cpu, timed
+        # messages); None: none yet.
+        self._start: tuple[float, float, int, int, float, int] | None = None
         #: The estimated CPU seconds per event message (0: not measured yet).
         self.cost = 0.0
         #: The budget in force (messages a second).
@@ -194,7 +204,17 @@ class EventCostMeter:
             return self.budget
         return min(self._max_budget, max(self._min_budget, self._core_share / self.cost))
 
-    def sample(self, *, now: float, cpu: float, messages: int, connects: int, links: int) -> bool:
+    def sample(
+        self,
+        *,
+        now: float,
+        cpu: float,
+        messages: int,
+        connects: int,
+        links: int,
+        timed_cpu: float = 0.0,
+        timed_messages: int = 0,
+    ) -> bool:
         """Take the running totals at ``now``; returns True when :attr:`budget` changed.
 
         Args:
@@ -204,25 +224,32 @@ class EventCostMeter:
             connects: Connection attempts so far (sessions up and attempts failed), over all
                 links.
             links: The links now.
+            timed_cpu: The CPU seconds the timed reads (in place) took so far.
+            timed_messages: The timed reads so far, part of ``messages``.
         """
         start = self._start
+        totals = (now, cpu, messages, connects, timed_cpu, timed_messages)
         if start is None:
-            self._start = (now, cpu, messages, connects)
+            self._start = totals
             return False
-        began, cpu0, messages0, connects0 = start
+        began, cpu0, messages0, connects0, timed_cpu0, timed0 = start
         spent, taken, started = cpu - cpu0, messages - messages0, connects - connects0
-        if spent < 0 or taken < 0 or started < 0:  # rule 1
-            self._start = (now, cpu, messages, connects)
+        timed_spent, timed = timed_cpu - timed_cpu0, timed_messages - timed0
+        if min(spent, taken, started, timed_spent, timed) < 0:  # rule 1
+            self._start = totals
             return False
         if started > max(1.0, self._setup_share * links):  # rule 2
-            self._start = (now, cpu, messages, connects)
+            self._start = totals
             return False
         if taken < self._min_messages:  # rule 3
             if now - began >= self._max_window:
-                self._start = (now, cpu, messages, connects)
+                self._start = totals
             return False
-        self._start = (now, cpu, messages, connects)
-        # Rule 4: a sample outside the costs the budget range maps to says no more than its edge.
+        self._start = totals
+        # Rule 4: the timed reads' own cost when they are the window's reads; a sample outside
+        # the costs the budget range maps to says no more than its edge.
+        if timed >= DIRECT_SHARE * taken:
+            spent, taken = timed_spent, timed
         lowest = self._core_share / self._max_budget
         highest = self._core_share / self._min_budget
         cost = min(highest, max(lowest, spent / taken))

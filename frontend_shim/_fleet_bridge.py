@@ -12,12 +12,24 @@ left the worker list or the name's lookup) gives its claim up. A model no link c
 worker serves is forgotten (:meth:`~frontend_shim._load.Fleet.forget_model`), with the
 thresholds set for it: so the models known are at most one per worker address, however many
 models one worker announces in turn.
+
+Worker ids are kept apart by address. Anyone may read a worker's id from its hello, so a
+second address announcing an id already held at another address is not believed: it is served
+as a worker of its own, registered under ``<id>@<its address>`` (the first id of that form no
+address holds), logged at WARNING and counted (``on_collision``). It takes none of the first
+address's traffic, whichever of the two came up first, and a worker going down never hands its
+place to another address. (Before, the second address stood by and took over when the first
+went down, so a peer listed beside a worker, announcing the worker's id and connecting first,
+took all of its traffic while the worker stood by.) One worker listed at two addresses (over
+IPv4 and IPv6, say) is therefore counted as two: list each worker once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
 
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._kv_index import KvIndex
@@ -33,15 +45,15 @@ _log = logging.getLogger(__name__)
 class FleetBridge:
     """Turns what the worker links report into :class:`Fleet` updates (a ``FleetListener``).
 
-    A worker id announced by two addresses at once (one worker reachable twice, e.g. over IPv4
-    and IPv6) is counted once: the first address to come up owns it, the others stand by, and
-    when the owner goes down a standby that is still up takes over at once.
+    Each address that is up is one worker of the fleet, under the id its hello announces, or
+    ``<id>@<address>`` when another address holds that id already (see the module docstring).
 
     Args:
         fleet: the load state to update.
         on_change: called after every change of the fleet (to release parked requests).
         links: the links now running, by key (a live view, e.g. ``WorkerPool.links``).
         kv_index: where the KV events of the workers go (``--router-mode kv``); ``None``: nowhere.
+        on_collision: called when an address announces an id another address holds.
     """
 
     def __init__(
@@ -50,19 +62,18 @@ class FleetBridge:
         on_change: Callable[[], None],
         links: Mapping[WorkerKey, WorkerLink] | None = None,
         kv_index: KvIndex | None = None,
+        on_collision: Callable[[], None] | None = None,
     ) -> None:
         self._fleet = fleet
         self._kv_index = kv_index
         self._on_change = on_change
+        self._on_collision = on_collision
         self._links: Mapping[WorkerKey, WorkerLink] = links if links is not None else {}
-        #: Every link that is up, with the config of its latest hello.
+        #: Every link that is up, with the config of its latest hello as registered (its
+        #: ``worker_id`` the id the fleet knows it by).
         self._up: dict[WorkerKey, wire.RuntimeConfig] = {}
-        #: The link that speaks for each registered worker id.
-        self._owner: dict[str, WorkerKey] = {}
-        #: Every link up for each worker id (the owner and its standbys), so that a worker going
-        #: down finds its standby without a scan of the fleet (a fleet of thousands going down
-        #: at once would otherwise cost the square of its size).
-        self._keys: dict[str, dict[WorkerKey, None]] = {}
+        #: The link of each registered worker id.
+        self._key: dict[str, WorkerKey] = {}
         #: The model each link claims: that of its latest hello, kept while it is down.
         self._claim: dict[WorkerKey, str] = {}
         #: The links claiming each model.
@@ -70,54 +81,68 @@ class FleetBridge:
 
     def key_of(self, worker_id: str) -> WorkerKey | None:
         """The link address of a registered worker."""
-        return self._owner.get(worker_id)
+        return self._key.get(worker_id)
 
     def link_of(self, worker_id: str) -> WorkerLink | None:
-        """The link that speaks for a registered worker, or ``None`` (it went away)."""
-        key = self._owner.get(worker_id)
+        """The link of a registered worker, or ``None`` (it went away)."""
+        key = self._key.get(worker_id)
         return self._links.get(key) if key is not None else None
 
+    def worker_id_of(self, key: WorkerKey) -> str | None:
+        """The id the fleet knows the worker at ``key`` by while it is up."""
+        config = self._up.get(key)
+        return config.worker_id if config is not None else None
+
     def worker_up(self, key: WorkerKey, config: wire.RuntimeConfig, now: float) -> None:
-        self._up[key] = config
+        self.worker_down(key, now)  # a new hello without a down first: the old one ends here
         self._move_claim(key, config.model)
-        self._keys.setdefault(config.worker_id, {})[key] = None
-        owner = self._owner.get(config.worker_id)
-        if owner is not None and owner != key:
+        announced = config.worker_id
+        worker_id = self._unheld_id(announced, key)
+        if worker_id != announced:
             _log.warning(
-                "worker %s at %s is already connected at %s; standing by on the second address",
-                config.worker_id,
+                "worker id %r announced at %s is already held at %s: served apart as %r (anyone "
+                "can copy an id; a worker listed at two addresses is counted twice)",
+                announced,
                 key,
-                owner,
+                self._key[announced],
+                worker_id,
             )
-            return
-        self._owner[config.worker_id] = key
+            if self._on_collision is not None:
+                self._on_collision()
+            config = msgspec.structs.replace(config, worker_id=worker_id)
+        self._up[key] = config
+        self._key[worker_id] = key
         self._fleet.register(config, now)
         if self._kv_index is not None:
             link = self._links.get(key)
             events = link is not None and link.kv_events
             self._kv_index.add_worker(config, now, events=events)
-        _log.info("worker %s up at %s (model %s)", config.worker_id, key, config.model)
+        _log.info("worker %s up at %s (model %s)", worker_id, key, config.model)
         self._on_change()
+
+    def _unheld_id(self, announced: str, key: WorkerKey) -> str:
+        """``announced``, or, when another address holds it, the first of ``<id>@<key>``,
+        ``<id>@<key>#2``, ... that no address holds (a peer may announce those too)."""
+        worker_id = announced
+        attempt = 1
+        while self._key.get(worker_id, key) != key:
+            worker_id = f"{announced}@{key}" + (f"#{attempt}" if attempt > 1 else "")
+            attempt += 1
+        return worker_id
 
     def worker_events(self, key: WorkerKey, events: Sequence[wire.WorkerEvent], now: float) -> None:
         config = self._up.get(key)
-        if config is None or self._owner.get(config.worker_id) != key:
-            return  # a standby link: its owner reports the same worker
-        if self._fleet.apply_batch(config.worker_id, events, now):
+        if config is not None and self._fleet.apply_batch(config.worker_id, events, now):
             self._on_change()
 
     def worker_lagging(self, key: WorkerKey, lagging: bool, now: float) -> None:
         config = self._up.get(key)
-        if config is None or self._owner.get(config.worker_id) != key:
-            return
-        if self._fleet.set_lagging(config.worker_id, lagging):
+        if config is not None and self._fleet.set_lagging(config.worker_id, lagging):
             self._on_change()
 
-    def worker_kv_events(
-        self, key: WorkerKey, events: Sequence[wire.KvEvent], now: float
-    ) -> bool:
+    def worker_kv_events(self, key: WorkerKey, events: Sequence[wire.KvEvent], now: float) -> bool:
         config = self._up.get(key)
-        if self._kv_index is None or config is None or self._owner.get(config.worker_id) != key:
+        if self._kv_index is None or config is None:
             return False
         return self._kv_index.apply(config.worker_id, events, now)
 
@@ -129,23 +154,13 @@ class FleetBridge:
         config = self._up.pop(key, None)
         if config is None:
             return
-        keys = self._keys.get(config.worker_id, {})
-        keys.pop(key, None)
-        if not keys:
-            self._keys.pop(config.worker_id, None)
-        if self._owner.get(config.worker_id) != key:
-            return
-        del self._owner[config.worker_id]
+        del self._key[config.worker_id]
         self._fleet.remove(config.worker_id)
         if self._kv_index is not None:
             self._kv_index.remove_worker(config.worker_id)
         _log.info("worker %s at %s down", config.worker_id, key)
-        standby = next(iter(keys), None)
-        if standby is not None:
-            self.worker_up(standby, self._up[standby], now)
-        else:
-            self._forget_if_unclaimed(config.model)
-            self._on_change()
+        self._forget_if_unclaimed(config.model)
+        self._on_change()
 
     def link_stopped(self, key: WorkerKey) -> None:
         """The link of ``key`` was stopped (its address is no longer resolved): it gives its

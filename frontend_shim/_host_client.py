@@ -46,6 +46,8 @@ __all__ = ["HostClient", "HostGone", "HostView", "RemotePicture", "RemoteTicket"
 _log = logging.getLogger(__name__)
 
 _KINDS: Final = {0: RejectionKind.OVERLOADED, 1: RejectionKind.UNAVAILABLE, 2: None}
+#: Worker ids whose link address a process remembers (one per worker, and those gone lately).
+_MAX_KEYS: Final = 65536
 
 
 class HostGone(Exception):
@@ -70,6 +72,8 @@ class HostClient:
         self.index = index
         #: Tickets holding back a start or an output until the next frame (rule 2).
         self._held: list[RemoteTicket] = []
+        #: The link address of each worker picked lately, by the id the host knows it by.
+        self._keys: dict[str, str] = {}
         self._asks = itertools.count(1)
         self._waiting: dict[int, tuple[trio.Event, list[Any]]] = {}
         self.overview = msg.Overview(models=[], connected=0, thresholds=[])
@@ -140,6 +144,18 @@ class HostClient:
     def is_known_model(self, model: str) -> bool:
         return model in self._known
 
+    def key_of(self, worker_id: str) -> str | None:
+        """The link address the host gave with its last pick of ``worker_id``."""
+        return self._keys.get(worker_id)
+
+    def note_key(self, worker_id: str, key: str) -> None:
+        keys = self._keys
+        if key and keys.get(worker_id) != key:
+            keys.pop(worker_id, None)
+            keys[worker_id] = key
+            if len(keys) > _MAX_KEYS:
+                del keys[next(iter(keys))]  # the least recently changed
+
     def all_thresholds(self) -> list[tuple[str, BusyThresholds]]:
         """The thresholds in force, as of the host's last overview (a ``ThresholdBook``)."""
         return list(self.overview.thresholds)
@@ -198,6 +214,7 @@ class RemotePicture:
         answer = await self._host.ask(ask)
         if isinstance(answer, msg.NotPicked):
             return NoRoute(_KINDS.get(answer.kind, RejectionKind.UNAVAILABLE), answer.reason)
+        self._host.note_key(answer.worker_id, answer.key)
         return RemoteTicket(
             self._host,
             answer.ticket,

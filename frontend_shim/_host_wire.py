@@ -98,6 +98,9 @@ class Picked(_Message, tag="picked", frozen=True):
     dp_rank: int | None = None
     #: The worker's KV block size (a process counts output blocks by it).
     block_size: int = 16
+    #: The address of the worker's link (the id a fleet knows a worker by may be its announced
+    #: id with ``@<address>`` added, when two addresses announce one id).
+    key: str = ""
 
 
 class NotPicked(_Message, tag="not-picked", frozen=True):

@@ -115,7 +115,7 @@ async def run_http_process(
         lambda: idle_http.close_oldest(CLOSE_BATCH),
         event_plane=False,
     )
-    links = LinkDirectory()
+    links = LinkDirectory(host.key_of)
     links.watch(pool.links)
 
     async def render_metrics(accept: str | None) -> tuple[bytes, str]:

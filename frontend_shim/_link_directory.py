@@ -4,12 +4,13 @@ The host answers a pick with a worker id; the process sends the request on its o
 that worker. :class:`LinkDirectory` is the listener of such a process's request-plane links
 (:mod:`frontend_shim._links`, rule 8): it keeps, per worker id, the link that came up first
 for it, and another link up for the same id takes over when that one goes down (a worker
-reachable at two addresses, as :class:`~frontend_shim._fleet_bridge.FleetBridge` counts it).
+reachable at two addresses). The host says which address it picked (with each pick), since it
+knows two addresses announcing one id as two workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._links import WorkerLink
@@ -19,9 +20,16 @@ __all__ = ["LinkDirectory"]
 
 
 class LinkDirectory:
-    """The link of each worker id (a ``FleetListener`` for request-plane links)."""
+    """The link of each worker id (a ``FleetListener`` for request-plane links).
 
-    def __init__(self) -> None:
+    Args:
+        key_of: the link address the host gave for a worker id (the host may know a worker by
+            its announced id with ``@<address>`` added: two addresses announced one id); a
+            worker id it gave none for is looked up by the id the worker announced.
+    """
+
+    def __init__(self, key_of: Callable[[str], str | None] = lambda _worker_id: None) -> None:
+        self._key_of = key_of
         self._links: Mapping[WorkerKey, WorkerLink] = {}
         self._ids: dict[WorkerKey, str] = {}
         #: Per worker id, the keys up for it, the first one speaking.
@@ -32,6 +40,10 @@ class LinkDirectory:
         self._links = links
 
     def link_of(self, worker_id: str) -> WorkerLink | None:
+        key = self._key_of(worker_id)
+        if key is not None:
+            link = self._links.get(key)
+            return link if link is not None and link.connected else None
         keys = self._keys.get(worker_id)
         if not keys:
             return None

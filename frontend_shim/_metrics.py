@@ -276,6 +276,11 @@ class FrontendMetrics:
             "TLS handshakes on the HTTP listener that failed or timed out",
             registry=self.registry,
         )
+        self._worker_id_collisions = Counter(
+            "dynamo_frontend_worker_id_collisions",
+            "Worker hellos announcing an id another worker address holds (served apart)",
+            registry=self.registry,
+        )
         self.registry.register(_WorkerLoadCollector(worker_loads))
         self._rejections_by_reason = Counter(
             "dynamo_frontend_rejection_by_reason",
@@ -358,6 +363,10 @@ class FrontendMetrics:
     def count_tls_failure(self, _error: BaseException | None = None) -> None:
         """A TLS handshake on the HTTP listener failed or timed out."""
         self._tls_failures.inc()
+
+    def count_worker_id_collision(self) -> None:
+        """A worker address announced an id another address holds; it is served apart."""
+        self._worker_id_collisions.inc()
 
     def render(self, accept_header: str | None) -> tuple[bytes, str]:
         """The exposition body and its content type, as the scraper asked for it."""

@@ -85,6 +85,8 @@ class Picker:
         waiting: the frontend queue (``None``: no ``--router-queue-threshold``).
         thresholds: where the processes' ``/busy_threshold`` changes are made (its ``on_change``
             passes them to the workers).
+        key_of: the link address of a worker the fleet knows (the bridge's), told to the
+            process with each pick so that it finds the same worker's link.
     """
 
     def __init__(
@@ -93,12 +95,15 @@ class Picker:
         board: ShedBoard,
         waiting: WaitingRoom | None = None,
         thresholds: FleetThresholds | None = None,
+        key_of: Callable[[str], str | None] = lambda _worker_id: None,
     ) -> None:
         self._picture = picture
         self._fleet: Fleet = picture.fleet
         self._board = board
         self._waiting = waiting
         self._thresholds = thresholds if thresholds is not None else FleetThresholds(self._fleet)
+        #: The bridge's ``key_of`` (rule 1 of the pick's answer); settable once the bridge is.
+        self.key_of = key_of
         #: Told each :class:`~frontend_shim._host_wire.Samples` a process sends, and the
         #: messages that are not the picture's (``Ready``, ``MetricsAsk``): the supervisor's.
         self.on_samples: Callable[[ProcessBooks, msg.Samples], None] = lambda _b, _s: None
@@ -279,6 +284,7 @@ class Picker:
                 worker_id=pick.worker_id,
                 dp_rank=pick.dp_rank,
                 block_size=worker.config.block_size if worker is not None else 16,
+                key=self.key_of(pick.worker_id) or "",
             )
         )
 

@@ -11,8 +11,9 @@ The pool owns the frontend's event budget (:mod:`frontend_shim._event_budget`): 
 interval is recomputed whenever links are added or stopped, and asked again of every connected
 worker that takes one when it changes; the links share one read pacer and one set of event
 slices (:mod:`frontend_shim._pacer`). Every ``cost_window`` seconds the pool gives its
-:class:`~frontend_shim._event_cost.EventCostMeter` the process's CPU time and its links'
-running totals of messages and connection attempts; when the budget is measured (no
+:class:`~frontend_shim._event_cost.EventCostMeter` the CPU time of the reads made in place (the
+pacer times them) and of the whole process, and its links' running totals of messages and
+connection attempts; when the budget is measured (no
 ``--event-budget``), a budget the meter moves is put in force and its interval asked again the
 same way.
 """
@@ -260,6 +261,8 @@ class WorkerPool:
                 messages=reads,
                 connects=connects,
                 links=len(self._links),
+                timed_cpu=self._pacer.event_cpu,
+                timed_messages=self._pacer.event_reads,
             )
             if moved and self.measured_budget and self.budget is not None:
                 logger.info(

@@ -380,9 +380,13 @@ async def run_frontend_processes(
                 picker.publish(trio.current_time())
 
             bridge = FleetBridge(
-                fleet, on_change=changed, links=pool.links, kv_index=parts.kv_index
+                fleet,
+                on_change=changed,
+                links=pool.links,
+                kv_index=parts.kv_index,
+                on_collision=metrics.count_worker_id_collision,
             )
-            metrics.watch_links(lambda: link_samples(pool))
+            metrics.watch_links(lambda: link_samples(pool, bridge))
             metrics.watch_event_budget(lambda: budget_sample(pool))
             supervisor = Supervisor(
                 processes,
@@ -394,6 +398,7 @@ async def run_frontend_processes(
                 python=python,
                 listener=shared,
             )
+            picker.key_of = bridge.key_of
             picker.on_message = supervisor.on_message
             picker.on_samples = supervisor.on_samples
             picker.publish(trio.current_time())

@@ -30,10 +30,15 @@ Rules of one connection (a loop of request/response cycles):
    must arrive within ``body_timeout`` and the whole body within ``body_total_timeout`` of the
    head, else :class:`RequestTimeout` (408).
 3. A reader task owns every read for the life of the connection: it feeds the parser and so
-   notices EOF at any time. EOF or a broken socket means the client left: the reader cancels the
-   connection's main task, so a handler that writes nothing for a while (a long prefill) is
-   cancelled all the same, its ``finally:`` blocks run, and the connection closes without a
-   response. The reader runs ahead of what the main task took from the parser by at most
+   notices EOF at any time. A reset, a broken socket, or EOF in the middle of a request (part of
+   a head or of a body) means the client left: the reader cancels the connection's main task,
+   so a handler that writes nothing for a while (a long prefill) is cancelled all the same, its
+   ``finally:`` blocks run, and the connection closes without a response. EOF after whole
+   requests only is a half-close (rule 7 of :mod:`shim_common._http_cycle`): they are answered,
+   in order, the one in flight to its end, then the connection closes; the reader tells a
+   client that closed both ways by the reset one ``100 Continue`` draws, and cancels it then
+   (:mod:`shim_common._http_half_close`).
+   The reader runs ahead of what the main task took from the parser by at most
    ``pipeline_buffer_bytes`` (the bytes of a pipelined next request, or of a body the handler
    has not asked for yet; a read counts at least 512 bytes, each being an object of its own);
    then it stops reading, TCP flow control holds the client back, and a disconnect is noticed at
@@ -126,6 +131,7 @@ from shim_common._http_exchange import (
     RequestTimeout,
     error_body,
 )
+from shim_common._http_half_close import watch_half_closed
 from shim_common._http_head_writer import (
     CHUNKED_LINE,
     CLOSE_LINE,
@@ -134,10 +140,9 @@ from shim_common._http_head_writer import (
     header_lines,
     status_line,
 )
-from shim_common._http_idle import MIN_IDLE_SECONDS, IdleConnections
+from shim_common._http_idle import IdleConnections
 from shim_common._http_parser import (
     END,
-    EndOfRequest,
     ParseFailure,
     RequestHead,
     RequestParser,
@@ -145,17 +150,7 @@ from shim_common._http_parser import (
 )
 from shim_common._socket_io import ConnectionIO
 
-# The parser's names are re-exported: this module was their home before the parser had one.
-__all__ = [
-    "END",
-    "Connection",
-    "EndOfRequest",
-    "IdleConnections",
-    "MIN_IDLE_SECONDS",
-    "ParseFailure",
-    "RequestHead",
-    "RequestParser",
-]
+__all__ = ["Connection"]
 
 # The server's logger, whichever of its modules writes.
 logger = logging.getLogger("shim_common._httpserver")
@@ -331,8 +326,13 @@ class Connection:
             try:
                 received = await self._io.receive_some(limits.receive_bytes)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                received = b""
+                break  # a reset: the client left
             if not received:
+                if cycle.ours != CLOSED and not parser.mid_request:  # a half-close (rule 3)
+                    cycle.input_ended()
+                    self._wake_main_task()
+                    if await watch_half_closed(cycle, self._io, lambda: self._request):
+                        return
                 break
             if cycle.ours == CLOSED:  # closing: what the client still sends is dropped
                 drained += len(received)
@@ -445,7 +445,7 @@ class Connection:
         # framing: what the reader fed before is consumed, so its budget renews.
         self._unconsumed = 0
         self._budget_freed.unpark_all()
-        if self._cycle.theirs != GONE:
+        if not self._cycle.input_over:
             await self._data_arrived.park()
 
     # -- the connection loop ------------------------------------------------------------------
@@ -512,8 +512,8 @@ class Connection:
                 if isinstance(event, ParseFailure):
                     await self._answer_protocol_error(event)
                 return None  # pragma: no cover - a head always comes first
-            if self._cycle.theirs == GONE:
-                return None  # a clean close between requests, or a partial head at EOF
+            if self._cycle.input_over:
+                return None  # a close between requests, a partial head at EOF, a half-close
             if (
                 self._winding_down
                 and not first
@@ -721,7 +721,7 @@ class Connection:
                     continue
                 assert isinstance(event, ParseFailure), event
                 raise MalformedRequest(event.reason, event.status)
-            if cycle.theirs == GONE:
+            if cycle.input_over:  # half-closed mid-body is GONE: this is a departure either way
                 raise ClientDisconnected("the client left during the request body")
             now = trio.current_time()
             if fresh:
@@ -773,7 +773,7 @@ class Connection:
                         return False
                     continue
                 return False  # the framing broke mid-body: just close
-            if self._cycle.theirs == GONE:
+            if self._cycle.input_over:
                 return False
             with trio.move_on_after(self._limits.body_timeout) as scope:
                 await self._wait_for_data()
@@ -796,5 +796,5 @@ class Connection:
                 return
         with trio.move_on_after(self._limits.linger_timeout):
             # The reader wakes this task only at EOF (or after linger_bytes): one pass or two.
-            while self._cycle.theirs != GONE:
+            while not self._cycle.input_over:
                 await self._data_arrived.park()

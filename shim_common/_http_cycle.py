@@ -11,7 +11,9 @@ per side, and the two facts of the current request that outlive its head:
   handled, nothing of its answer sent), ``SEND_BODY`` (a streamed answer's head is out, its end
   is not), ``DONE`` (the answer is complete), ``CLOSED`` (final).
 - :attr:`Cycle.keep_alive`: whether the connection may carry another request after this one;
-  :attr:`Cycle.waiting_for_continue`: whether the client still waits for ``100 Continue``.
+  :attr:`Cycle.waiting_for_continue`: whether the client still waits for ``100 Continue``;
+  :attr:`Cycle.half_closed`: whether the client has ended its input (a half-close), a fact of
+  the connection rather than of one cycle.
 
 Rules:
 
@@ -35,6 +37,12 @@ Rules:
    event changes it, and no next cycle starts. ``CLOSED`` (our graceful close begun: the
    client's last bytes are read and dropped) is our last state: no answer and no next cycle
    follow it, since no request is read after it.
+7. The client's EOF when every byte it sent belongs to whole requests (a half-close:
+   ``shutdown(SHUT_WR)``, or a close the server cannot tell from one) is not ``GONE``: it sets
+   :attr:`~Cycle.half_closed`, and theirs keeps its state. The requests already received are
+   answered in order, each cycle by rules 1 to 5, and once none is left the connection closes
+   (no next request can come). An EOF in the middle of a request (a partial head or body) is
+   ``GONE`` (rule 6).
 """
 
 from __future__ import annotations
@@ -89,13 +97,21 @@ class Cycle:
         waiting_for_continue: whether the client waits for ``100 Continue`` before its body.
     """
 
-    __slots__ = ("_discardable", "keep_alive", "ours", "theirs", "waiting_for_continue")
+    __slots__ = (
+        "_discardable",
+        "half_closed",
+        "keep_alive",
+        "ours",
+        "theirs",
+        "waiting_for_continue",
+    )
 
     def __init__(self) -> None:
         self.ours: Ours = IDLE
         self.theirs: Theirs = IDLE
         self.keep_alive = True
         self.waiting_for_continue = False
+        self.half_closed = False
         # Whether the current request's unread body may be read and dropped (rule 3).
         self._discardable = False
 
@@ -115,6 +131,11 @@ class Cycle:
     def client_is_gone(self) -> bool:
         """Whether the client is gone (theirs ``GONE``): nothing more will come from it."""
         return self.theirs == GONE
+
+    @property
+    def input_over(self) -> bool:
+        """Whether nothing more will come from the client: gone, or half-closed (rules 6, 7)."""
+        return self.half_closed or self.theirs == GONE
 
     def request_received(
         self, keep_alive: bool, expects_continue: bool, discardable: bool, ended: bool
@@ -218,8 +239,13 @@ class Cycle:
         self.theirs = IDLE
 
     def client_gone(self) -> None:
-        """The client is gone: its EOF, a broken socket, or a write that failed or stalled."""
+        """The client is gone: its EOF mid-request, a broken socket, or a write that failed or
+        stalled."""
         self.theirs = GONE
+
+    def input_ended(self) -> None:
+        """The client's EOF came after whole requests only (rule 7)."""
+        self.half_closed = True
 
     def close(self) -> None:
         """Our graceful close begins (rule 6): what the client still sends is dropped."""

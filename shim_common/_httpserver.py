@@ -39,7 +39,7 @@ from typing import Final
 import trio
 
 from shim_common._access import accept_tls
-from shim_common._http_connection import Connection, IdleConnections
+from shim_common._http_connection import Connection
 from shim_common._http_exchange import (
     DEFAULT_LIMITS,
     AnswerAtOnce,
@@ -58,6 +58,7 @@ from shim_common._http_exchange import (
     openai_error_type,
 )
 from shim_common._http_head_writer import complete_response
+from shim_common._http_idle import IdleConnections
 from shim_common._net import (
     CLOSE_BATCH,
     RELEASE_SECONDS,

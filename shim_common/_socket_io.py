@@ -20,7 +20,9 @@ small answer that is most of what a request costs above the system calls themsel
    every byte (the caller's next read, or whatever it awaits next, is the checkpoint). What the
    kernel did not take is sent through the stream's ``send_all``, which waits for room and
    honours cancellation. Two writes at once are a programming error, refused with
-   :class:`trio.BusyResourceError` as the stream refuses them, so bytes never interleave.
+   :class:`trio.BusyResourceError` as the stream refuses them, so bytes never interleave. An
+   interim write (:meth:`ConnectionIO.send_interim`, from a task other than the writer's) sends
+   what the kernel takes at once and owes the rest, which the next write sends first.
 4. The descriptor is asked of the socket before every system call (``-1`` once closed), never
    remembered: a number freed by a close and reused by a new connection is never read from or
    written to.
@@ -42,7 +44,7 @@ class ConnectionIO:
         stream: the connection's stream.
     """
 
-    __slots__ = ("_sending", "_socket", "_stream", "_wrote")
+    __slots__ = ("_owed", "_sending", "_socket", "_stream", "_wrote")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
@@ -51,6 +53,8 @@ class ConnectionIO:
         # A write since the last read: the client is reading an answer, so the next read waits
         # for readiness first instead of trying a read that would find nothing (rule 2).
         self._wrote = False
+        # What an interim write left unsent: the next write sends it first (rule 3).
+        self._owed = b""
 
     async def receive_some(self, max_bytes: int) -> bytes:
         """Up to ``max_bytes`` bytes, at least one; ``b""`` at EOF (rule 2)."""
@@ -97,6 +101,28 @@ class ConnectionIO:
             return 0
         if self._sending:
             raise trio.BusyResourceError("another task is writing to this connection")
+        owed = self._owed
+        written = self._write(bytes(owed) + bytes(data) if owed else data)
+        if not owed:
+            return written
+        if written < len(owed):  # what is owed still goes first, through send_rest
+            self._owed = owed[written:]
+            return 0
+        self._owed = b""
+        return written - len(owed)
+
+    def send_interim(self, data: bytes) -> bool:
+        """Write what the kernel takes of ``data`` now and owe the rest to the next write (rule
+        3); ``False`` when nothing went (a full socket, or a stream other than plain TCP)."""
+        if self._socket is None or self._sending or self._owed:
+            return False
+        written = self._write(data)
+        self._owed = data[written:] if written else b""
+        return written > 0
+
+    def _write(self, data: bytes | bytearray | memoryview) -> int:
+        sock = self._socket
+        assert sock is not None
         fd = sock.fileno()
         if fd < 0:
             raise trio.ClosedResourceError("the connection is closed")
@@ -107,6 +133,15 @@ class ConnectionIO:
             return 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"writing failed: {exc}") from exc
+
+    def pending_error(self) -> int:
+        """The socket's pending error (``SO_ERROR``, read and cleared), 0 with none; 0 for a
+        stream other than plain TCP or a closed socket. A reset from a peer that had sent its
+        FIN shows here (``EPIPE`` on Linux) while reads still find a clean EOF."""
+        sock = self._socket
+        if sock is None or sock.fileno() < 0:
+            return 0
+        return int(sock.getsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_ERROR))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``, waiting for room as long as it takes (rule 3); a
@@ -121,7 +156,10 @@ class ConnectionIO:
         if self._sending:
             raise trio.BusyResourceError("another task is writing to this connection")
         self._sending = True
+        owed, self._owed = self._owed, b""
         try:
+            if owed:
+                await self._stream.send_all(owed)
             await self._stream.send_all(memoryview(data)[sent:] if sent else data)
         finally:
             self._sending = False

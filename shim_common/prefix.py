@@ -21,6 +21,7 @@ each the same name, or the router's picture of a cache is a guess. Both therefor
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import zlib
 from array import array
@@ -47,6 +48,10 @@ MAX_BLOCK_NAME: Final = 2**63 - 1
 _UINT32: Final = next(code for code in ("I", "L") if array(code).itemsize == 4)
 #: ASCII characters ``str.split`` takes for whitespace and ``bytes.split`` does not.
 _ASCII_ONLY_STR_SPACES: Final = "\x1c\x1d\x1e\x1f"
+#: A whitespace character as ``str.split`` reads one (``str.isspace``).
+_SPACE: Final = re.compile(r"\s")
+#: Characters of text the word tokeniser encodes in one piece (see ``WordTokenizer.encode``).
+TOKENIZE_PIECE_CHARS: Final = 64 * 1024
 _ROOT: Final = b"\x00"
 _CHILD: Final = b"\x01"
 
@@ -69,7 +74,34 @@ class WordTokenizer:
     __slots__ = ()
 
     def encode(self, text: str) -> list[int]:
-        """One id per whitespace-separated word of ``text`` (as ``str.split`` cuts it)."""
+        """One id per whitespace-separated word of ``text`` (as ``str.split`` cuts it).
+
+        A long text is encoded in pieces of about :data:`TOKENIZE_PIECE_CHARS`, each cut at a
+        whitespace character (so no word is cut): every call into C then handles one piece, and
+        a worker thread encoding megabytes gives the event loop its turn between pieces.
+        """
+        if len(text) <= TOKENIZE_PIECE_CHARS:
+            return self._encode(text)
+        ids: list[int] = []
+        piece = TOKENIZE_PIECE_CHARS
+        start, size = 0, len(text)
+        while start < size:
+            # The piece ends at the first whitespace from ``start + piece`` on, looked for a
+            # window at a time (a search over a whole long word would be one long call).
+            end = start + piece
+            while end < size:
+                space = _SPACE.search(text, end, end + piece)
+                if space is not None:
+                    end = space.start()
+                    break
+                end += piece
+            end = min(end, size)
+            ids.extend(self._encode(text[start:end]))
+            start = end
+        return ids
+
+    @staticmethod
+    def _encode(text: str) -> list[int]:
         crc32 = zlib.crc32
         if text.isascii() and not any(separator in text for separator in _ASCII_ONLY_STR_SPACES):
             # The same words, three times faster: on ASCII text bytes.split() cuts where
@@ -248,7 +280,11 @@ def block_names(tokens: Sequence[int], block_size: int, parent: int | None = Non
     if full == 0:
         return []
     try:
-        packed = array(_UINT32, tokens[:full])
+        # In pieces: one call into C per piece, so a thread naming millions of tokens gives the
+        # event loop its turn between them.
+        packed = array(_UINT32)
+        for start in range(0, full, TOKENIZE_PIECE_CHARS):
+            packed.extend(tokens[start : min(start + TOKENIZE_PIECE_CHARS, full)])
     except (OverflowError, TypeError):
         raise ValueError(f"token ids must be integers from 0 to {MAX_TOKEN_ID}") from None
     if sys.byteorder == "big":

@@ -535,3 +535,68 @@ async def test_https_frontend_with_wss_workers_and_the_openai_sdk(certs: Certs) 
             async with httpx.AsyncClient(verify=certs.trusting_context()) as client:
                 metrics = (await client.get(url + "/metrics")).text
             assert sample(metrics, "dynamo_frontend_tls_handshake_failures_total") == 1
+
+
+# ----------------------------------------------------------------------------- impostors
+
+
+async def test_a_peer_announcing_a_workers_id_takes_none_of_its_traffic() -> None:
+    # Anyone can read a worker's id from its hello. Before, a peer listed beside the worker that
+    # announced the same id and came up first took every completion (719 of 719 in the attack),
+    # the worker standing by; whichever came up second got nothing. Now each address is a
+    # worker of its own: the second under "<id>@<address>", logged and counted.
+    twins = [worker_settings(worker_id="w-twin") for _ in range(2)]
+    with trio.fail_after(TIMEOUT):
+        async with frontend(twins) as (url, workers), httpx.AsyncClient() as client:
+            await wait_connected(client, url, 2)
+            for _ in range(12):
+                reply = await client.post(url + "/v1/chat/completions", json=chat())
+                assert reply.status_code == 200
+            assert [worker.gate.state.started_total for worker in workers] == [6, 6]
+            metrics = await scrape(url)
+            assert sample(metrics, "dynamo_frontend_worker_id_collisions_total") == 1
+            assert 'worker_id="w-twin@ws://127.0.0.1:' in metrics
+
+
+async def test_over_wss_an_impostor_without_the_certificate_gets_no_token(
+    certs: Certs, other_certs: Certs
+) -> None:
+    # What wss:// adds: the frontend checks the worker's certificate before it sends anything,
+    # the token included. A peer that cannot present a certificate for the name it is reached
+    # by never gets the upgrade request that carries the token, whatever id it would announce.
+    tls = {"token": TOKEN, "tls_cert_path": certs.cert_path, "tls_key_path": certs.key_path}
+    worker = worker_settings(worker_id="w-twin", **tls)
+    impostor = worker_settings(
+        worker_id="w-twin",
+        token=TOKEN,
+        tls_cert_path=other_certs.cert_path,
+        tls_key_path=other_certs.key_path,
+    )
+    with trio.fail_after(TIMEOUT):
+        async with (
+            frontend([worker, impostor], worker_token=TOKEN, tls_ca_path=certs.ca_path) as (
+                url,
+                workers,
+            ),
+            httpx.AsyncClient() as client,
+        ):
+            await wait_connected(client, url, 1)
+            for _ in range(4):
+                reply = await client.post(url + "/v1/chat/completions", json=chat())
+                assert reply.status_code == 200
+            samples = workers[1].metrics.registry.get_sample_value
+            await wait_for_sample(samples, "dynamo_worker_tls_handshake_failures_total")
+            # No upgrade ever reached it: neither with the token (it would have served) nor
+            # without (it would have counted a 401).
+            assert workers[0].gate.state.started_total == 4
+            assert workers[1].gate.state.started_total == 0
+            assert samples("dynamo_worker_unauthorized_total") == 0
+            assert sample(await scrape(url), "dynamo_frontend_worker_id_collisions_total") == 0
+
+
+async def wait_for_sample(samples: Any, name: str) -> None:
+    for _ in range(500):
+        if (samples(name) or 0) >= 1:
+            return
+        await trio.sleep(0.02)
+    raise AssertionError(f"{name} never counted")

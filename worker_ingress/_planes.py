@@ -24,11 +24,15 @@ Rules of a request-plane connection:
    all three synchronous, rule 3), and answers there what needs no task (a rejection, bad
    input); it waits only to hand over that answer. Every other ``Generate`` runs in its own
    task in the connection's nursery, under its own cancel scope, which waits for its slot when
-   it was queued. The messages of a :class:`~wire.RequestBatch` are taken one after the other
-   exactly as if each had come alone, so its requests meet the gate in the order they came
-   (their tasks run, in no set order, once the receive loop next waits). A ``Cancel`` gives
-   back at once the place of a request that has not begun to run
-   (:meth:`~worker_ingress._admission.SlotLease.cancel`), so the next message finds it free.
+   it was queued. The requests of a message over :data:`PREPARE_ON_LOOP_BYTES` are prepared in
+   a worker thread, which the receive loop waits for (their order kept): tokenising a prompt of
+   megabytes no longer holds the worker's other connections, the interpreter handing the loop
+   its turn every 5 ms (save in one long call in C: the decode stays one). The messages of a
+   :class:`~wire.RequestBatch` are taken one after the other exactly as if each had come
+   alone, so its requests meet the gate in the order they came (their tasks run, in no set
+   order, once the receive loop next waits). A ``Cancel`` gives back at once the place of a
+   request that has not begun to run (:meth:`~worker_ingress._admission.SlotLease.cancel`),
+   so the next message finds it free.
 2. One sender task writes the frames of running requests; request tasks hand it their frames
    through a bounded queue, so a slow client slows only its own requests (backpressure reaches
    the engine's stream through the queue). A frame handed over while there is room costs no
@@ -112,6 +116,7 @@ from worker_ingress._admission import AdmissionGate, Rejection, SlotLease
 from worker_ingress._events import Subscription
 from worker_ingress._hops import gate_prompt_tokens, prepare_hop
 from worker_ingress._kv_events import KvEventLog, KvSubscription
+from worker_ingress._subscriber_places import PeerWaits
 from worker_ingress.engines._base import (
     FIRST_OUTPUT,
     Engine,
@@ -136,6 +141,9 @@ CLOSE_FLUSH_SECONDS: Final = 5.0
 #: connection's sender. Small: it only smooths bursts; beyond it the request tasks wait, which
 #: is the backpressure we want.
 SEND_QUEUE_FRAMES: Final = 256
+#: A request-plane message larger than this has its requests prepared in a worker thread (rule
+#: 1): on the event loop, the mocker took a second or more for a 7.7 MB prompt of short words.
+PREPARE_ON_LOOP_BYTES: Final = 64 * 1024
 
 
 class PlaneHost(Protocol):
@@ -320,13 +328,22 @@ class _PongTimeout(Exception):
     """A peer did not answer a keepalive ping in time."""
 
 
-async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: float) -> None:
+async def _keepalive(
+    ws: WebSocketConnection,
+    interval: float,
+    pong_deadline: float,
+    waits: PeerWaits | None = None,
+) -> None:
     """Ping every ``interval`` seconds; return when a pong is late or the connection closed."""
     while True:
         await trio.sleep(interval)
         with trio.move_on_after(pong_deadline) as ping_scope:
             try:
-                await ws.ping()
+                if waits is None:
+                    await ws.ping()
+                else:
+                    with waits.waiting("ping", trio.current_time()):
+                        await ws.ping()
             except ConnectionClosed:
                 return
         if ping_scope.cancelled_caught:
@@ -335,11 +352,14 @@ async def _keepalive(ws: WebSocketConnection, interval: float, pong_deadline: fl
 
 
 async def _keepalive_then_stop(
-    host: PlaneHost, ws: WebSocketConnection, stop: trio.CancelScope
+    host: PlaneHost,
+    ws: WebSocketConnection,
+    stop: trio.CancelScope,
+    waits: PeerWaits | None = None,
 ) -> None:
     """Keep ``ws`` alive; when a pong is late (counted) or the peer left, cancel ``stop``."""
     try:
-        await _keepalive(ws, host.ping_interval, host.ping_timeout)
+        await _keepalive(ws, host.ping_interval, host.ping_timeout, waits)
     except _PongTimeout:
         host.count_connection_error()
     stop.cancel()
@@ -424,11 +444,14 @@ class RequestConnection:
             # A batch is taken exactly as its messages one by one, in order, without a read
             # (and a wake-up of this task) between them.
             batch = message.messages if isinstance(message, RequestBatch) else (message,)
+            off_loop = len(data) > PREPARE_ON_LOOP_BYTES
             for each in batch:
-                if not await self._take(each, nursery):
+                if not await self._take(each, nursery, off_loop):
                     return
 
-    async def _take(self, message: Generate | Cancel, nursery: trio.Nursery) -> bool:
+    async def _take(
+        self, message: Generate | Cancel, nursery: trio.Nursery, off_loop: bool = False
+    ) -> bool:
         """Act on one client message; ``False`` when the connection is to stop reading."""
         if isinstance(message, Cancel):
             request = self._requests.get(message.request_id)
@@ -443,7 +466,7 @@ class RequestConnection:
             await self._protocol_error(CLOSE_DUPLICATE_REQUEST_ID, "request id already in flight")
             return False
         try:
-            admitted = await self._admit(message)
+            admitted = await self._admit(message, off_loop)
         except ConnectionClosed:
             return False
         if admitted is None:
@@ -463,9 +486,12 @@ class RequestConnection:
             return Rejected.of(request_id, reason, slo.queue_bound)
         return Rejected.of(request_id, reason)
 
-    async def _admit(self, generate: Generate) -> tuple[PreparedRequest, SlotLease] | None:
+    async def _admit(
+        self, generate: Generate, off_loop: bool = False
+    ) -> tuple[PreparedRequest, SlotLease] | None:
         """Validate a request and have it meet the gate; answer it here when that needs no task
         (bad input, a refusal), else return the prepared request and its hold on the gate.
+        With ``off_loop`` (a large message, rule 1) the engine prepares it in a worker thread.
 
         Raises:
             ConnectionClosed: writing the answer found the connection gone.
@@ -482,7 +508,12 @@ class RequestConnection:
             await self._write_rejected(request_id, reason)
             return None
         try:
-            prepared = host.engine.prepare(generate.endpoint, generate.body)
+            if off_loop:
+                prepared = await trio.to_thread.run_sync(
+                    host.engine.prepare, generate.endpoint, generate.body
+                )
+            else:
+                prepared = host.engine.prepare(generate.endpoint, generate.body)
             if generate.prefill_only or generate.handoff is not None:
                 prepared = prepare_hop(
                     generate,
@@ -690,13 +721,25 @@ class EventConnection:
         self.opened_at = trio.current_time()
         self.remote = ws.remote
         self._subscription: Subscription | None = None
+        #: What this connection sends that waits on the subscriber (batches, pings).
+        self._waits = PeerWaits()
+
+    @property
+    def _subscribed(self) -> bool:
+        subscription = self._subscription
+        return subscription is not None and subscription.subscribed
 
     def squatting(self, now: float, grace: float) -> bool:
         """Whether the subscriber has sent no ``Subscribe`` in the ``grace`` seconds since it
         was accepted (what a frontend sends first: ``_events`` rule 9)."""
-        subscription = self._subscription
-        subscribed = subscription is not None and subscription.subscribed
-        return not subscribed and now - self.opened_at >= grace
+        return not self._subscribed and now - self.opened_at >= grace
+
+    def reading(self, now: float, grace: float) -> bool:
+        """Whether the subscriber has sent a ``Subscribe`` and reads what it is sent: no batch
+        being written to it, nor a keepalive ping, has waited ``grace`` seconds on it. Such a
+        subscriber is a frontend's, as far as the worker can tell, and keeps its place
+        (:mod:`worker_ingress._subscriber_places`)."""
+        return self._subscribed and self._waits.longest(now) < grace
 
     async def serve(self) -> None:
         """Serve the subscriber until it leaves or the worker shuts it."""
@@ -713,7 +756,11 @@ class EventConnection:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._read_subscriber, subscription, nursery.cancel_scope)
                     nursery.start_soon(
-                        _keepalive_then_stop, self._host, self._ws, nursery.cancel_scope
+                        _keepalive_then_stop,
+                        self._host,
+                        self._ws,
+                        nursery.cancel_scope,
+                        self._waits,
                     )
                     kv_events = self._host.kv_events
                     if kv_events is not None:
@@ -722,7 +769,8 @@ class EventConnection:
                         while True:
                             events = await subscription.next_batch()
                             batch = EventBatch(events=events, sent=time.time())
-                            await self._ws.send_message(encode(batch))
+                            with self._waits.waiting("events", trio.current_time()):
+                                await self._ws.send_message(encode(batch))
                     nursery.cancel_scope.cancel()
             if self._send_scope.cancelled_caught:
                 # close() stopped the sender: the worker is draining.
@@ -762,7 +810,8 @@ class EventConnection:
             self._kv = kv
             while True:
                 events = await kv.next_batch(subscription.publish_interval)
-                await self._ws.send_message(encode(KvBatch(events=events)))
+                with self._waits.waiting("kv", trio.current_time()):
+                    await self._ws.send_message(encode(KvBatch(events=events)))
 
     async def close(self) -> None:
         """Stop sending batches, close with 1001, and return after."""

@@ -20,13 +20,16 @@ listener, because ``serve_websocket`` would crash entirely.
 
 Event-plane places: at most ``max_event_subscribers`` subscribers are served at once, at most
 ``max_subscribers_per_address`` of one client address. Past either bound a new handshake takes
-the place of another subscriber by the rules of :mod:`worker_ingress._subscriber_places` (a
-squatter that sent no ``Subscribe`` within ``squatter_grace`` seconds, what a frontend sends
-first, rule 9 of :mod:`worker_ingress._events`; else the oldest subscriber of the address
-holding the most places): that connection is closed and the new one served, so squatters never
-lock a frontend out, whether they subscribe or not, as long as their address holds more places
-than the frontend's. With nothing to take the handshake gets 503 (counted). Only a token keeps
-out clients of the frontend's own address that speak the protocol as a frontend does.
+the place of another subscriber by the rules of :mod:`worker_ingress._subscriber_places`: a
+squatter that sent no ``Subscribe`` within ``squatter_grace`` seconds (what a frontend sends
+first, rule 9 of :mod:`worker_ingress._events`), else one that does not read what it is sent,
+else, from another address only, the oldest subscriber of the address holding the most places.
+That connection is closed and the new one served. So a frontend that subscribed and reads is
+never put out by clients of its own address, and squatters of another address never lock it
+out as long as their address holds more places than the frontend's. With nothing to take the
+handshake gets 503 (counted). Only a token keeps out clients of the frontend's own address that
+speak the protocol as a frontend does (they can then hold the places a new frontend of that
+address would take).
 
 Frames: every connection's stream goes through
 :class:`~worker_ingress._frame_bound.FrameBoundStream`, which closes a client with 1002 once one
@@ -152,7 +155,8 @@ class Worker:
         max_event_subscribers: Event-plane connections served at once.
         max_subscribers_per_address: Event-plane connections of one client address.
         squatter_grace: Seconds after which a subscriber that sent no ``Subscribe`` is the
-            first to give its place to a new handshake.
+            first to give its place to a new handshake; and how long what is sent to a
+            subscriber may wait on it before it no longer counts as reading.
     """
 
     def __init__(
@@ -203,11 +207,13 @@ class Worker:
         self._token = settings.token.encode("ascii") if settings.token is not None else None
         self._refusals = _RefusalLog("without the right bearer token")
         self._subscriber_refusals = _RefusalLog(
-            f"on the event plane: already {max_event_subscribers} subscribers"
+            f"on the event plane: {max_event_subscribers} subscribers, or "
+            f"{max_subscribers_per_address} of the client's address, all subscribed and reading"
         )
         self._evictions = _RefusalLog(
             "to serve new handshakes (first those that sent no subscribe within "
-            f"{squatter_grace:g} s, else the oldest of the address holding the most places)",
+            f"{squatter_grace:g} s, then those not reading, else the oldest of the address "
+            "holding the most places)",
             what="closed %d event-plane subscriber(s)",
         )
 

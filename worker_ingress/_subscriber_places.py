@@ -1,9 +1,17 @@
 """Who holds the worker's event-plane places, and whose place a newcomer takes (pure).
 
 Without a worker token, anything that reaches the port may subscribe, so the places are shared
-by rules under which a frontend can always link, however many places other clients hold (each
-frontend holds one place of each of its workers). A client cannot be told from a frontend by
-what it sends, only by where it comes from and how many places its address holds.
+by rules under which a frontend that has linked keeps its place, and one that links finds a
+place, however other clients come and go (each frontend holds one place of each of its
+workers). A client cannot be told from a frontend by what it sends, only by where it comes
+from, how many places its address holds, and whether it behaves as a frontend does: a frontend
+sends a ``subscribe`` as soon as it has read the hello, and then reads what it is sent.
+
+Words: a subscriber is a *reader* while it has sent a ``subscribe`` and nothing the worker
+sent it (an event batch, a keepalive ping) has waited on it for ``grace`` seconds; a
+*squatter* has sent no ``subscribe`` within ``grace`` seconds of being accepted. A subscriber
+that is neither (accepted less than ``grace`` ago and not subscribed yet, or subscribed and
+stalled) is *taken before readers*, like a squatter.
 
 Rules:
 
@@ -11,31 +19,41 @@ Rules:
    answered, and gives it back when its connection ends (:meth:`SubscriberPlaces.release`); a
    place counts from its claim, so handshakes under way at once cannot overshoot the bounds.
 2. One address holds at most ``per_address`` places: a newcomer from an address that holds as
-   many takes the place of that address's oldest subscriber, whatever its age.
+   many takes the place of that address's oldest subscriber that is not a reader (rule 4); if
+   every one is a reader, the newcomer is refused. A newcomer has sent nothing yet, so it never
+   takes a reader's place from its own address: a frontend that subscribed and reads keeps its
+   place however often other clients of its host come back.
 3. At most ``cap`` places are held in all. A newcomer at the cap takes the place of the oldest
-   subscriber that has sent no ``subscribe`` within ``grace`` seconds of being accepted (a
-   squatter: a frontend subscribes as soon as it has read the hello); with none, that of the
-   oldest subscriber of the address holding the most places, whatever its age, the newcomer
-   counted with its own address (of several such addresses, the one with the oldest
-   subscriber). So a newcomer from an address that holds fewer places than another always gets
-   one, and a squatter that comes back takes its own address's place, never that of a frontend
-   on an address holding fewer.
-4. In rules 2 and 3, a squatter of the chosen address goes before its other subscribers. Only a
-   place whose handshake has been answered (:attr:`Place.connection` set) can be taken; a
-   place taken counts no more at once (the caller closes its connection), and its release is
-   then a no-op. A newcomer that finds nothing to take is refused.
+   squatter, wherever it is; with none, a place of the address holding the most places, the
+   newcomer counted with its own address (of several such addresses, the one with the oldest
+   subscriber): its oldest subscriber that is not a reader, else, when that address is not the
+   newcomer's own, its oldest reader; else the newcomer is refused. So a newcomer from an
+   address that holds fewer places than another always gets one, a squatter that comes back
+   takes its own address's place, never that of a frontend on an address holding fewer, and
+   never a reader's of its own address.
+4. Of one address's places, a squatter goes before any other, then any other that is not a
+   reader, oldest first; a reader only last, and only to a newcomer of another address. Only a
+   place whose handshake has been answered (:attr:`Place.connection` set) can be taken; a place
+   taken counts no more at once (the caller closes its connection), and its release is then a
+   no-op. A newcomer that finds nothing to take is refused.
 
 What a legitimate fleet looks like: one frontend per address (the usual), or a few frontends on
-one host; each holds one place of each worker, well within ``per_address``, and keeps it as long
-as no address holding fewer places than its own comes to take one, which a squatting address,
-always holding more, cannot do.
+one host; each holds one place of each worker, well within ``per_address``, and keeps it: no
+newcomer of its own host takes a reader's place (rule 2), and one of another address takes it
+only from an address holding more places than its own, which a squatting address, always
+holding more, is. What these rules cannot do is tell a frontend from a client of the same
+address that subscribes and reads as one does: such clients holding every place of that address
+keep a new frontend of it out (refused, until one of them leaves) without taking the place of
+any frontend already linked. Only a worker token keeps them out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["Place", "SubscriberPlaces", "Subscriber"]
+__all__ = ["PeerWaits", "Place", "SubscriberPlaces", "Subscriber"]
 
 
 class Subscriber(Protocol):
@@ -45,8 +63,34 @@ class Subscriber(Protocol):
         """Whether it has sent no ``subscribe`` in the ``grace`` seconds since it was accepted."""
         ...
 
+    def reading(self, now: float, grace: float) -> bool:
+        """Whether it has sent a ``subscribe`` and nothing sent to it has waited ``grace``
+        seconds on it (a batch being written, a ping without its pong)."""
+        ...
+
 
 S = TypeVar("S", bound=Subscriber)
+
+
+class PeerWaits:
+    """Since when each of a connection's sends waits on its peer (an event batch being written,
+    a ping's pong): what says whether a subscriber reads what it is sent (a reader, above)."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}
+
+    @contextmanager
+    def waiting(self, what: str, now: float) -> Iterator[None]:
+        """Note that ``what`` waits on the peer from ``now`` for as long as the block runs."""
+        self._since[what] = now
+        try:
+            yield
+        finally:
+            del self._since[what]
+
+    def longest(self, now: float) -> float:
+        """Seconds the oldest wait under way has lasted at ``now`` (0 with none)."""
+        return now - min(self._since.values(), default=now)
 
 
 class Place(Generic[S]):
@@ -74,7 +118,8 @@ class SubscriberPlaces(Generic[S]):
     Args:
         cap: Places in all; at least 1.
         per_address: Places one address may hold; at least 1.
-        grace: Seconds a subscriber has to send its ``subscribe`` before it is a squatter.
+        grace: Seconds a subscriber has to send its ``subscribe`` before it is a squatter, and
+            that what is sent to it may wait on it while it is a reader.
     """
 
     def __init__(self, cap: int, per_address: int, grace: float) -> None:
@@ -108,7 +153,7 @@ class SubscriberPlaces(Generic[S]):
         own = self._places.get(address, [])
         taken: Place[S] | None
         if len(own) >= self.per_address:
-            taken = self._oldest(own, now)
+            taken = self._first_to_go(own, now, readers=False)
         elif self._held >= self.cap:
             taken = self._oldest_squatter(now) or self._from_the_largest(address, now)
         else:
@@ -142,13 +187,20 @@ class SubscriberPlaces(Generic[S]):
         connection = place.connection
         return connection is not None and connection.squatting(now, self.grace)
 
-    def _oldest(self, places: list[Place[S]], now: float) -> Place[S] | None:
-        """Of one address's places (oldest first), its oldest squatter, else its oldest answered
-        place (rule 4)."""
+    def _first_to_go(self, places: list[Place[S]], now: float, *, readers: bool) -> Place[S] | None:
+        """Of one address's places (oldest first), the one a newcomer takes (rule 4): its
+        oldest squatter, else its oldest answered place that is not a reader, else, when
+        ``readers`` allows, its oldest reader."""
         answered = [place for place in places if place.connection is not None]
-        squatters = [place for place in answered if self._squatting(place, now)]
-        first = squatters or answered
-        return first[0] if first else None
+        for place in answered:
+            if self._squatting(place, now):
+                return place
+        grace = self.grace
+        for place in answered:
+            assert place.connection is not None
+            if not place.connection.reading(now, grace):
+                return place
+        return answered[0] if readers and answered else None
 
     def _oldest_squatter(self, now: float) -> Place[S] | None:
         squatters = [
@@ -163,11 +215,12 @@ class SubscriberPlaces(Generic[S]):
         """The place a newcomer from ``address`` takes at the cap with no squatter (rule 3)."""
         best: tuple[int, int] | None = None  # (places held, minus the oldest place's order)
         chosen: list[Place[S]] = []
+        holder_of_chosen = ""
         for holder, places in self._places.items():
             answered = [place for place in places if place.connection is not None]
             if not answered:
                 continue
             key = (len(places) + (holder == address), -answered[0].order)
             if best is None or key > best:
-                best, chosen = key, places
-        return self._oldest(chosen, now)
+                best, chosen, holder_of_chosen = key, places, holder
+        return self._first_to_go(chosen, now, readers=holder_of_chosen != address)

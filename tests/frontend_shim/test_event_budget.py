@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from typing import Literal
 
 import pytest
@@ -345,3 +346,33 @@ async def test_the_pacer_calls_a_watched_descriptor_on_the_ticks_it_is_readable(
             await trio.sleep(0.1)
             assert len(calls) == count
             nursery.cancel_scope.cancel()
+
+
+async def test_the_pacer_times_its_calls_and_nothing_between_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The CPU the reads in place take is what the event budget is measured by: each call's
+    # own, and not that of the tasks that run between two slices (HTTP work, say).
+    pacer = ReadPacer(tick=0.01, per_slice=2)
+    call_cpu, other_cpu = 0.001, 0.01
+
+    def busy(seconds: float) -> None:
+        began = time.thread_time()
+        while time.thread_time() - began < seconds:
+            pass
+
+    async def other_task() -> None:
+        for _ in range(20):
+            busy(other_cpu)  # between the slices: must not be charged to the reads
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        for _ in range(6):
+            pacer.call_at(trio.current_time(), lambda: busy(call_cpu))
+        nursery.start_soon(other_task)
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert pacer.event_reads == 6
+    # Six calls of 1 ms each; the other task's 200 ms, spent between them, is not counted.
+    assert 6 * call_cpu <= pacer.event_cpu < 10 * 6 * call_cpu

@@ -201,3 +201,39 @@ def test_a_retargeted_budget_gives_its_interval_at_once() -> None:
     assert not budget.retarget(7000)
     with pytest.raises(ValueError, match="finite"):
         budget.retarget(0)
+
+
+@pytest.mark.parametrize("timed_share", [1.0, 0.95, 0.5])
+def test_timed_reads_are_measured_by_their_own_cpu_not_the_processes(timed_share: float) -> None:
+    # A frontend serving HTTP with 17 % of a core and reading 76 messages a second, each of
+    # which costs 40 us: the process's CPU charged the HTTP work to the reads (2.2 ms a read,
+    # the floor's 480 us after the clamp) and the budget sat at 1,000. When the reads were timed
+    # where they ran (in place, by the pacer), their own CPU says what they cost.
+    meter = EventCostMeter(first_samples=1, hold=0.0)
+    cpu = timed_cpu = 0.0
+    messages = timed = 0
+    meter.sample(now=0.0, cpu=0.0, messages=0, connects=0, links=8)
+    now = 0.0
+    for _ in range(3):
+        now += 4.0
+        window = 304  # 76 a second
+        messages += window
+        timed += round(window * timed_share)
+        timed_cpu += round(window * timed_share) * 40e-6
+        cpu += 0.17 * 4.0
+        meter.sample(
+            now=now,
+            cpu=cpu,
+            messages=messages,
+            connects=0,
+            links=8,
+            timed_cpu=timed_cpu,
+            timed_messages=timed,
+        )
+    if timed_share >= 0.9:
+        assert meter.cost == pytest.approx(40e-6)
+        assert meter.budget == pytest.approx(DEFAULT_CORE_SHARE / 40e-6)  # 12,000
+    else:
+        # Too many reads out of sight (read in their links' tasks): the process's CPU bounds it.
+        assert meter.cost == pytest.approx(DEFAULT_CORE_SHARE / MIN_MEASURED_BUDGET)
+        assert meter.budget == MIN_MEASURED_BUDGET

@@ -1,4 +1,4 @@
-"""FleetBridge: link news -> load state, with one worker reachable at two addresses."""
+"""FleetBridge: link news -> load state, with worker ids kept apart by address."""
 
 from __future__ import annotations
 
@@ -16,30 +16,68 @@ def _load(seq: int, blocks: int) -> wire.LoadEvent:
     return wire.LoadEvent(seq=seq, ts=0.0, load=rank, engine_requests=0, queued_requests=0)
 
 
-def test_one_worker_at_two_addresses_is_counted_once_and_survives_losing_one() -> None:
+def _decode_blocks(fleet: Fleet) -> dict[str, int]:
+    return {g.worker_id: g.active_decode_blocks for g in fleet.rank_gauges()}
+
+
+def test_a_second_address_announcing_a_held_id_is_served_apart() -> None:
+    # Anyone can read a worker's id from its hello. Before, a second address announcing it
+    # stood by, and took the worker's place when the worker went down (and kept it after).
     fleet = Fleet()
-    changes: list[None] = []
-    bridge = FleetBridge(fleet, on_change=lambda: changes.append(None))
-    bridge.worker_up("ws://127.0.0.1:1", runtime_config(), now=0.0)
-    bridge.worker_up("ws://[::1]:1", runtime_config(), now=0.0)
-    assert fleet.connected_count == 1
-    assert bridge.key_of("w-1") == "ws://127.0.0.1:1"
-    # The standby's events are not applied twice; the owner's are.
-    bridge.worker_events("ws://[::1]:1", [_load(1, 7)], now=0.1)
-    assert [g.active_decode_blocks for g in fleet.rank_gauges()] == [0]
-    bridge.worker_events("ws://127.0.0.1:1", [_load(1, 5)], now=0.1)
-    assert [g.active_decode_blocks for g in fleet.rank_gauges()] == [5]
-    # The owner goes down: the standby, still up, takes over at once.
-    bridge.worker_down("ws://127.0.0.1:1", now=0.2)
-    assert fleet.connected_count == 1
-    assert bridge.key_of("w-1") == "ws://[::1]:1"
-    bridge.worker_down("ws://[::1]:1", now=0.3)
-    assert fleet.connected_count == 0
+    collisions: list[None] = []
+    bridge = FleetBridge(
+        fleet, on_change=lambda: None, on_collision=lambda: collisions.append(None)
+    )
+    bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://b:1", runtime_config(), now=0.0)
+    assert collisions == [None]
+    assert fleet.connected_count == 2
+    assert bridge.key_of("w-1") == "ws://a:1"
+    assert bridge.key_of("w-1@ws://b:1") == "ws://b:1"
+    assert bridge.worker_id_of("ws://b:1") == "w-1@ws://b:1"
+    # Each address's events move its own worker only.
+    bridge.worker_events("ws://b:1", [_load(1, 7)], now=0.1)
+    bridge.worker_events("ws://a:1", [_load(1, 5)], now=0.1)
+    assert _decode_blocks(fleet) == {"w-1": 5, "w-1@ws://b:1": 7}
+    # The first goes down: the second does not take its place, and the first comes back to it.
+    bridge.worker_down("ws://a:1", now=0.2)
     assert bridge.key_of("w-1") is None
-    assert changes
+    assert fleet.connected_count == 1
+    bridge.worker_up("ws://a:1", runtime_config(), now=0.3)
+    assert bridge.key_of("w-1") == "ws://a:1"
+    assert bridge.key_of("w-1@ws://b:1") == "ws://b:1"
+    assert collisions == [None]
+    bridge.worker_down("ws://b:1", now=0.4)
+    bridge.worker_down("ws://a:1", now=0.5)
+    assert fleet.connected_count == 0
 
 
-def test_a_standby_going_down_changes_nothing() -> None:
+def test_an_impostor_that_comes_up_first_takes_none_of_the_workers_traffic() -> None:
+    fleet = Fleet()
+    impostor, worker = object(), object()
+    links = {"ws://evil:1": impostor, "ws://real:1": worker}
+    bridge = FleetBridge(fleet, on_change=lambda: None, links=links)  # type: ignore[arg-type]
+    bridge.worker_up("ws://evil:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://real:1", runtime_config(), now=0.0)
+    # Two workers: whatever the router picks for the real one goes to the real one's link.
+    assert fleet.connected_count == 2
+    assert bridge.link_of("w-1") is impostor
+    assert bridge.link_of("w-1@ws://real:1") is worker
+    del links["ws://real:1"]  # the pool stopped the link before its session reported down
+    assert bridge.link_of("w-1@ws://real:1") is None
+
+
+def test_an_id_of_the_apart_form_announced_by_a_third_address_is_apart_again() -> None:
+    fleet = Fleet()
+    bridge = FleetBridge(fleet, on_change=lambda: None)
+    bridge.worker_up("ws://c:1", runtime_config("w-1@ws://b:1"), now=0.0)
+    bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
+    bridge.worker_up("ws://b:1", runtime_config(), now=0.0)
+    assert bridge.worker_id_of("ws://b:1") == "w-1@ws://b:1#2"
+    assert fleet.connected_count == 3
+
+
+def test_an_address_going_down_changes_nothing_else() -> None:
     fleet = Fleet()
     bridge = FleetBridge(fleet, on_change=lambda: None)
     bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
@@ -49,21 +87,6 @@ def test_a_standby_going_down_changes_nothing() -> None:
     assert bridge.key_of("w-1") == "ws://a:1"
     bridge.worker_down("ws://unknown:1", now=0.2)
     assert fleet.connected_count == 1
-
-
-def test_the_link_of_a_worker_id_is_its_owners_and_none_once_it_is_down() -> None:
-    fleet = Fleet()
-    owner, standby = object(), object()
-    links = {"ws://a:1": owner, "ws://b:1": standby}
-    bridge = FleetBridge(fleet, on_change=lambda: None, links=links)  # type: ignore[arg-type]
-    assert bridge.link_of("w-1") is None
-    bridge.worker_up("ws://a:1", runtime_config(), now=0.0)
-    bridge.worker_up("ws://b:1", runtime_config(), now=0.0)
-    assert bridge.link_of("w-1") is owner
-    bridge.worker_down("ws://a:1", now=1.0)
-    assert bridge.link_of("w-1") is standby
-    del links["ws://b:1"]  # the pool stopped the link before its session reported down
-    assert bridge.link_of("w-1") is None
 
 
 def test_a_worker_announcing_model_after_model_leaves_only_its_latest_known() -> None:

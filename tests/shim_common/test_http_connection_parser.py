@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shim_common._http_connection import (
+from shim_common._http_parser import (
     END,
     ParseFailure,
     RequestHead,

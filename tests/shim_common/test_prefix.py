@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shim_common import prefix
 from shim_common.prefix import (
     MAX_BLOCK_NAME,
     MAX_TOKEN_ID,
@@ -132,6 +133,27 @@ def test_every_text_is_cut_where_str_split_cuts_it(text: str) -> None:
     # The fast path for ASCII text must give the ids of the plain definition, exotic spaces
     # included.
     assert WORDS.encode(text) == [zlib.crc32(word.encode("utf-8")) for word in text.split()]
+
+
+@given(
+    text=st.text(
+        alphabet=st.sampled_from(list("ab \t\n\x1c\u00a0\u2003é")),
+        max_size=60,
+    ),
+    piece=st.integers(1, 7),
+    block_size=st.integers(1, 3),
+)
+def test_a_long_text_is_encoded_and_named_in_pieces_as_if_whole(
+    text: str, piece: int, block_size: int
+) -> None:
+    # A long prompt is encoded, and its ids packed, a piece at a time (so a worker thread
+    # gives the event loop its turn between pieces): the ids and names are those of the whole.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefix, "TOKENIZE_PIECE_CHARS", piece)
+        ids = WORDS.encode(text)
+        names = block_names(ids, block_size)
+    assert ids == [zlib.crc32(word.encode("utf-8")) for word in text.split()]
+    assert names == block_names(ids, block_size)
 
 
 def test_chat_prompts_are_the_messages_texts_in_order() -> None:

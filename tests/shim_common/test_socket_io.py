@@ -3,6 +3,7 @@ loopback sockets."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -155,3 +156,61 @@ async def test_after_a_write_a_read_finds_bytes_already_there_and_bytes_to_come(
         assert scope.cancelled_caught
         await client.send_all(b"kept")
         assert await io.receive_some(100) == b"kept"
+
+
+async def test_an_interim_write_goes_before_the_next_write_whatever_the_kernel_took(
+    pair: tuple[trio.SocketStream, trio.SocketStream],
+) -> None:
+    # The half-close probe is written from the reader's task while the main task owns the
+    # writes: what the kernel did not take of it is owed, and the next write sends it first.
+    server, client = pair
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    io = ConnectionIO(server)
+    with trio.fail_after(TIMEOUT):
+        # Fill the socket so that the interim write is taken in part, or not at all.
+        filler = b"f" * (1 << 20)
+        sent = io.send_now(filler)
+        interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+        went = io.send_interim(interim)
+        received = bytearray()
+
+        async def read_all() -> None:
+            while len(received) < sent + (len(interim) if went else 0) + 5:
+                received.extend(await client.receive_some(65536))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            await io.send_all(b"after")
+    expected = filler[:sent] + (interim if went else b"") + b"after"
+    assert bytes(received) == expected
+    # Nothing owed after a whole write: a second interim write goes at once.
+    assert io.send_interim(interim)
+    assert await client.receive_some(100) == interim
+
+
+async def test_no_interim_write_on_a_stream_other_than_plain_tcp() -> None:
+    left, _right = trio.testing.memory_stream_pair()
+    assert not ConnectionIO(left).send_interim(b"x")
+
+
+async def test_the_part_of_an_interim_write_the_kernel_left_goes_first(
+    pair: tuple[trio.SocketStream, trio.SocketStream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, client = pair
+    io = ConnectionIO(server)
+    real_write = os.write
+    limits = [10]  # the kernel takes 10 bytes of the interim write, then whatever it likes
+
+    def write(fd: int, data: bytes | bytearray | memoryview) -> int:
+        limit = limits.pop() if limits else len(data)
+        return real_write(fd, bytes(data)[:limit])
+
+    monkeypatch.setattr("shim_common._socket_io.os.write", write)
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    with trio.fail_after(TIMEOUT):
+        assert io.send_interim(interim)
+        assert io.send_now(b"answer") == len(b"answer")
+        received = b""
+        while len(received) < len(interim) + 6:
+            received += await client.receive_some(100)
+    assert received == interim + b"answer"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any
 
 import msgpack
@@ -33,13 +34,19 @@ from worker_harness import (
 
 from shim_common.wire import (
     EVENTS_PATH,
+    MAX_MESSAGE_BYTES,
     REQUESTS_PATH,
     Cancel,
     End,
+    Endpoint,
     Failed,
     Started,
 )
-from worker_ingress._config import MockerSettings
+from worker_ingress._config import MockerSettings, WorkerSettings
+from worker_ingress._planes import PREPARE_ON_LOOP_BYTES
+from worker_ingress._server import Worker
+from worker_ingress.engines._base import PreparedRequest
+from worker_ingress.engines._instant import InstantEngine, create
 
 # ----------------------------------------------------------------------------- robustness
 
@@ -403,3 +410,54 @@ async def test_a_message_out_of_the_protocols_ranges_closes_with_1007(
                 await send(healthy, completion(1))
                 assert isinstance((await collect_until_final(healthy, {1}))[1][-1], End)
     assert not [record for record in caplog.records if record.exc_info is not None]
+
+
+# ----------------------------------------------------------------------------- large messages
+
+
+class _SlowToPrepare(InstantEngine):
+    """Prepares a large body slowly (until :attr:`go` is set, 2 s at most), a small one at once:
+    the work a prompt of megabytes makes an engine do."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        super().__init__(create(settings).config)
+        self.preparing = threading.Event()
+        self.go = threading.Event()
+
+    def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
+        if len(body.get("prompt", "")) > PREPARE_ON_LOOP_BYTES:
+            self.preparing.set()
+            self.go.wait(2.0)
+        return super().prepare(endpoint, body)
+
+
+async def test_a_large_message_is_prepared_off_the_event_loop() -> None:
+    # One 7.7 MB message stalled every other connection of a worker for as long as its engine
+    # took to tokenise it (200 ms to 2.4 s, by the shape of its prompt). Now a message past the
+    # bound is prepared in a worker thread: a small request on another connection is served
+    # meanwhile (before, it was served only once the large one had been prepared, 2 s here).
+    settings = make_settings()
+    engine = _SlowToPrepare(settings)
+    worker = Worker(settings, engine, max_message_bytes=MAX_MESSAGE_BYTES)
+    large = completion(1, prompt="x " * PREPARE_ON_LOOP_BYTES, max_tokens=1)
+    order: list[str] = []
+    with trio.fail_after(TIMEOUT):
+        async with (
+            running(worker) as address,
+            request_plane(address) as big,
+            request_plane(address) as small,
+        ):
+
+            async def large_one() -> None:
+                await send(big, large)
+                assert isinstance((await collect_until_final(big, {1}))[1][-1], End)
+                order.append("large")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(large_one)
+                await wait_for(engine.preparing.is_set, "the large message being prepared")
+                await send(small, completion(2, max_tokens=1))
+                assert isinstance((await collect_until_final(small, {2}))[2][-1], End)
+                order.append("small")
+                engine.go.set()
+    assert order == ["small", "large"]

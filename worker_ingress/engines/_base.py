@@ -164,6 +164,9 @@ class Engine(Protocol):
     def prepare(self, endpoint: Endpoint, body: dict[str, Any]) -> PreparedRequest:
         """Validate a request body.
 
+        Called from a worker thread for a large request-plane message (``_planes`` rule 1), so
+        it may read the body and the engine's fixed configuration, and change nothing.
+
         Raises:
             EngineInputError: with a message fit to show the client.
         """
