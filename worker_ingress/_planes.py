@@ -481,8 +481,12 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             )
             return None
-        if generate.dp_rank is not None:
-            prepared = msgspec.structs.replace(prepared, dp_rank=generate.dp_rank)
+        if generate.dp_rank is not None or generate.tenant:
+            # What the router chose and whose request it is, for the engine (a replace only
+            # when either is set: the plain request stays as prepared).
+            prepared = msgspec.structs.replace(
+                prepared, dp_rank=generate.dp_rank, tenant=generate.tenant
+            )
 
         def took_slot() -> None:
             # Stamped as the slot is taken, before any other task runs: a report published

@@ -89,6 +89,10 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: The data-parallel rank the router chose (``Generate.dp_rank``), set by the worker after
     #: :meth:`Engine.prepare`; an engine without ranks, or a rank it does not have: ignored.
     dp_rank: int | None = None
+    #: Whose request it is (``Generate.tenant``; ``""``: the shared tenant), set by the worker
+    #: after :meth:`Engine.prepare` as the admission gate reads it: an engine may share what it
+    #: keeps between requests (the mocker's prefix cache) fairly among tenants.
+    tenant: str = ""
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):

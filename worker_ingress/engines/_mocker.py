@@ -279,7 +279,10 @@ class MockerEngine:
         names = payload.block_names if isinstance(payload, MockerPayload) else []
         inputs = payload.embedding_inputs if isinstance(payload, MockerPayload) else None
         seq = MockSequence(
-            prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens, block_names=names
+            prompt_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            block_names=names,
+            tenant=request.tenant,
         )
         rank.add(seq)
         self._loads_may_have_changed()
