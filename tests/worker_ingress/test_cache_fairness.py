@@ -12,12 +12,25 @@ from __future__ import annotations
 import random
 
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from worker_harness import (
+    TIMEOUT,
+    collect_until_final,
+    make_settings,
+    new_worker,
+    request_plane,
+    running,
+    send,
+)
 
 from shim_common.prefix import block_names
+from shim_common.wire import Generate
+from worker_ingress._config import MockerSettings
 from worker_ingress.engines._kv_pool import KvBlockPool
 from worker_ingress.engines._mock_scheduler import MockSequence, RankScheduler
+from worker_ingress.engines._mocker import MockerEngine
 
 BLOCK = 16
 #: Requests a rank runs at once: the admission gate's N of a worker in front of it.
@@ -225,3 +238,25 @@ def test_usage_and_eviction_keep_rule_7_under_random_operations(
             assert pool.usage(t) == sum(1 for n in cached if pool.owner_of(n) == t)
         assert pool.evictable == sum(1 for n in cached if not pool.holders(n))
         assert pool.held + pool.evictable <= pool.num_blocks
+
+
+async def test_the_tenant_of_a_generate_owns_the_blocks_its_prompt_leaves_cached() -> None:
+    # Through a real worker: the gate reads Generate.tenant, and so does the engine's cache.
+    settings = make_settings(
+        mocker=MockerSettings(num_gpu_blocks=64, block_size=4, speedup_ratio=1000.0)
+    )
+    engine = MockerEngine(settings.mocker)
+    prompts = {"acme": "one two three four five six seven eight nine", "": "a b c d e f g h i"}
+    with trio.fail_after(TIMEOUT):
+        async with running(new_worker(settings, engine)) as address, request_plane(address) as ws:
+            for request_id, (tenant, prompt) in enumerate(prompts.items()):
+                generate = Generate(
+                    request_id=request_id,
+                    endpoint="completions",
+                    body={"prompt": prompt, "max_tokens": 1},
+                    tenant=tenant,
+                )
+                await send(ws, generate)
+                await collect_until_final(ws, {request_id})
+    pool = engine.ranks[0].pool
+    assert (pool.usage("acme"), pool.usage("")) == (2, 2)
