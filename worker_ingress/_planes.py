@@ -661,6 +661,8 @@ class EventConnection:
         #: shim_common.wire).
         self._kv_wanted = trio.Event()
         self._kv: KvSubscription | None = None
+        #: The subscriber asked for its KV events in parts (``wire.FEATURE_KV_PARTS``).
+        self._kv_parts = False
         #: When the connection was accepted (``trio.current_time()``), and from where.
         self.opened_at = trio.current_time()
         self.remote = ws.remote
@@ -725,6 +727,8 @@ class EventConnection:
                 if message.kv_events:
                     if self._kv is not None and message.kv_snapshot:
                         self._kv.ask_snapshot()
+                    if not self._kv_wanted.is_set():
+                        self._kv_parts = message.kv_parts  # fixed by the first ask
                     self._kv_wanted.set()
         stop.cancel()
 
@@ -733,11 +737,13 @@ class EventConnection:
         # load events (worker_ingress/_kv_events.py). Never from a worker that does not list
         # the feature, never to a subscriber that did not ask.
         await self._kv_wanted.wait()
-        with contextlib.suppress(ConnectionClosed), log.subscribe() as kv:
+        with contextlib.suppress(ConnectionClosed), log.subscribe(parts=self._kv_parts) as kv:
             self._kv = kv
             while True:
                 events = await kv.next_batch(subscription.publish_interval)
-                await self._ws.send_message(encode(KvBatch(events=events)))
+                data = encode(KvBatch(events=events))
+                await self._ws.send_message(data)
+                kv.sent(len(data))
 
     async def close(self) -> None:
         """Stop sending batches, close with 1001, and return after."""
