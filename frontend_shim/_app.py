@@ -127,7 +127,7 @@ async def run_frontend(
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
     kv_routing = (
-        KvRouting(kv_index, _tokenizer(settings), KvMetrics(metrics.registry))
+        KvRouting(kv_index, _tokenizer(settings), KvMetrics(metrics.registry, kv_index))
         if kv_index is not None
         else None
     )
@@ -311,6 +311,7 @@ def _link_samples(pool: WorkerPool) -> list[LinkSample]:
             max_lag=link.lag.max_lag,
             event_batches=link.stats.event_batches,
             lag_episodes=link.stats.lag_episodes,
+            kv_budget_closes=link.stats.kv_budget_closes,
         )
         for link in list(pool.links.values())
     ]
