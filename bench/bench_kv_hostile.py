@@ -17,11 +17,16 @@ tree (model ``m``, the legitimate one) and one played here (model ``other``), wh
   2,048 names, as fast as the protocol's byte rate allows.
 
 After a second, for ``--seconds``: ``GET /live`` due every 10 ms, open loop (p50, p99, max,
-each counted from when it was due), one-token chat
-completions to the legitimate worker back to back (p99), the frontend's CPU share and peak RSS
-(``VmHWM``), and the snapshots the frontend asked the played worker for. Rounds alternate the
-trees; medians of the rounds are printed. Other load on the machine moves every figure: compare
-the rows of one run.
+each counted from when it was due), one-token chat completions to the legitimate worker back to
+back (p99), the frontend's CPU share and peak RSS (``VmHWM``), the snapshots the frontend asked
+the played worker for, and the sessions it ended over the KV budget. Rounds alternate the trees;
+medians of the rounds are printed. Other load on the machine moves every figure: compare the rows
+of one run.
+
+``--stall`` measures instead, in each tree's frontend code and on the thread's CPU clock (so other
+load on the machine counts little), what an honest worker's full cache of 65,536 blocks costs
+the frontend at once: decoding and applying it as one message, and, where the tree takes parts,
+the longest part.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ SETTLE_SECONDS = 1.0
 EVERY = 3.0
 
 
-def hello(blocks: int) -> bytes:
-    config = wire.RuntimeConfig(
+def runtime(blocks: int) -> wire.RuntimeConfig:
+    return wire.RuntimeConfig(
         worker_id="w-kv-played",
         model="other",
         kv_total_blocks=blocks,
@@ -65,6 +70,10 @@ def hello(blocks: int) -> bytes:
         request_queue_limit=40000,
         heartbeat_interval=1.0,
     )
+
+
+def hello(blocks: int) -> bytes:
+    config = runtime(blocks)
     features = ["busy-edges", "publish-interval", "kv-events", "kv-parts"]
     return wire.encode(
         wire.Hello(protocol_version=wire.PROTOCOL_VERSION, config=config, features=features)
@@ -365,7 +374,15 @@ async def measure(tree: str, case: str, seconds: float) -> dict[str, float]:
                         own.append(trio.current_time() - due)
                 load.cancel_scope.cancel()
             elapsed = time.monotonic() - start
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                metrics = (await client.get("/metrics")).text
+            closes = [
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("dynamo_frontend_worker_kv_budget_closes_total")
+            ]
             return {
+                "closes": sum(closes),
                 "cpu": (_cpu_seconds(frontend.pid) - cpu) / elapsed,
                 "live_p50": _p(live, 0.5) * 1000,
                 "live_p99": _p(live, 0.99) * 1000,
@@ -384,9 +401,40 @@ async def measure(tree: str, case: str, seconds: float) -> dict[str, float]:
             nursery.cancel_scope.cancel()
 
 
+def stall() -> tuple[float, float, float]:
+    """(ms to decode and apply 65,536 names in one message, median and longest ms of a part; 0
+    without parts), in the frontend code this process imports."""
+    from frontend_shim._kv_index import KvIndex
+
+    rng = random.Random(1)
+    names = [rng.getrandbits(63) for _ in range(65536)]
+    config = runtime(65536)
+    parts = "more" in wire.KvSnapshot.__struct_fields__
+    costs: dict[str, list[float]] = {"whole": [], "part": []}
+    for _ in range(5):
+        for kind in ("whole", "part") if parts else ("whole",):
+            index = KvIndex()
+            index.add_worker(config, 0.0, events=True)
+            size = len(names) if kind == "whole" else PART_NAMES
+            for start in range(0, len(names), size):
+                more = start + size < len(names)
+                event = snapshot(1, names[start : start + size], more)
+                data = msgspec.msgpack.encode({"type": "kv", "events": [event]})
+                began = time.thread_time()
+                batch = wire.decode_event_message(data)
+                assert isinstance(batch, wire.KvBatch)
+                index.apply(config.worker_id, batch.events, 0.0)
+                costs[kind].append(time.thread_time() - began)
+    part = costs["part"] or [0.0]
+    whole = statistics.median(costs["whole"])
+    return whole * 1000, statistics.median(part) * 1000, max(part) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--play", help=argparse.SUPPRESS)
+    parser.add_argument("--stall", action="store_true", help="the sans-IO cost, see above")
+    parser.add_argument("--stall-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--attacks", default="huge,tiny,asks,honest", help="comma-separated")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=1)
@@ -395,7 +443,25 @@ def main() -> None:
     if args.play:
         trio.run(play, args.play)
         return
+    if args.stall_one:
+        print(*stall())
+        return
     trees = [item.split("=", 1) for item in args.trees.split(",")]
+    if args.stall:
+        print("| tree | 65,536 names in one message, ms | a part of 2,048, median / most, ms |")
+        print("|---|---|---|")
+        for label, path in trees:
+            tree = os.path.abspath(path)
+            whole, part, most = subprocess.run(
+                [sys.executable, SELF, "--stall-one"],
+                env={**os.environ, "PYTHONPATH": tree},
+                cwd=tree,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            print(f"| {label} | {float(whole):.1f} | {float(part):.2f} / {float(most):.2f} |")
+        return
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for case in args.attacks.split(","):
@@ -405,15 +471,15 @@ def main() -> None:
     print(f"medians of {args.rounds} rounds, {args.seconds:g} s each")
     print(
         "| case | tree | frontend CPU | /live p50 / p99 / max ms | completions p99 ms "
-        "| peak RSS MB | snapshots asked /s | bench's own lag p99 ms |"
+        "| peak RSS MB | snapshots asked /s | KV budget closes | bench's own lag p99 ms |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (case, label), rows in results.items():
         m = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
         print(
             f"| {case} | {label} | {m['cpu']:.0%} | {m['live_p50']:.1f} / {m['live_p99']:.1f} / "
             f"{m['live_max']:.0f} | {m['chat_p99']:.1f} | {m['rss']:.0f} | {m['asks']:.1f} "
-            f"| {m['own_p99']:.1f} |"
+            f"| {m['closes']:g} | {m['own_p99']:.1f} |"
         )
 
 
