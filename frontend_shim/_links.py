@@ -572,6 +572,7 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
+        self.kv_parts = wire.FEATURE_KV_PARTS in hello.features
         self._kv_listener = self._kv_subscription(hello)
         self.kv_events = self._kv_listener is not None
         self._kv_budget = KvBudget(trio.current_time())
@@ -605,7 +606,6 @@ class WorkerLink:
     def _kv_subscription(self, hello: wire.Hello) -> KvEventsListener | None:
         """Whom this session's KV events go to, ``None``: none are asked for (rules 7, 8)."""
         listener = self._listener
-        self.kv_parts = wire.FEATURE_KV_PARTS in hello.features
         if not (
             self._settings.kv_events
             and wire.FEATURE_KV_EVENTS in hello.features

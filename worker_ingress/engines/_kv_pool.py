@@ -219,7 +219,10 @@ class KvBlockPool:
             self._refs[name] = 1
             self._parents[name] = parent
             self._owner[name] = tenant
-            self._add_usage(tenant, 1)
+            usage = self._usage
+            usage[tenant] = usage.get(tenant, 0) + 1
+            if len(self._lrus) > 1 and tenant in self._lrus:
+                self._push(tenant)
             self._report_stored(parent, name)
             return
         self.held -= 1
@@ -230,18 +233,24 @@ class KvBlockPool:
         (rule 4); a name nobody holds any more becomes ``tenant``'s (rule 7)."""
         refs = self._refs
         owner = self._owner
+        lru: OrderedDict[int, None] | None = None
+        freed = 0
         for name in reversed(names):
             holders = refs[name] - 1
             refs[name] = holders
             if holders:
                 continue
-            self.held -= 1
             previous = owner[name]
             if previous != tenant:
                 owner[name] = tenant
                 self._add_usage(previous, -1)
                 self._add_usage(tenant, 1)
-            self._list(name, tenant)
+            if lru is None:
+                lru = self._lru_of(tenant)
+            lru[name] = None
+            freed += 1
+        self.held -= freed
+        self._evictable += freed
 
     def take_events(self) -> list[PoolEvent]:
         """What entered and left the cache since the last call, in order."""
@@ -251,8 +260,8 @@ class KvBlockPool:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _list(self, name: int, tenant: str) -> None:
-        """``name`` is held by nobody now: last in ``tenant``'s order of eviction."""
+    def _lru_of(self, tenant: str) -> OrderedDict[int, None]:
+        """``tenant``'s order of eviction, made when it has none (the caller lists a name)."""
         lrus = self._lrus
         lru = lrus.get(tenant)
         if lru is None:
@@ -261,8 +270,7 @@ class KvBlockPool:
                 self._rebuild_heap()
             elif len(lrus) > 2:
                 self._push(tenant)
-        lru[name] = None
-        self._evictable += 1
+        return lru
 
     def _unlist(self, name: int) -> None:
         """``name`` is held again: out of its owner's order of eviction."""
@@ -318,18 +326,26 @@ class KvBlockPool:
     def _evict(self, count: int) -> None:
         removed: list[int] = []
         lrus = self._lrus
-        for _ in range(count):
+        refs = self._refs
+        parents = self._parents
+        owner = self._owner
+        while count:
             tenant = self._victim()
             lru = lrus[tenant]
-            name, _ignored = lru.popitem(last=False)
-            self._evictable -= 1
+            # One tenant to evict from (rule 8): as many as it has in one go; else one block,
+            # then the victim is chosen again (rule 7).
+            take = min(count, len(lru)) if len(lrus) == 1 else 1
+            for _ in range(take):
+                name, _ignored = lru.popitem(last=False)
+                del refs[name]
+                del parents[name]
+                del owner[name]
+                removed.append(name)
+            count -= take
+            self._evictable -= take
             if not lru:
                 self._drop_lru(tenant)
-            del self._refs[name]
-            del self._parents[name]
-            del self._owner[name]
-            self._add_usage(tenant, -1)
-            removed.append(name)
+            self._add_usage(tenant, -take)
         events = self._events
         if events and events[-1][0] == REMOVED:
             events[-1][2].extend(removed)
