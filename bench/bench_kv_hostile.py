@@ -18,11 +18,11 @@ tree (model ``m``, the legitimate one) and one played here (model ``other``), wh
 
 After a second, for ``--seconds``: ``GET /live`` due every 10 ms over 8 keep-alive connections
 (p50, p99, max, each counted from when it was due, so a stall counts every probe it delays),
-one-token chat completions to the legitimate worker back to back (p99), the frontend's CPU share
-and peak RSS (``VmHWM``), the snapshots the frontend asked the played worker for, and the
-sessions it ended over the KV budget. Rounds alternate the trees; medians of the rounds are
-printed. Other load on the machine moves every figure: compare the rows of one run, and the
-last column, how late this process's own timers fired.
+one-token chat completions to the legitimate worker due every 20 ms (p99, counted the same way),
+the frontend's CPU share and peak RSS (``VmHWM``), the snapshots the frontend asked the played
+worker for, and the sessions it ended over the KV budget. Rounds alternate the trees; medians of
+the rounds are printed. Other load on the machine moves every figure: compare the rows of one
+run, and the last column, how late this process's own 10 ms timer fired (p99).
 
 ``--stall`` measures instead, in each tree's frontend code and on the thread's CPU clock (so other
 load on the machine counts little), what an honest worker's full cache of 65,536 blocks costs
@@ -343,12 +343,21 @@ async def measure(tree: str, case: str, seconds: float) -> dict[str, float]:
             own: list[float] = []  # how late this process itself wakes (it must not be the limit)
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
-            async def completions(client: httpx.AsyncClient) -> None:
+            async def completions(client: httpx.AsyncClient, offset: float) -> None:
+                # Two of these: a completion due every 40 ms, each counted from when it was due.
+                due = trio.current_time() + offset
                 while True:
-                    sent = time.perf_counter()
+                    await trio.sleep_until(due)
                     with contextlib.suppress(httpx.HTTPError):
                         await client.post("/v1/chat/completions", json=body)
-                    chats.append(time.perf_counter() - sent)
+                    chats.append(trio.current_time() - due)
+                    due += 0.04
+
+            async def watch_self() -> None:
+                while True:
+                    due = trio.current_time() + 0.01
+                    await trio.sleep_until(due)
+                    own.append(trio.current_time() - due)
 
             host, port_text = url.removeprefix("http://").split(":")
 
@@ -362,7 +371,6 @@ async def measure(tree: str, case: str, seconds: float) -> dict[str, float]:
                 async with stream:
                     while due - began < seconds:
                         await trio.sleep_until(due)
-                        own.append(trio.current_time() - due)
                         await stream.send_all(request)
                         answer = b""
                         while not answer.endswith(b"\r\n\r\n") and b"\r\n\r\n" not in answer:
@@ -378,7 +386,9 @@ async def measure(tree: str, case: str, seconds: float) -> dict[str, float]:
                 httpx.AsyncClient(base_url=url, timeout=30) as client,
                 trio.open_nursery() as load,
             ):
-                load.start_soon(completions, client)
+                load.start_soon(completions, client, 0.0)
+                load.start_soon(completions, client, 0.02)
+                load.start_soon(watch_self)
                 began = trio.current_time()
                 async with trio.open_nursery() as probes:
                     for number in range(PROBERS):
