@@ -115,6 +115,24 @@ def test_subscribe_asks_for_kv_events_and_an_older_subscribe_does_not() -> None:
     assert wire.decode_subscriber_message(wire.encode(asking)) == asking
 
 
+def test_a_whole_snapshot_is_the_bytes_an_older_worker_sends_and_a_part_says_more() -> None:
+    # Feature kv-parts: a snapshot that is whole leaves `more` out, so an older frontend reads
+    # the same map as before; a part carries it, and an older decoder would just ignore it.
+    whole = wire.KvSnapshot(seq=3, ranks=[[1, 2], []])
+    expected = {"type": "kv-snapshot", "seq": 3, "ranks": [[1, 2], []]}
+    assert msgpack.unpackb(wire.encode(whole)) == expected
+    part = wire.KvSnapshot(seq=3, ranks=[[1]], more=True)
+    assert msgpack.unpackb(wire.encode(part))["more"] is True
+    batch = msgpack.packb({"type": "kv", "events": [msgpack.unpackb(wire.encode(part))]})
+    assert wire.decode_event_message(batch) == wire.KvBatch(events=[part])
+    # A subscribe asks for parts only when it says so; an older one never does.
+    thresholds = BusyThresholds()
+    old = msgpack.packb({"type": "subscribe", "thresholds": msgspec.to_builtins(thresholds)})
+    assert wire.decode_subscriber_message(old).kv_parts is False
+    asking = Subscribe(thresholds=thresholds, kv_events=True, kv_parts=True)
+    assert wire.decode_subscriber_message(wire.encode(asking)) == asking
+
+
 def test_generate_without_a_rank_is_the_bytes_an_older_peer_sends() -> None:
     plain = Generate(request_id=1, endpoint="completions", body={"prompt": "a"})
     assert "dp_rank" not in msgpack.unpackb(wire.encode(plain))
