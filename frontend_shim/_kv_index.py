@@ -35,7 +35,7 @@ Rules:
    current as it can), and :meth:`KvIndex.apply` answers ``True``, which asks the link to request
    a fresh snapshot; while one is awaited another gap asks again only after
    :data:`SNAPSHOT_RETRY` seconds (and the link asks a worker at most once per as many seconds,
-   whatever the index answers: :mod:`frontend_shim._links`, rule 7).
+   whatever the index answers: rule 4 of :mod:`frontend_shim._kv_feed`).
 5. Snapshots in parts (``wire.FEATURE_KV_PARTS``): the first part of a snapshot starts a new
    cached layer for every rank, beside the one in use; each part adds its names to it (under
    the cap of rule 3), and the last (no ``more``) puts it in use, all ranks at once: routing never

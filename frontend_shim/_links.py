@@ -74,23 +74,12 @@ Rules of a session (the state machine of a link):
    applies what its last read brought). Whoever acts on the refusal (the router's mark of the
    worker as overloaded or draining) therefore never has the mark cleared by an older event.
 7. KV events (``LinkSettings.kv_events``, to a worker that lists :data:`wire.FEATURE_KV_EVENTS`):
-   the link's :class:`wire.Subscribe` always says ``kv_events`` (and ``kv_parts`` to a worker
-   that lists :data:`wire.FEATURE_KV_PARTS`), and every :class:`wire.KvBatch` a read brings goes
-   to the listener's ``worker_kv_events`` in order, never coalesced, in the same read as the load
-   events (so within the event budget). When the listener answers that it saw a gap, the link
-   sends a ``Subscribe`` with ``kv_snapshot`` from a task of its own (a read never waits), at
-   most one every :data:`~frontend_shim._kv_index.SNAPSHOT_RETRY` seconds (gaps seen meanwhile
-   ask once, when that time is over). An older worker (no parts) whose whole cache would not
-   fit one message (:func:`~frontend_shim._worker_hello.kv_message_bytes`) is not asked for KV
-   events. KV batches from a worker not subscribed are dropped; events out of the protocol's
-   order (:class:`~frontend_shim._kv_index.KvStreamError`) end the session.
-8. The KV budget (:mod:`frontend_shim._kv_budget`): every KV batch a read brings, subscribed or
-   not, is charged to the session's budget, its bytes and the CPU its decoding and applying
-   took; past it the session ends with close code 1008 and the reason (logged, counted in
-   ``LinkStats.kv_budget_closes``), and for
-   :data:`~frontend_shim._kv_budget.REFUSAL_SECONDS` the link asks that worker for no KV events.
-   The block names a read applies are spent on the pacer's slice (or the event slices), so a
-   slice of reads is bounded in KV work too (:mod:`frontend_shim._pacer`, rules 2 and 6).
+   the link's :class:`wire.Subscribe` says ``kv_events`` (and ``kv_parts``) when the session
+   asks for them, and every :class:`wire.KvBatch` a read brings goes to the link's
+   :class:`~frontend_shim._kv_feed.KvFeed`, which applies it in order and charges it to the
+   session's KV budget (past it, the session ends with 1008); its rules are at the top of
+   :mod:`frontend_shim._kv_feed`. When the index saw a gap, the link asks for a fresh snapshot
+   from a task of its own, at most once a period.
 
 Times given to the listener (``now``) are ``trio.current_time()``, the monotonic Trio clock.
 """
@@ -99,6 +88,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -121,9 +111,8 @@ from frontend_shim._connection import (
 )
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._event_budget import EventBudget, latest_wins
-from frontend_shim._fleet_listener import FleetListener, KvEventsListener
-from frontend_shim._kv_budget import CLOSE_OVER_BUDGET, REFUSAL_SECONDS, KvBudget
-from frontend_shim._kv_index import SNAPSHOT_RETRY, KvStreamError
+from frontend_shim._fleet_listener import FleetListener
+from frontend_shim._kv_feed import KvFeed
 from frontend_shim._lag import LagMeter
 from frontend_shim._link_errors import breaks_protocol, explain_failure, session_end_reason
 from frontend_shim._pacer import EventSlices, InPlaceReads, ReadPacer
@@ -135,17 +124,11 @@ from frontend_shim._request_plane import (
     unavailable,
 )
 from frontend_shim._websocket import HandshakeError
-from frontend_shim._worker_hello import (
-    MAX_HELLO_BYTES,
-    event_message_bound,
-    kv_message_bytes,
-    refusal,
-)
+from frontend_shim._worker_hello import MAX_HELLO_BYTES, event_message_bound, refusal
 from shim_common import wire
 from shim_common._net import RELEASE_SECONDS, Backoff, DescriptorLimitLog, out_of_descriptors
 
 __all__ = [
-    "KvBudgetExceeded",
     "LinkSettings",
     "WorkerLink",
 ]
@@ -217,10 +200,6 @@ class LinkSettings:
 
 class _KeepaliveTimeout(Exception):
     """The event plane fell silent, or a ping went unanswered."""
-
-
-class KvBudgetExceeded(ProtocolError):
-    """The worker's KV events went past the session's budget (rule 8)."""
 
 
 # Everything that ends a session in the ordinary course of things (not a bug of ours).
@@ -313,17 +292,15 @@ class WorkerLink:
         self._edges = False
         #: Whether the worker of the current session takes the budget's interval (rule 5).
         self.negotiated = False
-        #: Whether the current session is subscribed to the worker's KV events (rule 7).
-        self.kv_events = False
-        #: Whether the worker of the current session sends KV events in parts (rule 7).
-        self.kv_parts = False
-        self._kv_listener: KvEventsListener | None = None
-        self._kv_budget = KvBudget(-math.inf)
-        #: Until when this worker is asked for no KV events (rule 8).
-        self._kv_refused_until = -math.inf
-        #: Whether the log said why an older worker's KV events are not asked for (once).
-        self._kv_too_large_said = False
-        self._kv_resync = trio.Event()
+        #: The worker's KV events (rule 7).
+        self._kv = KvFeed(
+            key,
+            listener,
+            wanted=self._settings.kv_events,
+            stats=self.stats,
+            pacer=pacer,
+            slices=slices,
+        )
         self._thresholds: wire.BusyThresholds | None = None
         self._up_event = trio.Event()
         self._reached_up = False
@@ -400,6 +377,16 @@ class WorkerLink:
         finally:
             # A no-op when the request already ended or the session is gone.
             plane.cancel(request_id)
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether the current session asked for the worker's KV events (rule 7)."""
+        return self._kv.subscribed
+
+    @property
+    def kv_parts(self) -> bool:
+        """Whether the worker of the current session sends KV events in parts (rule 7)."""
+        return self._kv.parts
 
     @property
     def paced(self) -> bool:
@@ -572,14 +559,10 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
-        self.kv_parts = wire.FEATURE_KV_PARTS in hello.features
-        self._kv_listener = self._kv_subscription(hello)
-        self.kv_events = self._kv_listener is not None
-        self._kv_budget = KvBudget(trio.current_time())
+        kv_bytes = self._kv.begin(hello, trio.current_time())
         # Rule 1: the hello bounds the size of the worker's event messages from now on (with
         # room for one message of KV events only when this link asks for them: rule 7).
-        kv_bytes = kv_message_bytes(config, parts=self.kv_parts) if self.kv_events else None
-        events.limit_messages(event_message_bound(config, kv_bytes=kv_bytes or 0))
+        events.limit_messages(event_message_bound(config, kv_bytes=kv_bytes))
         requests.limit_messages(wire.MAX_MESSAGE_BYTES)
         self._events = events
         self.lag = self._new_lag_meter()
@@ -594,7 +577,8 @@ class WorkerLink:
                 nursery.start_soon(self._send_requests, requests, plane, batches)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
                 if self.kv_events:
-                    nursery.start_soon(self._resync_kv)
+                    ask = functools.partial(self._subscribe, kv_snapshot=True)
+                    nursery.start_soon(self._kv.resync, ask, self._wait_until)
         except BaseException as exc:
             reason = session_end_reason(exc)
             raise
@@ -602,32 +586,6 @@ class WorkerLink:
             # Before the websockets close (which may wait for a dead peer): fail the open
             # requests and tell the listener now.
             self._down(plane, reason)
-
-    def _kv_subscription(self, hello: wire.Hello) -> KvEventsListener | None:
-        """Whom this session's KV events go to, ``None``: none are asked for (rules 7, 8)."""
-        listener = self._listener
-        if not (
-            self._settings.kv_events
-            and wire.FEATURE_KV_EVENTS in hello.features
-            and isinstance(listener, KvEventsListener)
-        ):
-            return None
-        config = hello.config
-        if kv_message_bytes(config, parts=self.kv_parts) is None:
-            if not self._kv_too_large_said:
-                self._kv_too_large_said = True
-                logger.info(
-                    "worker %s sends KV events whole, and its cache of %d blocks by %d ranks "
-                    "would not fit one message: not asking for them (it is routed on the "
-                    "router's guesses); a worker of this version sends them in parts",
-                    self.key,
-                    config.kv_total_blocks,
-                    config.data_parallel_size,
-                )
-            return None
-        if trio.current_time() < self._kv_refused_until:
-            return None
-        return listener
 
     def _up(self, config: wire.RuntimeConfig, plane: RequestPlane) -> None:
         self.config = config
@@ -697,8 +655,7 @@ class WorkerLink:
         7 and 8)."""
         arrival = time.time()
         now = trio.current_time()
-        # Rule 8: the KV work of a read is measured on the thread's CPU clock.
-        started = time.thread_time() if self.kv_events else 0.0
+        started = self._kv.clock()  # rule 7: a read's KV work is measured
         batches: list[list[wire.WorkerEvent]] = []
         kv: list[wire.KvEvent] = []
         kv_bytes = 0
@@ -722,53 +679,8 @@ class WorkerLink:
             self._lag_edge(lag, now)
         self.stats.event_batches += len(batches)
         if kv_bytes:
-            self._take_kv(kv, kv_bytes, started, now)
+            self._kv.take(kv, kv_bytes, started, now, self._events)
         self._listener.worker_events(self.key, latest_wins(batches), now)
-
-    def _take_kv(self, events: list[wire.KvEvent], size: int, started: float, now: float) -> None:
-        """Apply what one read brought of KV events, and charge it to the budget (rules 7, 8)."""
-        listener = self._kv_listener
-        cpu = 0.0
-        if listener is not None:
-            try:
-                if listener.worker_kv_events(self.key, events, now):
-                    self._kv_resync.set()
-            except KvStreamError as exc:
-                self.stats.protocol_errors += 1
-                raise ProtocolError(f"KV events out of the protocol's order: {exc}") from exc
-            names = _block_names(events)
-            if self._pacer is not None:
-                self._pacer.spend(names)
-            elif self._slices is not None:
-                self._slices.spend(names)
-            cpu = time.thread_time() - started
-        over = self._kv_budget.charge(now=now, size=size, cpu=cpu)
-        if over is None:
-            return
-        self.stats.kv_budget_closes += 1
-        self._kv_refused_until = now + REFUSAL_SECONDS
-        logger.warning(
-            "worker %s: %s; closing its session (%d) and asking it for no KV events for %.0f s",
-            self.key,
-            over,
-            CLOSE_OVER_BUDGET,
-            REFUSAL_SECONDS,
-        )
-        if self._events is not None:
-            self._events.close_with(CLOSE_OVER_BUDGET, over)
-        raise KvBudgetExceeded(over)
-
-    async def _resync_kv(self) -> None:
-        """Ask for a fresh KV snapshot each time the listener saw a gap, at most one every
-        :data:`SNAPSHOT_RETRY` seconds (rule 7)."""
-        while True:
-            await self._kv_resync.wait()
-            self._kv_resync = trio.Event()
-            self.stats.kv_snapshots_asked += 1
-            await self._subscribe(kv_snapshot=True)
-            # Gaps seen meanwhile ask once, when this is over: a worker that makes gaps on
-            # purpose gets one ask a period, not one per gap.
-            await self._wait_until(trio.current_time() + SNAPSHOT_RETRY)
 
     def _new_lag_meter(self) -> LagMeter:
         return LagMeter(self._settings.lag_window, self._settings.max_event_lag)
@@ -858,17 +770,6 @@ class WorkerLink:
         except msgspec.DecodeError as exc:
             self.stats.protocol_errors += 1
             raise ProtocolError(f"undecodable message ({len(data)} bytes): {exc}") from exc
-
-
-def _block_names(events: list[wire.KvEvent]) -> int:
-    """The block names in KV events (the work of applying them, for the slices: rule 8)."""
-    names = 0
-    for event in events:
-        if isinstance(event, wire.KvSnapshot):
-            names += sum(map(len, event.ranks))
-        elif not isinstance(event, wire.KvCleared):
-            names += len(event.blocks)
-    return names
 
 
 async def _read_hello(connection: PlaneConnection, decode: Callable[[bytes], object]) -> wire.Hello:

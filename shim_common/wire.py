@@ -42,14 +42,8 @@ Rules:
    subscriber that sees a jump sends a later :class:`Subscribe` with ``kv_snapshot=True`` and is
    sent a fresh snapshot. A worker whose subscriber cannot keep up sends it a fresh snapshot
    rather than an unbounded backlog. :attr:`Generate.dp_rank` names the rank the router chose.
-7. KV events in parts (:data:`FEATURE_KV_PARTS`): to a subscriber that asks with
-   ``kv_parts=True``, a worker listing the feature sends no ``kv`` message of more than
-   :data:`KV_PART_NAMES` (a snapshot goes as :class:`KvSnapshot` parts, every one but the last
-   with ``more``, nothing else in between), at most :data:`KV_BYTES_PER_SECOND` on average, and
-   at most one snapshot every :data:`KV_SNAPSHOT_GAP` seconds. So what a subscriber takes from one
-   worker, in one message and in a second, does not grow with the cache the worker announces.
-   Such a worker splits a chain longer than :data:`KV_PART_NAMES` into several events, so that
-   every event fits a part.
+   In parts (:data:`FEATURE_KV_PARTS`): ``kv`` messages of :data:`KV_PART_NAMES` names at most,
+   at :data:`KV_BYTES_PER_SECOND`, a snapshot as :class:`KvSnapshot` parts, whatever the cache.
 """
 
 from __future__ import annotations
@@ -110,7 +104,6 @@ __all__ = [
     "FEATURE_KV_PARTS",
     "KV_BYTES_PER_SECOND",
     "KV_PART_NAMES",
-    "KV_SNAPSHOT_GAP",
     "KvBatch",
     "KvCleared",
     "KvEvent",
@@ -467,24 +460,18 @@ class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_
     #: On a later Subscribe with ``kv_events``: the subscriber saw a gap in the KV events' ``seq``
     #: and asks for a fresh :class:`KvSnapshot`, from which the events continue.
     kv_snapshot: bool = False
-    #: With ``kv_events``, to a worker listing :data:`FEATURE_KV_PARTS`: send the KV events in
-    #: parts (rule 7); older workers ignore it.
+    #: With ``kv_events``: send them in parts (rule 6; older workers ignore it).
     kv_parts: bool = False
 
 
 # ----------------------------------------------------------------------------- KV events
 
-#: Hello feature (with :data:`FEATURE_KV_EVENTS`): the worker sends a subscriber that asks
-#: (:attr:`Subscribe.kv_parts`) its KV events in parts (rule 7 of this module).
+#: Hello feature: the worker sends KV events in parts to a subscriber that asks (rule 6).
 FEATURE_KV_PARTS: Final = "kv-parts"
-#: The most a ``kv`` message to a subscriber of parts holds: block names, counting each event as
-#: its names plus 8 (a snapshot part: its names), so a part is at most about 19 KB.
+#: Block names in one ``kv`` message of parts at most, an event counting 8 more (about 19 KB).
 KV_PART_NAMES: Final = 2048
-#: Bytes a second of ``kv`` messages a worker sends a subscriber of parts at most, on average:
-#: after a message of B bytes, the next waits B / this many seconds.
+#: ``kv`` bytes a second of parts at most: after a message of B bytes, the next waits B / this.
 KV_BYTES_PER_SECOND: Final = 256 * 1024
-#: Seconds between two snapshots a worker sends one subscriber at least (the first one aside).
-KV_SNAPSHOT_GAP: Final = 1.0
 
 
 class KvStored(msgspec.Struct, frozen=True, kw_only=True, tag="kv-stored", tag_field="type"):
@@ -513,27 +500,14 @@ class KvCleared(msgspec.Struct, frozen=True, kw_only=True, tag="kv-cleared", tag
     dp_rank: int
 
 
-class KvSnapshot(
-    msgspec.Struct,
-    frozen=True,
-    kw_only=True,
-    omit_defaults=True,
-    tag="kv-snapshot",
-    tag_field="type",
-):
+class KvSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="kv-snapshot", tag_field="type"):
     """The whole cache of a worker: ``ranks[r]`` holds the block names cached on rank ``r``, as
     they stand after KV event ``seq`` (0: before any event). It replaces whatever the subscriber
-    believed; the events after it continue from ``seq + 1``.
-
-    To a subscriber of parts (rule 7), one snapshot may come as several, back to back with the
-    same ``seq``, each in a ``kv`` message of its own: every one but the last says ``more``, and
-    the cache is the union of their ``ranks``. A snapshot that says nothing of ``more`` is whole
-    (the same bytes an older worker sends).
-    """
+    believed; the events after it continue from ``seq + 1``. In parts (rule 6): ``more`` on every
+    part of one ``seq`` but the last, back to back; the cache is the union of their ``ranks``."""
 
     seq: int
     ranks: list[list[int]]
-    #: More parts of this snapshot follow (rule 7).
     more: bool = False
 
 

@@ -30,7 +30,7 @@ Rules:
    wait behind the last part (rule 3 still bounds them), and a snapshot asked for meanwhile comes
    after it: a snapshot under way is never cut. After a message of B bytes the next one waits
    B / :data:`~shim_common.wire.KV_BYTES_PER_SECOND` seconds.
-7. A subscriber is sent at most one snapshot every :data:`~shim_common.wire.KV_SNAPSHOT_GAP`
+7. A subscriber is sent at most one snapshot every :data:`KV_SNAPSHOT_GAP`
    seconds (the first at once): asking again sooner, or falling behind again sooner (rule 3),
    gets the next one when the gap is over, so a subscriber asking for snapshots in a loop costs
    the worker one snapshot a gap.
@@ -49,7 +49,6 @@ import trio
 from shim_common.wire import (
     KV_BYTES_PER_SECOND,
     KV_PART_NAMES,
-    KV_SNAPSHOT_GAP,
     KvCleared,
     KvEvent,
     KvRemoved,
@@ -61,6 +60,7 @@ from worker_ingress.engines._kv_pool import STORED, PoolEvent
 
 __all__ = [
     "EVENT_COST",
+    "KV_SNAPSHOT_GAP",
     "EVENT_NAMES",
     "MIN_BACKLOG_LIMIT",
     "KvEventLog",
@@ -70,6 +70,8 @@ __all__ = [
 
 #: The smallest backlog a subscriber may pile up before it is sent a snapshot instead (names).
 MIN_BACKLOG_LIMIT: Final = 1024
+#: Seconds between two snapshots to one subscriber at least, the first one aside (rule 7).
+KV_SNAPSHOT_GAP: Final = 1.0
 #: What an event costs a part besides its names (rule 6): its tags and numbers, about as many
 #: bytes as 8 names.
 EVENT_COST: Final = 8

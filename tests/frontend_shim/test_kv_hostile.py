@@ -22,7 +22,7 @@ from test_kv_link import client_messages
 from test_peers import accept_upgrade, frame, poll
 from worker_configs import runtime_config
 
-from frontend_shim import _links
+from frontend_shim import _kv_feed
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._fleet_bridge import FleetBridge
@@ -222,7 +222,7 @@ async def gap_after_every_snapshot(
 async def test_a_worker_making_gaps_is_asked_for_a_snapshot_at_most_once_a_period(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_links, "SNAPSHOT_RETRY", 0.5)
+    monkeypatch.setattr(_kv_feed, "SNAPSHOT_RETRY", 0.5)
     worker = PlayedWorker([wire.FEATURE_KV_EVENTS], 100, gap_after_every_snapshot)
     with trio.fail_after(TIMEOUT):
         async with linked(worker) as (link, _):

@@ -41,7 +41,13 @@ from shim_common.wire import (
     Subscribe,
 )
 from worker_ingress._config import MockerSettings
-from worker_ingress._kv_events import EVENT_COST, MIN_BACKLOG_LIMIT, KvEventLog, snapshot_parts
+from worker_ingress._kv_events import (
+    EVENT_COST,
+    KV_SNAPSHOT_GAP,
+    MIN_BACKLOG_LIMIT,
+    KvEventLog,
+    snapshot_parts,
+)
 from worker_ingress.engines._kv_pool import REMOVED, STORED
 from worker_ingress.engines._mock_scheduler import MockSequence, RankScheduler
 from worker_ingress.engines._mocker import MockerEngine
@@ -399,7 +405,7 @@ async def test_parts_go_at_the_byte_rate_and_snapshots_at_most_one_a_gap(
     for (when, size, _), (after, _, _) in itertools.pairwise(sent):
         assert after - when >= size / wire.KV_BYTES_PER_SECOND
     firsts = [when for when, _, first in sent if first]
-    assert all(b - a >= wire.KV_SNAPSHOT_GAP for a, b in itertools.pairwise(firsts))
+    assert all(b - a >= KV_SNAPSHOT_GAP for a, b in itertools.pairwise(firsts))
     assert len(sent) == 3 * 10 + 1  # three snapshots of ten parts, and the first of a fourth
 
 
