@@ -44,7 +44,7 @@ __all__ = [
 #: Bytes a second of KV messages a worker may send on average (rule 2).
 BYTES_PER_SECOND: Final = wire.KV_BYTES_PER_SECOND
 #: Bytes a worker may send at once above the rate: the jitter of the network and of this
-#: frontend's reads, and an older worker's messages (at most 128 KiB each), with room.
+#: frontend's reads, and an older worker's messages (at most 256 KiB each), with room.
 BURST_BYTES: Final = 1024 * 1024
 #: Share of one core a worker's KV events may use on average (rule 2): five times what an
 #: honest worker at the byte rate costs on a loaded machine.

@@ -99,8 +99,9 @@ KV_PART_BYTES: Final = 32 * 1024
 #: An older worker's KV events (no parts) are asked for only when the largest message they make
 #: fits this: a snapshot costs 9 bytes a block at most, and a backlog of events (one block each,
 #: the worst case, at most one per block before the worker sends a snapshot instead) about 45
-#: bytes of event per block, so 64 bytes a block of every rank (2,048 blocks in all at most).
-LEGACY_KV_BYTES: Final = 128 * 1024
+#: bytes of event per block, so 64 bytes a block of every rank: 4,096 blocks in all at most (the
+#: fleet simulator's 4 ranks of 1,000), at most 4 ms of decoding and applying here for any bytes.
+LEGACY_KV_BYTES: Final = 256 * 1024
 #: Bytes per block of every rank an older worker's KV message may take (see above).
 EVENT_MESSAGE_BLOCK_BYTES: Final = 64
 #: The least backlog of block names a worker lets pile up before it sends a snapshot instead.

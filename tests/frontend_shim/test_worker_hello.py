@@ -179,7 +179,8 @@ def test_room_for_kv_events_does_not_grow_with_the_cache_a_worker_claims() -> No
         wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(2048)
     ]
     assert len(wire.encode(wire.KvBatch(events=backlog))) < with_kv
-    assert kv_message_bytes(runtime_config(kv_total_blocks=4096), parts=False) is None
+    assert kv_message_bytes(runtime_config(kv_total_blocks=4096), parts=False) == 256 * 1024
+    assert kv_message_bytes(runtime_config(kv_total_blocks=4097), parts=False) is None
     assert kv_message_bytes(runtime_config(kv_total_blocks=1 << 18), parts=False) is None
 
 
