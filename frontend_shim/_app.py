@@ -177,7 +177,7 @@ def picture_parts(settings: FrontendSettings) -> PictureParts:
     )
     metrics = FrontendMetrics(_rank_samples(fleet))
     kv_routing = (
-        KvRouting(kv_index, tokenizer_of(settings), KvMetrics(metrics.registry))
+        KvRouting(kv_index, tokenizer_of(settings), KvMetrics(metrics.registry, kv_index))
         if kv_index is not None
         else None
     )
@@ -404,6 +404,7 @@ def link_samples(pool: WorkerPool, bridge: FleetBridge) -> list[LinkSample]:
             max_lag=link.lag.max_lag,
             event_batches=link.stats.event_batches,
             lag_episodes=link.stats.lag_episodes,
+            kv_budget_closes=link.stats.kv_budget_closes,
         )
         for link in list(pool.links.values())
     ]

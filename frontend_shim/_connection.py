@@ -18,7 +18,8 @@ Rules:
    with its close frame); EOF raises it with 1006. A text message, a frame breaking the rules or
    a message over the size cap raises :class:`ProtocolError`.
 4. :meth:`aclose` sends a close frame when it can (bounded by ``close_timeout``) and always
-   closes the stream.
+   closes the stream. The frame says 1000, or the code and reason :meth:`close_with` set (the
+   link's reason for ending the session, when the worker is at fault).
 5. A plain TCP connection can also be read *in place*: :meth:`messages_now` reads what the socket
    holds now, without waiting and without yielding to the scheduler (a frontend reading
    thousands of workers at an interval pays a syscall per read, not a task switch). It cannot
@@ -156,6 +157,15 @@ class PlaneConnection:
         # Replies owed by reads in place (rule 5): pong payloads, and the close code to answer.
         self._owed_pongs: list[bytes] = []
         self._owed_close: int | None = None
+        # What aclose() says (rule 4).
+        self._close_code = 1000
+        self._close_reason = ""
+
+    def close_with(self, code: int, reason: str) -> None:
+        """Have :meth:`aclose` send ``code`` and ``reason`` (cut to fit the frame) instead of
+        1000 (rule 4)."""
+        self._close_code = code
+        self._close_reason = reason
 
     def limit_messages(self, max_message_bytes: int) -> None:
         """Accept messages of at most ``max_message_bytes`` from now on (rule 7)."""
@@ -305,8 +315,9 @@ class PlaneConnection:
         self._closed = True
         with trio.CancelScope(shield=True):
             if polite:
+                payload = close_payload(self._close_code, self._close_reason)
                 with trio.move_on_after(close_timeout), contextlib.suppress(*_SEND_ERRORS):
-                    await self._send_frame(encode_frame(OP_CLOSE, close_payload(1000)))
+                    await self._send_frame(encode_frame(OP_CLOSE, payload))
             await trio.aclose_forcefully(self._stream)
 
     async def _reply_close(self, code: int) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Final
 
 from frontend_shim._free_sets import WorkerLoad
@@ -171,17 +171,17 @@ def choose(
     # Per block size (the same for every worker of a model, as a rule): the names, the first
     # name, and the prefill cost of the prompt itself. The loop below runs once per free rank:
     # it is kept to a few attribute reads for a rank that holds nothing of the prompt (the
-    # index names the ranks that may hold its first block: rule 6 of frontend_shim._kv_index).
+    # index names the ranks that may hold its first block: rule 7 of frontend_shim._kv_index).
     block_size = -1
     names: list[int] = []
-    holders: set[RankBlocks] = set()
+    holders: Collection[RankBlocks] = ()
     per_token = 0.0
     for worker in candidates:
         config = worker.config
         if config.block_size != block_size:
             block_size = config.block_size
             names = prompt.names(block_size)
-            holders = index.holders(names[0], now) if names else set()
+            holders = index.holders(names[0], now) if names else ()
             per_token = scale / max(1, block_size)
         kept = kept_of(config.worker_id) if holders else None
         kept_ranks = kept.ranks if kept is not None else None

@@ -17,14 +17,19 @@ Rules:
    ``dynamo_frontend_kv_hit_rate`` observes the chosen rank's predicted cached share of the
    prompt's tokens, and ``dynamo_frontend_kv_selected_cached_prefix_tokens_total`` adds the
    predicted cached tokens, both by model.
+4. The index's own counts (:class:`~frontend_shim._kv_index.IndexStats`: events, snapshots and
+   their parts, gaps, events skipped or naming no rank, names over a rank's cap) and the first
+   block names it remembers are exported as ``dynamo_frontend_kv_index_*``, read at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from frontend_shim._kv_cost import NO_PROMPT, KvChoice, Prompt
 from frontend_shim._kv_index import KvIndex
@@ -37,9 +42,10 @@ _HIT_BUCKETS: Final = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1
 
 
 class KvMetrics:
-    """The ``kv`` router's metrics (rule 3), in the frontend's registry."""
+    """The ``kv`` router's metrics (rule 3), in the frontend's registry, and those of its
+    index (what the workers' KV events told it, read at scrape time)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, index: KvIndex | None = None) -> None:
         self._hit_rate = Histogram(
             "dynamo_frontend_kv_hit_rate",
             "Predicted share of each routed prompt's tokens cached on the chosen worker (0-1)",
@@ -54,6 +60,8 @@ class KvMetrics:
             registry=registry,
         )
         self._children: dict[str, tuple[Histogram, Counter]] = {}
+        if index is not None:
+            registry.register(_IndexCollector(index))
 
     def observe(self, model: str, cached_tokens: int, prompt_tokens: int) -> None:
         """One routed request: its predicted cached tokens out of its prompt's."""
@@ -65,6 +73,32 @@ class KvMetrics:
         if prompt_tokens > 0:
             hit_rate.observe(min(1.0, cached_tokens / prompt_tokens))
         cached.inc(cached_tokens)
+
+
+class _IndexCollector(Collector):
+    """The index's counts (:class:`~frontend_shim._kv_index.IndexStats`): plain integers, read
+    as they stand (a scrape formatted in a worker thread reads no structure of the index)."""
+
+    def __init__(self, index: KvIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._index.stats
+        for name, help_text, value in (
+            ("events", "KV events the index took from the workers", stats.events),
+            ("snapshots", "KV snapshots put in use (a snapshot in parts once)", stats.snapshots),
+            ("snapshot_parts", "Parts of KV snapshots applied", stats.snapshot_parts),
+            ("gaps", "Gaps seen in a worker's KV events (each may ask for a snapshot)", stats.gaps),
+            ("skipped_events", "KV events already covered by a snapshot", stats.skipped),
+            ("invalid_events", "KV events naming a rank the worker does not have", stats.invalid),
+            ("overflow_blocks", "Block names not kept: a rank's layer was full", stats.overflow),
+        ):
+            yield CounterMetricFamily(f"dynamo_frontend_kv_index_{name}", help_text, value=value)
+        yield GaugeMetricFamily(
+            "dynamo_frontend_kv_index_first_blocks",
+            "First block names whose holders the index remembers",
+            value=self._index.remembered,
+        )
 
 
 class KvRouting:

@@ -74,11 +74,12 @@ Rules of a session (the state machine of a link):
    applies what its last read brought). Whoever acts on the refusal (the router's mark of the
    worker as overloaded or draining) therefore never has the mark cleared by an older event.
 7. KV events (``LinkSettings.kv_events``, to a worker that lists :data:`wire.FEATURE_KV_EVENTS`):
-   the link's :class:`wire.Subscribe` always says ``kv_events``, and every
-   :class:`wire.KvBatch` a read brings goes to the listener's ``worker_kv_events`` in order,
-   never coalesced, in the same read as the load events (so within the event budget). When the
-   listener answers that it saw a gap, the link sends a ``Subscribe`` with ``kv_snapshot`` from
-   a task of its own (a read never waits). KV batches from a worker not subscribed are dropped.
+   the link's :class:`wire.Subscribe` says ``kv_events`` (and ``kv_parts``) when the session
+   asks for them, and every :class:`wire.KvBatch` a read brings goes to the link's
+   :class:`~frontend_shim._kv_feed.KvFeed`, which applies it in order and charges it to the
+   session's KV budget (past it, the session ends with 1008); its rules are at the top of
+   :mod:`frontend_shim._kv_feed`. When the index saw a gap, the link asks for a fresh snapshot
+   from a task of its own, at most once a period.
 
 8. A link without its event plane (``LinkSettings.event_plane`` off: an HTTP process whose host
    follows the events) opens the request plane alone: a session is that plane's, its liveness
@@ -95,6 +96,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -117,7 +119,8 @@ from frontend_shim._connection import (
 )
 from frontend_shim._discovery import WorkerKey
 from frontend_shim._event_budget import EventBudget, latest_wins
-from frontend_shim._fleet_listener import FleetListener, KvEventsListener
+from frontend_shim._fleet_listener import FleetListener
+from frontend_shim._kv_feed import KvFeed
 from frontend_shim._lag import LagMeter
 from frontend_shim._link_errors import breaks_protocol, explain_failure, session_end_reason
 from frontend_shim._pacer import EventSlices, InPlaceReads, ReadPacer
@@ -305,10 +308,15 @@ class WorkerLink:
         self._edges = False
         #: Whether the worker of the current session takes the budget's interval (rule 5).
         self.negotiated = False
-        #: Whether the current session is subscribed to the worker's KV events (rule 7).
-        self.kv_events = False
-        self._kv_listener: KvEventsListener | None = None
-        self._kv_resync = trio.Event()
+        #: The worker's KV events (rule 7).
+        self._kv = KvFeed(
+            key,
+            listener,
+            wanted=self._settings.kv_events,
+            stats=self.stats,
+            pacer=pacer,
+            slices=slices,
+        )
         self._thresholds: wire.BusyThresholds | None = None
         self._up_event = trio.Event()
         self._reached_up = False
@@ -387,6 +395,16 @@ class WorkerLink:
             plane.cancel(request_id)
 
     @property
+    def kv_events(self) -> bool:
+        """Whether the current session asked for the worker's KV events (rule 7)."""
+        return self._kv.subscribed
+
+    @property
+    def kv_parts(self) -> bool:
+        """Whether the worker of the current session sends KV events in parts (rule 7)."""
+        return self._kv.parts
+
+    @property
     def paced(self) -> bool:
         """Whether this link reads its worker at the budget's interval (rule 5)."""
         return self.connected and not self.negotiated and self._budget is not None
@@ -420,6 +438,7 @@ class WorkerLink:
                 publish_interval=interval,
                 kv_events=self.kv_events,
                 kv_snapshot=kv_snapshot and self.kv_events,
+                kv_parts=self.kv_events and self.kv_parts,
             )
         )
         # A failure means the session is ending; the next one sends them again.
@@ -580,18 +599,11 @@ class WorkerLink:
         )
         self._edges = wire.FEATURE_BUSY_EDGES in hello.features
         self.negotiated = wire.FEATURE_PUBLISH_INTERVAL in hello.features
-        self._kv_listener = (
-            self._listener
-            if self._settings.kv_events
-            and wire.FEATURE_KV_EVENTS in hello.features
-            and isinstance(self._listener, KvEventsListener)
-            else None
-        )
-        self.kv_events = self._kv_listener is not None and events is not None
+        kv_bytes = self._kv.begin(hello, trio.current_time()) if events is not None else 0
         # Rule 1: the hello bounds the size of the worker's event messages from now on (with
-        # room for KV events only when this link asks for them).
+        # room for one message of KV events only when this link asks for them: rule 7).
         if events is not None:
-            events.limit_messages(event_message_bound(config, kv_events=self.kv_events))
+            events.limit_messages(event_message_bound(config, kv_bytes=kv_bytes))
         if requests is not None:
             requests.limit_messages(wire.MAX_MESSAGE_BYTES)
         self._events = events
@@ -609,7 +621,8 @@ class WorkerLink:
                     nursery.start_soon(self._send_requests, requests, plane, batches)
                 nursery.start_soon(self._watch, events, requests, config.heartbeat_interval)
                 if self.kv_events:
-                    nursery.start_soon(self._resync_kv)
+                    ask = functools.partial(self._subscribe, kv_snapshot=True)
+                    nursery.start_soon(self._kv.resync, ask, self._wait_until)
         except BaseException as exc:
             reason = session_end_reason(exc)
             raise
@@ -683,11 +696,14 @@ class WorkerLink:
             self._in_place.catch_up()
 
     def _apply_events(self, messages: list[bytes], lag: LagMeter) -> None:
-        """Decode what one read brought and hand its latest state to the listener (rules 3, 5)."""
+        """Decode what one read brought and hand its latest state to the listener (rules 3, 5,
+        7 and 8)."""
         arrival = time.time()
         now = trio.current_time()
+        started = self._kv.clock()  # rule 7: a read's KV work is measured
         batches: list[list[wire.WorkerEvent]] = []
         kv: list[wire.KvEvent] = []
+        kv_bytes = 0
         sent = 0.0
         for data in messages:
             message = self._decode(data, wire.decode_event_message)
@@ -698,6 +714,7 @@ class WorkerLink:
                 # Rule 7: in order, never coalesced; dropped unless this link subscribed.
                 self.stats.kv_batches += 1
                 kv.extend(message.events)
+                kv_bytes += len(data)
                 continue
             batch = message.events
             sent = message.sent or (batch[-1].ts if batch else sent)
@@ -706,18 +723,9 @@ class WorkerLink:
         if sent and lag.observe(arrival, sent, now):
             self._lag_edge(lag, now)
         self.stats.event_batches += len(batches)
-        listener = self._kv_listener
-        if kv and listener is not None and listener.worker_kv_events(self.key, kv, now):
-            self._kv_resync.set()
+        if kv_bytes:
+            self._kv.take(kv, kv_bytes, started, now, self._events)
         self._listener.worker_events(self.key, latest_wins(batches), now)
-
-    async def _resync_kv(self) -> None:
-        """Ask for a fresh KV snapshot each time the listener saw a gap (rule 7)."""
-        while True:
-            await self._kv_resync.wait()
-            self._kv_resync = trio.Event()
-            self.stats.kv_snapshots_asked += 1
-            await self._subscribe(kv_snapshot=True)
 
     def _new_lag_meter(self) -> LagMeter:
         return LagMeter(self._settings.lag_window, self._settings.max_event_lag)

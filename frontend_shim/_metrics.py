@@ -60,6 +60,8 @@ class LinkSample(NamedTuple):
     max_lag: float
     event_batches: int
     lag_episodes: int
+    #: Sessions ended because the worker's KV events went past the budget.
+    kv_budget_closes: int = 0
 
 
 class BudgetSample(NamedTuple):
@@ -147,13 +149,14 @@ class _LinkCollector(Collector):
             "How far behind this frontend reads the worker's load events (seconds, latest batch)",
             labels=["worker_id"],
         )
-        connected = lagging = batches = episodes = 0
+        connected = lagging = batches = episodes = kv_closes = 0
         max_lag = 0.0
         for sample in samples:
             connected += sample.connected
             lagging += sample.lagging
             batches += sample.event_batches
             episodes += sample.lag_episodes
+            kv_closes += sample.kv_budget_closes
             max_lag = max(max_lag, sample.max_lag)
             if sample.connected:
                 lag.add_metric([sample.worker_id], sample.lag)
@@ -182,6 +185,11 @@ class _LinkCollector(Collector):
             "dynamo_frontend_worker_lag_episodes",
             "Times a worker link's event lag went over the bound",
             value=episodes,
+        )
+        yield CounterMetricFamily(
+            "dynamo_frontend_worker_kv_budget_closes",
+            "Worker sessions ended because the worker's KV events went past their budget",
+            value=kv_closes,
         )
 
 

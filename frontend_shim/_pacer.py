@@ -15,7 +15,10 @@ the sockets. Rules:
 2. Calls run in the pacer's own task, one after another, at most ``per_slice`` of them in one
    pass of the scheduler; between two slices the pacer lets one pass go by (HTTP requests,
    ``/live``, ``/health`` and the set-up of links run in it), counted in
-   :attr:`ReadPacer.yields`. A call must be quick and must not raise.
+   :attr:`ReadPacer.yields`. A call must be quick and must not raise. A call that did more than
+   a read's usual work says so (:meth:`ReadPacer.spend`: the KV block names it applied), and a
+   slice also ends once ``names_per_slice`` of them were spent, so a slice of reads that bring
+   KV events in parts is bounded in work, not only in reads.
 3. A link on plain TCP has its event plane read *in place* (:class:`InPlaceReads`): the read is a
    call of the pacer that takes what the socket holds without waiting
    (:meth:`~frontend_shim._connection.PlaneConnection.messages_now`) and applies it, so a read
@@ -36,7 +39,8 @@ the sockets. Rules:
 6. A link whose event plane is not read in place (TLS, no pacer, no epoll) reads in its own task,
    and each read takes a turn of the pool's :class:`EventSlices` before it is applied: at most
    ``per_slice`` turns in one pass of the scheduler, then the readers left wait for the next pass
-   (rule 2 by other means).
+   (rule 2 by other means); :meth:`EventSlices.spend` counts a read's KV names against the
+   slice's turns the same way.
 7. What the reads in place cost is timed where they run: the thread's CPU time around each
    slice of calls, and around each read out of turn (:attr:`ReadPacer.event_cpu` over
    :attr:`ReadPacer.event_reads`), two clock reads per slice of up to ``per_slice`` reads. It
@@ -64,6 +68,7 @@ from frontend_shim._request_plane import LinkStats
 
 __all__ = [
     "DEFAULT_EVENTS_PER_SLICE",
+    "DEFAULT_NAMES_PER_SLICE",
     "DEFAULT_PACER_TICK",
     "EventSlices",
     "InPlaceReads",
@@ -77,6 +82,9 @@ __all__ = [
 DEFAULT_EVENTS_PER_SLICE: Final = 8
 #: Seconds of one tick of the read pacer (rule 1): a paced read is late by at most this much.
 DEFAULT_PACER_TICK: Final = 0.01
+#: KV block names applied in one pass of the scheduler at most (rule 2), beyond the one read
+#: that passes it: two parts of ``wire.KV_PART_NAMES``, about 1-2 ms of work.
+DEFAULT_NAMES_PER_SLICE: Final = 4096
 
 
 class ReadPacer:
@@ -86,10 +94,14 @@ class ReadPacer:
         tick: Seconds between two looks at the clock; a reader wakes up to one tick late.
         per_slice: Calls (:meth:`call_at`, :meth:`watch`) made in one pass of the scheduler; at
             least 1.
+        names_per_slice: KV block names spent (:meth:`spend`) in one pass at most.
     """
 
     def __init__(
-        self, tick: float = DEFAULT_PACER_TICK, per_slice: int = DEFAULT_EVENTS_PER_SLICE
+        self,
+        tick: float = DEFAULT_PACER_TICK,
+        per_slice: int = DEFAULT_EVENTS_PER_SLICE,
+        names_per_slice: int = DEFAULT_NAMES_PER_SLICE,
     ) -> None:
         if not tick > 0:
             raise ValueError(f"tick must be > 0, got {tick}")
@@ -97,6 +109,9 @@ class ReadPacer:
             raise ValueError(f"per_slice must be at least 1, got {per_slice}")
         self._tick = tick
         self._per_slice = per_slice
+        self._names_per_slice = names_per_slice
+        #: KV names spent in the slice under way (rule 2).
+        self._spent = 0
         self._slots: dict[int, trio.lowlevel.ParkingLot] = {}
         self._calls: dict[int, list[Callable[[], object]]] = {}
         # Descriptors watched for bytes (Linux: an epoll set of the pacer's own, level-triggered).
@@ -150,6 +165,10 @@ class ReadPacer:
             self._waiting.set()
         else:
             calls.append(call)
+
+    def spend(self, names: int) -> None:
+        """The call under way applied ``names`` KV block names (rule 2)."""
+        self._spent += names
 
     @property
     def can_watch(self) -> bool:
@@ -219,18 +238,24 @@ class ReadPacer:
     async def _make(self, calls: list[Callable[[], object]]) -> None:
         per_slice = self._per_slice
         clock = time.thread_time
-        for start in range(0, len(calls), per_slice):
-            if start:
+        made = 0
+        self._spent = 0
+        began = clock()
+        for call in calls:
+            if made >= per_slice or self._spent >= self._names_per_slice:
+                # Rule 7: nothing but these calls ran since `began`.
+                self.event_cpu += clock() - began
+                self.event_reads += made
                 # HTTP and link set-up run between two slices (rule 2).
                 await trio.lowlevel.checkpoint()
                 self.yields += 1
-            began = clock()
-            made = calls[start : start + per_slice]
-            for call in made:
-                call()
-            # Rule 7: nothing but these calls ran since `began`.
-            self.event_cpu += clock() - began
-            self.event_reads += len(made)
+                made = 0
+                self._spent = 0
+                began = clock()
+            call()
+            made += 1
+        self.event_cpu += clock() - began
+        self.event_reads += made
 
 
 class EventSlices:
@@ -244,12 +269,18 @@ class EventSlices:
 
     Args:
         per_slice: Turns per slice; at least 1.
+        names_per_slice: KV block names spent (:meth:`spend`) in one slice at most.
     """
 
-    def __init__(self, per_slice: int = DEFAULT_EVENTS_PER_SLICE) -> None:
+    def __init__(
+        self,
+        per_slice: int = DEFAULT_EVENTS_PER_SLICE,
+        names_per_slice: int = DEFAULT_NAMES_PER_SLICE,
+    ) -> None:
         if per_slice < 1:
             raise ValueError(f"per_slice must be at least 1, got {per_slice}")
         self._per_slice = per_slice
+        self._names_per_turn = max(1, names_per_slice // per_slice)
         self._left = per_slice
         self._waiting = trio.lowlevel.ParkingLot()
         self._used_up = trio.Event()
@@ -264,6 +295,15 @@ class EventSlices:
                 self._used_up.set()
             return
         await self._waiting.park()
+
+    def spend(self, names: int) -> None:
+        """The reader that took the last turn applied ``names`` KV block names: they use up
+        the slice's turns as reads would (rule 6)."""
+        turns = names // self._names_per_turn
+        if turns and self._left > 0:
+            self._left = max(0, self._left - turns)
+            if self._left == 0:
+                self._used_up.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hand out slices until cancelled."""

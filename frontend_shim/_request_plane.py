@@ -82,6 +82,8 @@ class LinkStats:
     kv_batches: int = 0
     #: Fresh KV snapshots asked for after a gap in the worker's KV events.
     kv_snapshots_asked: int = 0
+    #: Sessions ended because the worker's KV events went past the budget.
+    kv_budget_closes: int = 0
     #: Reads of the event plane: each took what the socket held (one batch or several), or found
     #: nothing (a paced read). The event budget is spent in reads.
     event_reads: int = 0

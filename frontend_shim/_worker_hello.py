@@ -17,7 +17,8 @@ and nothing of the worker reaches the load state.
   ``kv_total_blocks`` at most :data:`MAX_KV_BLOCKS` (64 Mi) a rank, more than any engine's
   cache holds: at one token a block (SGLang's pages) that is some 400 GB of the smallest
   models' cache in FP8 (6 KB a token), more than a GPU has. What a worker claims of its cache
-  sizes what the frontend lets it send and keeps for it.
+  sizes what the frontend keeps for it (its KV index, bounded there too), never what it lets
+  it send.
 - ``heartbeat_interval``: more than 0 and at most :data:`MAX_HEARTBEAT_INTERVAL` (60 s), the
   range of the worker's own ``--heartbeat-interval``. A hello outside it is refused, not
   clamped: the link judges a worker gone after three heartbeat intervals of silence, and the
@@ -35,12 +36,22 @@ Once accepted, the hello also bounds the size of the worker's event messages
 (:func:`event_message_bound`): the largest batch of its load (one load event per rank and a
 heartbeat repeating every rank, about 310 bytes a rank at the widest integers) with room to
 spare, and, when this frontend subscribed to the worker's KV events (it asked for them, in
-``kv`` router mode, and the worker lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`), the
-largest batch of KV events besides (a snapshot of every block of every rank, or the backlog the
-worker lets pile up before it sends a snapshot instead: an event per block). A worker sends no
-KV events to a frontend that did not ask, so listing the feature earns it nothing there. A
-message over the bound ends the session from its frame's header (the link backs off), so a peer
-that claims to be a worker cannot make the frontend read, hold and decode megabytes at a time.
+``kv`` router mode, and the worker lists :data:`~shim_common.wire.FEATURE_KV_EVENTS`), room for
+one message of KV events besides (:func:`kv_message_bytes`), which does not grow with the cache
+the worker claims:
+
+- a worker that also lists :data:`~shim_common.wire.FEATURE_KV_PARTS` is asked for parts: room
+  for one part, :data:`KV_PART_BYTES`, whatever its cache;
+- an older one sends its whole cache (or a backlog of an event per block) in one message, so its
+  KV events are asked for only when that fits :data:`LEGACY_KV_BYTES` (64 bytes a block of every
+  rank, and at least the worker's least backlog); a larger older worker is not subscribed to and
+  is routed on the router's own guesses, as with ``--no-router-kv-events``.
+
+A worker sends no KV events to a frontend that did not ask, so listing the feature earns it
+nothing there. A message over the bound ends the session from its frame's header (the link backs
+off), so a peer that claims to be a worker cannot make the frontend read, hold and decode
+megabytes at a time; how many messages it may send is the KV budget's
+(:mod:`frontend_shim._kv_budget`).
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ __all__ = [
     "MAX_MODEL_CHARS",
     "MAX_WORKER_ID_CHARS",
     "event_message_bound",
+    "kv_message_bytes",
     "refusal",
 ]
 
@@ -81,10 +93,19 @@ MAX_MODEL_CHARS: Final = 512
 EVENT_MESSAGE_BASE_BYTES: Final = 64 * 1024
 #: ... bytes per announced rank (a load event and a heartbeat's entry: about 310 at most) ...
 EVENT_MESSAGE_RANK_BYTES: Final = 1024
-#: ... and, with KV events, bytes per block of every rank: a snapshot costs 9 bytes a block at
-#: most, and a backlog of events (one block each, the worst case, at most one per block before
-#: the worker sends a snapshot instead) about 45 bytes of event per block.
+#: ... and, with KV events in parts, room for one part: at most ``wire.KV_PART_NAMES`` names at
+#: 9 bytes (and an event's tags counted as 8 names), about 19 KB, whatever the cache.
+KV_PART_BYTES: Final = 32 * 1024
+#: An older worker's KV events (no parts) are asked for only when the largest message they make
+#: fits this: a snapshot costs 9 bytes a block at most, and a backlog of events (one block each,
+#: the worst case, at most one per block before the worker sends a snapshot instead) about 45
+#: bytes of event per block, so 64 bytes a block of every rank: 4,096 blocks in all at most (the
+#: fleet simulator's 4 ranks of 1,000), at most 4 ms of decoding and applying here for any bytes.
+LEGACY_KV_BYTES: Final = 256 * 1024
+#: Bytes per block of every rank an older worker's KV message may take (see above).
 EVENT_MESSAGE_BLOCK_BYTES: Final = 64
+#: The least backlog of block names a worker lets pile up before it sends a snapshot instead.
+LEGACY_BACKLOG_BLOCKS: Final = 1024
 
 
 def refusal(config: wire.RuntimeConfig) -> str | None:
@@ -133,12 +154,22 @@ def _of_kind(kind: Kind[int] | Kind[float], value: object) -> bool:
     return True
 
 
-def event_message_bound(config: wire.RuntimeConfig, *, kv_events: bool = False) -> int:
+def kv_message_bytes(config: wire.RuntimeConfig, *, parts: bool) -> int | None:
+    """Room for KV events in one event message of a worker whose accepted hello is ``config``
+    (bytes); ``parts``: it lists :data:`~shim_common.wire.FEATURE_KV_PARTS`. ``None``: an older
+    worker whose largest KV message would not fit :data:`LEGACY_KV_BYTES`, whose KV events are
+    not to be asked for."""
+    if parts:
+        return KV_PART_BYTES
+    blocks = max(LEGACY_BACKLOG_BLOCKS, config.kv_total_blocks * config.data_parallel_size)
+    legacy = EVENT_MESSAGE_BLOCK_BYTES * blocks
+    return legacy if legacy <= LEGACY_KV_BYTES else None
+
+
+def event_message_bound(config: wire.RuntimeConfig, *, kv_bytes: int = 0) -> int:
     """The largest event message accepted from a worker whose accepted hello is ``config``
-    (bytes, at most :data:`~shim_common.wire.MAX_MESSAGE_BYTES`); ``kv_events``: this frontend
-    subscribed to the worker's KV events."""
+    (bytes, at most :data:`~shim_common.wire.MAX_MESSAGE_BYTES`); ``kv_bytes``: room for KV
+    events, when this frontend subscribed to them (:func:`kv_message_bytes`)."""
     ranks = config.data_parallel_size
-    bound = EVENT_MESSAGE_BASE_BYTES + EVENT_MESSAGE_RANK_BYTES * ranks
-    if kv_events:
-        bound += EVENT_MESSAGE_BLOCK_BYTES * config.kv_total_blocks * ranks
+    bound = EVENT_MESSAGE_BASE_BYTES + EVENT_MESSAGE_RANK_BYTES * ranks + kv_bytes
     return min(bound, wire.MAX_MESSAGE_BYTES)

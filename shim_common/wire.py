@@ -42,6 +42,8 @@ Rules:
    subscriber that sees a jump sends a later :class:`Subscribe` with ``kv_snapshot=True`` and is
    sent a fresh snapshot. A worker whose subscriber cannot keep up sends it a fresh snapshot
    rather than an unbounded backlog. :attr:`Generate.dp_rank` names the rank the router chose.
+   In parts (:data:`FEATURE_KV_PARTS`): ``kv`` messages of :data:`KV_PART_NAMES` names at most,
+   at :data:`KV_BYTES_PER_SECOND`, a snapshot as :class:`KvSnapshot` parts, whatever the cache.
 7. Disaggregated serving (:data:`FEATURE_DISAGG`, :mod:`shim_common._disagg`): a ``prefill_only``
    hop's :class:`End` carries a :class:`Handoff`; a ``generate`` carrying it decodes from its KV.
 """
@@ -106,6 +108,9 @@ __all__ = [
     "Handoff",
     "Heartbeat",
     "Hello",
+    "FEATURE_KV_PARTS",
+    "KV_BYTES_PER_SECOND",
+    "KV_PART_NAMES",
     "KvBatch",
     "KvCleared",
     "KvEvent",
@@ -471,9 +476,18 @@ class Subscribe(msgspec.Struct, frozen=True, kw_only=True, tag="subscribe", tag_
     #: On a later Subscribe with ``kv_events``: the subscriber saw a gap in the KV events' ``seq``
     #: and asks for a fresh :class:`KvSnapshot`, from which the events continue.
     kv_snapshot: bool = False
+    #: With ``kv_events``: send them in parts (rule 6; older workers ignore it).
+    kv_parts: bool = False
 
 
 # ----------------------------------------------------------------------------- KV events
+
+#: Hello feature: the worker sends KV events in parts to a subscriber that asks (rule 6).
+FEATURE_KV_PARTS: Final = "kv-parts"
+#: Block names in one ``kv`` message of parts at most, an event counting 8 more (about 19 KB).
+KV_PART_NAMES: Final = 2048
+#: ``kv`` bytes a second of parts at most: after a message of B bytes, the next waits B / this.
+KV_BYTES_PER_SECOND: Final = 256 * 1024
 
 
 class KvStored(msgspec.Struct, frozen=True, kw_only=True, tag="kv-stored", tag_field="type"):
@@ -505,10 +519,12 @@ class KvCleared(msgspec.Struct, frozen=True, kw_only=True, tag="kv-cleared", tag
 class KvSnapshot(msgspec.Struct, frozen=True, kw_only=True, tag="kv-snapshot", tag_field="type"):
     """The whole cache of a worker: ``ranks[r]`` holds the block names cached on rank ``r``, as
     they stand after KV event ``seq`` (0: before any event). It replaces whatever the subscriber
-    believed; the events after it continue from ``seq + 1``."""
+    believed; the events after it continue from ``seq + 1``. In parts (rule 6): ``more`` on every
+    part of one ``seq`` but the last, back to back; the cache is the union of their ``ranks``."""
 
     seq: int
     ranks: list[list[int]]
+    more: bool = False
 
 
 KvEvent = KvStored | KvRemoved | KvCleared | KvSnapshot

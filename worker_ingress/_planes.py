@@ -532,8 +532,12 @@ class RequestConnection:
                 Failed(request_id=request_id, kind="engine", message=f"engine error: {error}")
             )
             return None
-        if generate.dp_rank is not None:
-            prepared = msgspec.structs.replace(prepared, dp_rank=generate.dp_rank)
+        if generate.dp_rank is not None or generate.tenant:
+            # What the router chose and whose request it is, for the engine (a replace only
+            # when either is set: the plain request stays as prepared).
+            prepared = msgspec.structs.replace(
+                prepared, dp_rank=generate.dp_rank, tenant=generate.tenant
+            )
 
         def took_slot() -> None:
             # Stamped as the slot is taken, before any other task runs: a report published
@@ -717,6 +721,8 @@ class EventConnection:
         #: shim_common.wire).
         self._kv_wanted = trio.Event()
         self._kv: KvSubscription | None = None
+        #: The subscriber asked for its KV events in parts (``wire.FEATURE_KV_PARTS``).
+        self._kv_parts = False
         #: When the connection was accepted (``trio.current_time()``), and from where.
         self.opened_at = trio.current_time()
         self.remote = ws.remote
@@ -798,6 +804,8 @@ class EventConnection:
                 if message.kv_events:
                     if self._kv is not None and message.kv_snapshot:
                         self._kv.ask_snapshot()
+                    if not self._kv_wanted.is_set():
+                        self._kv_parts = message.kv_parts  # fixed by the first ask
                     self._kv_wanted.set()
         stop.cancel()
 
@@ -806,12 +814,14 @@ class EventConnection:
         # load events (worker_ingress/_kv_events.py). Never from a worker that does not list
         # the feature, never to a subscriber that did not ask.
         await self._kv_wanted.wait()
-        with contextlib.suppress(ConnectionClosed), log.subscribe() as kv:
+        with contextlib.suppress(ConnectionClosed), log.subscribe(parts=self._kv_parts) as kv:
             self._kv = kv
             while True:
                 events = await kv.next_batch(subscription.publish_interval)
+                data = encode(KvBatch(events=events))
                 with self._waits.waiting("kv", trio.current_time()):
-                    await self._ws.send_message(encode(KvBatch(events=events)))
+                    await self._ws.send_message(data)
+                kv.sent(len(data))
 
     async def close(self) -> None:
         """Stop sending batches, close with 1001, and return after."""

@@ -78,6 +78,7 @@ from shim_common.wire import (
     FEATURE_DISAGG,
     FEATURE_FRONTEND_TIME,
     FEATURE_KV_EVENTS,
+    FEATURE_KV_PARTS,
     FEATURE_PUBLISH_INTERVAL,
     FEATURE_REQUEST_BATCH,
     MAX_MESSAGE_BYTES,
@@ -248,7 +249,7 @@ class Worker:
                     FEATURE_FRONTEND_TIME,
                     FEATURE_PUBLISH_INTERVAL,
                     FEATURE_REQUEST_BATCH,
-                    *([FEATURE_KV_EVENTS] if self._kv_events is not None else []),
+                    *([FEATURE_KV_EVENTS, FEATURE_KV_PARTS] if self._kv_events is not None else []),
                     *([FEATURE_DISAGG] if hands_off_kv(self.engine) else []),
                 ],
             )

@@ -311,6 +311,75 @@ async def test_the_pacer_lets_the_scheduler_run_between_slices_of_calls(
     assert order[first:last].count("other") >= 3
 
 
+async def test_a_slice_of_reads_ends_once_it_applied_a_slices_worth_of_kv_names(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Eight reads a slice, each applying a part of 2,048 names: before, all eight (16,384 names,
+    # several milliseconds) ran in one pass of the scheduler; now two.
+    pacer = ReadPacer(tick=0.01, per_slice=8, names_per_slice=4096)
+    passes: list[int] = [0]
+    called = 0
+    first_call = trio.Event()
+
+    def read() -> None:
+        nonlocal called
+        called += 1
+        first_call.set()
+        passes[-1] += 2048
+        pacer.spend(2048)
+
+    async def count_passes() -> None:
+        await first_call.wait()
+        while called < 16:
+            if passes[-1]:
+                passes.append(0)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pacer.run)
+        nursery.start_soon(count_passes)
+        when = trio.current_time() + 0.05
+        for _ in range(16):
+            pacer.call_at(when, read)
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    assert called == 16
+    assert pacer.yields == 7  # a slice every two reads (by reads alone: one, after eight)
+    # Trio may run the other task before or after a slice: two slices may meet, no more.
+    assert max(passes) <= 2 * 4096
+
+
+async def test_task_read_slices_end_once_a_slices_worth_of_kv_names_is_spent() -> None:
+    slices = EventSlices(per_slice=8, names_per_slice=4096)
+    most = 0
+    applied = 0
+
+    async def reader() -> None:
+        nonlocal applied
+        for _ in range(4):
+            await slices.turn()
+            applied += 2048
+            slices.spend(2048)
+
+    async def other_task() -> None:
+        nonlocal most
+        while applied < 16 * 2048:
+            before = applied
+            await trio.lowlevel.checkpoint()
+            most = max(most, applied - before)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(slices.run)
+            nursery.start_soon(other_task)
+            async with trio.open_nursery() as readers:
+                for _ in range(4):
+                    readers.start_soon(reader)
+            nursery.cancel_scope.cancel()
+    # Turns left of one slice and the next slice's may meet in one pass, no more.
+    assert most <= 2 * 4096
+
+
 def test_a_pacer_makes_at_least_one_call_per_slice() -> None:
     with pytest.raises(ValueError, match="per_slice"):
         ReadPacer(per_slice=0)

@@ -9,8 +9,11 @@ from hypothesis import strategies as st
 from frontend_shim._kv_index import (
     EVENTS_PREDICTION_TTL,
     MAX_BLOCKS_PER_WORKER,
+    MAX_FIRST_NAMES,
     SNAPSHOT_RETRY,
     KvIndex,
+    KvStreamError,
+    RankBlocks,
 )
 from shim_common import wire
 
@@ -120,9 +123,9 @@ def test_the_index_follows_the_worker_and_asks_for_a_snapshot_after_a_gap(
         kept = index.worker("w")
         assert kept is not None
         for prompt in prompts:
-            # Rule 6: the holders of a first name never miss a rank that holds it.
+            # Rule 7: the holders of a first name never miss a rank that holds it.
             holding = {rank for rank in kept.ranks if rank.depth(prompt, now) > 0}
-            assert holding <= index.holders(prompt[0], now)
+            assert holding <= set(index.holders(prompt[0], now))
         if kind == "lost" and names:
             index.predict("w", rank, names, now)  # the router's guesses count as held too
 
@@ -240,3 +243,174 @@ def test_what_a_rank_holds_is_out_of_the_garbage_collectors_sight() -> None:
     for rank in index.worker("w").ranks:  # type: ignore[union-attr]
         assert not gc.is_tracked(rank.cached)
         assert not gc.is_tracked(rank.predicted)
+
+
+# ----------------------------------------------------------------------------- snapshot parts
+
+
+def test_a_snapshot_in_parts_is_put_in_use_whole_with_its_last_part() -> None:
+    index = KvIndex()
+    index.add_worker(config(), 0.0, events=True)
+    index.apply("w", [wire.KvSnapshot(seq=3, ranks=[[1], [2]])], 0.0)
+    index.apply("w", [wire.KvSnapshot(seq=9, ranks=[[5, 6]], more=True)], 1.0)
+    # While the parts come in, routing sees the snapshot before, whole.
+    assert index.depth("w", 0, [1], 1.0) == 1
+    assert index.depth("w", 0, [5], 1.0) == 0
+    assert index.worker("w").last_seq == 3  # type: ignore[union-attr]
+    index.apply("w", [wire.KvSnapshot(seq=9, ranks=[[7], [8]], more=True)], 1.0)
+    index.apply("w", [wire.KvSnapshot(seq=9, ranks=[[], [9]])], 1.0)
+    assert [set(rank.cached) for rank in index.worker("w").ranks] == [{5, 6, 7}, {8, 9}]  # type: ignore[union-attr]
+    assert index.worker("w").last_seq == 9  # type: ignore[union-attr]
+    assert (index.stats.snapshots, index.stats.snapshot_parts) == (2, 4)
+    assert not index.apply("w", [wire.KvStored(seq=10, dp_rank=0, parent=7, blocks=[10])], 2.0)
+
+
+@pytest.mark.parametrize(
+    "intruder",
+    [
+        wire.KvStored(seq=10, dp_rank=0, parent=None, blocks=[1]),
+        wire.KvCleared(seq=10, dp_rank=0),
+        wire.KvSnapshot(seq=12, ranks=[[1]]),
+    ],
+)
+def test_anything_but_the_next_part_inside_a_snapshots_parts_breaks_the_stream(
+    intruder: wire.KvEvent,
+) -> None:
+    index = KvIndex()
+    index.add_worker(config(), 0.0, events=True)
+    index.apply("w", [wire.KvSnapshot(seq=9, ranks=[[5]], more=True)], 0.0)
+    with pytest.raises(KvStreamError, match="inside the parts of snapshot 9"):
+        index.apply("w", [intruder], 0.0)
+
+
+def test_a_part_costs_its_names_whatever_the_cache_claimed() -> None:
+    # A worker claiming a huge cache sends parts; each part is stored under the cap, and a name
+    # over the cap is counted, not kept, while the parts come in too.
+    index = KvIndex()
+    index.add_worker(config(blocks=3, ranks=1), 0.0, events=True)
+    index.apply("w", [wire.KvSnapshot(seq=1, ranks=[[1, 2]], more=True)], 0.0)
+    index.apply("w", [wire.KvSnapshot(seq=1, ranks=[[3, 4, 5]])], 0.0)
+    assert set(index.worker("w").ranks[0].cached) == {1, 2, 3}  # type: ignore[union-attr]
+    assert index.stats.overflow == 2
+
+
+# ----------------------------------------------------------------------------- rule 7's map
+
+
+def test_forgetting_a_worker_costs_what_its_ranks_are_named_for_not_the_whole_map(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, every reconnect walked all the remembered first names (up to 65,536) for every
+    # worker, whatever it held.
+    index = KvIndex()
+    index.add_worker(config("big", blocks=70_000, ranks=1), 0.0, events=True)
+    index.add_worker(config("small", ranks=2), 0.0, events=True)
+    names = list(range(100, 100 + MAX_FIRST_NAMES))
+    index.apply("big", [wire.KvSnapshot(seq=1, ranks=[names])], 0.0)
+    index.apply("small", [wire.KvSnapshot(seq=1, ranks=[[names[0]], [7]])], 0.0)
+    for name in names:
+        index.holders(name, 1.0)
+    small = index.worker("small")
+    assert small is not None
+    dropped: list[int] = []
+    drop = index._drop_holder
+    def counted(name: int, rank: object) -> None:
+        dropped.append(name)
+        drop(name, rank)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(index, "_drop_holder", counted)
+    index.add_worker(config("small", ranks=2), 2.0, events=True)  # a reconnect
+    assert dropped == [names[0]]
+    # And what it was named for no longer names it.
+    assert all(rank not in index.holders(names[0], 2.0) for rank in small.ranks)
+    assert len(index.holders(names[0], 2.0)) == 1
+    dropped.clear()
+    index.remove_worker("big")
+    assert len(dropped) == MAX_FIRST_NAMES
+    assert not any(index.holders(name, 3.0) for name in names[:100])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "ask", "predict", "remove", "reconnect", "snapshot"]),
+            st.integers(0, 2),
+            st.lists(NAMES, max_size=4),
+        ),
+        max_size=40,
+    )
+)
+def test_holders_never_miss_a_rank_and_never_name_a_forgotten_one(
+    steps: list[tuple[str, int, list[int]]],
+) -> None:
+    index = KvIndex()
+    ids = ["a", "b", "c"]
+    seqs = dict.fromkeys(ids, 0)
+    for worker_id in ids:
+        index.add_worker(config(worker_id), 0.0, events=True)
+        index.apply(worker_id, [wire.KvSnapshot(seq=0, ranks=[[], []])], 0.0)
+    gone: set[RankBlocks] = set()  # the ranks of forgotten workers (kept: no id is reused)
+    now = 1.0
+    for kind, which, names in steps:
+        worker_id = ids[which]
+        worker = index.worker(worker_id)
+        assert worker is not None
+        if kind == "store":
+            seqs[worker_id] += 1
+            stored = wire.KvStored(seq=seqs[worker_id], dp_rank=0, parent=None, blocks=names)
+            index.apply(worker_id, [stored], now)
+        elif kind == "ask":
+            for name in names:
+                index.holders(name, now)
+        elif kind == "predict":
+            index.predict(worker_id, 1, names, now)
+        elif kind == "snapshot":
+            snapshot = wire.KvSnapshot(seq=seqs[worker_id], ranks=[names, names[:1]])
+            index.apply(worker_id, [snapshot], now)
+        else:
+            gone.update(worker.ranks)
+            if kind == "remove":
+                index.remove_worker(worker_id)
+            index.add_worker(config(worker_id), now, events=True)
+            seqs[worker_id] = 0
+            index.apply(worker_id, [wire.KvSnapshot(seq=0, ranks=[[], []])], now)
+        for name in range(1, 13):
+            named = index.holders(name, now)
+            assert not set(named) & gone
+            for other in ids:
+                kept = index.worker(other)
+                assert kept is not None
+                for rank in kept.ranks:
+                    if rank.holds(name, now):
+                        assert rank in named
+                    # Each rank's own list of names agrees with the map.
+                    for first in rank.firsts:
+                        assert rank in index.holders(first, now) or not rank.holds(first, now)
+
+
+def test_the_map_of_first_names_costs_what_the_docs_say_under_tracemalloc() -> None:
+    # 65,536 remembered names, each held by one rank of 64: about 80 bytes a name (5 MB), where
+    # a set per name cost 256 bytes (17 MB); the docs quote both.
+    import gc
+    import random
+    import tracemalloc
+
+    rng = random.Random(1)
+    index = KvIndex()
+    names = [rng.getrandbits(63) for _ in range(MAX_FIRST_NAMES)]
+    for w in range(16):
+        index.add_worker(config(f"w{w}", blocks=16384, ranks=4), 0.0, events=True)
+        ranks = [names[(w * 4 + r) :: 64] for r in range(4)]
+        index.apply(f"w{w}", [wire.KvSnapshot(seq=0, ranks=ranks)], 0.0)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for name in names:
+            index.holders(name, 1.0)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.remembered == MAX_FIRST_NAMES
+    assert grown / MAX_FIRST_NAMES < 120

@@ -15,13 +15,16 @@ from worker_configs import runtime_config
 from frontend_shim._app import run_frontend
 from frontend_shim._config import FrontendSettings
 from frontend_shim._worker_hello import (
+    KV_PART_BYTES,
     MAX_DATA_PARALLEL_SIZE,
     MAX_HELLO_BYTES,
     MAX_KV_BLOCKS,
     event_message_bound,
+    kv_message_bytes,
     refusal,
 )
 from shim_common import wire
+from worker_ingress._kv_events import EVENT_COST
 
 
 def test_a_plausible_hello_is_accepted_to_its_bounds() -> None:
@@ -142,27 +145,43 @@ def test_the_event_message_bound_follows_what_the_hello_announces() -> None:
         wire.Heartbeat(seq=big, ts=1e9, loads=loads, engine_requests=big, queued_requests=big)
     )
     assert len(wire.encode(wire.EventBatch(events=events, sent=1e9))) < wide
-    # With KV events (this frontend asked for them), a snapshot of every block of every rank
-    # fits too.
-    config = runtime_config(kv_total_blocks=16384, data_parallel_size=2)
-    with_kv = event_message_bound(config, kv_events=True)
-    snapshot = wire.KvSnapshot(seq=big, ranks=[[big] * 16384, [big] * 16384])
+
+
+
+def test_room_for_kv_events_does_not_grow_with_the_cache_a_worker_claims() -> None:
+    # With parts: room for one part, whatever the claim (before, 64 bytes a block of every rank:
+    # a claim of 262,144 blocks earned 16 MiB).
+    big = 2**63 - 1
+    for blocks in (1024, 1 << 18, MAX_KV_BLOCKS):
+        config = runtime_config(kv_total_blocks=blocks, data_parallel_size=2)
+        room = kv_message_bytes(config, parts=True)
+        assert room == KV_PART_BYTES
+        bound = event_message_bound(config, kv_bytes=room)
+        assert bound == event_message_bound(config) + KV_PART_BYTES < 128 * 1024
+    # The largest part a worker sends fits: a snapshot part of the widest names, or events
+    # of one block each up to the part's names.
+    part = wire.KvSnapshot(seq=big, ranks=[[], [big] * wire.KV_PART_NAMES], more=True)
+    assert len(wire.encode(wire.KvBatch(events=[part]))) < KV_PART_BYTES
+    per_event = wire.KV_PART_NAMES // (1 + EVENT_COST)
+    events: list[wire.KvEvent] = [
+        wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(per_event)
+    ]
+    assert len(wire.encode(wire.KvBatch(events=events))) < KV_PART_BYTES
+    # An older worker (no parts) sends its whole cache in one message: its KV events are asked
+    # for only when that fits, and then its snapshot and backlog fit the bound.
+    small = runtime_config(kv_total_blocks=1024, data_parallel_size=2)
+    room = kv_message_bytes(small, parts=False)
+    assert room is not None
+    with_kv = event_message_bound(small, kv_bytes=room)
+    snapshot = wire.KvSnapshot(seq=big, ranks=[[big] * 1024, [big] * 1024])
     assert len(wire.encode(wire.KvBatch(events=[snapshot]))) < with_kv
-    # And so does the backlog the worker lets pile up before it sends a snapshot instead: up to
-    # 2 x 16,384 names, an event naming one block costing two (the widest events per block).
     backlog: list[wire.KvEvent] = [
-        wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(16384)
+        wire.KvStored(seq=big - n, dp_rank=1, parent=big, blocks=[big]) for n in range(2048)
     ]
     assert len(wire.encode(wire.KvBatch(events=backlog))) < with_kv
-    huge = runtime_config(kv_total_blocks=MAX_KV_BLOCKS)
-    assert event_message_bound(huge, kv_events=True) == wire.MAX_MESSAGE_BYTES
-
-
-def test_a_cache_claim_earns_room_only_from_a_frontend_that_asked_for_kv_events() -> None:
-    # 262,144 blocks at 64 bytes: 16 MiB, had the claim counted without the subscription.
-    claim = runtime_config(kv_total_blocks=1 << 18)
-    assert event_message_bound(claim) == event_message_bound(runtime_config())
-    assert event_message_bound(claim, kv_events=True) == wire.MAX_MESSAGE_BYTES
+    assert kv_message_bytes(runtime_config(kv_total_blocks=4096), parts=False) == 256 * 1024
+    assert kv_message_bytes(runtime_config(kv_total_blocks=4097), parts=False) is None
+    assert kv_message_bytes(runtime_config(kv_total_blocks=1 << 18), parts=False) is None
 
 
 @pytest.mark.parametrize("features", [[], [wire.FEATURE_KV_EVENTS, *[f"f{n}" for n in range(30)]]])

@@ -115,6 +115,29 @@ def test_subscribe_asks_for_kv_events_and_an_older_subscribe_does_not() -> None:
     assert wire.decode_subscriber_message(wire.encode(asking)) == asking
 
 
+def test_older_peers_read_a_snapshot_as_before_and_a_part_says_more() -> None:
+    # Feature kv-parts: an older frontend's decoder (no `more`) reads a snapshot as before; one
+    # an older worker sends (no `more`) is whole; a part says so.
+    class OlderSnapshot(msgspec.Struct, kw_only=True, tag="kv-snapshot", tag_field="type"):
+        seq: int
+        ranks: list[list[int]]
+
+    whole = wire.KvSnapshot(seq=3, ranks=[[1, 2], []])
+    older = msgspec.msgpack.decode(wire.encode(whole), type=OlderSnapshot)
+    assert (older.seq, older.ranks) == (3, [[1, 2], []])
+    snapshot = {"type": "kv-snapshot", "seq": 3, "ranks": [[1, 2], []]}
+    sent_before = msgpack.packb({"type": "kv", "events": [snapshot]})
+    assert wire.decode_event_message(sent_before) == wire.KvBatch(events=[whole])
+    part = wire.KvSnapshot(seq=3, ranks=[[1]], more=True)
+    assert msgpack.unpackb(wire.encode(part))["more"] is True
+    # A subscribe asks for parts only when it says so; an older one never does.
+    thresholds = BusyThresholds()
+    old = msgpack.packb({"type": "subscribe", "thresholds": msgspec.to_builtins(thresholds)})
+    assert wire.decode_subscriber_message(old).kv_parts is False
+    asking = Subscribe(thresholds=thresholds, kv_events=True, kv_parts=True)
+    assert wire.decode_subscriber_message(wire.encode(asking)) == asking
+
+
 def test_generate_without_a_rank_is_the_bytes_an_older_peer_sends() -> None:
     plain = Generate(request_id=1, endpoint="completions", body={"prompt": "a"})
     assert "dp_rank" not in msgpack.unpackb(wire.encode(plain))

@@ -3,6 +3,7 @@ the sans-IO log first, then a real worker on loopback with a real client, old an
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -40,7 +41,13 @@ from shim_common.wire import (
     Subscribe,
 )
 from worker_ingress._config import MockerSettings
-from worker_ingress._kv_events import MIN_BACKLOG_LIMIT, KvEventLog
+from worker_ingress._kv_events import (
+    EVENT_COST,
+    KV_SNAPSHOT_GAP,
+    MIN_BACKLOG_LIMIT,
+    KvEventLog,
+    snapshot_parts,
+)
 from worker_ingress.engines._kv_pool import REMOVED, STORED
 from worker_ingress.engines._mock_scheduler import MockSequence, RankScheduler
 from worker_ingress.engines._mocker import MockerEngine
@@ -275,3 +282,159 @@ async def test_older_peers_neither_get_nor_are_sent_kv_events(caching: bool) -> 
             for _ in range(5):  # heartbeats every 50 ms: several messages, none KV
                 message = wire.decode_event_message(await get_message_bytes(events))
                 assert isinstance(message, EventBatch)
+
+
+# ----------------------------------------------------------------------------- parts (rules 6, 7)
+
+
+class PartsIndex(Index):
+    """An index that also takes a snapshot in parts: nothing but its parts until the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.building: dict[int, set[int]] | None = None
+        self.building_seq = -1
+
+    def apply(self, event: wire.KvEvent) -> None:
+        if isinstance(event, KvSnapshot):
+            if self.building is None:
+                self.building, self.building_seq = {}, event.seq
+            assert event.seq == self.building_seq, "a part of another snapshot"
+            for rank, names in enumerate(event.ranks):
+                self.building.setdefault(rank, set()).update(names)
+            if not event.more:
+                self.ranks, self.seq, self.building = self.building, event.seq, None
+            return
+        assert self.building is None, "an event inside a snapshot's parts"
+        super().apply(event)
+
+
+def units(events: list[wire.KvEvent]) -> int:
+    """What a message costs a part (rule 6)."""
+    total = 0
+    for event in events:
+        if isinstance(event, KvSnapshot):
+            total += sum(len(names) for names in event.ranks)
+        else:
+            total += len(getattr(event, "blocks", ())) + EVENT_COST
+    return total
+
+
+def test_a_snapshot_in_parts_is_the_whole_cache_and_no_part_is_over_the_bound() -> None:
+    ranks = [list(range(r * 10_000, r * 10_000 + n)) for r, n in enumerate((5000, 0, 2048, 1))]
+    snapshot = KvSnapshot(seq=9, ranks=ranks)
+    parts = snapshot_parts(snapshot)
+    assert all(units([part]) <= wire.KV_PART_NAMES for part in parts)
+    assert [part.more for part in parts] == [True] * (len(parts) - 1) + [False]
+    assert {part.seq for part in parts} == {9}
+    index = PartsIndex()
+    for part in parts:
+        index.apply(part)
+    assert index.ranks == {r: set(names) for r, names in enumerate(ranks) if names or r < 4}
+    # A small snapshot is one part, the same bytes a whole one is.
+    (whole,) = snapshot_parts(KvSnapshot(seq=1, ranks=[[1, 2]]))
+    assert wire.encode(whole) == wire.encode(KvSnapshot(seq=1, ranks=[[1, 2]]))
+
+
+def test_a_long_chain_is_recorded_as_events_that_each_fit_a_part() -> None:
+    log = KvEventLog(lambda: [[]], backlog_limit=10**6)
+    names = list(range(1, 5001))
+    with log.subscribe(parts=True, clock=lambda: 0.0) as subscription:
+        index = PartsIndex()
+        for event in subscription.take():
+            index.apply(event)
+        log.record(0, [(STORED, None, names), (REMOVED, None, names[4000:])])
+        assert log.seq == 4  # three events for the chain of 5,000, one for the removal
+        while subscription.pending:
+            message = subscription.take()
+            assert units(message) <= wire.KV_PART_NAMES
+            for event in message:
+                index.apply(event)
+    assert index.ranks == {0: set(names[:4000])}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=12),
+    ask_at=st.integers(0, 12),
+)
+def test_a_subscriber_of_parts_rebuilds_the_cache_through_parts_and_events(
+    sizes: list[int], ask_at: int
+) -> None:
+    cached: list[int] = list(range(10**6, 10**6 + 3000))
+    log = KvEventLog(lambda: [list(cached)], backlog_limit=10**6)
+    fresh = iter(range(1, 10**6))
+    with log.subscribe(parts=True, clock=lambda: 0.0) as subscription:
+        index = PartsIndex()
+        for round_, size in enumerate(sizes):
+            chain = [next(fresh) for _ in range(size)]
+            cached.extend(chain)
+            log.record(0, [(STORED, None, chain)])
+            if round_ == ask_at:
+                subscription.ask_snapshot()
+            for _ in range(size % 3):  # read a little, or nothing, between the changes
+                if subscription.pending:
+                    message = subscription.take()
+                    assert units(message) <= wire.KV_PART_NAMES
+                    for event in message:
+                        index.apply(event)
+        while subscription.pending:
+            for event in subscription.take():
+                index.apply(event)
+    assert index.ranks == {0: set(cached)}
+
+
+async def test_parts_go_at_the_byte_rate_and_snapshots_at_most_one_a_gap(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cached = list(range(1, 20_001))  # ten parts
+    log = KvEventLog(lambda: [list(cached)], backlog_limit=0)
+    sent: list[tuple[float, int, bool]] = []  # (when, bytes, a snapshot's first part)
+    with log.subscribe(parts=True) as subscription, trio.fail_after(60):
+        building = False
+        while len([s for s in sent if s[2]]) < 4:
+            if not subscription.pending:
+                subscription.ask_snapshot()  # a subscriber asking in a loop
+            events = await subscription.next_batch(0.0)
+            data = wire.encode(KvBatch(events=events))
+            (part,) = events
+            assert isinstance(part, KvSnapshot)
+            sent.append((trio.current_time(), len(data), not building))
+            building = part.more
+            subscription.sent(len(data))
+    for (when, size, _), (after, _, _) in itertools.pairwise(sent):
+        assert after - when >= size / wire.KV_BYTES_PER_SECOND
+    firsts = [when for when, _, first in sent if first]
+    assert all(b - a >= KV_SNAPSHOT_GAP for a, b in itertools.pairwise(firsts))
+    assert len(sent) == 3 * 10 + 1  # three snapshots of ten parts, and the first of a fourth
+
+
+async def test_a_worker_sends_a_subscriber_of_parts_its_cache_in_parts() -> None:
+    settings = mocker_settings(num_gpu_blocks=4096, block_size=1, max_num_batched_tokens=8192)
+    engine = MockerEngine(settings.mocker)
+    worker = new_worker(settings, engine)
+    with trio.fail_after(TIMEOUT * 6):
+        async with running(worker) as address:
+            async with request_plane(address) as requests:
+                prompt = " ".join(f"w{i}" for i in range(3000))
+                await send(requests, completion(1, prompt, max_tokens=1))
+                await collect_until_final(requests, {1})
+            async with open_websocket_url(address.ws_url + wire.EVENTS_PATH) as events:
+                hello = wire.decode_event_message(await get_message_bytes(events))
+                assert isinstance(hello, Hello)
+                assert wire.FEATURE_KV_PARTS in hello.features
+                await send(
+                    events, Subscribe(thresholds=BusyThresholds(), kv_events=True, kv_parts=True)
+                )
+                index = PartsIndex()
+                messages: list[bytes] = []
+                while index.seq is None:
+                    data = await get_message_bytes(events)
+                    message = wire.decode_event_message(data)
+                    if isinstance(message, KvBatch):
+                        messages.append(data)
+                        for event in message.events:
+                            index.apply(event)
+    assert index.ranks == {0: set(engine.ranks[0].pool.names())}
+    assert len(messages) >= 2
+    assert max(map(len, messages)) <= 20 * 1024

@@ -103,6 +103,10 @@ class PreparedRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: Decode from this hand-off's KV instead of prefilling (``Generate.handoff``); set by the
     #: worker, for an engine that :func:`hands_off_kv` only.
     handoff: Handoff | None = None
+    #: Whose request it is (``Generate.tenant``; ``""``: the shared tenant), set by the worker
+    #: after :meth:`Engine.prepare` as the admission gate reads it: an engine may share what it
+    #: keeps between requests (the mocker's prefix cache) fairly among tenants.
+    tenant: str = ""
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,8 +10,8 @@ Rules of the pool:
 1. Capacity. ``held + evictable <= num_blocks``, where ``held`` counts each block held by any
    number of sequences once, and ``evictable`` counts the cached blocks nobody holds. The space a
    new block may take is ``num_blocks - held`` (:attr:`KvBlockPool.free`): a cached block nobody
-   holds is free capacity, and is evicted when its space is needed, least recently released
-   first. A held block is never evicted.
+   holds is free capacity, and is evicted when its space is needed (rule 7 says whose). A held
+   block is never evicted.
 2. Anonymous and named blocks. A sequence's blocks are first anonymous (being filled);
    :meth:`KvBlockPool.commit` names one once its tokens are computed and it ends a full prompt
    block. A name already cached (a sequence computed the same prefix at the same time) is shared
@@ -26,20 +26,47 @@ Rules of the pool:
    that leaves as removed, in order (:meth:`KvBlockPool.take_events`). With caching off nothing is
    ever named, matched or reported, and the pool counts anonymous blocks only.
 6. Bounds. The cache holds at most ``num_blocks`` names, and the pending events at most what the
-   caller has not taken since its last call (the mocker takes them after every step).
+   caller has not taken since its last call (the mocker takes them after every step). The
+   tenants the pool keeps anything for are those that own a cached block, so at most
+   ``num_blocks`` of them.
+
+Whose blocks are evicted (tenants share the cache as they share the queue, in the spirit of the
+admission gate's fair queue, ``worker_ingress/_fair_queue.py``):
+
+7. Every cached block is *owned* by one tenant: the tenant of the sequence that named it
+   (:meth:`~KvBlockPool.commit`), and from then on the tenant of the sequence whose release left
+   it held by nobody (:meth:`~KvBlockPool.release`): a block several tenants' prompts share
+   belongs to the last one that used it, so whoever keeps a shared prefix warm pays for it, and
+   it is never counted twice. A tenant's *usage* is the cached blocks it owns, held or not.
+   When space is needed, the block evicted is the least recently released block of the tenant
+   whose usage is the largest among the tenants that own a block nobody holds (ties: the tenant
+   whose usage changed first). With equal weights the fair share of every tenant is the same,
+   so this evicts from the tenant that most exceeds it: a tenant flooding the cache with unique
+   prompts evicts its own blocks once it holds more than the others, and a tenant using less
+   than any other keeps all it has while another has something to give back (max-min
+   fairness of the cache; held blocks, which no rule may evict, are the limit).
+8. One tenant (the shared tenant ``""`` of requests that name none, or any single name) is
+   plain LRU over the whole cache, exactly as before tenants were known: the order of eviction
+   is the order of release. A tenant is a name, not a proof: many made-up names each look
+   small, as they do to the fair queue, so names must come from a trusted gateway for the
+   shares to mean anything (docs/configuration.md, who may claim a class).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["KvBlockPool", "PoolEvent", "STORED", "REMOVED"]
+__all__ = ["KvBlockPool", "PoolEvent", "STORED", "REMOVED", "SHARED_TENANT"]
 
 #: Kinds of :data:`PoolEvent`.
 STORED: Final = "stored"
 REMOVED: Final = "removed"
+#: The tenant of a sequence that names none (the wire's default tenant).
+SHARED_TENANT: Final = ""
 
 #: ``(STORED, parent, names)`` for a chain that entered the cache (``parent`` ``None``: it starts
 #: a prompt), or ``(REMOVED, None, names)`` for names that left it.
@@ -47,26 +74,49 @@ PoolEvent = tuple[str, int | None, list[int]]
 
 
 class KvBlockPool:
-    """Blocks of one rank: held counts, the cache of named blocks, its LRU order (see rules).
+    """Blocks of one rank: held counts, the cache of named blocks, whose they are, and the order
+    they are evicted in (see rules).
 
     Args:
         num_blocks: Blocks of the rank.
         caching: Whether blocks are named and reused (``--enable-prefix-caching``).
     """
 
-    __slots__ = ("_events", "_lru", "_parents", "_refs", "caching", "held", "num_blocks")
+    __slots__ = (
+        "_events",
+        "_evictable",
+        "_heap",
+        "_lrus",
+        "_order",
+        "_owner",
+        "_parents",
+        "_refs",
+        "_usage",
+        "caching",
+        "held",
+        "num_blocks",
+    )
 
     def __init__(self, num_blocks: int, *, caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.caching = caching
         #: Distinct blocks held by running sequences (rule 1).
         self.held = 0
-        #: Holders of each cached name (0: evictable, then also in ``_lru``).
+        #: Holders of each cached name (0: evictable, then also in its owner's LRU).
         self._refs: dict[int, int] = {}
         #: The parent of each cached name (``None``: it starts a prompt).
         self._parents: dict[int, int | None] = {}
-        #: Cached names nobody holds, least recently released first.
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        #: The tenant each cached name belongs to (rule 7).
+        self._owner: dict[int, str] = {}
+        #: Cached names each tenant owns, held or not (rule 7's usage); no entry at 0.
+        self._usage: dict[str, int] = {}
+        #: Per tenant owning any, its cached names nobody holds, least recently released first.
+        self._lrus: dict[str, OrderedDict[int, None]] = {}
+        self._evictable = 0
+        #: With two tenants or more in ``_lrus``: ``(-usage, order, tenant)`` entries, one of
+        #: them current for each such tenant, the stale ones dropped as they surface (rule 7).
+        self._heap: list[tuple[int, int, str]] = []
+        self._order = itertools.count()
         self._events: list[PoolEvent] = []
 
     # --- inspection --------------------------------------------------------------------------
@@ -79,7 +129,7 @@ class KvBlockPool:
     @property
     def evictable(self) -> int:
         """Cached blocks nobody holds."""
-        return len(self._lru)
+        return self._evictable
 
     @property
     def cached(self) -> int:
@@ -97,6 +147,14 @@ class KvBlockPool:
     def holders(self, name: int) -> int:
         """How many sequences hold a name (0 when evictable or not cached)."""
         return self._refs.get(name, 0)
+
+    def owner_of(self, name: int) -> str:
+        """The tenant a cached name belongs to (rule 7)."""
+        return self._owner[name]
+
+    def usage(self, tenant: str) -> int:
+        """Cached blocks ``tenant`` owns, held or not (rule 7)."""
+        return self._usage.get(tenant, 0)
 
     # --- reuse -------------------------------------------------------------------------------
 
@@ -121,12 +179,15 @@ class KvBlockPool:
         return blocks, revived
 
     def acquire(self, names: Sequence[int]) -> None:
-        """Hold cached names (a prefix :meth:`match` found; the caller checked the space)."""
+        """Hold cached names (a prefix :meth:`match` found; the caller checked the space).
+
+        Whose they are does not change here: it changes when they are let go (rule 7).
+        """
         refs = self._refs
         for name in names:
             holders = refs[name]
             if holders == 0:
-                del self._lru[name]
+                self._unlist(name)
                 self.held += 1
             refs[name] = holders + 1
 
@@ -141,7 +202,7 @@ class KvBlockPool:
         if count > self.free:
             raise ValueError(f"{count} blocks asked for, {self.free} free")
         self.held += count
-        overflow = self.held + len(self._lru) - self.num_blocks
+        overflow = self.held + self._evictable - self.num_blocks
         if overflow > 0:
             self._evict(overflow)
 
@@ -149,28 +210,47 @@ class KvBlockPool:
         """Give back ``count`` anonymous blocks."""
         self.held -= count
 
-    def commit(self, parent: int | None, name: int) -> None:
-        """Name one of the caller's anonymous blocks ``name`` (its parent ``parent``), or share
-        the block already cached under that name and give the anonymous one back (rule 2)."""
+    def commit(self, parent: int | None, name: int, tenant: str = SHARED_TENANT) -> None:
+        """Name one of the caller's anonymous blocks ``name`` (its parent ``parent``), owned by
+        ``tenant``, or share the block already cached under that name and give the anonymous
+        one back (rules 2 and 7)."""
         holders = self._refs.get(name)
         if holders is None:
             self._refs[name] = 1
             self._parents[name] = parent
+            self._owner[name] = tenant
+            usage = self._usage
+            usage[tenant] = usage.get(tenant, 0) + 1
+            if len(self._lrus) > 1 and tenant in self._lrus:
+                self._push(tenant)
             self._report_stored(parent, name)
             return
         self.held -= 1
         self.acquire((name,))
 
-    def release(self, names: Sequence[int]) -> None:
-        """Stop holding ``names`` (a prefix chain a sequence held), the last first (rule 4)."""
+    def release(self, names: Sequence[int], tenant: str = SHARED_TENANT) -> None:
+        """Stop holding ``names`` (a prefix chain a sequence of ``tenant`` held), the last first
+        (rule 4); a name nobody holds any more becomes ``tenant``'s (rule 7)."""
         refs = self._refs
-        lru = self._lru
+        owner = self._owner
+        lru: OrderedDict[int, None] | None = None
+        freed = 0
         for name in reversed(names):
             holders = refs[name] - 1
             refs[name] = holders
-            if holders == 0:
-                lru[name] = None
-                self.held -= 1
+            if holders:
+                continue
+            previous = owner[name]
+            if previous != tenant:
+                owner[name] = tenant
+                self._add_usage(previous, -1)
+                self._add_usage(tenant, 1)
+            if lru is None:
+                lru = self._lru_of(tenant)
+            lru[name] = None
+            freed += 1
+        self.held -= freed
+        self._evictable += freed
 
     def take_events(self) -> list[PoolEvent]:
         """What entered and left the cache since the last call, in order."""
@@ -180,14 +260,92 @@ class KvBlockPool:
 
     # --- internals ---------------------------------------------------------------------------
 
+    def _lru_of(self, tenant: str) -> OrderedDict[int, None]:
+        """``tenant``'s order of eviction, made when it has none (the caller lists a name)."""
+        lrus = self._lrus
+        lru = lrus.get(tenant)
+        if lru is None:
+            lru = lrus[tenant] = OrderedDict()
+            if len(lrus) == 2:
+                self._rebuild_heap()
+            elif len(lrus) > 2:
+                self._push(tenant)
+        return lru
+
+    def _unlist(self, name: int) -> None:
+        """``name`` is held again: out of its owner's order of eviction."""
+        tenant = self._owner[name]
+        lru = self._lrus[tenant]
+        del lru[name]
+        self._evictable -= 1
+        if not lru:
+            self._drop_lru(tenant)
+
+    def _drop_lru(self, tenant: str) -> None:
+        lrus = self._lrus
+        del lrus[tenant]
+        if len(lrus) < 2:
+            self._heap.clear()  # one tenant or none: plain LRU (rule 8), no heap
+
+    def _add_usage(self, tenant: str, delta: int) -> None:
+        usage = self._usage.get(tenant, 0) + delta
+        if usage:
+            self._usage[tenant] = usage
+        else:
+            del self._usage[tenant]
+        if len(self._lrus) > 1 and tenant in self._lrus:
+            self._push(tenant)
+
+    def _push(self, tenant: str) -> None:
+        heap = self._heap
+        if len(heap) > 4 * len(self._lrus) + 64:
+            self._rebuild_heap()  # mostly stale entries: start over (amortised O(1) a push)
+            return
+        heapq.heappush(heap, (-self._usage[tenant], next(self._order), tenant))
+
+    def _rebuild_heap(self) -> None:
+        usage = self._usage
+        order = self._order
+        self._heap = [(-usage[tenant], next(order), tenant) for tenant in self._lrus]
+        heapq.heapify(self._heap)
+
+    def _victim(self) -> str:
+        """The tenant whose block is evicted next (rule 7): the largest usage with something
+        evictable; with one such tenant, that one (rule 8)."""
+        lrus = self._lrus
+        if len(lrus) == 1:
+            return next(iter(lrus))
+        heap = self._heap
+        usage = self._usage
+        while True:
+            negative, _, tenant = heap[0]
+            if tenant in lrus and usage[tenant] == -negative:
+                return tenant
+            heapq.heappop(heap)
+
     def _evict(self, count: int) -> None:
         removed: list[int] = []
-        lru = self._lru
-        for _ in range(count):
-            name, _ignored = lru.popitem(last=False)
-            del self._refs[name]
-            del self._parents[name]
-            removed.append(name)
+        lrus = self._lrus
+        refs = self._refs
+        parents = self._parents
+        owner = self._owner
+        while count:
+            tenant = self._victim()
+            lru = lrus[tenant]
+            # One tenant to evict from (rule 8): as many as it has in one go; else one block,
+            # then the victim is chosen again (rule 7).
+            take = min(count, len(lru)) if len(lrus) == 1 else 1
+            for _ in range(take):
+                name, _ignored = lru.popitem(last=False)
+                del refs[name]
+                del parents[name]
+                del owner[name]
+                removed.append(name)
+            count -= take
+            self._evictable -= take
+            if not lru:
+                self._drop_lru(tenant)
+            self._add_usage(tenant, -take)
         events = self._events
         if events and events[-1][0] == REMOVED:
             events[-1][2].extend(removed)

@@ -50,7 +50,8 @@ Rules of a sequence (one request) inside a rank:
    token is always computed, as vLLM does, so the last block of a prompt cached whole is
    computed again. The space it needs is its first chunk's new blocks plus the cached blocks
    nobody held. A block is named, and enters the cache, when a step completes its tokens; a
-   preempted, finished or aborted sequence's named blocks stay cached, evictable. Its
+   preempted, finished or aborted sequence's named blocks stay cached, evictable, its tenant's
+   (whose blocks go first when space is needed: rules 7 and 8 of the pool). Its
    ``cached_tokens`` are those found at its first admission (0 with caching off), and with
    caching on that admission adds its prompt tokens to :attr:`RankScheduler.queried_tokens`
    and its cached ones to :attr:`RankScheduler.hit_tokens`.
@@ -78,7 +79,7 @@ from typing import Final
 import msgspec
 
 from shim_common.wire import RankLoad
-from worker_ingress.engines._kv_pool import KvBlockPool, PoolEvent
+from worker_ingress.engines._kv_pool import SHARED_TENANT, KvBlockPool, PoolEvent
 
 __all__ = ["GpuStepModel", "MockSequence", "RankScheduler", "ScheduledStep", "SequenceState"]
 
@@ -168,6 +169,7 @@ class MockSequence:
         "prefill_done",
         "prompt_tokens",
         "state",
+        "tenant",
     )
 
     def __init__(
@@ -177,10 +179,14 @@ class MockSequence:
         max_tokens: int,
         block_names: Sequence[int] = (),
         handed_off: bool = False,
+        tenant: str = SHARED_TENANT,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         #: The prompt's KV comes from a hand-off (rule 9) until a preemption throws it away.
         self.handed_off = handed_off
+        #: Whose request it is: the cache blocks it names or lets go are this tenant's
+        #: (:mod:`worker_ingress.engines._kv_pool`, rule 7).
+        self.tenant = tenant
         #: The names of the prompt's full blocks (empty: nothing of it is cached or shared).
         self.block_names = block_names
         #: Of :attr:`blocks`, the leading ones that are named (held in the cache).
@@ -585,7 +591,7 @@ class RankScheduler:
         # Named blocks stay cached, evictable once nobody holds them; the rest go back.
         pool = self.pool
         if seq.named:
-            pool.release(seq.block_names[: seq.named])
+            pool.release(seq.block_names[: seq.named], seq.tenant)
         pool.free_anonymous(seq.blocks - seq.named)
         seq.blocks = 0
         seq.named = 0
@@ -597,9 +603,10 @@ class RankScheduler:
         full = min(seq.num_computed // self.block_size, len(seq.block_names))
         names = seq.block_names
         commit = self.pool.commit
+        tenant = seq.tenant
         while seq.named < full:
             index = seq.named
-            commit(names[index - 1] if index else None, names[index])
+            commit(names[index - 1] if index else None, names[index], tenant)
             seq.named = index + 1
 
     def _maybe_compact_waiting(self) -> None:

@@ -320,6 +320,7 @@ class MockerEngine:
             max_tokens=0 if request.prefill_only else request.max_tokens,
             block_names=names,
             handed_off=handoff is not None,
+            tenant=request.tenant,
         )
         if handoff is not None:
             # What the prompt found, in the prefill worker's cache; this rank looks nothing up.
