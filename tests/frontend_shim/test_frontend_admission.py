@@ -34,7 +34,7 @@ from frontend_fleet import (
 )
 from trio_websocket import open_websocket_url
 
-from frontend_shim._responses import overload_body
+from frontend_shim._responses import REJECT_REASON_HEADER, overload_body
 from shim_common import wire
 from shim_common.wire import BusyThresholds
 from worker_ingress._admission import AdmissionGate
@@ -416,3 +416,33 @@ async def test_a_full_frontend_queue_answers_529_with_its_reason() -> None:
 async def _inflight(f: Fleet, count: int) -> bool:
     text = await f.metrics()
     return metric_value(text, "dynamo_frontend_inflight_requests", model=MODEL) == count
+
+
+async def test_a_529_says_when_and_whether_to_retry_and_a_retry_passes_a_mark() -> None:
+    """At twice its capacity, an SDK's default retries came back into the frontend's own mark
+    and met a certain second 529: a retry now goes to the worker, whose gate decides."""
+    full = worker_settings(
+        engine_request_limit=1,
+        request_queue_limit=2,
+        heartbeat_interval=30,
+        load_publish_interval=0.0,
+    )
+    with trio.fail_after(TIMEOUT):
+        async with fleet([full]) as f, filled_directly(f):
+            gate = f.workers[0].gate
+            first = await f.post("/v1/completions", completion_body())
+            assert_overloaded(first)
+            assert first.headers[REJECT_REASON_HEADER] == b"queue_full"  # the worker's refusal
+            assert int(first.headers[b"retry-after-ms"]) >= 100
+            assert first.headers[b"x-should-retry"] == b"true"  # within the retry budget
+            assert gate.rejected_total == 1
+            # Marked for a second: a plain request is refused by the mark, the worker unasked.
+            marked = await f.post("/v1/completions", completion_body())
+            assert_overloaded(marked)
+            assert gate.rejected_total == 1
+            # The client's retry is not refused by the mark alone: the worker's gate decides.
+            retry = await f.post(
+                "/v1/completions", completion_body(), headers=[("x-stainless-retry-count", "1")]
+            )
+            assert_overloaded(retry)
+            assert gate.rejected_total == 2
