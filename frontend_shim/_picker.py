@@ -25,8 +25,9 @@ Rules:
    (contract: a finished request is gone at once).
 4. The board. After every batch of messages, fleet change and tick, the host writes on the
    shed board (:mod:`frontend_shim._shed_board`) whether a request may be shed unread, and the
-   closes it has taken in; and it sends every process an :class:`~frontend_shim._host_wire.Overview`
-   when the models, the workers connected or the thresholds changed.
+   closes it has taken in; and, on a slower tick and when thresholds change, it sends every
+   process an :class:`~frontend_shim._host_wire.Overview` when the models, the workers
+   connected or the thresholds changed (building it reads every worker).
 5. The frontend queue (``--router-queue-threshold``) is the host's: a pick that must wait parks
    here, in a task of its process's, and is answered when the queue releases it (or 529 when
    the queue is full); a busy-exempt request never parks.

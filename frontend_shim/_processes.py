@@ -33,7 +33,7 @@ Task tree::
     ├── WorkerPool.run        one link per worker; events -> FleetBridge -> Fleet (once)
     ├── Supervisor.run        one task per process slot: start, serve its picks, restart
     │   └── Picker.serve      per process: its channel's sender and its messages
-    └── _tick                 expiry, the frontend queue, the board
+    └── _tick                 expiry, the frontend queue, the board (the overview every 0.25 s)
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ _log = logging.getLogger(__name__)
 
 #: Seconds between the host's looks at time-driven changes (marks, staleness, the queue).
 TICK_INTERVAL: Final = 0.05
+#: Ticks between two overviews sent to the processes (models, workers connected, thresholds:
+#: what they answer /v1/models and /health with; a threshold change is sent at once).
+OVERVIEW_TICKS: Final = 5
 #: Seconds a process gets to answer a metrics collection before its last snapshot stands.
 COLLECT_TIMEOUT: Final = 1.0
 #: Seconds between the host's unasked snapshots of every process's metrics (rule 6).
@@ -376,8 +379,10 @@ async def run_frontend_processes(
             )
 
             def changed() -> None:
+                # After every batch of events: the board (O(1)); the overview, which reads
+                # every worker, on the tick.
                 waiting.release()
-                picker.publish(trio.current_time())
+                picker.publish_board(trio.current_time())
 
             bridge = FleetBridge(
                 fleet,
@@ -461,9 +466,15 @@ def _reuse_port_works() -> bool:
 
 async def _tick(picker: Picker, waiting: WaitingRoom) -> None:
     # Time alone changes the picture (staleness, mark leases): look again often, since the
-    # board is what every process sheds by.
+    # board is what every process sheds by; the overview (models, workers connected, block
+    # sizes), which reads every worker, less often.
+    ticks = 0
     while True:
         await trio.sleep(TICK_INTERVAL)
         waiting.release()
-        picker.publish(trio.current_time())
+        ticks += 1
+        if ticks % OVERVIEW_TICKS:
+            picker.publish_board(trio.current_time())
+        else:
+            picker.publish(trio.current_time())
 
