@@ -186,8 +186,11 @@ async def run_http_process(
                     answer_at_once=api.answer_at_once,
                 )
             )
-            await nursery.start(pool.run, links)
+            # Ready once the port listens (the listener was bound above), before any link
+            # starts: a large fleet's links come up while /live and /health already answer,
+            # as in a frontend of one process.
             channel.post(msg.Ready(pid=os.getpid()))
+            await nursery.start(pool.run, links)
             async for signum in signals:
                 name = signal.Signals(signum).name
                 _log.debug("HTTP process %d: %s, draining", setup.index, name)
